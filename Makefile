@@ -1,0 +1,24 @@
+# Every target creates .venv if missing and installs the project with all extras.
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?= -n 2
+
+.PHONY: demo test test-all clean
+
+$(PY):
+	python3 -m venv $(VENV)
+
+$(STAMP): $(PY) pyproject.toml
+	$(PY) -m pip install --upgrade --quiet pip
+	$(PY) -m pip install --quiet -e '.[export,examples,dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/digits.py
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

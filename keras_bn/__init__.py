@@ -1,0 +1,14 @@
+"""keras-bn: batch normalization for Keras 3 (TensorFlow backend)."""
+
+import keras as _keras
+
+if _keras.backend.backend() != "tensorflow":
+    raise ImportError(
+        "keras_bn needs the TensorFlow Keras backend, but Keras is using "
+        f"{_keras.backend.backend()!r}. Set KERAS_BACKEND=tensorflow before importing keras."
+    )
+
+from keras_bn.layers import BatchNormalization  # noqa: E402
+
+__all__ = ["BatchNormalization"]
+__version__ = "0.1.0"

@@ -1,0 +1,278 @@
+"""keras_bn.BatchNormalization: a drop-in for keras.layers.BatchNormalization."""
+
+import math
+
+import keras
+import tensorflow as tf
+from keras import constraints, initializers, regularizers
+
+from keras_bn import ops
+
+
+@keras.saving.register_keras_serializable(package="keras_bn")
+class BatchNormalization(keras.layers.Layer):
+    """Batch normalization with a hand-written gradient and unbiased population statistics.
+
+    For each channel, over the m values reduced (batch × spatial, unmasked only under a mask):
+
+        training:   y = γ·(x − μ_B)/√(σ²_B + ε) + β,   μ_B = mean(x),  σ²_B = mean((x − μ_B)²)
+        inference:  y = γ·(x − E[x])/√(Var[x] + ε) + β = a·x + b
+
+    The population estimates follow Ioffe & Szegedy's Algorithm 2, Var[x] = m/(m−1)·E_B[σ²_B],
+    as exponential moving averages (momentum is the weight on the old value, as in Keras):
+
+        moving_mean     ← momentum·moving_mean     + (1 − momentum)·μ_B
+        moving_variance ← momentum·moving_variance + (1 − momentum)·m/(m−1)·σ²_B
+
+    Keras 3 stores the biased σ²_B instead; with the same weights both layers give identical
+    outputs in training and inference, and only moving_variance differs.
+
+    Training mode is used when `training` is true *and* the layer is trainable: a frozen layer
+    (`trainable=False`) always normalizes with its moving statistics and never updates them.
+
+    Guards:
+    - m = 1 in training cannot estimate a variance. It raises a ValueError at trace time when
+      the shape is static, and an InvalidArgumentError with the same message at run time
+      otherwise. Under XLA (`jit_compile=True`) run-time asserts are compiled away: a dynamic
+      m = 1 then outputs β, like Keras, and the moving statistics are left unchanged.
+    - A batch whose mean or variance is not finite leaves the moving statistics unchanged; the
+      output still shows the NaN or inf.
+
+    Statistics are computed in float32 (float64 for float64 inputs) and the output is cast to
+    the layer's compute dtype, so `mixed_float16` and `mixed_bfloat16` keep float32 variables.
+
+    Args:
+        axis: int, or list/tuple of ints: the channel axis or axes, kept; every other axis is
+            reduced. Negative values count from the end; use `axis=1` for channels_first.
+        momentum: weight of the old value in the moving averages, in [0, 1).
+        epsilon: positive float added to the variance.
+        center: if True, add the learned offset `beta`.
+        scale: if True, multiply by the learned scale `gamma`.
+        beta_initializer, gamma_initializer, moving_mean_initializer,
+        moving_variance_initializer: initializers of the four weights.
+        beta_regularizer, gamma_regularizer: optional regularizers.
+        beta_constraint, gamma_constraint: optional constraints.
+        **kwargs: base layer arguments (`name`, `dtype`, `trainable`, ...).
+
+    Call arguments:
+        inputs: floating tensor.
+        training: Python bool; training mode uses the batch statistics.
+        mask: optional boolean tensor with the input's shape less its channel axes; only the
+            True positions enter the statistics (all positions are normalized).
+    """
+
+    def __init__(
+        self,
+        axis=-1,
+        momentum=0.99,
+        epsilon=1e-3,
+        center=True,
+        scale=True,
+        beta_initializer="zeros",
+        gamma_initializer="ones",
+        moving_mean_initializer="zeros",
+        moving_variance_initializer="ones",
+        beta_regularizer=None,
+        gamma_regularizer=None,
+        beta_constraint=None,
+        gamma_constraint=None,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        self.axis = _validate_axis(axis)
+        self.momentum = _validate_momentum(momentum)
+        self.epsilon = _validate_epsilon(epsilon)
+        self.center = bool(center)
+        self.scale = bool(scale)
+        self.beta_initializer = initializers.get(beta_initializer)
+        self.gamma_initializer = initializers.get(gamma_initializer)
+        self.moving_mean_initializer = initializers.get(moving_mean_initializer)
+        self.moving_variance_initializer = initializers.get(moving_variance_initializer)
+        self.beta_regularizer = regularizers.get(beta_regularizer)
+        self.gamma_regularizer = regularizers.get(gamma_regularizer)
+        self.beta_constraint = constraints.get(beta_constraint)
+        self.gamma_constraint = constraints.get(gamma_constraint)
+        self.supports_masking = True
+        self.gamma = None
+        self.beta = None
+        self.moving_mean = None
+        self.moving_variance = None
+        self._channel_axes = None
+
+    def build(self, input_shape):
+        rank = len(input_shape)
+        self._channel_axes = _channel_axes(self.axis, input_shape)
+        if not ops.reduction_axes(rank, self._channel_axes):
+            raise ValueError(
+                f"BatchNormalization needs at least one axis to reduce over, but axis="
+                f"{self.axis} covers every axis of the input shape {tuple(input_shape)}."
+            )
+        dims = {a: input_shape[a] for a in self._channel_axes}
+        unknown = [a for a, d in dims.items() if d is None]
+        if unknown:
+            raise ValueError(
+                f"BatchNormalization needs a known size on its channel axis {unknown} at build "
+                f"time; received input shape {tuple(input_shape)}."
+            )
+        shape = tuple(dims.values())
+        if self.scale:
+            self.gamma = self.add_weight(
+                shape=shape, name="gamma", initializer=self.gamma_initializer,
+                regularizer=self.gamma_regularizer, constraint=self.gamma_constraint,
+                trainable=True, autocast=False,
+            )
+        if self.center:
+            self.beta = self.add_weight(
+                shape=shape, name="beta", initializer=self.beta_initializer,
+                regularizer=self.beta_regularizer, constraint=self.beta_constraint,
+                trainable=True, autocast=False,
+            )
+        self.moving_mean = self.add_weight(
+            shape=shape, name="moving_mean", initializer=self.moving_mean_initializer,
+            trainable=False, autocast=False,
+        )
+        self.moving_variance = self.add_weight(
+            shape=shape, name="moving_variance",
+            initializer=self.moving_variance_initializer, trainable=False, autocast=False,
+        )
+        self.input_spec = keras.layers.InputSpec(ndim=rank, axes=dims)
+
+    def call(self, inputs, training=None, mask=None):
+        if not inputs.dtype.is_floating:
+            raise TypeError(
+                f"BatchNormalization requires floating-point inputs; received dtype "
+                f"{inputs.dtype.name}. Cast the input to a float type first."
+            )
+        # float16/bfloat16 statistics overflow and lose precision: compute in float32.
+        dtype = tf.float64 if inputs.dtype == tf.float64 else tf.float32
+        x = tf.cast(inputs, dtype)
+        gamma = self._param(self.gamma, 1.0, dtype)
+        beta = self._param(self.beta, 0.0, dtype)
+
+        if training and self.trainable:
+            if mask is not None:
+                mask = ops.expand_mask(mask, x, self._channel_axes)
+            count = ops.element_count(x, self._channel_axes, mask)
+            x = self._assert_enough_elements(x, count)
+            y, mean, variance = ops.batch_norm_train(
+                x, gamma, beta, self._channel_axes, self.epsilon, mask
+            )
+            self._update_moving_statistics(mean, variance, count)
+        else:
+            a, b = ops.inference_affine(
+                tf.cast(self.moving_mean, dtype), tf.cast(self.moving_variance, dtype),
+                gamma, beta, self.epsilon,
+            )
+            y = ops.batch_norm_inference(x, a, b, self._channel_axes)
+        return tf.cast(y, self.compute_dtype)
+
+    def _param(self, variable, default, dtype):
+        """A weight as a tensor, or the constant that stands for it when disabled."""
+        if variable is None:
+            shape = [int(d) for d in self.moving_mean.shape]
+            return tf.fill(shape, tf.constant(default, dtype))
+        return tf.cast(variable, dtype)
+
+    def _assert_enough_elements(self, x, count):
+        message = (
+            f"BatchNormalization layer '{self.name}' in training mode needs at least 2 values "
+            f"per channel to estimate a batch variance, but this batch gives m=1 (input shape "
+            f"{x.shape}). Use a larger batch, or call it with training=False."
+        )
+        if isinstance(count, int):
+            if count < 2:
+                raise ValueError(message.replace("m=1", f"m={count}"))
+            return x
+        check = tf.debugging.assert_greater_equal(count, tf.cast(2, count.dtype), message=message)
+        with tf.control_dependencies([check]):
+            return tf.identity(x)
+
+    def _update_moving_statistics(self, mean, variance, count):
+        """EMA of μ_B and of the unbiased m/(m−1)·σ²_B; a non-finite batch changes nothing."""
+        var_dtype = self.moving_mean.dtype
+        mean = tf.cast(mean, var_dtype)
+        count = tf.cast(count, var_dtype)
+        unbiased = tf.cast(variance, var_dtype) * count / (count - 1.0)
+        usable = (
+            (count > 1.0)
+            & tf.reduce_all(tf.math.is_finite(mean))
+            & tf.reduce_all(tf.math.is_finite(unbiased))
+        )
+        for moving, batch_value in ((self.moving_mean, mean), (self.moving_variance, unbiased)):
+            old = tf.convert_to_tensor(moving)
+            new = self.momentum * old + (1.0 - self.momentum) * batch_value
+            moving.assign(tf.where(usable, new, old))
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+    def get_config(self):
+        return {
+            **super().get_config(),
+            "axis": self.axis,
+            "momentum": self.momentum,
+            "epsilon": self.epsilon,
+            "center": self.center,
+            "scale": self.scale,
+            "beta_initializer": initializers.serialize(self.beta_initializer),
+            "gamma_initializer": initializers.serialize(self.gamma_initializer),
+            "moving_mean_initializer": initializers.serialize(self.moving_mean_initializer),
+            "moving_variance_initializer": initializers.serialize(
+                self.moving_variance_initializer
+            ),
+            "beta_regularizer": regularizers.serialize(self.beta_regularizer),
+            "gamma_regularizer": regularizers.serialize(self.gamma_regularizer),
+            "beta_constraint": constraints.serialize(self.beta_constraint),
+            "gamma_constraint": constraints.serialize(self.gamma_constraint),
+        }
+
+
+def _validate_axis(axis):
+    """An int stays an int (Keras's form); a list or tuple becomes a list of ints."""
+    if isinstance(axis, bool):
+        raise TypeError(f"axis must be an int or a list/tuple of ints; received axis={axis!r}.")
+    if isinstance(axis, int):
+        return axis
+    if isinstance(axis, (list, tuple)):
+        if not axis or not all(isinstance(a, int) and not isinstance(a, bool) for a in axis):
+            raise TypeError(
+                f"axis must be an int or a non-empty list/tuple of ints; received axis={axis!r}."
+            )
+        return list(axis)
+    raise TypeError(f"axis must be an int or a list/tuple of ints; received axis={axis!r}.")
+
+
+def _channel_axes(axis, input_shape):
+    """`axis` as sorted non-negative channel axes for this input, with range checks."""
+    rank = len(input_shape)
+    requested = [axis] if isinstance(axis, int) else axis
+    for a in requested:
+        if not -rank <= a < rank:
+            raise ValueError(
+                f"axis={axis} is out of range for an input of rank {rank} "
+                f"(shape {tuple(input_shape)}); valid axes are {-rank}..{rank - 1}."
+            )
+    normalized = sorted(a % rank for a in requested)
+    if len(set(normalized)) != len(normalized):
+        raise ValueError(
+            f"axis={axis} names the same axis twice for an input of rank {rank}."
+        )
+    return normalized
+
+
+def _validate_momentum(momentum):
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)):
+        raise ValueError(f"momentum must be a float in [0, 1); received momentum={momentum!r}.")
+    momentum = float(momentum)
+    if not 0.0 <= momentum < 1.0:
+        raise ValueError(f"momentum must be in [0, 1); received momentum={momentum}.")
+    return momentum
+
+
+def _validate_epsilon(epsilon):
+    if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)):
+        raise ValueError(f"epsilon must be a positive float; received epsilon={epsilon!r}.")
+    epsilon = float(epsilon)
+    if not (epsilon > 0.0 and math.isfinite(epsilon)):
+        raise ValueError(f"epsilon must be a positive finite float; received epsilon={epsilon}.")
+    return epsilon
