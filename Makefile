@@ -10,7 +10,6 @@ $(PY):
 	python3 -m venv $(VENV)
 
 $(STAMP): $(PY) pyproject.toml
-	$(PY) -m pip install --upgrade --quiet pip
 	$(PY) -m pip install --quiet -e '.[export,examples,dev]'
 	touch $(STAMP)
 

@@ -1,0 +1,519 @@
+"""keras_bn.BatchNormalization: numpy references, keras.layers.BatchNormalization parity,
+training semantics, guards, serialisation, mixed precision and XLA."""
+
+import os
+import re
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import assert_close
+
+import keras_bn
+
+EPS = 1e-3
+
+
+def _data(shape, seed=0, dtype="float32", loc=2.0, scale=3.0):
+    return np.random.default_rng(seed).normal(loc, scale, size=shape).astype(dtype)
+
+
+def _numpy_train_output(x, gamma, beta, axes, eps=EPS):
+    red = tuple(i for i in range(x.ndim) if i not in axes)
+    mean = x.mean(axis=red, keepdims=True)
+    var = ((x - mean) ** 2).mean(axis=red, keepdims=True)
+    bshape = [x.shape[i] if i in axes else 1 for i in range(x.ndim)]
+    return gamma.reshape(bshape) * (x - mean) / np.sqrt(var + eps) + beta.reshape(bshape)
+
+
+def _randomize_weights(layer, seed=1):
+    rng = np.random.default_rng(seed)
+    weights = []
+    for w in layer.get_weights():
+        weights.append(rng.uniform(0.5, 1.5, size=w.shape).astype(w.dtype))
+    layer.set_weights(weights)
+    return weights
+
+
+# --------------------------------------------------------------------------- forward
+
+
+@pytest.mark.parametrize(
+    "shape,axis,channel_axes",
+    [
+        ((16, 5), -1, [1]),
+        ((8, 4, 4, 3), -1, [3]),
+        ((8, 3, 4, 4), 1, [1]),
+        ((8, 6, 5), -1, [2]),
+        ((8, 3, 4, 5), [1, -1], [1, 3]),
+    ],
+    ids=["2d", "nhwc", "nchw", "sequence", "list_axis"],
+)
+def test_train_and_inference_match_numpy(shape, axis, channel_axes):
+    x = _data(shape).astype(np.float64)
+    layer = keras_bn.BatchNormalization(axis=axis, dtype="float64")
+    layer.build(shape)
+    gamma, beta, moving_mean, moving_var = _randomize_weights(layer)
+    assert_close(
+        layer(x, training=True), _numpy_train_output(x, gamma, beta, channel_axes), 1e-12
+    )
+    layer.set_weights([gamma, beta, moving_mean, moving_var])
+    bshape = [shape[i] if i in channel_axes else 1 for i in range(len(shape))]
+    r = lambda v: v.reshape(bshape)  # noqa: E731
+    expected = r(gamma) * (x - r(moving_mean)) / np.sqrt(r(moving_var) + EPS) + r(beta)
+    assert_close(layer(x, training=False), expected, 1e-12)
+
+
+def test_weights_named_and_shaped_like_keras():
+    ours = keras_bn.BatchNormalization(axis=1)
+    theirs = keras.layers.BatchNormalization(axis=1)
+    ours.build((None, 7, 4, 4))
+    theirs.build((None, 7, 4, 4))
+    names = lambda layer: [w.name for w in layer.weights]  # noqa: E731
+    assert names(ours) == names(theirs) == ["gamma", "beta", "moving_mean", "moving_variance"]
+    assert [w.shape for w in ours.weights] == [w.shape for w in theirs.weights]
+    assert [w.trainable for w in ours.weights] == [True, True, False, False]
+    assert ours.gamma is ours.weights[0] and ours.moving_variance is ours.weights[3]
+    frozen_off = keras_bn.BatchNormalization(center=False, scale=False)
+    frozen_off.build((None, 3))
+    assert frozen_off.gamma is None and frozen_off.beta is None
+    assert [w.name for w in frozen_off.weights] == ["moving_mean", "moving_variance"]
+
+
+# --------------------------------------------------------------------------- moving statistics
+
+
+@pytest.mark.parametrize(
+    "shape,axis",
+    [((16, 5), -1), ((6, 3, 4, 4), 1), ((4, 7, 3), -1)],
+    ids=["2d", "nchw", "sequence"],
+)
+def test_moving_statistics_follow_unbiased_recurrence(shape, axis):
+    momentum, steps = 0.9, 5
+    layer = keras_bn.BatchNormalization(axis=axis, momentum=momentum)
+    rank = len(shape)
+    channel = axis % rank
+    red = tuple(i for i in range(rank) if i != channel)
+    m = int(np.prod([shape[i] for i in red]))
+    mean_ref = np.zeros(shape[channel])
+    var_ref = np.ones(shape[channel])
+    for step in range(steps):
+        x = _data(shape, seed=step)
+        layer(x, training=True)
+        x64 = x.astype(np.float64)
+        mean_ref = momentum * mean_ref + (1 - momentum) * x64.mean(axis=red)
+        var_ref = momentum * var_ref + (1 - momentum) * x64.var(axis=red) * m / (m - 1)
+    assert_close(layer.moving_mean, mean_ref, 1e-5)
+    assert_close(layer.moving_variance, var_ref, 1e-5)
+
+
+def test_masked_moving_statistics_count_unmasked_elements():
+    momentum = 0.8
+    x = _data((4, 6, 3))
+    mask = np.random.default_rng(7).uniform(size=(4, 6)) > 0.4
+    layer = keras_bn.BatchNormalization(momentum=momentum)
+    y = layer(x, training=True, mask=mask)
+    kept = x[mask].astype(np.float64)  # (m, 3)
+    m = kept.shape[0]
+    mean, var = kept.mean(axis=0), kept.var(axis=0)
+    assert_close(layer.moving_mean, (1 - momentum) * mean, 1e-5)
+    assert_close(layer.moving_variance, momentum + (1 - momentum) * var * m / (m - 1), 1e-5)
+    # Every position is normalized with the unmasked statistics.
+    assert_close(y, (x - mean) / np.sqrt(var + EPS), 1e-5)
+
+
+def test_mask_propagates_from_embedding():
+    tokens = np.array([[3, 5, 2, 0, 0], [4, 1, 0, 0, 0], [2, 2, 2, 2, 1]])
+    inputs = keras.Input((5,), dtype="int32")
+    embedded = keras.layers.Embedding(8, 4, mask_zero=True)(inputs)
+    bn = keras_bn.BatchNormalization(momentum=0.0)
+    model = keras.Model(inputs, bn(embedded))
+    model(tokens, training=True)
+    vectors = model.layers[1](tokens).numpy()[tokens != 0].astype(np.float64)
+    assert_close(bn.moving_mean, vectors.mean(axis=0), 1e-5)
+    m = len(vectors)
+    assert_close(bn.moving_variance, vectors.var(axis=0) * m / (m - 1), 1e-5)
+
+
+def test_wrong_shaped_mask_is_rejected():
+    layer = keras_bn.BatchNormalization()
+    with pytest.raises(ValueError, match="mask"):
+        layer(_data((4, 6, 3)), training=True, mask=np.ones((4, 6, 3), bool))
+
+
+# --------------------------------------------------------------------------- Keras parity
+
+
+@pytest.mark.parametrize("shape,axis", [((32, 6), -1), ((8, 5, 5, 4), -1), ((8, 4, 5, 5), 1)])
+def test_matches_keras_except_unbiased_moving_variance(shape, axis):
+    momentum = 0.9
+    ours = keras_bn.BatchNormalization(axis=axis, momentum=momentum)
+    theirs = keras.layers.BatchNormalization(axis=axis, momentum=momentum)
+    ours.build(shape)
+    theirs.build(shape)
+    theirs.set_weights(_randomize_weights(ours))
+    x = _data(shape)
+    assert_close(ours(x, training=False), theirs(x, training=False), 1e-6)
+
+    initial = ours.moving_variance.numpy().astype(np.float64)
+    assert_close(ours(x, training=True), theirs(x, training=True), 1e-5)
+    assert_close(ours.moving_mean, theirs.moving_mean, 1e-6)
+    m = x.size // shape[axis]
+    ours_new = ours.moving_variance.numpy() - momentum * initial
+    theirs_new = theirs.moving_variance.numpy() - momentum * initial
+    assert_close(ours_new, theirs_new * m / (m - 1), 1e-5)
+    assert not np.allclose(ours.moving_variance, theirs.moving_variance, rtol=1e-7, atol=0)
+
+    # Weights move both ways; with equal weights, inference is equal again.
+    ours.set_weights(theirs.get_weights())
+    assert_close(ours(x, training=False), theirs(x, training=False), 1e-6)
+
+
+def test_keras_config_loads_into_keras_bn():
+    """A Keras BN's core arguments build an equivalent keras_bn layer."""
+    theirs = keras.layers.BatchNormalization(axis=1, momentum=0.8, epsilon=1e-4, center=False)
+    config = {k: v for k, v in theirs.get_config().items()
+              if k not in ("synchronized", "renorm", "renorm_clipping", "renorm_momentum")}
+    ours = keras_bn.BatchNormalization.from_config(config)
+    assert (ours.axis, ours.momentum, ours.epsilon, ours.center) == (1, 0.8, 1e-4, False)
+
+
+# --------------------------------------------------------------------------- training semantics
+
+
+class _FrozenStatsModel(keras.Model):
+    """Calls its BN with an explicit training=False, whatever the model is called with."""
+
+    def __init__(self, norm):
+        super().__init__()
+        self.bn = norm()
+
+    def call(self, x, training=None):
+        return self.bn(x, training=False)
+
+
+@pytest.mark.parametrize("norm", [keras_bn.BatchNormalization, keras.layers.BatchNormalization])
+def test_training_argument_wins_over_the_call_context(norm):
+    model = _FrozenStatsModel(norm)
+    x = _data((16, 4))
+    y = model(x, training=True)
+    np.testing.assert_array_equal(model.bn.moving_mean, np.zeros(4))
+    assert_close(y, x / np.sqrt(1.0 + EPS), 1e-6)
+
+
+def test_functional_call_context_matches_keras():
+    """Keras 3 functional models pass the model's own `training` down to every layer, over
+    what was given when the graph was built; keras_bn does exactly what Keras BN does."""
+    x = _data((16, 4))
+    results = []
+    for norm in (keras_bn.BatchNormalization, keras.layers.BatchNormalization):
+        inputs = keras.Input((4,))
+        bn = norm()
+        model = keras.Model(inputs, bn(inputs, training=False))
+        results.append((model(x, training=True).numpy(), bn.moving_mean.numpy()))
+    for ours, theirs in zip(*results):
+        assert_close(ours, theirs, 1e-6)
+
+
+def test_trainable_false_means_inference_without_updates():
+    layer = keras_bn.BatchNormalization()
+    x = _data((16, 4))
+    layer.build(x.shape)
+    layer.trainable = False
+    y = layer(x, training=True)
+    assert_close(y, x / np.sqrt(1.0 + EPS), 1e-6)
+    np.testing.assert_array_equal(layer.moving_variance, np.ones(4))
+
+
+def test_fit_updates_statistics_evaluate_and_predict_do_not():
+    model = keras.Sequential([keras.Input((4,)), keras_bn.BatchNormalization(momentum=0.5),
+                              keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    x, y = _data((64, 4)), _data((64, 1))
+    bn = model.layers[0]
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    after_fit = bn.moving_mean.numpy()
+    assert not np.allclose(after_fit, 0.0)
+    model.evaluate(x, y, verbose=0)
+    predicted = model.predict(x, verbose=0)
+    np.testing.assert_array_equal(bn.moving_mean, after_fit)
+    assert_close(predicted, model(x, training=False), 1e-6)
+
+
+# --------------------------------------------------------------------------- gradients in the layer
+
+
+@pytest.mark.parametrize("center,scale", [(False, True), (True, False), (False, False)])
+def test_layer_gradient_with_center_or_scale_off(center, scale):
+    x = tf.constant(_data((6, 3, 4), dtype="float64"))
+    layer = keras_bn.BatchNormalization(center=center, scale=scale, dtype="float64")
+    layer.build(x.shape)
+    upstream = tf.constant(_data((6, 3, 4), seed=3, dtype="float64"))
+
+    def reference(x, weights):
+        mean = tf.reduce_mean(x, [0, 1], keepdims=True)
+        var = tf.reduce_mean(tf.square(x - mean), [0, 1], keepdims=True)
+        y = (x - mean) / tf.sqrt(var + EPS)
+        weights = list(weights)
+        if scale:
+            y = y * weights.pop(0)
+        if center:
+            y = y + weights.pop(0)
+        return y
+
+    weights = list(layer.trainable_weights)
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(x)
+        ours = tf.reduce_sum(layer(x, training=True) * upstream)
+        ref = tf.reduce_sum(reference(x, weights) * upstream)
+    for got, want in zip(tape.gradient(ours, [x] + weights), tape.gradient(ref, [x] + weights)):
+        assert_close(got, want, 1e-5)
+    theoretical, numerical = tf.test.compute_gradient(
+        lambda t: layer(t, training=True), [x], delta=1e-6
+    )
+    assert_close(theoretical[0], numerical[0], 1e-5)
+
+
+# --------------------------------------------------------------------------- guards
+
+
+def test_m_equal_one_static_is_value_error():
+    layer = keras_bn.BatchNormalization()
+    with pytest.raises(ValueError, match=r"at least 2 values per channel.*m=1"):
+        layer(_data((1, 3)), training=True)
+    # Inference with one sample is fine.
+    assert layer(_data((1, 3)), training=False).shape == (1, 3)
+
+
+def test_m_equal_one_dynamic_is_invalid_argument_error():
+    layer = keras_bn.BatchNormalization()
+    layer.build((None, 3))
+    step = tf.function(
+        lambda x: layer(x, training=True), input_signature=[tf.TensorSpec([None, 3])]
+    )
+    step(_data((4, 3)))
+    before = [w.numpy() for w in layer.non_trainable_weights]
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"at least 2 values per channel"):
+        step(_data((1, 3)))
+    for w, b in zip(layer.non_trainable_weights, before):
+        np.testing.assert_array_equal(w, b)
+
+
+def test_m_equal_one_under_xla_outputs_beta_and_keeps_statistics():
+    """XLA drops run-time asserts (documented): the output is β and nothing is updated."""
+    layer = keras_bn.BatchNormalization()
+    layer.build((None, 3))
+    _randomize_weights(layer)
+    step = tf.function(
+        lambda x: layer(x, training=True),
+        input_signature=[tf.TensorSpec([None, 3])],
+        jit_compile=True,
+    )
+    before = [w.numpy() for w in layer.non_trainable_weights]
+    y = step(_data((1, 3)))
+    assert_close(y, np.broadcast_to(layer.beta.numpy(), (1, 3)), 1e-6)
+    for w, b in zip(layer.non_trainable_weights, before):
+        np.testing.assert_array_equal(w, b)
+
+
+def test_all_masked_batch_is_rejected():
+    layer = keras_bn.BatchNormalization()
+    layer.build((None, 5, 3))
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"at least 2 values"):
+        layer(_data((2, 5, 3)), training=True, mask=np.eye(2, 5, dtype=bool) & False)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("jit", [False, True], ids=["graph", "xla"])
+def test_non_finite_batch_leaves_moving_statistics_unchanged(bad, jit):
+    layer = keras_bn.BatchNormalization(momentum=0.5)
+    good = _data((8, 3))
+    step = tf.function(lambda x: layer(x, training=True), jit_compile=jit)
+    step(good)
+    before = [w.numpy() for w in layer.non_trainable_weights]
+    poisoned = good.copy()
+    poisoned[2, 1] = bad
+    y = step(poisoned).numpy()
+    assert not np.isfinite(y[:, 1]).all()  # the bad value shows in the output
+    for w, b in zip(layer.non_trainable_weights, before):
+        np.testing.assert_array_equal(w, b)
+    step(good)  # and a later good batch still updates
+    assert not np.array_equal(layer.moving_mean.numpy(), before[0])
+
+
+@pytest.mark.parametrize("momentum", [-0.1, 1.0, 1.5, float("nan"), "0.9"])
+def test_bad_momentum(momentum):
+    with pytest.raises(ValueError, match=rf"momentum.*{momentum}"):
+        keras_bn.BatchNormalization(momentum=momentum)
+
+
+@pytest.mark.parametrize("epsilon", [0.0, -1e-3, float("inf"), None])
+def test_bad_epsilon(epsilon):
+    with pytest.raises(ValueError, match=rf"epsilon.*{epsilon}"):
+        keras_bn.BatchNormalization(epsilon=epsilon)
+
+
+@pytest.mark.parametrize("axis", [4, -5, [1, 7]])
+def test_axis_out_of_range(axis):
+    layer = keras_bn.BatchNormalization(axis=axis)
+    with pytest.raises(ValueError, match=re.escape(f"axis={axis} is out of range")):
+        layer(_data((2, 3, 3, 2)))
+
+
+@pytest.mark.parametrize("axis", ["1", 1.0, [], True])
+def test_axis_wrong_type(axis):
+    with pytest.raises(TypeError, match="axis"):
+        keras_bn.BatchNormalization(axis=axis)
+
+
+def test_axis_covering_every_dimension():
+    with pytest.raises(ValueError, match="at least one axis to reduce"):
+        keras_bn.BatchNormalization(axis=[0, 1]).build((4, 3))
+
+
+def test_unknown_channel_dimension():
+    with pytest.raises(ValueError, match=r"known size on its channel axis"):
+        keras_bn.BatchNormalization().build((None, 4, None))
+
+
+def test_wrong_rank_after_build():
+    layer = keras_bn.BatchNormalization()
+    layer(_data((4, 3)))
+    with pytest.raises(ValueError, match="ndim"):
+        layer(_data((4, 2, 3)))
+
+
+def test_integer_input():
+    with pytest.raises(TypeError, match="floating-point inputs.*int32"):
+        keras_bn.BatchNormalization()(tf.ones([4, 3], tf.int32), training=True)
+
+
+def test_non_tensorflow_backend_is_an_import_error():
+    env = {**os.environ, "KERAS_BACKEND": "jax"}
+    result = subprocess.run(
+        [sys.executable, "-c", "import keras_bn"], env=env, capture_output=True, text=True
+    )
+    assert result.returncode != 0
+    assert "ImportError: keras_bn needs the TensorFlow Keras backend" in result.stderr
+    assert "'jax'" in result.stderr
+
+
+# --------------------------------------------------------------------------- serialisation
+
+
+def _non_default_layer():
+    return keras_bn.BatchNormalization(
+        axis=[1, -1], momentum=0.7, epsilon=1e-4, center=False, scale=True,
+        beta_initializer="ones", gamma_initializer=keras.initializers.RandomUniform(0.5, 1.5),
+        moving_mean_initializer="ones", moving_variance_initializer=keras.initializers.Constant(2.0),
+        beta_regularizer="l2", gamma_regularizer=keras.regularizers.L1(0.01),
+        beta_constraint="non_neg", gamma_constraint=keras.constraints.MaxNorm(2.0),
+        name="custom_bn", trainable=False,
+    )
+
+
+def test_get_config_round_trips_every_argument():
+    layer = _non_default_layer()
+    config = layer.get_config()
+    clone = keras_bn.BatchNormalization.from_config(config)
+    assert clone.get_config() == config
+    assert config["axis"] == [1, -1] and config["momentum"] == 0.7 and config["epsilon"] == 1e-4
+    assert config["center"] is False and config["trainable"] is False
+    assert isinstance(clone.gamma_regularizer, keras.regularizers.L1)
+    assert isinstance(clone.gamma_constraint, keras.constraints.MaxNorm)
+    assert isinstance(clone.moving_variance_initializer, keras.initializers.Constant)
+    serialized = keras.saving.serialize_keras_object(layer)
+    assert serialized["registered_name"] == "keras_bn>BatchNormalization"
+    assert keras.saving.deserialize_keras_object(serialized).get_config() == config
+
+
+def test_keras_file_round_trip(tmp_path):
+    model = keras.Sequential([
+        keras.Input((4, 4, 3)),
+        keras.layers.Conv2D(5, 3, use_bias=False),
+        keras_bn.BatchNormalization(momentum=0.5, epsilon=1e-2),
+        keras.layers.Flatten(),
+        keras.layers.Dense(2),
+    ])
+    x = _data((8, 4, 4, 3))
+    model.compile("adam", "mse")
+    model.fit(x, _data((8, 2)), epochs=2, verbose=0)
+    path = tmp_path / "model.keras"
+    model.save(path)
+    # Loads without custom_objects: the class is registered under "keras_bn".
+    loaded = keras.saving.load_model(path)
+    assert type(loaded.layers[1]) is keras_bn.BatchNormalization
+    assert loaded.layers[1].get_config() == model.layers[1].get_config()
+    for a, b in zip(loaded.weights, model.weights):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(loaded(x, training=False), model(x, training=False))
+    np.testing.assert_array_equal(loaded(x, training=True), model(x, training=True))
+
+
+# --------------------------------------------------------------------------- mixed precision, XLA
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_mixed_precision_keeps_float32_statistics(policy):
+    x = _data((16, 4, 4, 3), loc=100.0, scale=5.0)
+    reference = keras_bn.BatchNormalization(momentum=0.5)
+    reference(x, training=True)
+    keras.mixed_precision.set_global_policy(policy)
+    layer = keras_bn.BatchNormalization(momentum=0.5)
+    y = layer(x, training=True)
+    half = policy.split("_")[1]
+    assert y.dtype == half
+    assert all(w.dtype == "float32" for w in layer.weights)
+    # Statistics come from the float16-rounded input, computed in float32.
+    x_half = tf.cast(tf.cast(x, half), tf.float32).numpy().astype(np.float64)
+    assert_close(layer.moving_mean, 0.5 * x_half.mean(axis=(0, 1, 2)), 1e-6)
+    assert_close(layer.moving_variance, reference.moving_variance, 2e-2)
+    assert np.isfinite(layer(x, training=False).numpy().astype(np.float32)).all()
+
+
+def test_mixed_float16_training_step_has_float32_gradients():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8),
+                              keras_bn.BatchNormalization(), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(0.01), "mse", jit_compile=True)
+    history = model.fit(_data((64, 6)), _data((64, 1)), batch_size=16, epochs=2, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+    bn = model.layers[1]
+    assert bn.moving_variance.dtype == "float32" and bn.gamma.dtype == "float32"
+    assert not np.allclose(bn.moving_mean, 0.0)
+
+
+def test_xla_train_step_matches_eager():
+    x = _data((8, 5, 5, 4))
+    upstream = _data((8, 5, 5, 4), seed=9)
+    layers = [keras_bn.BatchNormalization(momentum=0.7) for _ in range(2)]
+    for layer in layers:
+        layer.build(x.shape)
+        layer.set_weights(_randomize_weights(layers[0]))
+
+    def step(layer, x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(layer(x, training=True) * upstream)
+        return tape.gradient(loss, [x] + layer.trainable_weights)
+
+    eager = step(layers[0], tf.constant(x))
+    compiled = tf.function(lambda t: step(layers[1], t), jit_compile=True)(tf.constant(x))
+    for e, c in zip(eager, compiled):
+        assert_close(c, e, 1e-5)
+    for a, b in zip(layers[0].weights, layers[1].weights):
+        assert_close(b, a, 1e-6)
+
+
+# --------------------------------------------------------------------------- convergence
+
+
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+def test_digits_cnn_converges(jit_compile):
+    import digits
+
+    _, accuracy = digits.train(epochs=10, jit_compile=jit_compile)
+    assert accuracy >= 0.90

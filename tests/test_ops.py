@@ -1,0 +1,207 @@
+"""keras_bn.ops against independent references: numpy formulas, TF autodiff of a plain
+reference written here, and finite differences."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import assert_close
+
+from keras_bn import ops
+
+EPS = 1e-3
+
+# (input shape, channel axes): 2D, NHWC, NCHW, a 3D sequence, a list axis, a 5D volume.
+LAYOUTS = {
+    "2d": ((12, 5), [1]),
+    "nhwc": ((4, 3, 3, 5), [3]),
+    "nchw": ((4, 5, 3, 3), [1]),
+    "sequence": ((4, 6, 5), [2]),
+    "list_axis": ((4, 3, 2, 5), [1, 3]),
+    "5d": ((3, 2, 2, 2, 4), [4]),
+}
+
+
+def _inputs(shape, channel_axes, dtype=np.float64, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(1.5, 2.0, size=shape).astype(dtype)
+    pshape = [shape[a] for a in channel_axes]
+    gamma = rng.uniform(0.5, 2.0, size=pshape).astype(dtype)
+    beta = rng.normal(size=pshape).astype(dtype)
+    return x, gamma, beta
+
+
+def _bshape(shape, channel_axes):
+    return [shape[i] if i in channel_axes else 1 for i in range(len(shape))]
+
+
+def numpy_bn_train(x, gamma, beta, channel_axes, eps=EPS, mask=None):
+    """Forward BN from the article's formulas; returns (y, mean, biased var) in param shape."""
+    axes = tuple(i for i in range(x.ndim) if i not in channel_axes)
+    bshape = _bshape(x.shape, channel_axes)
+    w = np.ones_like(x) if mask is None else np.broadcast_to(mask, x.shape).astype(x.dtype)
+    m = w.sum(axis=axes, keepdims=True)
+    mean = (w * x).sum(axis=axes, keepdims=True) / m
+    var = (w * (x - mean) ** 2).sum(axis=axes, keepdims=True) / m
+    y = gamma.reshape(bshape) * (x - mean) / np.sqrt(var + eps) + beta.reshape(bshape)
+    pshape = gamma.shape
+    return y, mean.reshape(pshape), var.reshape(pshape)
+
+
+def tf_reference_bn(x, gamma, beta, channel_axes, eps=EPS, mask=None):
+    """The same BN as plain TF ops, for autodiff to differentiate (no custom gradient)."""
+    axes = [i for i in range(x.shape.rank) if i not in channel_axes]
+    bshape = _bshape(x.shape, channel_axes)
+    w = tf.ones_like(x) if mask is None else tf.broadcast_to(tf.cast(mask, x.dtype), x.shape)
+    m = tf.reduce_sum(w, axes, keepdims=True)
+    mean = tf.reduce_sum(w * x, axes, keepdims=True) / m
+    var = tf.reduce_sum(w * tf.square(x - mean), axes, keepdims=True) / m
+    return tf.reshape(gamma, bshape) * (x - mean) / tf.sqrt(var + eps) + tf.reshape(beta, bshape)
+
+
+def _random_mask(shape, channel_axes, seed=1):
+    """A 0/1 mask over the non-channel axes, in expand_mask's broadcastable form."""
+    rng = np.random.default_rng(seed)
+    mask = rng.uniform(size=_bshape_inverse(shape, channel_axes)) > 0.3
+    mask.flat[:2] = True  # at least two elements survive
+    return mask
+
+
+def _bshape_inverse(shape, channel_axes):
+    return [1 if i in channel_axes else shape[i] for i in range(len(shape))]
+
+
+def _custom_grads(x, gamma, beta, channel_axes, upstream, mask=None):
+    x, gamma, beta = map(tf.constant, (x, gamma, beta))
+    with tf.GradientTape() as tape:
+        tape.watch([x, gamma, beta])
+        y, _, _ = ops.batch_norm_train(x, gamma, beta, channel_axes, EPS, mask)
+        loss = tf.reduce_sum(y * upstream)
+    return tape.gradient(loss, [x, gamma, beta])
+
+
+def _autodiff_grads(x, gamma, beta, channel_axes, upstream, mask=None):
+    x, gamma, beta = map(tf.constant, (x, gamma, beta))
+    with tf.GradientTape() as tape:
+        tape.watch([x, gamma, beta])
+        loss = tf.reduce_sum(tf_reference_bn(x, gamma, beta, channel_axes, mask=mask) * upstream)
+    return tape.gradient(loss, [x, gamma, beta])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
+def test_forward_matches_numpy(layout, masked):
+    shape, axes = LAYOUTS[layout]
+    x, gamma, beta = _inputs(shape, axes)
+    mask = _random_mask(shape, axes) if masked else None
+    y, mean, var = ops.batch_norm_train(
+        tf.constant(x), tf.constant(gamma), tf.constant(beta), axes, EPS,
+        None if mask is None else tf.constant(mask, tf.float64),
+    )
+    y_ref, mean_ref, var_ref = numpy_bn_train(x, gamma, beta, axes, mask=mask)
+    assert_close(y, y_ref, 1e-12)
+    assert_close(mean, mean_ref, 1e-12)
+    assert_close(var, var_ref, 1e-12)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
+def test_custom_gradient_matches_autodiff(layout, masked):
+    shape, axes = LAYOUTS[layout]
+    x, gamma, beta = _inputs(shape, axes)
+    upstream = np.random.default_rng(2).normal(size=shape)
+    mask = _random_mask(shape, axes) if masked else None
+    tf_mask = None if mask is None else tf.constant(mask, tf.float64)
+    got = _custom_grads(x, gamma, beta, axes, upstream, tf_mask)
+    want = _autodiff_grads(x, gamma, beta, axes, upstream, mask)
+    for g, w in zip(got, want):
+        assert_close(g, w, 1e-5)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_custom_gradient_matches_finite_differences(layout):
+    shape, axes = LAYOUTS[layout]
+    x, gamma, beta = _inputs(shape, axes)
+
+    def f(x, gamma, beta):
+        return ops.batch_norm_train(x, gamma, beta, axes, EPS)[0]
+
+    theoretical, numerical = tf.test.compute_gradient(
+        f, [tf.constant(x), tf.constant(gamma), tf.constant(beta)], delta=1e-6
+    )
+    for t, n in zip(theoretical, numerical):
+        assert_close(t, n, 1e-5)
+
+
+def test_statistics_carry_no_gradient():
+    x, gamma, beta = map(tf.constant, _inputs((6, 4), [1]))
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        _, mean, var = ops.batch_norm_train(x, gamma, beta, [1], EPS)
+        loss = tf.reduce_sum(mean) + tf.reduce_sum(var)
+    assert tape.gradient(loss, x) is None
+
+
+def test_gradient_under_xla_matches_eager():
+    shape, axes = LAYOUTS["nhwc"]
+    x, gamma, beta = map(tf.constant, _inputs(shape, axes, np.float32))
+    upstream = tf.constant(np.random.default_rng(3).normal(size=shape).astype(np.float32))
+
+    def grads(x, gamma, beta):
+        with tf.GradientTape() as tape:
+            tape.watch([x, gamma, beta])
+            y, _, _ = ops.batch_norm_train(x, gamma, beta, axes, EPS)
+            loss = tf.reduce_sum(y * upstream)
+        return tape.gradient(loss, [x, gamma, beta])
+
+    eager = grads(x, gamma, beta)
+    compiled = tf.function(grads, jit_compile=True)(x, gamma, beta)
+    for e, c in zip(eager, compiled):
+        assert_close(c, e, 1e-5)
+
+
+def test_variance_is_not_single_pass():
+    """Mean 1e4, std 1e-2 in float32: E[x²]−E[x]² loses every digit (x² ≈ 1e8, ulp 8);
+    the two-pass variance keeps it."""
+    rng = np.random.default_rng(4)
+    x = (1e4 + 1e-2 * rng.standard_normal((4096, 3))).astype(np.float32)
+    _, mean, var = ops.batch_norm_train(
+        tf.constant(x), tf.ones([3]), tf.zeros([3]), [1], EPS
+    )
+    exact = x.astype(np.float64).var(axis=0)
+    assert_close(var, exact, 1e-3)
+    single_pass = np.mean(x * x, axis=0) - np.mean(x, axis=0) ** 2
+    assert np.abs(single_pass - exact).max() > 10 * exact.max()  # the formula we avoid
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_inference_affine_matches_numpy(layout):
+    shape, axes = LAYOUTS[layout]
+    x, gamma, beta = _inputs(shape, axes)
+    rng = np.random.default_rng(5)
+    mean = rng.normal(size=gamma.shape)
+    var = rng.uniform(0.5, 3.0, size=gamma.shape)
+    a, b = ops.inference_affine(mean, var, gamma, beta, EPS)
+    y = ops.batch_norm_inference(tf.constant(x), a, b, axes)
+    bs = _bshape(shape, axes)
+    expected = gamma.reshape(bs) * (x - mean.reshape(bs)) / np.sqrt(var.reshape(bs) + EPS)
+    assert_close(y, expected + beta.reshape(bs), 1e-12)
+
+
+def test_element_count():
+    x = tf.zeros([4, 3, 2, 5])
+    assert ops.element_count(x, [3]) == 24
+    assert ops.element_count(x, [1, 3]) == 8
+    mask = ops.expand_mask(tf.constant(np.arange(24).reshape(4, 3, 2) % 3 == 0), x, [3])
+    assert float(ops.element_count(x, [3], mask)) == 8.0
+    dynamic = tf.function(
+        lambda t: ops.element_count(t, [1]), input_signature=[tf.TensorSpec([None, 5])]
+    )
+    assert float(dynamic(tf.zeros([7, 5]))) == 7.0
+
+
+def test_expand_mask_rejects_wrong_shape():
+    x = tf.zeros([4, 6, 5])
+    with pytest.raises(ValueError, match=r"rank 2"):
+        ops.expand_mask(tf.ones([4, 6, 5], tf.bool), x, [2])
+    with pytest.raises(ValueError, match=r"does not match"):
+        ops.expand_mask(tf.ones([4, 7], tf.bool), x, [2])
