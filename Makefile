@@ -3,6 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?= -n 2
+export TF_CPP_MIN_LOG_LEVEL ?= 2
 
 .PHONY: demo test test-all clean
 
