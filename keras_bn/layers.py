@@ -98,6 +98,9 @@ class BatchNormalization(keras.layers.Layer):
         self.moving_mean = None
         self.moving_variance = None
         self._channel_axes = None
+        # None: the fused kernel where it applies. Tests set False to compare with the
+        # composite path; not a constructor argument, so the config stays Keras's.
+        self._fused = None
 
     def build(self, input_shape):
         rank = len(input_shape)
@@ -143,19 +146,16 @@ class BatchNormalization(keras.layers.Layer):
                 f"BatchNormalization requires floating-point inputs; received dtype "
                 f"{inputs.dtype.name}. Cast the input to a float type first."
             )
-        # float16/bfloat16 statistics overflow and lose precision: compute in float32.
-        dtype = tf.float64 if inputs.dtype == tf.float64 else tf.float32
-        x = tf.cast(inputs, dtype)
+        dtype = ops.statistics_dtype(inputs.dtype)
         gamma = self._param(self.gamma, 1.0, dtype)
         beta = self._param(self.beta, 0.0, dtype)
 
         if training and self.trainable:
-            if mask is not None:
-                mask = ops.expand_mask(mask, x, self._channel_axes)
-            count = ops.element_count(x, self._channel_axes, mask)
-            x = self._assert_enough_elements(x, count)
+            mask = None if mask is None else ops.expand_mask(mask, inputs, self._channel_axes)
+            count = ops.element_count(inputs, self._channel_axes, mask)
+            inputs = self._assert_enough_elements(inputs, count)
             y, mean, variance = ops.batch_norm_train(
-                x, gamma, beta, self._channel_axes, self.epsilon, mask
+                inputs, gamma, beta, self._channel_axes, self.epsilon, mask, fused=self._fused
             )
             self._update_moving_statistics(mean, variance, count)
         else:
@@ -163,7 +163,7 @@ class BatchNormalization(keras.layers.Layer):
                 tf.cast(self.moving_mean, dtype), tf.cast(self.moving_variance, dtype),
                 gamma, beta, self.epsilon,
             )
-            y = ops.batch_norm_inference(x, a, b, self._channel_axes)
+            y = ops.batch_norm_inference(tf.cast(inputs, dtype), a, b, self._channel_axes)
         return tf.cast(y, self.compute_dtype)
 
     def _param(self, variable, default, dtype):

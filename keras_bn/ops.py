@@ -13,8 +13,11 @@ The backward pass is the closed form of the chain rule, with g = ∂l/∂y and i
 where w is the mask (1 everywhere without one). Sums run over every position, masked or not,
 because every output depends on μ and σ². The statistics are outputs without gradient.
 
-The variance is always two-pass, Σ(x − μ)², never E[x²] − E[x]² (which cancels catastrophically
-and has produced negative variances in Keras and XLA).
+The variance is always computed about the mean, never as E[x²] − E[x]² (which cancels
+catastrophically and has produced negative variances in Keras and XLA). It is the corrected
+two-pass algorithm (Chan, Golub & LeVeque 1983): with c = x − mean(x) from the first pass,
+σ² = mean(c²) − mean(c)², where mean(c) is the first pass's rounding error, so the second term
+is tiny and corrects the float32 error of a mean taken over large offsets.
 
 All functions take `channel_axes`: the sorted, non-negative axes that are *not* reduced.
 Per-channel tensors (γ, β, μ, σ²) have the shape of those axes' dimensions, as the layer's
@@ -22,6 +25,7 @@ weights do.
 """
 
 import tensorflow as tf
+from tensorflow.python.ops import control_flow_util
 
 
 def reduction_axes(rank, channel_axes):
@@ -47,7 +51,8 @@ def expand_mask(mask, x, channel_axes):
     """A mask over the non-channel axes, as a 0/1 tensor of x's dtype broadcastable to x.
 
     The mask's shape must be x's shape without the channel axes (Keras's convention, which for
-    one trailing channel axis is `x.shape[:-1]`).
+    one trailing channel axis is `x.shape[:-1]`). It takes the statistics dtype: float16 cannot
+    count past 2048 exactly.
     """
     mask = tf.convert_to_tensor(mask)
     rank = x.shape.rank
@@ -66,14 +71,15 @@ def expand_mask(mask, x, channel_axes):
             )
     for axis in channel_axes:
         mask = tf.expand_dims(mask, axis)
-    return tf.cast(mask, x.dtype)
+    return tf.cast(mask, statistics_dtype(x.dtype))
 
 
 def element_count(x, channel_axes, mask=None):
     """m: how many elements each channel's statistics are taken over.
 
     A Python int when the shape is static and there is no mask (so callers can check it at
-    trace time); otherwise a scalar tensor of x's dtype. `mask` is the output of `expand_mask`.
+    trace time); otherwise a scalar tensor of `statistics_dtype(x.dtype)`. `mask` is the output
+    of `expand_mask`.
     """
     axes = reduction_axes(x.shape.rank, channel_axes)
     if mask is not None:
@@ -84,36 +90,138 @@ def element_count(x, channel_axes, mask=None):
         for d in dims:
             m *= d
         return m
-    return tf.cast(tf.reduce_prod(tf.gather(tf.shape(x), axes)), x.dtype)
+    return tf.cast(tf.reduce_prod(tf.gather(tf.shape(x), axes)), statistics_dtype(x.dtype))
 
 
 def moments(x, channel_axes, mask=None):
-    """Per-channel mean and biased variance, two-pass, kept broadcastable to x."""
+    """Per-channel mean and biased variance (corrected two-pass), kept broadcastable to x."""
     axes = reduction_axes(x.shape.rank, channel_axes)
     if mask is None:
-        mean = tf.reduce_mean(x, axes, keepdims=True)
-        variance = tf.reduce_mean(tf.square(x - mean), axes, keepdims=True)
-        return mean, variance
-    count = tf.reduce_sum(mask)
-    mean = tf.reduce_sum(mask * x, axes, keepdims=True) / count
-    variance = tf.reduce_sum(mask * tf.square(x - mean), axes, keepdims=True) / count
-    return mean, variance
+        average = lambda t: tf.reduce_mean(t, axes, keepdims=True)  # noqa: E731
+    else:
+        count = tf.reduce_sum(mask)
+        average = lambda t: tf.reduce_sum(mask * t, axes, keepdims=True) / count  # noqa: E731
+    shift = average(x)
+    centered = x - shift
+    residual = average(centered)  # the first pass's rounding error
+    variance = tf.maximum(average(tf.square(centered)) - tf.square(residual), 0.0)
+    return shift + residual, variance
 
 
-def batch_norm_train(x, gamma, beta, channel_axes, epsilon, mask=None):
+def statistics_dtype(dtype):
+    """float16/bfloat16 statistics overflow and lose precision: they are kept in float32."""
+    return tf.float64 if tf.as_dtype(dtype) == tf.float64 else tf.float32
+
+
+# The smallest epsilon cuDNN accepts; below it the fused kernel would silently change ε on GPU.
+_FUSED_MIN_EPSILON = 1.001e-5
+
+
+def _in_xla_context():
+    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
+def fused_data_format(x, channel_axes, epsilon, mask=None):
+    """"NHWC" or "NCHW" when FusedBatchNormV3 can compute this batch norm exactly on a 4D view
+    of x (one channel axis, last or second; no mask; a 16/32-bit float), else None.
+
+    Never under XLA: XLA lowers the kernel's training mode to E[x²] − E[x]², whose float32
+    variance was off by a factor of thousands at a mean of 1e3 and std of 1e-2 (TF 2.21). The
+    composite path compiles to a comparable fused loop there.
+    """
+    if (
+        _in_xla_context()
+        or mask is not None
+        or len(channel_axes) != 1
+        or x.dtype not in (tf.float16, tf.bfloat16, tf.float32)
+        or epsilon < _FUSED_MIN_EPSILON
+    ):
+        return None
+    rank, channel = x.shape.rank, channel_axes[0]
+    if rank >= 2 and channel == rank - 1:
+        return "NHWC"
+    if rank >= 3 and channel == 1:
+        return "NCHW"
+    return None
+
+
+def _fused_view(x, data_format):
+    """x as the 4D tensor the kernel expects; a reshape, so free (no data movement)."""
+    if x.shape.rank == 4:
+        return x
+    if data_format == "NHWC":  # (..., C) -> (M, 1, 1, C)
+        return tf.reshape(x, [-1, 1, 1, x.shape[-1]])
+    return tf.reshape(x, [tf.shape(x)[0], x.shape[1], -1, 1])  # (N, C, ...) -> (N, C, R, 1)
+
+
+def batch_norm_train(x, gamma, beta, channel_axes, epsilon, mask=None, fused=None):
     """Train-mode batch normalization with a hand-written gradient.
 
+    Two implementations of the same maths. Where the layout allows (see `fused_data_format`)
+    the forward pass is TensorFlow's FusedBatchNormV3 kernel and the backward pass its
+    FusedBatchNormGradV3, fed the saved reserve spaces; that is 2-3× faster than composite
+    ops. Everywhere else (masks, several channel axes, float64, other layouts) the composite
+    path below computes the moments two-pass and the closed-form gradient of the module
+    docstring.
+
     Args:
-        x: floating tensor.
-        gamma, beta: per-channel scale and offset (pass ones / zeros when disabled).
+        x: floating tensor. float16/bfloat16 statistics are computed in float32.
+        gamma, beta: per-channel scale and offset in `statistics_dtype(x.dtype)` (pass ones /
+            zeros when disabled).
         channel_axes: sorted non-negative axes that are not reduced.
         epsilon: added to the variance.
         mask: optional output of `expand_mask`; masked-out elements do not enter μ or σ².
+        fused: None picks the fused kernel where it applies; False forces the composite path;
+            True requires the fused kernel (ValueError where it does not apply).
 
     Returns:
-        (y, mean, variance): the normalized output and the batch's per-channel mean and
-        biased variance, both shaped like gamma and carrying no gradient.
+        (y, mean, variance): the normalized output (x's dtype on the fused path, the
+        statistics dtype on the composite one) and the batch's per-channel mean and biased
+        variance, shaped like gamma and carrying no gradient.
     """
+    data_format = None if fused is False else fused_data_format(x, channel_axes, epsilon, mask)
+    if fused and data_format is None:
+        raise ValueError(
+            f"The fused batch-norm kernel does not apply here: input shape {x.shape}, dtype "
+            f"{x.dtype.name}, channel axes {list(channel_axes)}, epsilon {epsilon}, "
+            f"mask {'given' if mask is not None else 'none'}, XLA {_in_xla_context()}."
+        )
+    if data_format is not None:
+        return _fused_train(x, gamma, beta, channel_axes, epsilon, data_format)
+    return _composite_train(x, gamma, beta, channel_axes, epsilon, mask)
+
+
+def _fused_train(x, gamma, beta, channel_axes, epsilon, data_format):
+    empty = tf.constant([], gamma.dtype)
+
+    @tf.custom_gradient
+    def _normalize(x4, gamma, beta):
+        y, mean, unbiased_variance, saved_1, saved_2, saved_3 = tf.raw_ops.FusedBatchNormV3(
+            x=x4, scale=gamma, offset=beta, mean=empty, variance=empty, epsilon=epsilon,
+            exponential_avg_factor=1.0, data_format=data_format, is_training=True,
+        )
+
+        def grad(dy, *_unused_statistic_grads):
+            dx, dgamma, dbeta, _, _ = tf.raw_ops.FusedBatchNormGradV3(
+                y_backprop=dy, x=x4, scale=gamma, reserve_space_1=saved_1,
+                reserve_space_2=saved_2, reserve_space_3=saved_3, epsilon=epsilon,
+                data_format=data_format, is_training=True,
+            )
+            return dx, dgamma, dbeta
+
+        return (y, mean, unbiased_variance), grad
+
+    y, mean, unbiased_variance = _normalize(_fused_view(x, data_format), gamma, beta)
+    # The kernel reports the Bessel-corrected variance on every device (its reserve spaces
+    # differ between CPU and GPU); undo the correction to return the biased σ² like the
+    # composite path. The layer's moving update re-applies m/(m−1).
+    m = tf.cast(element_count(x, channel_axes), unbiased_variance.dtype)
+    variance = unbiased_variance * tf.maximum(m - 1.0, 0.0) / m
+    return tf.reshape(y, tf.shape(x)), tf.stop_gradient(mean), tf.stop_gradient(variance)
+
+
+def _composite_train(x, gamma, beta, channel_axes, epsilon, mask):
+    x = tf.cast(x, statistics_dtype(x.dtype))
     axes = reduction_axes(x.shape.rank, channel_axes)
     param_shape = tf.shape(gamma)
 

@@ -1,0 +1,129 @@
+"""The fused fast path (FusedBatchNormV3 + FusedBatchNormGradV3) against the composite
+analytic path: outputs, gradients and moving statistics, eager, graph and XLA."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import assert_close
+
+import keras_bn
+from keras_bn import ops
+
+# (shape, axis): every layout the fast path takes.
+FUSED_LAYOUTS = {
+    "nhwc": ((8, 5, 5, 6), -1),
+    "nchw": ((8, 6, 5, 5), 1),
+    "2d": ((32, 6), -1),
+    "sequence": ((4, 7, 6), -1),
+    "sequence_channels_first": ((4, 6, 7), 1),
+    "ndhwc": ((3, 3, 4, 4, 6), -1),
+    "ncdhw": ((3, 6, 3, 4, 4), 1),
+}
+MODES = ["eager", "graph", "xla"]
+
+
+def _run(fn, mode):
+    if mode == "eager":
+        return fn()
+    return tf.function(fn, jit_compile=(mode == "xla"))()
+
+
+def _layer_pair(shape, axis, momentum=0.8):
+    fused, composite = (keras_bn.BatchNormalization(axis=axis, momentum=momentum)
+                        for _ in range(2))
+    composite._fused = False
+    rng = np.random.default_rng(0)
+    for layer in (fused, composite):
+        layer.build(shape)
+    weights = [rng.uniform(0.5, 1.5, size=w.shape).astype("float32") for w in fused.weights]
+    for layer in (fused, composite):
+        layer.set_weights(weights)
+    return fused, composite
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("layout", FUSED_LAYOUTS)
+def test_fused_matches_composite(layout, mode):
+    shape, axis = FUSED_LAYOUTS[layout]
+    fused, composite = _layer_pair(shape, axis)
+    rng = np.random.default_rng(1)
+    upstream = tf.constant(rng.normal(size=shape).astype("float32"))
+    batches = [tf.constant(rng.normal(2.0 - step, 3.0, size=shape).astype("float32"))
+               for step in range(3)]
+    results = {}
+    for name, layer in (("fused", fused), ("composite", composite)):
+        for x in batches:
+
+            def train_step(layer=layer, x=x):
+                with tf.GradientTape() as tape:
+                    tape.watch(x)
+                    y = layer(x, training=True)
+                    loss = tf.reduce_sum(y * upstream)
+                return [y] + tape.gradient(loss, [x] + layer.trainable_weights)
+
+            out = _run(train_step, mode)
+        results[name] = [t.numpy() for t in out] + [w.numpy() for w in layer.non_trainable_weights]
+    # y, dx, dgamma, dbeta, moving_mean, moving_variance
+    for f, c in zip(results["fused"], results["composite"]):
+        assert_close(f, c, 1e-5)
+
+
+def test_fast_path_is_taken_exactly_where_it_applies():
+    f32 = tf.zeros([4, 3, 3, 2])
+    assert ops.fused_data_format(f32, [3], 1e-3) == "NHWC"
+    assert ops.fused_data_format(tf.zeros([4, 2, 3, 3]), [1], 1e-3) == "NCHW"
+    assert ops.fused_data_format(tf.zeros([4, 2], tf.bfloat16), [1], 1e-3) == "NHWC"
+    assert ops.fused_data_format(tf.zeros([4, 3, 3, 2], tf.float64), [3], 1e-3) is None
+    assert ops.fused_data_format(f32, [1, 3], 1e-3) is None
+    assert ops.fused_data_format(f32, [2], 1e-3) is None
+    assert ops.fused_data_format(f32, [3], 1e-6) is None  # below cuDNN's minimum epsilon
+    assert ops.fused_data_format(f32, [3], 1e-3, mask=tf.ones([4, 3, 3, 1])) is None
+    with pytest.raises(ValueError, match="fused batch-norm kernel does not apply"):
+        ops.batch_norm_train(f32, tf.ones([2, 2]), tf.zeros([2, 2]), [1, 3], 1e-3, fused=True)
+
+
+def test_fused_op_really_runs_the_fused_kernel():
+    x = tf.zeros([4, 3, 3, 2])
+    graph = tf.function(
+        lambda x: ops.batch_norm_train(x, tf.ones([2]), tf.zeros([2]), [3], 1e-3)[0]
+    ).get_concrete_function(x).graph
+    assert "FusedBatchNormV3" in {op.type for op in graph.get_operations()}
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+@pytest.mark.parametrize("mode", MODES)
+def test_fused_half_precision_matches_composite(policy, mode):
+    """16-bit inputs go to the kernel as they are, statistics in float32."""
+    keras.mixed_precision.set_global_policy(policy)
+    shape, axis = FUSED_LAYOUTS["nhwc"]
+    fused, composite = _layer_pair(shape, axis)
+    x = tf.constant(np.random.default_rng(2).normal(50.0, 4.0, size=shape).astype("float32"))
+    for layer in (fused, composite):
+        y = _run(lambda layer=layer: layer(tf.cast(x, policy.split("_")[1]), training=True), mode)
+        assert y.dtype == policy.split("_")[1]
+        layer.output_value = y
+    tol = 1e-2 if policy == "mixed_bfloat16" else 2e-3
+    assert_close(fused.output_value, composite.output_value, tol)
+    for f, c in zip(fused.non_trainable_weights, composite.non_trainable_weights):
+        assert f.dtype == "float32"
+        assert_close(f, c, 1e-5)
+
+
+@pytest.mark.parametrize("dtype,loc,scale", [("float32", 1e3, 1e-2), ("float16", 1e3, 1.0)])
+def test_xla_keeps_accurate_statistics_at_large_offsets(dtype, loc, scale):
+    """XLA lowers the fused kernel's variance to E[x²]−E[x]² (off by ×1000s here), so under
+    jit_compile the composite path must be used instead."""
+    x = tf.cast(np.random.default_rng(2).normal(loc, scale, size=(8, 5, 5, 6)), dtype)
+    exact = tf.cast(x, tf.float64).numpy().var(axis=(0, 1, 2))
+    step = tf.function(
+        lambda x: ops.batch_norm_train(x, tf.ones([6]), tf.zeros([6]), [3], 1e-3),
+        jit_compile=True,
+    )
+    _, _, variance = step(x)
+    assert_close(variance, exact, 1e-5)
+    with pytest.raises(ValueError, match="XLA True"):
+        tf.function(
+            lambda x: ops.batch_norm_train(x, tf.ones([6]), tf.zeros([6]), [3], 1e-3, fused=True),
+            jit_compile=True,
+        )(x)
