@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?= -n 2
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: demo test test-all clean
+.PHONY: demo test bench clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -19,6 +19,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_layer.py
+	$(PY) benchmarks/bench_model.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

@@ -229,11 +229,13 @@ def _composite_train(x, gamma, beta, channel_axes, epsilon, mask):
     def _normalize(x, gamma, beta):
         mean, variance = moments(x, channel_axes, mask)
         inv = tf.math.rsqrt(variance + epsilon)
-        x_hat = (x - mean) * inv
         gamma_b = _per_channel(gamma, x, channel_axes)
-        y = x_hat * gamma_b + _per_channel(beta, x, channel_axes)
+        y = (x - mean) * inv * gamma_b + _per_channel(beta, x, channel_axes)
 
         def grad(dy, *_unused_statistic_grads):
+            # x̂ is recomputed from x rather than saved: one tensor less to keep alive, and
+            # XLA fuses the recomputation into the reductions below.
+            x_hat = (x - mean) * inv
             sum_dy = tf.reduce_sum(dy, axes, keepdims=True)
             sum_dy_xhat = tf.reduce_sum(dy * x_hat, axes, keepdims=True)
             if mask is None:

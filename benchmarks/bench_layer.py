@@ -1,0 +1,179 @@
+"""Per-layer speed: keras_bn.BatchNormalization against keras.layers.BatchNormalization and the
+raw kernels, timed interleaved in one run; prints a table of medians.
+
+Train step = forward, backward (to the input and the weights) and a sum-of-squares loss; the two
+layers also update their moving statistics. The raw baseline for training is TensorFlow's
+FusedBatchNormV3 with its registered gradient (FusedBatchNormGradV3); for inference it is
+`x*a + b` on the same tensor.
+
+    python benchmarks/bench_layer.py            # full table (a few minutes on 2 cores)
+    python benchmarks/bench_layer.py --smoke    # tiny shapes, one repetition: CI's check
+"""
+
+import argparse
+import os
+import platform
+import statistics
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import keras_bn  # noqa: E402
+
+# name, shape, axis
+SHAPES = [
+    ("NHWC 64x32x32x64", (64, 32, 32, 64), -1),
+    ("NCHW 64x64x32x32", (64, 64, 32, 32), 1),
+    ("1024x1024", (1024, 1024), -1),
+    ("seq 256x128x512", (256, 128, 512), -1),
+]
+SMOKE_SHAPES = [
+    ("NHWC 4x4x4x8", (4, 4, 4, 8), -1),
+    ("NCHW 4x8x4x4", (4, 8, 4, 4), 1),
+    ("16x32", (16, 32), -1),
+    ("seq 4x6x8", (4, 6, 8), -1),
+]
+POLICIES = ["float32", "mixed_float16"]
+
+
+def machine_description():
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return (f"{model}, {os.cpu_count()} cores; TensorFlow {tf.__version__}, "
+            f"Keras {keras.__version__}, Python {platform.python_version()}")
+
+
+def _layer_train_step(layer, upstream_dtype):
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x, training=True)
+            loss = tf.reduce_sum(tf.square(tf.cast(y, upstream_dtype)))
+        return tape.gradient(loss, [x] + layer.trainable_weights)
+    return step
+
+
+def _raw_fused_train_step(shape, axis, channels):
+    scale = tf.Variable(tf.ones([channels]))
+    offset = tf.Variable(tf.zeros([channels]))
+    data_format = "NCHW" if axis == 1 else "NHWC"
+
+    def view(x):  # the kernel wants 4D; a reshape is free
+        if x.shape.rank == 4:
+            return x
+        if data_format == "NHWC":
+            return tf.reshape(x, [-1, 1, 1, channels])
+        return tf.reshape(x, [x.shape[0], channels, -1, 1])
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y, _, _ = tf.compat.v1.nn.fused_batch_norm(
+                view(x), scale, offset, epsilon=1e-3, data_format=data_format, is_training=True
+            )
+            loss = tf.reduce_sum(tf.square(tf.cast(y, tf.float32)))
+        return tape.gradient(loss, [x, scale, offset])
+    return step
+
+
+def _raw_affine(shape, axis, channels, dtype):
+    bshape = [1] * len(shape)
+    bshape[axis] = channels
+    a = tf.constant(np.random.default_rng(0).uniform(0.5, 1.5, bshape), dtype)
+    b = tf.constant(np.random.default_rng(1).normal(size=bshape), dtype)
+    return lambda x: x * a + b
+
+
+def contenders(shape, axis, policy, mode):
+    """{name: python function of x} for one row."""
+    channels = shape[axis]
+    ours = keras_bn.BatchNormalization(axis=axis, dtype=policy)
+    theirs = keras.layers.BatchNormalization(axis=axis, dtype=policy)
+    for layer in (ours, theirs):
+        layer.build(shape)
+    if mode == "train":
+        return {
+            "keras_bn": _layer_train_step(ours, tf.float32),
+            "keras": _layer_train_step(theirs, tf.float32),
+            "raw": _raw_fused_train_step(shape, axis, channels),
+        }
+    compute = keras.mixed_precision.Policy(policy).compute_dtype
+    return {
+        "keras_bn": lambda x: ours(x, training=False),
+        "keras": lambda x: theirs(x, training=False),
+        "raw": _raw_affine(shape, axis, channels, compute),
+    }
+
+
+def time_row(functions, x, reps, inner):
+    """Median seconds per call for each function, the functions interleaved rep by rep."""
+    for f in functions.values():  # trace, compile and warm up
+        for _ in range(2):
+            tf.nest.map_structure(lambda t: t.numpy(), f(x))
+    samples = {name: [] for name in functions}
+    for _ in range(reps):
+        for name, f in functions.items():
+            start = time.perf_counter()
+            for _ in range(inner):
+                out = f(x)
+            tf.nest.map_structure(lambda t: t.numpy(), out)  # wait for the result
+            samples[name].append((time.perf_counter() - start) / inner)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def run(shapes, reps, inner, jit_modes=(False, True)):
+    rows = []
+    for label, shape, axis in shapes:
+        for policy in POLICIES:
+            compute = keras.mixed_precision.Policy(policy).compute_dtype
+            x = tf.constant(np.random.default_rng(0).normal(1.0, 2.0, shape), compute)
+            for mode in ("train", "inference"):
+                for jit in jit_modes:
+                    functions = {name: tf.function(f, jit_compile=jit)
+                                 for name, f in contenders(shape, axis, policy, mode).items()}
+                    t = time_row(functions, x, reps, inner)
+                    rows.append((label, policy, mode, "XLA" if jit else "graph", t))
+                    print(_format_row(rows[-1]), flush=True)
+    return rows
+
+
+HEADER = ("| shape | policy | step | tf.function | keras_bn ms | Keras BN ms | raw ms "
+          "| keras_bn / Keras | keras_bn / raw |\n|---|---|---|---|---|---|---|---|---|")
+
+
+def _format_row(row):
+    label, policy, mode, jit, t = row
+    return (f"| {label} | {policy} | {mode} | {jit} | {t['keras_bn'] * 1e3:.2f} | "
+            f"{t['keras'] * 1e3:.2f} | {t['raw'] * 1e3:.2f} | "
+            f"{t['keras_bn'] / t['keras']:.2f} | {t['keras_bn'] / t['raw']:.2f} |")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, one repetition")
+    parser.add_argument("--reps", type=int, default=15, help="timed samples per contender")
+    parser.add_argument("--inner", type=int, default=3, help="calls per sample")
+    args = parser.parse_args(argv)
+    print(f"machine: {machine_description()}")
+    print("raw = FusedBatchNormV3 + its gradient (train), x*a+b (inference); medians\n")
+    print(HEADER, flush=True)
+    if args.smoke:
+        run(SMOKE_SHAPES, reps=1, inner=1)
+    else:
+        run(SHAPES, reps=args.reps, inner=args.inner)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,126 @@
+"""Whole-model speed and memory: a small ResNet (8 conv–BN–ReLU blocks after a stem) trained on
+synthetic 32×32×3 batches of 64, once with keras_bn and once with keras.layers.BatchNormalization.
+
+Each variant runs in its own process, so that its peak resident memory (RSS) is its own; the
+processes alternate for several rounds and the table gives the median step time over all steps
+of all rounds, and the median of the rounds' peak RSS.
+
+    python benchmarks/bench_model.py            # full run
+    python benchmarks/bench_model.py --smoke    # tiny model, one round: CI's check
+"""
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+# "none" is the same network with every BN replaced by an identity: the floor that shows how much
+# of a step BN takes at all, and so the best ratio any BN could reach.
+VARIANTS = ("keras_bn", "keras", "none")
+
+
+def build_resnet(norm, image=32, width=32, classes=10):
+    import keras
+
+    def conv_bn_relu(x, filters, strides=1, relu=True):
+        x = keras.layers.Conv2D(filters, 3, strides=strides, padding="same", use_bias=False)(x)
+        x = norm()(x)
+        return keras.layers.ReLU()(x) if relu else x
+
+    inputs = keras.Input((image, image, 3))
+    x = conv_bn_relu(inputs, width)
+    for stage, filters in enumerate((width, width, 2 * width, 2 * width)):
+        strides = 2 if stage == 2 else 1
+        shortcut = x
+        y = conv_bn_relu(x, filters, strides)
+        y = conv_bn_relu(y, filters, relu=False)
+        if strides != 1 or shortcut.shape[-1] != filters:
+            shortcut = keras.layers.Conv2D(filters, 1, strides=strides, use_bias=False)(shortcut)
+        x = keras.layers.ReLU()(keras.layers.Add()([y, shortcut]))
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inputs, keras.layers.Dense(classes)(x))
+
+
+def worker(variant, image, batch, steps):
+    """Time `steps` train steps of one variant in this process; print JSON."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import keras
+    import numpy as np
+
+    import keras_bn
+
+    norm = {"keras_bn": keras_bn.BatchNormalization,
+            "keras": keras.layers.BatchNormalization,
+            "none": keras.layers.Identity}[variant]
+    keras.utils.set_random_seed(0)
+    model = build_resnet(norm, image=image)
+    model.compile(keras.optimizers.SGD(0.01), keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True))
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(batch, image, image, 3)).astype("float32")
+    y = rng.integers(0, 10, size=(batch,))
+    for _ in range(3):  # trace and warm up
+        model.train_on_batch(x, y)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        model.train_on_batch(x, y)
+        times.append(time.perf_counter() - start)
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    print(json.dumps({"variant": variant, "times": times, "peak_rss_mb": peak_kib / 1024}))
+
+
+def run(rounds, image, batch, steps):
+    results = {v: {"times": [], "peak": []} for v in VARIANTS}
+    for _ in range(rounds):
+        for variant in VARIANTS:
+            out = subprocess.run(
+                [sys.executable, __file__, "--worker", variant, "--image", str(image),
+                 "--batch", str(batch), "--steps", str(steps)],
+                check=True, capture_output=True, text=True,
+            ).stdout
+            record = json.loads(out.strip().splitlines()[-1])
+            results[variant]["times"] += record["times"]
+            results[variant]["peak"].append(record["peak_rss_mb"])
+    return {v: (statistics.median(r["times"]), statistics.median(r["peak"]))
+            for v, r in results.items()}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny model, one round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--image", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args.worker, args.image, args.batch, args.steps)
+        return 0
+    if args.smoke:
+        args.rounds, args.steps, args.image, args.batch = 1, 1, 8, 4
+    sys.path.insert(0, os.path.dirname(__file__))
+    from bench_layer import machine_description
+
+    print(f"machine: {machine_description()}")
+    print(f"small ResNet, {args.image}x{args.image}x3, batch {args.batch}, "
+          f"{args.rounds} rounds x {args.steps} steps; medians\n")
+    results = run(args.rounds, args.image, args.batch, args.steps)
+    (ours_t, ours_m), (theirs_t, theirs_m), (none_t, none_m) = (
+        results[v] for v in VARIANTS)
+    print("| model | keras_bn step ms | Keras BN step ms | keras_bn / Keras | no-BN step ms "
+          "| BN share of the Keras step | keras_bn peak RSS MB | Keras BN peak RSS MB "
+          "| no-BN peak RSS MB |\n|---|---|---|---|---|---|---|---|---|")
+    print(f"| small ResNet | {ours_t * 1e3:.1f} | {theirs_t * 1e3:.1f} | "
+          f"{ours_t / theirs_t:.2f} | {none_t * 1e3:.1f} | {1 - none_t / theirs_t:.0%} | "
+          f"{ours_m:.0f} | {theirs_m:.0f} | {none_m:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,37 @@
+"""The benchmark scripts run (tiny shapes, one repetition) and print complete tables.
+Timings are never asserted: CI machines are too noisy for that."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(script):
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", script), "--smoke"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+@pytest.mark.slow
+def test_bench_layer_smoke():
+    out = _run("bench_layer.py")
+    assert out.startswith("machine: ")
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "ms" not in line
+            and "---" not in line]
+    # 4 shapes x 2 policies x (train, inference) x (graph, XLA)
+    assert len(rows) == 32
+    assert all(len(row.split("|")) == 11 for row in rows)
+
+
+@pytest.mark.slow
+def test_bench_model_smoke():
+    out = _run("bench_model.py")
+    assert out.startswith("machine: ")
+    assert "| small ResNet |" in out
