@@ -159,11 +159,10 @@ class BatchNormalization(keras.layers.Layer):
             )
             self._update_moving_statistics(mean, variance, count)
         else:
-            a, b = ops.inference_affine(
-                tf.cast(self.moving_mean, dtype), tf.cast(self.moving_variance, dtype),
-                gamma, beta, self.epsilon,
+            y = ops.batch_norm_eval(
+                inputs, tf.cast(self.moving_mean, dtype), tf.cast(self.moving_variance, dtype),
+                gamma, beta, self._channel_axes, self.epsilon,
             )
-            y = ops.batch_norm_inference(tf.cast(inputs, dtype), a, b, self._channel_axes)
         return tf.cast(y, self.compute_dtype)
 
     def _param(self, variable, default, dtype):

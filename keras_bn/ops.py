@@ -261,3 +261,22 @@ def inference_affine(mean, variance, gamma, beta, epsilon):
 def batch_norm_inference(x, a, b, channel_axes):
     """Apply the per-channel affine y = a·x + b."""
     return x * _per_channel(a, x, channel_axes) + _per_channel(b, x, channel_axes)
+
+
+def batch_norm_eval(x, mean, variance, gamma, beta, channel_axes, epsilon):
+    """Inference BN from given statistics, y = γ(x − mean)/√(variance + ε) + β = a·x + b.
+
+    Channel-last inputs go through FusedBatchNormV3's inference mode: the same affine in one
+    pass, computed in float32 for 16-bit inputs, about twice as fast on CPU as the two-op
+    a·x + b. Other layouts (and XLA, which fuses the affine itself) use `batch_norm_inference`
+    in the statistics dtype; channels-first is not fused because the CPU kernel transposes.
+    Returns x's dtype on the fused path, the statistics dtype otherwise.
+    """
+    if fused_data_format(x, channel_axes, epsilon) == "NHWC":
+        y = tf.raw_ops.FusedBatchNormV3(
+            x=_fused_view(x, "NHWC"), scale=gamma, offset=beta, mean=mean, variance=variance,
+            epsilon=epsilon, exponential_avg_factor=1.0, data_format="NHWC", is_training=False,
+        )[0]
+        return tf.reshape(y, tf.shape(x))
+    a, b = inference_affine(mean, variance, gamma, beta, epsilon)
+    return batch_norm_inference(tf.cast(x, statistics_dtype(x.dtype)), a, b, channel_axes)

@@ -127,3 +127,25 @@ def test_xla_keeps_accurate_statistics_at_large_offsets(dtype, loc, scale):
             lambda x: ops.batch_norm_train(x, tf.ones([6]), tf.zeros([6]), [3], 1e-3, fused=True),
             jit_compile=True,
         )(x)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("layout", FUSED_LAYOUTS)
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_inference_matches_affine_reference(layout, mode, dtype):
+    """`batch_norm_eval` (the fused kernel's inference mode where the layout allows) equals
+    a·x + b computed in float64 from the same statistics."""
+    shape, axis = FUSED_LAYOUTS[layout]
+    channels = shape[axis]
+    rng = np.random.default_rng(3)
+    x = tf.cast(rng.normal(1.0, 2.0, size=shape), dtype)
+    mean, gamma, beta = (rng.normal(size=channels) for _ in range(3))
+    variance = rng.uniform(0.5, 2.0, size=channels)
+    params = [tf.constant(p, tf.float32) for p in (mean, variance, gamma, beta)]
+    channel_axes = [axis % len(shape)]
+    y = _run(lambda: ops.batch_norm_eval(x, *params, channel_axes, 1e-3), mode)
+    bshape = [channels if i in channel_axes else 1 for i in range(len(shape))]
+    a = (gamma / np.sqrt(variance + 1e-3)).reshape(bshape)
+    expected = a * tf.cast(x, tf.float64).numpy() + (beta.reshape(bshape) - a * mean.reshape(bshape))
+    tol = {"float32": 1e-6, "float16": 1e-3, "bfloat16": 1e-2}[dtype]
+    assert_close(tf.cast(y, tf.float64), expected, tol)
