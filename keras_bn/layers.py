@@ -52,6 +52,11 @@ class BatchNormalization(keras.layers.Layer):
         moving_variance_initializer: initializers of the four weights.
         beta_regularizer, gamma_regularizer: optional regularizers.
         beta_constraint, gamma_constraint: optional constraints.
+        synchronized: under a `tf.distribute` strategy with several replicas, compute the
+            batch statistics over the global batch (all replicas) and all-reduce the backward
+            pass's sums too, so training equals single-device BN on the global batch. With
+            False each replica normalizes with its own batch's statistics (Keras semantics);
+            either way the moving statistics are averaged over replicas and stay identical.
         **kwargs: base layer arguments (`name`, `dtype`, `trainable`, ...).
 
     Call arguments:
@@ -76,6 +81,7 @@ class BatchNormalization(keras.layers.Layer):
         gamma_regularizer=None,
         beta_constraint=None,
         gamma_constraint=None,
+        synchronized=False,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -92,6 +98,11 @@ class BatchNormalization(keras.layers.Layer):
         self.gamma_regularizer = regularizers.get(gamma_regularizer)
         self.beta_constraint = constraints.get(beta_constraint)
         self.gamma_constraint = constraints.get(gamma_constraint)
+        if not isinstance(synchronized, bool):
+            raise ValueError(
+                f"synchronized must be True or False; received synchronized={synchronized!r}."
+            )
+        self.synchronized = synchronized
         self.supports_masking = True
         self.gamma = None
         self.beta = None
@@ -130,13 +141,15 @@ class BatchNormalization(keras.layers.Layer):
                 regularizer=self.beta_regularizer, constraint=self.beta_constraint,
                 trainable=True, autocast=False,
             )
+        # "mean" aggregation keeps the moving statistics identical on every replica under
+        # tf.distribute (Keras's "none" lets each replica's copy drift apart).
         self.moving_mean = self.add_weight(
             shape=shape, name="moving_mean", initializer=self.moving_mean_initializer,
-            trainable=False, autocast=False,
+            trainable=False, autocast=False, aggregation="mean",
         )
         self.moving_variance = self.add_weight(
-            shape=shape, name="moving_variance",
-            initializer=self.moving_variance_initializer, trainable=False, autocast=False,
+            shape=shape, name="moving_variance", initializer=self.moving_variance_initializer,
+            trainable=False, autocast=False, aggregation="mean",
         )
         self.input_spec = keras.layers.InputSpec(ndim=rank, axes=dims)
 
@@ -152,10 +165,12 @@ class BatchNormalization(keras.layers.Layer):
 
         if training and self.trainable:
             mask = None if mask is None else ops.expand_mask(mask, inputs, self._channel_axes)
-            count = ops.element_count(inputs, self._channel_axes, mask)
+            replicas = self._replica_context()
+            count = ops.element_count(inputs, self._channel_axes, mask, replicas)
             inputs = self._assert_enough_elements(inputs, count)
             y, mean, variance = ops.batch_norm_train(
-                inputs, gamma, beta, self._channel_axes, self.epsilon, mask, fused=self._fused
+                inputs, gamma, beta, self._channel_axes, self.epsilon, mask,
+                fused=self._fused, replica_context=replicas,
             )
             self._update_moving_statistics(mean, variance, count)
         else:
@@ -164,6 +179,16 @@ class BatchNormalization(keras.layers.Layer):
                 gamma, beta, self._channel_axes, self.epsilon,
             )
         return tf.cast(y, self.compute_dtype)
+
+    def _replica_context(self):
+        """The replica context to all-reduce over for synchronized BN, or None: not
+        synchronized, outside a strategy's replica function, or a single replica."""
+        if not self.synchronized:
+            return None
+        context = tf.distribute.get_replica_context()
+        if context is None or context.num_replicas_in_sync <= 1:
+            return None
+        return context
 
     def _param(self, variable, default, dtype):
         """A weight as a tensor, or the constant that stands for it when disabled."""
@@ -223,6 +248,7 @@ class BatchNormalization(keras.layers.Layer):
             "gamma_regularizer": regularizers.serialize(self.gamma_regularizer),
             "beta_constraint": constraints.serialize(self.beta_constraint),
             "gamma_constraint": constraints.serialize(self.gamma_constraint),
+            "synchronized": self.synchronized,
         }
 
 

@@ -74,37 +74,59 @@ def expand_mask(mask, x, channel_axes):
     return tf.cast(mask, statistics_dtype(x.dtype))
 
 
-def element_count(x, channel_axes, mask=None):
+def element_count(x, channel_axes, mask=None, replica_context=None):
     """m: how many elements each channel's statistics are taken over.
 
-    A Python int when the shape is static and there is no mask (so callers can check it at
-    trace time); otherwise a scalar tensor of `statistics_dtype(x.dtype)`. `mask` is the output
-    of `expand_mask`.
+    A Python int when the shape is static, there is no mask and no replica context (so callers
+    can check it at trace time); otherwise a scalar tensor of `statistics_dtype(x.dtype)`.
+    `mask` is the output of `expand_mask`. With a `replica_context` (synchronized BN) it is the
+    count over every replica's batch.
     """
     axes = reduction_axes(x.shape.rank, channel_axes)
-    if mask is not None:
-        return tf.reduce_sum(mask)
     dims = [x.shape[i] for i in axes]
-    if all(d is not None for d in dims):
-        m = 1
+    if mask is not None:
+        local = tf.reduce_sum(mask)
+    elif all(d is not None for d in dims):
+        local = 1
         for d in dims:
-            m *= d
-        return m
-    return tf.cast(tf.reduce_prod(tf.gather(tf.shape(x), axes)), statistics_dtype(x.dtype))
-
-
-def moments(x, channel_axes, mask=None):
-    """Per-channel mean and biased variance (corrected two-pass), kept broadcastable to x."""
-    axes = reduction_axes(x.shape.rank, channel_axes)
-    if mask is None:
-        average = lambda t: tf.reduce_mean(t, axes, keepdims=True)  # noqa: E731
+            local *= d
     else:
-        count = tf.reduce_sum(mask)
-        average = lambda t: tf.reduce_sum(mask * t, axes, keepdims=True) / count  # noqa: E731
-    shift = average(x)
+        local = tf.reduce_prod(tf.gather(tf.shape(x), axes))
+    if replica_context is None and isinstance(local, int):
+        return local
+    local = tf.cast(local, statistics_dtype(x.dtype))
+    if replica_context is None:
+        return local
+    return replica_context.all_reduce(tf.distribute.ReduceOp.SUM, local)
+
+
+def _channel_sums(tensors, axes, mask=None, replica_context=None):
+    """Per-channel sums over the reduced axes (of the unmasked elements), added up across
+    replicas in one batched all-reduce when a replica context is given."""
+    sums = [tf.reduce_sum(t if mask is None else mask * t, axes, keepdims=True) for t in tensors]
+    if replica_context is not None:
+        sums = replica_context.all_reduce(tf.distribute.ReduceOp.SUM, sums)
+    return sums
+
+
+def moments(x, channel_axes, mask=None, replica_context=None):
+    """Per-channel mean and biased variance (corrected two-pass), kept broadcastable to x.
+
+    With a replica context the sums run over every replica's batch: the global statistics.
+    """
+    axes = reduction_axes(x.shape.rank, channel_axes)
+    if mask is None and replica_context is None:
+        def average(*tensors):
+            return [tf.reduce_mean(t, axes, keepdims=True) for t in tensors]
+    else:
+        count = element_count(x, channel_axes, mask, replica_context)
+
+        def average(*tensors):
+            return [s / count for s in _channel_sums(tensors, axes, mask, replica_context)]
+    (shift,) = average(x)
     centered = x - shift
-    residual = average(centered)  # the first pass's rounding error
-    variance = tf.maximum(average(tf.square(centered)) - tf.square(residual), 0.0)
+    residual, mean_square = average(centered, tf.square(centered))  # residual: pass 1's error
+    variance = tf.maximum(mean_square - tf.square(residual), 0.0)
     return shift + residual, variance
 
 
@@ -154,7 +176,9 @@ def _fused_view(x, data_format):
     return tf.reshape(x, [tf.shape(x)[0], x.shape[1], -1, 1])  # (N, C, ...) -> (N, C, R, 1)
 
 
-def batch_norm_train(x, gamma, beta, channel_axes, epsilon, mask=None, fused=None):
+def batch_norm_train(
+    x, gamma, beta, channel_axes, epsilon, mask=None, fused=None, replica_context=None
+):
     """Train-mode batch normalization with a hand-written gradient.
 
     Two implementations of the same maths. Where the layout allows (see `fused_data_format`)
@@ -173,22 +197,30 @@ def batch_norm_train(x, gamma, beta, channel_axes, epsilon, mask=None, fused=Non
         mask: optional output of `expand_mask`; masked-out elements do not enter μ or σ².
         fused: None picks the fused kernel where it applies; False forces the composite path;
             True requires the fused kernel (ValueError where it does not apply).
+        replica_context: synchronized BN. The statistics, m, and the backward pass's Σg and
+            Σg·x̂ are all-reduced over the replicas, so each replica's y and ∂l/∂x are its slice
+            of single-device BN on the global batch; ∂l/∂γ and ∂l/∂β stay per replica, because
+            the optimizer's all-reduce adds them up. Always the composite path.
 
     Returns:
         (y, mean, variance): the normalized output (x's dtype on the fused path, the
         statistics dtype on the composite one) and the batch's per-channel mean and biased
         variance, shaped like gamma and carrying no gradient.
     """
-    data_format = None if fused is False else fused_data_format(x, channel_axes, epsilon, mask)
+    data_format = (
+        None if fused is False or replica_context is not None
+        else fused_data_format(x, channel_axes, epsilon, mask)
+    )
     if fused and data_format is None:
         raise ValueError(
             f"The fused batch-norm kernel does not apply here: input shape {x.shape}, dtype "
             f"{x.dtype.name}, channel axes {list(channel_axes)}, epsilon {epsilon}, "
-            f"mask {'given' if mask is not None else 'none'}, XLA {_in_xla_context()}."
+            f"mask {'given' if mask is not None else 'none'}, XLA {_in_xla_context()}, "
+            f"synchronized {replica_context is not None}."
         )
     if data_format is not None:
         return _fused_train(x, gamma, beta, channel_axes, epsilon, data_format)
-    return _composite_train(x, gamma, beta, channel_axes, epsilon, mask)
+    return _composite_train(x, gamma, beta, channel_axes, epsilon, mask, replica_context)
 
 
 def _fused_train(x, gamma, beta, channel_axes, epsilon, data_format):
@@ -220,14 +252,16 @@ def _fused_train(x, gamma, beta, channel_axes, epsilon, data_format):
     return tf.reshape(y, tf.shape(x)), tf.stop_gradient(mean), tf.stop_gradient(variance)
 
 
-def _composite_train(x, gamma, beta, channel_axes, epsilon, mask):
+def _composite_train(x, gamma, beta, channel_axes, epsilon, mask, replica_context):
     x = tf.cast(x, statistics_dtype(x.dtype))
     axes = reduction_axes(x.shape.rank, channel_axes)
     param_shape = tf.shape(gamma)
+    m = element_count(x, channel_axes, mask, replica_context)
+    weight = 1.0 if mask is None else mask
 
     @tf.custom_gradient
     def _normalize(x, gamma, beta):
-        mean, variance = moments(x, channel_axes, mask)
+        mean, variance = moments(x, channel_axes, mask, replica_context)
         inv = tf.math.rsqrt(variance + epsilon)
         gamma_b = _per_channel(gamma, x, channel_axes)
         y = (x - mean) * inv * gamma_b + _per_channel(beta, x, channel_axes)
@@ -236,15 +270,14 @@ def _composite_train(x, gamma, beta, channel_axes, epsilon, mask):
             # x̂ is recomputed from x rather than saved: one tensor less to keep alive, and
             # XLA fuses the recomputation into the reductions below.
             x_hat = (x - mean) * inv
-            sum_dy = tf.reduce_sum(dy, axes, keepdims=True)
-            sum_dy_xhat = tf.reduce_sum(dy * x_hat, axes, keepdims=True)
-            if mask is None:
-                m = tf.cast(tf.size(x) // tf.size(gamma), x.dtype)
-                dx = (gamma_b * inv / m) * (m * dy - sum_dy - x_hat * sum_dy_xhat)
-            else:
-                m = tf.reduce_sum(mask)
-                dx = (gamma_b * inv) * (dy - mask * (sum_dy + x_hat * sum_dy_xhat) / m)
-            return (dx, tf.reshape(sum_dy_xhat, param_shape), tf.reshape(sum_dy, param_shape))
+            sum_dy, sum_dy_xhat = _channel_sums([dy, dy * x_hat], axes)
+            total_dy, total_dy_xhat = sum_dy, sum_dy_xhat
+            if replica_context is not None:
+                total_dy, total_dy_xhat = replica_context.all_reduce(
+                    tf.distribute.ReduceOp.SUM, [sum_dy, sum_dy_xhat]
+                )
+            dx = (gamma_b * inv) * (dy - weight * (total_dy + x_hat * total_dy_xhat) / m)
+            return dx, tf.reshape(sum_dy_xhat, param_shape), tf.reshape(sum_dy, param_shape)
 
         return (y, tf.reshape(mean, param_shape), tf.reshape(variance, param_shape)), grad
 

@@ -3,6 +3,14 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
+import tensorflow as tf  # noqa: E402
+
+# Four logical CPU devices, for the tf.distribute tests' real MirroredStrategy replicas. This
+# must run before TensorFlow initialises its devices; ops without a device scope still run on
+# /CPU:0, so the rest of the suite is unaffected.
+_cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * 4)
+
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

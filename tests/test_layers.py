@@ -176,9 +176,10 @@ def test_keras_config_loads_into_keras_bn():
     """A Keras BN's core arguments build an equivalent keras_bn layer."""
     theirs = keras.layers.BatchNormalization(axis=1, momentum=0.8, epsilon=1e-4, center=False)
     config = {k: v for k, v in theirs.get_config().items()
-              if k not in ("synchronized", "renorm", "renorm_clipping", "renorm_momentum")}
+              if k not in ("renorm", "renorm_clipping", "renorm_momentum")}
     ours = keras_bn.BatchNormalization.from_config(config)
     assert (ours.axis, ours.momentum, ours.epsilon, ours.center) == (1, 0.8, 1e-4, False)
+    assert ours.synchronized is False
 
 
 # --------------------------------------------------------------------------- training semantics
@@ -411,7 +412,7 @@ def _non_default_layer():
         moving_mean_initializer="ones", moving_variance_initializer=keras.initializers.Constant(2.0),
         beta_regularizer="l2", gamma_regularizer=keras.regularizers.L1(0.01),
         beta_constraint="non_neg", gamma_constraint=keras.constraints.MaxNorm(2.0),
-        name="custom_bn", trainable=False,
+        synchronized=True, name="custom_bn", trainable=False,
     )
 
 

@@ -1,0 +1,256 @@
+"""Synchronized BN on real tf.distribute replicas (logical CPU devices, see conftest.py) and
+across two real worker processes: exactly single-device BN on the global batch."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import assert_close
+
+import keras_bn
+
+EPS = 1e-3
+HERE = os.path.dirname(os.path.abspath(__file__))
+# (global input shape, axis)
+LAYOUTS = {"nhwc": ((16, 4, 4, 3), -1), "nchw": ((16, 3, 4, 4), 1), "2d": ((16, 5), -1)}
+
+
+def _devices(n):
+    return [f"/cpu:{i}" for i in range(n)]
+
+
+_STRATEGIES = {}
+
+
+def _strategy(replicas):
+    """A MirroredStrategy over `replicas` logical CPUs, one per size for the whole process.
+
+    TF numbers collective groups from 1 in every MirroredStrategy, so strategies of two sizes
+    in one process collide ("joining a group with size 4, but that group has size 2"); a key
+    base of its own per size keeps their groups apart.
+    """
+    if replicas not in _STRATEGIES:
+        cls = type(f"MirroredStrategy{replicas}", (tf.distribute.MirroredStrategy,),
+                   {"_collective_key_base": 1000 * replicas})
+        _STRATEGIES[replicas] = cls(_devices(replicas))
+    return _STRATEGIES[replicas]
+
+
+def _weights(layer, seed=1):
+    rng = np.random.default_rng(seed)
+    return [rng.uniform(0.5, 1.5, size=w.shape).astype("float32") for w in layer.weights]
+
+
+def _single_device(x, upstream, axis, momentum=0.5):
+    layer = keras_bn.BatchNormalization(axis=axis, momentum=momentum)
+    layer.build(x.shape)
+    layer.set_weights(_weights(layer))
+    x = tf.constant(x)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = layer(x, training=True)
+        loss = tf.reduce_sum(y * upstream)
+    dx, dgamma, dbeta = tape.gradient(loss, [x] + layer.trainable_weights)
+    return {"y": y, "dx": dx, "dgamma": dgamma, "dbeta": dbeta,
+            "moving_mean": layer.moving_mean, "moving_variance": layer.moving_variance}
+
+
+def _replicated(x, upstream, axis, replicas, synchronized=True, momentum=0.5):
+    """One training step of the layer on `replicas` devices, each given its slice of x.
+    Returns the replicas' outputs and input gradients concatenated, the weight gradients
+    summed (what the optimizer's all-reduce does) and every replica's moving statistics."""
+    strategy = _strategy(replicas)
+    per_replica = len(x) // replicas
+    with strategy.scope():
+        layer = keras_bn.BatchNormalization(
+            axis=axis, momentum=momentum, synchronized=synchronized
+        )
+        layer.build((per_replica,) + x.shape[1:])
+        layer.set_weights(_weights(layer))
+
+    def shard(context):
+        i = context.replica_id_in_sync_group
+        rows = slice(i * per_replica, (i + 1) * per_replica)
+        return tf.constant(x[rows]), tf.constant(upstream[rows])
+
+    inputs = strategy.experimental_distribute_values_from_function(shard)
+
+    def replica_step(pair):
+        xs, us = pair
+        with tf.GradientTape() as tape:
+            tape.watch(xs)
+            y = layer(xs, training=True)
+            loss = tf.reduce_sum(y * us)
+        return [y] + tape.gradient(loss, [xs] + layer.trainable_weights)
+
+    results = tf.function(lambda d: strategy.run(replica_step, args=(d,)))(inputs)
+    local = [strategy.experimental_local_results(r) for r in results]
+    moving = [strategy.experimental_local_results(v.value)
+              for v in (layer.moving_mean, layer.moving_variance)]
+    return {
+        "y": tf.concat(local[0], 0), "dx": tf.concat(local[1], 0),
+        "dgamma": tf.add_n(local[2]), "dbeta": tf.add_n(local[3]),
+        "replica_moving_mean": moving[0], "replica_moving_variance": moving[1],
+    }
+
+
+def _data(shape, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(2.0, 3.0, size=shape).astype("float32")
+    x[len(x) // 2:] += 5.0  # replicas see different distributions
+    return x, rng.normal(size=shape).astype("float32")
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_synchronized_equals_single_device_on_global_batch(layout, replicas):
+    shape, axis = LAYOUTS[layout]
+    x, upstream = _data(shape)
+    single = _single_device(x, upstream, axis)
+    multi = _replicated(x, upstream, axis, replicas)
+    for key in ("y", "dx", "dgamma", "dbeta"):
+        assert_close(multi[key], single[key], 1e-5)
+    for name in ("moving_mean", "moving_variance"):
+        copies = multi[f"replica_{name}"]
+        assert len(copies) == replicas
+        for copy in copies:
+            assert_close(copy, single[name], 1e-5)
+
+
+def test_global_m_counts_every_replica():
+    """Two replicas with one example each: m = 2 globally, so synchronized BN trains where a
+    single replica's batch alone could not (m = 1)."""
+    x, upstream = _data((2, 5))
+    single = _single_device(x, upstream, -1)
+    multi = _replicated(x, upstream, -1, replicas=2)
+    # (With m = 2, x̂ = ±1 whatever x is, so ∂l/∂x is rounding noise: not compared.)
+    assert_close(multi["y"], single["y"], 1e-5)
+    for name in ("moving_mean", "moving_variance"):
+        for copy in multi[f"replica_{name}"]:
+            assert_close(copy, single[name], 1e-5)
+
+
+def test_unsynchronized_normalizes_per_replica_and_keeps_copies_identical():
+    shape, axis = LAYOUTS["nhwc"]
+    x, upstream = _data(shape)
+    multi = _replicated(x, upstream, axis, replicas=2, synchronized=False, momentum=0.5)
+    halves = [_single_device(x[i * 8:(i + 1) * 8], upstream[i * 8:(i + 1) * 8], axis)
+              for i in range(2)]
+    assert_close(multi["y"], np.concatenate([h["y"] for h in halves]), 1e-5)
+    assert_close(multi["dx"], np.concatenate([h["dx"] for h in halves]), 1e-5)
+    for name in ("moving_mean", "moving_variance"):
+        average = (halves[0][name].numpy() + halves[1][name].numpy()) / 2
+        for copy in multi[f"replica_{name}"]:
+            assert_close(copy, average, 1e-5)
+
+
+def test_one_replica_or_no_strategy_is_unsynchronized_bn():
+    shape, axis = LAYOUTS["nhwc"]
+    x, upstream = _data(shape)
+    single = _single_device(x, upstream, axis)
+    one = _replicated(x, upstream, axis, replicas=1)
+    for key in ("y", "dx", "dgamma", "dbeta"):
+        assert_close(one[key], single[key], 1e-5)
+    layer = keras_bn.BatchNormalization(synchronized=True)
+    plain = keras_bn.BatchNormalization()
+    for bn in (layer, plain):
+        bn.build(shape)
+        bn.set_weights(_weights(bn))
+    assert_close(layer(x, training=True), plain(x, training=True), 1e-6)
+
+
+def _mlp(synchronized):
+    return keras.Sequential([
+        keras.Input((6,)),
+        keras.layers.Dense(8, use_bias=False),
+        keras_bn.BatchNormalization(momentum=0.5, synchronized=synchronized),
+        keras.layers.ReLU(),
+        keras.layers.Dense(1),
+    ])
+
+
+def test_fit_under_mirrored_strategy_matches_single_device():
+    """Tolerance 1e-5 relative: float32 sums are added in a different order per replica, which
+    moves each step's results by ~1e-7 relative; three SGD steps stay far below 1e-5."""
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(48, 6)).astype("float32")
+    x[np.arange(48) % 16 >= 8] += 3.0  # each batch's second half: replica 1's slice
+    y = rng.normal(size=(48, 1)).astype("float32")
+    keras.utils.set_random_seed(0)
+    reference = _mlp(synchronized=False)
+    initial = reference.get_weights()
+    reference.compile(keras.optimizers.SGD(0.1), "mse")
+    reference.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+
+    strategy = _strategy(2)
+    with strategy.scope():
+        model = _mlp(synchronized=True)
+        model.set_weights(initial)
+        model.compile(keras.optimizers.SGD(0.1), "mse")
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    for ours, theirs in zip(model.weights, reference.weights):
+        copies = strategy.experimental_local_results(ours.value)
+        for copy in copies:
+            assert_close(copy, theirs, 1e-5)
+    # The layer's statistics really moved: the test would notice a no-op.
+    assert not np.allclose(reference.layers[1].moving_mean, 0.0)
+
+
+# --------------------------------------------------------------------------- multi-worker
+
+
+def _free_ports(n):
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+@pytest.mark.slow
+def test_multi_worker_mirrored_strategy_matches_one_process(tmp_path):
+    """Two worker processes on 127.0.0.1 train with MultiWorkerMirroredStrategy, each on its
+    half of every global batch; their weights and moving statistics equal one process
+    training on the global batch."""
+    sys.path.insert(0, HERE)
+    import multiworker_worker as worker
+
+    keras.utils.set_random_seed(0)
+    init = tmp_path / "init.npz"
+    np.savez(init, *worker.build_model().get_weights())
+    reference = worker.train(None, str(init))
+
+    ports = _free_ports(2)
+    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
+    procs = []
+    try:
+        for index in range(2):
+            env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": "",
+                   "TF_CONFIG": json.dumps({"cluster": cluster,
+                                            "task": {"type": "worker", "index": index}})}
+            procs.append(subprocess.Popen(
+                [sys.executable, os.path.join(HERE, "multiworker_worker.py"), str(init),
+                 str(tmp_path / f"worker{index}.npz")],
+                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            ))
+        for proc in procs:
+            out, _ = proc.communicate(timeout=100)
+            assert proc.returncode == 0, out[-3000:]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for index in range(2):
+        result = np.load(tmp_path / f"worker{index}.npz")
+        assert len(result.files) == len(reference)
+        for i, expected in enumerate(reference):
+            assert_close(result[f"arr_{i}"], expected, 1e-5)
