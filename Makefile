@@ -23,6 +23,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/bench_layer.py
 	$(PY) benchmarks/bench_model.py
+	$(PY) benchmarks/bench_sync.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

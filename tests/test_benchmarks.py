@@ -35,3 +35,10 @@ def test_bench_model_smoke():
     out = _run("bench_model.py")
     assert out.startswith("machine: ")
     assert "| small ResNet |" in out
+
+
+@pytest.mark.slow
+def test_bench_sync_smoke():
+    out = _run("bench_sync.py")
+    assert out.startswith("machine: ")
+    assert "| NHWC 8x4x4x8 |" in out
