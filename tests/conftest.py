@@ -29,6 +29,23 @@ def assert_close(actual, expected, rtol):
     np.testing.assert_allclose(actual, expected, rtol=rtol, atol=rtol * scale)
 
 
+def broadcast_shape(shape, channel_axes):
+    """Shape of a per-channel array lined up with an input of `shape`."""
+    return [shape[i] if i in channel_axes else 1 for i in range(len(shape))]
+
+
+def numpy_bn_train(x, gamma, beta, channel_axes, eps=1e-3, mask=None):
+    """Forward BN from the article's formulas; returns (y, mean, biased var) in param shape."""
+    axes = tuple(i for i in range(x.ndim) if i not in channel_axes)
+    bshape = broadcast_shape(x.shape, channel_axes)
+    w = np.ones_like(x) if mask is None else np.broadcast_to(mask, x.shape).astype(x.dtype)
+    m = w.sum(axis=axes, keepdims=True)
+    mean = (w * x).sum(axis=axes, keepdims=True) / m
+    var = (w * (x - mean) ** 2).sum(axis=axes, keepdims=True) / m
+    y = gamma.reshape(bshape) * (x - mean) / np.sqrt(var + eps) + beta.reshape(bshape)
+    pshape = gamma.shape
+    return y, mean.reshape(pshape), var.reshape(pshape)
+
 @pytest.fixture(autouse=True)
 def _reset_keras_state():
     """Each test starts from the float32 policy and a fixed seed."""

@@ -4,7 +4,7 @@ reference written here, and finite differences."""
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import assert_close
+from conftest import assert_close, broadcast_shape, numpy_bn_train
 
 from keras_bn import ops
 
@@ -30,27 +30,10 @@ def _inputs(shape, channel_axes, dtype=np.float64, seed=0):
     return x, gamma, beta
 
 
-def _bshape(shape, channel_axes):
-    return [shape[i] if i in channel_axes else 1 for i in range(len(shape))]
-
-
-def numpy_bn_train(x, gamma, beta, channel_axes, eps=EPS, mask=None):
-    """Forward BN from the article's formulas; returns (y, mean, biased var) in param shape."""
-    axes = tuple(i for i in range(x.ndim) if i not in channel_axes)
-    bshape = _bshape(x.shape, channel_axes)
-    w = np.ones_like(x) if mask is None else np.broadcast_to(mask, x.shape).astype(x.dtype)
-    m = w.sum(axis=axes, keepdims=True)
-    mean = (w * x).sum(axis=axes, keepdims=True) / m
-    var = (w * (x - mean) ** 2).sum(axis=axes, keepdims=True) / m
-    y = gamma.reshape(bshape) * (x - mean) / np.sqrt(var + eps) + beta.reshape(bshape)
-    pshape = gamma.shape
-    return y, mean.reshape(pshape), var.reshape(pshape)
-
-
 def tf_reference_bn(x, gamma, beta, channel_axes, eps=EPS, mask=None):
     """The same BN as plain TF ops, for autodiff to differentiate (no custom gradient)."""
     axes = [i for i in range(x.shape.rank) if i not in channel_axes]
-    bshape = _bshape(x.shape, channel_axes)
+    bshape = broadcast_shape(x.shape, channel_axes)
     w = tf.ones_like(x) if mask is None else tf.broadcast_to(tf.cast(mask, x.dtype), x.shape)
     m = tf.reduce_sum(w, axes, keepdims=True)
     mean = tf.reduce_sum(w * x, axes, keepdims=True) / m
@@ -183,7 +166,7 @@ def test_inference_affine_matches_numpy(layout):
     var = rng.uniform(0.5, 3.0, size=gamma.shape)
     a, b = ops.inference_affine(mean, var, gamma, beta, EPS)
     y = ops.batch_norm_inference(tf.constant(x), a, b, axes)
-    bs = _bshape(shape, axes)
+    bs = broadcast_shape(shape, axes)
     expected = gamma.reshape(bs) * (x - mean.reshape(bs)) / np.sqrt(var.reshape(bs) + EPS)
     assert_close(y, expected + beta.reshape(bs), 1e-12)
 
