@@ -14,6 +14,16 @@ tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfigu
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+# Property-based tests: "ci" (the default) runs 700 examples per property, over 2,000 in all;
+# HYPOTHESIS_PROFILE=thorough runs ten times more.
+for _name, _examples in (("ci", 700), ("thorough", 7000)):
+    settings.register_profile(
+        _name, max_examples=_examples, deadline=None, derandomize=(_name == "ci"),
+        database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def assert_close(actual, expected, rtol):
@@ -45,6 +55,18 @@ def numpy_bn_train(x, gamma, beta, channel_axes, eps=1e-3, mask=None):
     y = gamma.reshape(bshape) * (x - mean) / np.sqrt(var + eps) + beta.reshape(bshape)
     pshape = gamma.shape
     return y, mean.reshape(pshape), var.reshape(pshape)
+
+
+def tf_reference_bn(x, gamma, beta, channel_axes, eps=1e-3, mask=None):
+    """The same BN as plain TF ops, for autodiff to differentiate (no custom gradient)."""
+    axes = [i for i in range(x.shape.rank) if i not in channel_axes]
+    bshape = broadcast_shape(x.shape, channel_axes)
+    w = tf.ones_like(x) if mask is None else tf.broadcast_to(tf.cast(mask, x.dtype), x.shape)
+    m = tf.reduce_sum(w, axes, keepdims=True)
+    mean = tf.reduce_sum(w * x, axes, keepdims=True) / m
+    var = tf.reduce_sum(w * tf.square(x - mean), axes, keepdims=True) / m
+    return tf.reshape(gamma, bshape) * (x - mean) / tf.sqrt(var + eps) + tf.reshape(beta, bshape)
+
 
 @pytest.fixture(autouse=True)
 def _reset_keras_state():

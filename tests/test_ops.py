@@ -4,7 +4,7 @@ reference written here, and finite differences."""
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import assert_close, broadcast_shape, numpy_bn_train
+from conftest import assert_close, broadcast_shape, numpy_bn_train, tf_reference_bn
 
 from keras_bn import ops
 
@@ -28,17 +28,6 @@ def _inputs(shape, channel_axes, dtype=np.float64, seed=0):
     gamma = rng.uniform(0.5, 2.0, size=pshape).astype(dtype)
     beta = rng.normal(size=pshape).astype(dtype)
     return x, gamma, beta
-
-
-def tf_reference_bn(x, gamma, beta, channel_axes, eps=EPS, mask=None):
-    """The same BN as plain TF ops, for autodiff to differentiate (no custom gradient)."""
-    axes = [i for i in range(x.shape.rank) if i not in channel_axes]
-    bshape = broadcast_shape(x.shape, channel_axes)
-    w = tf.ones_like(x) if mask is None else tf.broadcast_to(tf.cast(mask, x.dtype), x.shape)
-    m = tf.reduce_sum(w, axes, keepdims=True)
-    mean = tf.reduce_sum(w * x, axes, keepdims=True) / m
-    var = tf.reduce_sum(w * tf.square(x - mean), axes, keepdims=True) / m
-    return tf.reshape(gamma, bshape) * (x - mean) / tf.sqrt(var + eps) + tf.reshape(beta, bshape)
 
 
 def _random_mask(shape, channel_axes, seed=1):

@@ -1,0 +1,185 @@
+"""Property-based tests (hypothesis) of keras_bn.BatchNormalization over ranks 2–5, axis
+choices (negative, list, channels_first), float16/bfloat16/float32/float64, center/scale,
+masks and batch sizes from 2. Profiles live in conftest.py ("ci" by default, "thorough")."""
+
+import keras
+import numpy as np
+import tensorflow as tf
+from conftest import assert_close, numpy_bn_train, tf_reference_bn
+from hypothesis import given
+from hypothesis import strategies as st
+
+import keras_bn
+
+EPS = 1e-3
+# Mixed policies for the 16-bit dtypes: the realistic use, float32 weights.
+POLICY = {"float16": "mixed_float16", "bfloat16": "mixed_bfloat16",
+          "float32": "float32", "float64": "float64"}
+# Scale-relative tolerances, from each dtype's resolution (outputs are rounded to it).
+FORWARD_TOL = {"float16": 4e-3, "bfloat16": 3e-2, "float32": 2e-5, "float64": 1e-10}
+GRADIENT_TOL = {"float16": 2e-2, "bfloat16": 1e-1, "float32": 1e-4, "float64": 1e-9}
+
+
+@st.composite
+def bn_cases(draw):
+    rank = draw(st.integers(2, 5))
+    shape = [draw(st.integers(2, 5))] + [draw(st.integers(1, 4)) for _ in range(rank - 1)]
+    kind = draw(st.sampled_from(["last", "negative", "channels_first", "list"]))
+    if kind == "last":
+        axis = rank - 1
+    elif kind == "negative":
+        axis = draw(st.integers(-(rank - 1), -1))
+    elif kind == "channels_first":
+        axis = 1
+    else:
+        axis = sorted(draw(st.sets(st.integers(1, rank - 1), min_size=1, max_size=rank - 1)))
+    channel_axes = sorted(a % rank for a in ([axis] if isinstance(axis, int) else axis))
+    if len(channel_axes) == rank - 1 and shape[0] < 2:
+        shape[0] = 2
+    masked = draw(st.booleans())
+    return {
+        "shape": tuple(shape), "axis": axis, "channel_axes": channel_axes,
+        "dtype": draw(st.sampled_from(sorted(POLICY))), "center": draw(st.booleans()),
+        "scale": draw(st.booleans()), "masked": masked, "seed": draw(st.integers(0, 2**31)),
+        "momentum": draw(st.sampled_from([0.0, 0.5, 0.9])),
+    }
+
+
+def _setup(case):
+    rng = np.random.default_rng(case["seed"])
+    shape, channel_axes = case["shape"], case["channel_axes"]
+    x = tf.cast(rng.normal(rng.uniform(-3, 3), rng.uniform(0.5, 3), shape), case["dtype"])
+    mask = None
+    if case["masked"]:
+        mask = rng.uniform(size=[d for i, d in enumerate(shape) if i not in channel_axes]) > 0.4
+        mask.flat[:2] = True  # at least two values per channel survive: m ≥ 2
+    layer = keras_bn.BatchNormalization(
+        axis=case["axis"], momentum=case["momentum"], center=case["center"],
+        scale=case["scale"], dtype=POLICY[case["dtype"]],
+    )
+    layer.build(shape)
+    weights = [rng.uniform(0.5, 1.5, w.shape).astype(w.dtype) for w in layer.weights]
+    layer.set_weights(weights)
+    return layer, x, mask, rng
+
+
+def _params(layer, channel_axes, shape):
+    pshape = [shape[a] for a in channel_axes]
+    gamma = layer.gamma.numpy().astype(np.float64) if layer.scale else np.ones(pshape)
+    beta = layer.beta.numpy().astype(np.float64) if layer.center else np.zeros(pshape)
+    return gamma, beta
+
+
+def _expanded_mask(mask, shape, channel_axes):
+    if mask is None:
+        return None
+    for a in channel_axes:
+        mask = np.expand_dims(mask, a)
+    return mask
+
+
+@given(bn_cases())
+def test_forward_and_inference_match_numpy(case):
+    layer, x, mask, _ = _setup(case)
+    x64 = tf.cast(x, tf.float64).numpy()
+    gamma, beta = _params(layer, case["channel_axes"], case["shape"])
+    expected, _, _ = numpy_bn_train(
+        x64, gamma, beta, case["channel_axes"], EPS,
+        _expanded_mask(mask, case["shape"], case["channel_axes"]),
+    )
+    y = layer(x, training=True, mask=mask)
+    assert y.dtype == x.dtype
+    assert_close(tf.cast(y, tf.float64), expected, FORWARD_TOL[case["dtype"]])
+
+    bshape = [case["shape"][i] if i in case["channel_axes"] else 1
+              for i in range(len(case["shape"]))]
+    mean, var = (v.numpy().astype(np.float64).reshape(bshape)
+                 for v in (layer.moving_mean, layer.moving_variance))
+    inference = gamma.reshape(bshape) * (x64 - mean) / np.sqrt(var + EPS) + beta.reshape(bshape)
+    assert_close(tf.cast(layer(x, training=False), tf.float64), inference,
+                 FORWARD_TOL[case["dtype"]])
+
+
+@given(bn_cases())
+def test_custom_gradient_matches_autodiff_of_reference(case):
+    layer, x, mask, rng = _setup(case)
+    upstream = tf.constant(rng.normal(size=case["shape"]), tf.float64)
+    gamma, beta = _params(layer, case["channel_axes"], case["shape"])
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = layer(x, training=True, mask=mask)
+        loss = tf.reduce_sum(tf.cast(y, tf.float64) * upstream)
+    got = tape.gradient(loss, [x] + layer.trainable_weights)
+
+    x64 = tf.cast(x, tf.float64)
+    ref_params = [tf.constant(gamma), tf.constant(beta)]
+    with tf.GradientTape() as tape:
+        tape.watch([x64] + ref_params)
+        ref = tf_reference_bn(
+            x64, *ref_params, case["channel_axes"], EPS,
+            _expanded_mask(mask, case["shape"], case["channel_axes"]),
+        )
+        loss = tf.reduce_sum(ref * upstream)
+    dx, dgamma, dbeta = tape.gradient(loss, [x64] + ref_params)
+    tol = GRADIENT_TOL[case["dtype"]]
+    # ∂l/∂x is a difference of terms of size γ·g/σ that can cancel almost exactly (at m = 2,
+    # x̂ = ±1 whatever x is), so its error is measured against those terms, not its own size.
+    full_mask = _expanded_mask(mask, case["shape"], case["channel_axes"])
+    x_hat, _, batch_var = numpy_bn_train(
+        x64.numpy(), np.ones_like(gamma), np.zeros_like(beta), case["channel_axes"], EPS,
+        full_mask,
+    )
+    g = np.abs(upstream.numpy())
+    term = np.abs(gamma).max() / np.sqrt(batch_var.min() + EPS) * g.max()
+    # Likewise ∂l/∂γ = Σg·x̂ and ∂l/∂β = Σg against Σ|g|·(1 + |x̂|): the upstream g reaches the
+    # layer rounded to its dtype.
+    reduced = tuple(i for i in range(g.ndim) if i not in case["channel_axes"])
+    sum_term = (g * (1 + np.abs(x_hat))).sum(axis=reduced).max()
+    np.testing.assert_allclose(tf.cast(got[0], tf.float64), dx, rtol=tol, atol=tol * term)
+    want = ([dgamma] if layer.scale else []) + ([dbeta] if layer.center else [])
+    for g, w in zip(got[1:], want):
+        np.testing.assert_allclose(tf.cast(g, tf.float64), w, rtol=tol, atol=tol * sum_term)
+
+
+@given(bn_cases())
+def test_moving_statistics_follow_unbiased_recurrence(case):
+    layer, x, mask, rng = _setup(case)
+    mean = layer.moving_mean.numpy().astype(np.float64)
+    var = layer.moving_variance.numpy().astype(np.float64)
+    momentum = case["momentum"]
+    full_mask = _expanded_mask(mask, case["shape"], case["channel_axes"])
+    for step in range(2):
+        batch = x if step == 0 else tf.cast(rng.normal(1.0, 2.0, case["shape"]), x.dtype)
+        layer(batch, training=True, mask=mask)
+        x64 = tf.cast(batch, tf.float64).numpy()
+        _, batch_mean, batch_var = numpy_bn_train(
+            x64, np.ones_like(mean), np.zeros_like(mean), case["channel_axes"], EPS, full_mask
+        )
+        m = (np.broadcast_to(full_mask, x64.shape).sum() / mean.size if mask is not None
+             else x64.size / mean.size)
+        mean = momentum * mean + (1 - momentum) * batch_mean
+        var = momentum * var + (1 - momentum) * batch_var * m / (m - 1)
+    # Statistics are float32 for every policy here except float64.
+    tol = 1e-10 if case["dtype"] == "float64" else {"float16": 2e-3, "bfloat16": 2e-2}.get(
+        case["dtype"], 1e-5)
+    assert_close(layer.moving_mean, mean, tol)
+    assert_close(layer.moving_variance, var, tol)
+
+
+def test_strategy_covers_the_space():
+    """The generator reaches every kind of case (hypothesis would silently narrow if not)."""
+    seen = {"dtype": set(), "rank": set(), "kind": set(), "masked": set()}
+
+    @given(bn_cases())
+    def collect(case):
+        seen["dtype"].add(case["dtype"])
+        seen["rank"].add(len(case["shape"]))
+        seen["kind"].add(type(case["axis"]).__name__ + str(case["axis"] == 1))
+        seen["masked"].add(case["masked"])
+
+    collect()
+    assert seen["dtype"] == set(POLICY)
+    assert seen["rank"] == {2, 3, 4, 5}
+    assert {"listFalse", "intTrue", "intFalse"} <= seen["kind"]
+    assert seen["masked"] == {True, False}
+    keras.mixed_precision.set_global_policy("float32")
