@@ -1,6 +1,6 @@
-"""keras_bn.export: fold batch norms into neighbouring layers and write verified TFLite/ONNX files.
+"""keras_bn.export: fold batch norms into neighbouring layers and write verified TFLite/ONNX files."""
 
-Not implemented yet; the console script `keras-bn-export` says so and exits 2.
-"""
+from keras_bn.export.affine import InferenceAffine
+from keras_bn.export.graph import FoldedBN, FoldReport, KeptBN, fold_batch_norms
 
-__all__ = []
+__all__ = ["FoldReport", "FoldedBN", "InferenceAffine", "KeptBN", "fold_batch_norms"]
