@@ -197,6 +197,8 @@ def _fold_model(model, prefix):
             kept.extend(inner_kept)
         elif isinstance(layer, BN_TYPES):
             copies[id(layer)] = _affine_copy(layer, node)
+        elif not isinstance(layer, L.Layer):  # a stateless op such as `x * 2.0`: reusable
+            copies[id(layer)] = layer
         else:
             copies[id(layer)] = _copy_layer(layer, gains_bias=id(layer) in weights)
 
@@ -247,7 +249,7 @@ def _forward_target(bn, node, info, backward_refusal):
         return None, backward_refusal
     output = node.outputs[0]
     consumers = info.consumers.get(id(output), [])
-    if info.fan_out(output) != 1:
+    if info.fan_out(output) != 1 or not consumers:
         why = "its output feeds several layers or a model output"
     elif type(consumers[0].operation) not in FORWARD_HOSTS:
         consumer = consumers[0].operation
@@ -371,7 +373,9 @@ def _copy_weights(nodes, copies, weights):
     done = set()
     for node in nodes:
         layer = node.operation
-        if id(layer) in done or id(layer) not in copies or isinstance(layer, keras.Model):
+        if id(layer) in done or id(layer) not in copies or copies[id(layer)] is layer:
+            continue
+        if isinstance(layer, keras.Model):
             continue
         done.add(id(layer))
         copy = copies[id(layer)]
