@@ -19,6 +19,7 @@ import keras_bn
 from keras_bn import ops
 from keras_bn.export import fold
 from keras_bn.export.affine import InferenceAffine
+from keras_bn.export.report import max_abs_error
 
 L = keras.layers
 BN_TYPES = (keras_bn.BatchNormalization, L.BatchNormalization)
@@ -81,7 +82,7 @@ def fold_batch_norms(model, probe=None):
         probe = random_input(model)
     expected = _flat_outputs(model, probe)
     actual = _flat_outputs(folded_model, probe)
-    error = max(float(np.max(np.abs(a - e), initial=0.0)) for a, e in zip(actual, expected))
+    error = max(max_abs_error(a, e) for a, e in zip(actual, expected))
     scale = max(float(np.max(np.abs(e), initial=0.0)) for e in expected)
     return folded_model, FoldReport(folded, kept, error, scale)
 
