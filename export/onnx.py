@@ -30,6 +30,7 @@ def export_onnx(model, path, opset=17, fold=True, probe=None):
         ExportReport with the error of onnxruntime with graph optimisation disabled and
         enabled, the file's op histogram and its size.
     """
+    trace.check_single_io(model)
     probe = np.asarray(random_input(model) if probe is None else probe)
     source, fold_report = fold_batch_norms(model, probe) if fold else (model, None)
     function = trace.inference_function(source)

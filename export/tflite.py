@@ -6,7 +6,7 @@ import numpy as np
 import tensorflow as tf
 from ai_edge_litert.interpreter import Interpreter, OpResolverType
 
-from keras_bn.export import atomic, report
+from keras_bn.export import atomic, report, trace
 from keras_bn.export.graph import fold_batch_norms, random_input
 
 QUANTIZATIONS = (None, "float16", "dynamic", "int8")
@@ -32,6 +32,7 @@ def export_tflite(model, path, quantization=None, representative_data=None, fold
         ExportReport with the error of the LiteRT run against `model`, the op histogram and
         the file size.
     """
+    trace.check_single_io(model)
     if quantization not in QUANTIZATIONS:
         raise ValueError(
             f"quantization must be one of {QUANTIZATIONS}; received {quantization!r}."

@@ -9,23 +9,25 @@ import keras
 import tensorflow as tf
 
 
+def check_single_io(model):
+    """The exporters' runners feed one input and read one output: say so up front."""
+    for kind, tensors in (("input", model.inputs), ("output", model.outputs)):
+        count = len(keras.tree.flatten(tensors))
+        if count != 1:
+            raise ValueError(
+                f"Export supports models with one {kind}; '{model.name}' has {count}."
+            )
+
+
 def input_spec(model):
     """The TensorSpec of the model's single input, with the batch dim left free."""
-    if len(model.inputs) != 1:
-        raise ValueError(
-            f"Export supports models with one input; '{model.name}' has {len(model.inputs)}."
-        )
+    check_single_io(model)
     tensor = model.inputs[0]
     return tf.TensorSpec([None, *tensor.shape[1:]], tensor.dtype, name="input")
 
 
 def inference_function(model):
     """tf.function(x) -> the model's single output in inference mode."""
-    if len(keras.tree.flatten(model.outputs)) != 1:
-        raise ValueError(
-            f"Export supports models with one output; '{model.name}' has "
-            f"{len(keras.tree.flatten(model.outputs))}."
-        )
 
     @tf.function(input_signature=[input_spec(model)])
     def infer(x):
