@@ -16,7 +16,7 @@ SESSION_SETTINGS = {
 }
 
 
-def export_onnx(model, path, opset=17, fold=True, probe=None):
+def export_onnx(model, path, opset=17, fold=True, probe=None, on_stage=None):
     """Write `model` as an .onnx file at `path` and check it against the Keras model.
 
     Args:
@@ -25,6 +25,8 @@ def export_onnx(model, path, opset=17, fold=True, probe=None):
         opset: the ONNX opset.
         fold: fold the batch norms first (`fold_batch_norms`).
         probe: inputs on which the file is compared with `model`; seeded random by default.
+        on_stage: optional callback, called with "fold", "convert" and "verify" as each
+            stage starts (the CLI's progress display).
 
     Returns:
         ExportReport with the error of onnxruntime with graph optimisation disabled and
@@ -32,7 +34,11 @@ def export_onnx(model, path, opset=17, fold=True, probe=None):
     """
     trace.check_single_io(model)
     probe = np.asarray(random_input(model) if probe is None else probe)
+    stage = on_stage or (lambda name: None)
+    if fold:
+        stage("fold")
     source, fold_report = fold_batch_norms(model, probe) if fold else (model, None)
+    stage("convert")
     function = trace.inference_function(source)
     proto, _ = tf2onnx.convert.from_function(
         function, input_signature=function.input_signature, opset=opset
@@ -40,6 +46,7 @@ def export_onnx(model, path, opset=17, fold=True, probe=None):
     content = proto.SerializeToString()
     expected = np.asarray(model(probe, training=False), np.float64)
 
+    stage("verify")
     with atomic.replacing(path) as temporary:
         with open(temporary, "wb") as file:
             file.write(content)

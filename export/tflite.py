@@ -14,7 +14,7 @@ CALIBRATION_SAMPLES = 200
 
 
 def export_tflite(model, path, quantization=None, representative_data=None, fold=True,
-                  probe=None):
+                  probe=None, on_stage=None):
     """Write `model` as a .tflite file at `path` and check it against the Keras model.
 
     Args:
@@ -27,6 +27,8 @@ def export_tflite(model, path, quantization=None, representative_data=None, fold
         fold: fold the batch norms first (`fold_batch_norms`).
         probe: inputs on which the file is compared with `model`; default: up to 64
             representative samples, else seeded random input.
+        on_stage: optional callback, called with "fold", "convert" and "verify" as each
+            stage starts (the CLI's progress display).
 
     Returns:
         ExportReport with the error of the LiteRT run against `model`, the op histogram and
@@ -45,10 +47,15 @@ def export_tflite(model, path, quantization=None, representative_data=None, fold
     if probe is None:
         probe = random_input(model) if representative_data is None else representative_data[:64]
     probe = np.asarray(probe)
+    stage = on_stage or (lambda name: None)
+    if fold:
+        stage("fold")
     source, fold_report = fold_batch_norms(model, probe) if fold else (model, None)
+    stage("convert")
     content = _convert(source, quantization, representative_data)
     expected = np.asarray(model(probe, training=False), np.float64)
 
+    stage("verify")
     with atomic.replacing(path) as temporary:
         with open(temporary, "wb") as file:
             file.write(content)
