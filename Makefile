@@ -28,6 +28,10 @@ demo: $(STAMP)
 		--report $(DEMO)/report_int8.json
 	$(PY) examples/digits.py --score-tflite $(DEMO)/digits_int8.tflite
 
+# Export latency (folded / unfolded / no BN) and ResNet50 fold time: prints a table.
+bench-export: $(STAMP)
+	$(PY) benchmarks/bench_export.py
+
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 

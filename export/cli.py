@@ -6,8 +6,6 @@ one line, without a traceback.
 """
 
 import argparse
-import contextlib
-import io
 import json
 import os
 import sys
@@ -118,21 +116,14 @@ def _export(args, stage):
         data = np.load(args.representative_data, allow_pickle=False)
     probe = None if data is None else data[:64]
     exports, fold_report = [], None
-    # The converters print their traces to stdout, which is for the summary.
-    quiet = lambda: contextlib.redirect_stdout(io.StringIO())  # noqa: E731
     if args.tflite:
-        with quiet():
-            report = export_tflite(
-                model, args.tflite, quantization=args.quantize, representative_data=data,
-                fold=not args.no_fold, probe=probe,
-                on_stage=lambda name: stage(f"tflite: {name}"),
-            )
-        exports.append(report)
+        exports.append(export_tflite(
+            model, args.tflite, quantization=args.quantize, representative_data=data,
+            fold=not args.no_fold, probe=probe, on_stage=lambda name: stage(f"tflite: {name}"),
+        ))
     if args.onnx:
-        with quiet():
-            report = export_onnx(model, args.onnx, fold=not args.no_fold, probe=probe,
-                                 on_stage=lambda name: stage(f"onnx: {name}"))
-        exports.append(report)
+        exports.append(export_onnx(model, args.onnx, fold=not args.no_fold, probe=probe,
+                                   on_stage=lambda name: stage(f"onnx: {name}")))
     if exports:
         fold_report = exports[0].fold
     elif not args.no_fold:

@@ -1,5 +1,7 @@
 """export_tflite: fold, convert with TFLite builtin ops only, run in LiteRT, compare with Keras."""
 
+import contextlib
+import io
 import os
 
 import numpy as np
@@ -105,4 +107,5 @@ def _convert(model, quantization, representative_data):
 
         converter.representative_dataset = calibration
         converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
-    return converter.convert()
+    with contextlib.redirect_stdout(io.StringIO()):  # Keras's export prints its signature
+        return converter.convert()
