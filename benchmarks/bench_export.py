@@ -178,7 +178,8 @@ def main(argv=None):
     }
     print(f"# bench_export — {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC")
     print(f"# machine: {machine()}")
-    print("# command: " + " ".join(["python benchmarks/bench_export.py", *(argv or sys.argv[1:])]))
+    command = ["python benchmarks/bench_export.py", *(argv or sys.argv[1:])]
+    print(f"# command: {' '.join(command)}")
     print(f"# median of {rounds} interleaved runs, one thread, latency in ms")
     header = ("model", "runtime", *VARIANTS, "folded/unfolded", "folded/no BN")
     print("| " + " | ".join(header) + " |")

@@ -8,8 +8,8 @@ Backward fold (host → BN): BN(host(x)) = scale·(W∗x + b) + shift, so every 
 the kernel is multiplied by scale[o] and the new bias is scale·b + shift. Only where the output
 channel sits in the kernel differs between hosts; the `fold_*` functions say which.
 
-Forward fold (BN → host): host(scale·x + shift) = (W·scale)∗x + (b + Σ W·shift). This is exact
-only when every kernel tap sees a BN output, never added zero padding: Dense, or a conv with
+Forward fold (BN → host): host(scale·x + shift) = (W·scale)∗x + (b + Σ W·shift). This is
+exact only when every kernel tap sees a BN output, never added zero padding: Dense, or a conv with
 padding="valid".
 
 Every function takes the host's Keras kernel and bias (None when use_bias=False: the folded

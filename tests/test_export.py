@@ -98,7 +98,7 @@ def test_onnx_matches_keras_with_optimisation_off_and_on(cnn, tmp_path):
 
 
 def test_onnx_mlp_bn_residue_without_fold_and_none_with_it(tmp_path):
-    """tf2onnx leaves a Mul per Dense→BN (and ORT does not fuse MatMul→Mul); folding removes it."""
+    """tf2onnx leaves a Mul per Dense→BN (ORT does not fuse MatMul→Mul); folding removes it."""
     layers = [l for _ in range(4) for l in (L.Dense(16), L.BatchNormalization())]
     model = randomise_batch_norms(keras.Sequential([keras.Input((12,)), *layers]))
     raw = export_onnx(model, tmp_path / "raw.onnx", fold=False)

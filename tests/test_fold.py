@@ -46,6 +46,15 @@ def _with_bias(layer, x):
     return copy
 
 
+def _built_host(make, rank, data_format, use_bias, rng):
+    """(host layer with random weights, its random input x, its channel axis)."""
+    host = make(data_format, use_bias)
+    x = _input(rank, 4, data_format, rng)
+    host(x)
+    _randomise(host, rng)
+    return host, x, _channel_axis(host)
+
+
 def _channel_axis(layer):
     return 1 if getattr(layer, "data_format", "channels_last") == "channels_first" else -1
 
@@ -114,11 +123,7 @@ BACKWARD_HOSTS = {
 def test_backward_fold_matches_host_then_bn(kind, data_format, use_bias):
     make, rank, fold_fn = BACKWARD_HOSTS[kind]
     rng = np.random.default_rng(0)
-    host = make(data_format, use_bias)
-    x = _input(rank, 4, data_format, rng)
-    host(x)
-    _randomise(host, rng)
-    axis = _channel_axis(host)
+    host, x, axis = _built_host(make, rank, data_format, use_bias, rng)
     h = np.asarray(host(x))
     params, scale, shift = _bn_params(rng, h.shape[axis])
     expected = _bn_numpy(h, params, axis)
@@ -152,11 +157,7 @@ FORWARD_HOSTS = {
 def test_forward_fold_matches_bn_then_host(kind, data_format, use_bias):
     make, rank, groups = FORWARD_HOSTS[kind]
     rng = np.random.default_rng(1)
-    host = make(data_format, use_bias)
-    x = _input(rank, 4, data_format, rng)
-    host(x)
-    _randomise(host, rng)
-    axis = _channel_axis(host)
+    host, x, axis = _built_host(make, rank, data_format, use_bias, rng)
     params, scale, shift = _bn_params(rng, x.shape[axis])
     expected = host(_bn_numpy(x, params, axis).astype("float32"))
 

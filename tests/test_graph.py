@@ -48,7 +48,8 @@ def test_sequential_keras_bn_cnn_folds_completely():
 def test_functional_keras_bn_every_host_kind_and_forward_fold():
     """keras.layers.BatchNormalization after each host kind; one BN folds forward."""
     inputs = keras.Input((4, 9, 9))
-    y = L.BatchNormalization(axis=1, epsilon=0.3, name="bn_in")(inputs)  # model input: forward into the conv
+    # Reads the model input, so it folds forward into the conv.
+    y = L.BatchNormalization(axis=1, epsilon=0.3, name="bn_in")(inputs)
     y = L.Conv2D(6, 3, data_format="channels_first", name="conv_cf")(y)
     y = L.BatchNormalization(axis=1, name="bn_cf")(y)
     y = L.Permute((2, 3, 1))(y)
