@@ -9,8 +9,8 @@ the kernel is multiplied by scale[o] and the new bias is scale·b + shift. Only 
 channel sits in the kernel differs between hosts; the `fold_*` functions say which.
 
 Forward fold (BN → host): host(scale·x + shift) = (W·scale)∗x + (b + Σ W·shift). This is
-exact only when every kernel tap sees a BN output, never added zero padding: Dense, or a conv with
-padding="valid".
+exact only when every kernel tap sees a BN output, never added zero padding: Dense, or a conv
+with padding="valid".
 
 Every function takes the host's Keras kernel and bias (None when use_bias=False: the folded
 layer gains a bias) and returns the new (kernel, bias) as float arrays of the kernel's dtype.
