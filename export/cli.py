@@ -9,7 +9,6 @@ import argparse
 import json
 import os
 import sys
-import warnings
 import zipfile
 
 USAGE_ERROR, TOLERANCE_EXCEEDED = 2, 1
@@ -108,8 +107,6 @@ def _export(args, stage):
     import keras_bn  # noqa: F401  (registers keras_bn>BatchNormalization for loading)
     from keras_bn.export import atomic, export_onnx, export_tflite, fold_batch_norms
 
-    # Calibrating with float inputs is what we ask for; TF warns about it regardless.
-    warnings.filterwarnings("ignore", message="Statistics for quantized inputs")
     model = keras.saving.load_model(args.model, compile=False, safe_mode=not args.unsafe)
     data = None
     if args.representative_data:

@@ -14,6 +14,7 @@ import dataclasses
 import keras
 import numpy as np
 from keras.src.models.functional import Functional
+from keras.src.saving.serialization_lib import SafeModeScope
 
 import keras_bn
 from keras_bn import ops
@@ -337,7 +338,10 @@ def _copy_layer(layer, gains_bias):
     if gains_bias:
         config["use_bias"] = True
     try:
-        return layer.__class__.from_config(config)
+        # The config comes from a live layer, not from a file: a Lambda's function is already
+        # loaded in this process, so safe mode (which guards files) has nothing to guard here.
+        with SafeModeScope(False):
+            return layer.__class__.from_config(config)
     except Exception as error:  # a custom layer whose config does not round-trip
         raise TypeError(
             f"Cannot copy layer '{layer.name}' ({type(layer).__name__}) from its config: "

@@ -3,6 +3,7 @@
 import contextlib
 import io
 import os
+import warnings
 
 import numpy as np
 import tensorflow as tf
@@ -107,5 +108,8 @@ def _convert(model, quantization, representative_data):
 
         converter.representative_dataset = calibration
         converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
-    with contextlib.redirect_stdout(io.StringIO()):  # Keras's export prints its signature
+    with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+        # Keras's export prints its signature; TF warns that int8 calibration got float input
+        # statistics, which is what we ask for (float input and output).
+        warnings.filterwarnings("ignore", message="Statistics for quantized inputs")
         return converter.convert()

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import zipfile
 
+import keras
 import numpy as np
 import pytest
 from conftest import randomise_batch_norms
@@ -79,6 +80,20 @@ def test_corrupt_model_exits_2_in_one_line_without_output(saved, tmp_path, corru
     else:  # Keras's own complaint, on one line
         assert "JSONDecodeError" in errors[0] or "ValueError" in errors[0], errors[0]
     assert sorted(os.listdir(tmp_path)) == ["bad.keras"]
+
+
+def test_lambda_layer_loads_only_with_unsafe(tmp_path):
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3),
+                              keras.layers.BatchNormalization(),
+                              keras.layers.Lambda(lambda x: x * 2.0)])
+    model.save(tmp_path / "lambda.keras")
+    safe = _cli(tmp_path / "lambda.keras", "--onnx", tmp_path / "m.onnx")
+    assert safe.returncode == 2 and "Traceback" not in safe.stderr
+    assert "safe_mode" in safe.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "m.onnx").exists()
+    unsafe = _cli(tmp_path / "lambda.keras", "--onnx", tmp_path / "m.onnx", "--unsafe")
+    assert unsafe.returncode == 0, unsafe.stderr
+    assert "batch norms: 1 folded, 0 kept" in unsafe.stdout and (tmp_path / "m.onnx").exists()
 
 
 def test_bad_usage_exits_2_in_one_line(tmp_path):

@@ -228,3 +228,12 @@ def test_refused_backward_fold_falls_back_to_forward():
     folded, report = _check_fold(model, _x((3, 5, 6)))
     assert [(f.bn, f.host, f.direction) for f in report.folded] == [("bn", "next", "forward")]
     assert report.kept == [] and _bn_layers(folded) == []
+
+
+def test_model_with_a_lambda_layer_folds():
+    """Copying a Lambda from a live model needs no safe_mode override from the caller."""
+    model = randomise_batch_norms(keras.Sequential([
+        keras.Input((5,)), L.Dense(4), L.BatchNormalization(), L.Lambda(lambda t: t * 2.0 + 1.0),
+    ]))
+    folded, report = _check_fold(model, _x((3, 5)))
+    assert len(report.folded) == 1 and isinstance(folded.layers[-1], L.Lambda)
