@@ -237,3 +237,15 @@ def test_model_with_a_lambda_layer_folds():
     ]))
     folded, report = _check_fold(model, _x((3, 5)))
     assert len(report.folded) == 1 and isinstance(folded.layers[-1], L.Lambda)
+
+
+def test_folded_model_with_a_kept_bn_saves_and_loads(tmp_path):
+    build, _ = REFUSALS["activation"]
+    model = _functional(build, (5, 6))
+    folded, report = fold_batch_norms(model)
+    assert len(report.kept) == 1
+    folded.save(tmp_path / "folded.keras")
+    loaded = keras.saving.load_model(tmp_path / "folded.keras")  # no custom_objects needed
+    x = _x((2, 5, 6))
+    assert isinstance(loaded.get_layer("bn"), InferenceAffine)
+    np.testing.assert_array_equal(np.asarray(loaded(x)), np.asarray(folded(x)))
