@@ -122,6 +122,14 @@ def _graph_of(model):
     )
 
 
+def _has_graph(model):
+    return isinstance(model, (keras.Sequential, Functional))
+
+
+def _contains_bn(model):
+    return any(isinstance(l, BN_TYPES) for l in model._flatten_layers(include_self=False))
+
+
 class _Graph:
     """Who feeds whom in a Functional graph, for the fold decisions."""
 
@@ -187,14 +195,15 @@ def _fold_model(model, prefix):
         elif all(k.bn != prefix + bn.name for k in kept):  # a shared BN is reported once
             kept.append(KeptBN(prefix + bn.name, forward_refusal))
 
-    copies = {}
+    copies, refolded = {}, set()
     for node in info.nodes:
         layer = node.operation
         if id(layer) in copies or id(layer) in dropped:
             continue
-        if isinstance(layer, keras.Model):
+        if isinstance(layer, keras.Model) and (_has_graph(layer) or _contains_bn(layer)):
             inner, inner_folded, inner_kept = _fold_model(layer, prefix + layer.name + "/")
             copies[id(layer)] = inner
+            refolded.add(id(layer))
             folded.extend(inner_folded)
             kept.extend(inner_kept)
         elif isinstance(layer, BN_TYPES):
@@ -205,7 +214,7 @@ def _fold_model(model, prefix):
             copies[id(layer)] = _copy_layer(layer, gains_bias=id(layer) in weights)
 
     new_model = _rebuild(model, graph, copies, dropped)
-    _copy_weights(info.nodes, copies, weights)
+    _copy_weights(info.nodes, copies, weights, refolded)
     return new_model, folded, kept
 
 
@@ -373,15 +382,15 @@ def _rebuild(model, graph, copies, dropped):
     return keras.Model(inputs, outputs, name=model.name)
 
 
-def _copy_weights(nodes, copies, weights):
+def _copy_weights(nodes, copies, weights, refolded):
     """Load the copies: folded weights for hosts, the affine for kept BNs, else the originals."""
     done = set()
     for node in nodes:
         layer = node.operation
         if id(layer) in done or id(layer) not in copies or copies[id(layer)] is layer:
             continue
-        if isinstance(layer, keras.Model):
-            continue
+        if id(layer) in refolded:
+            continue  # a nested model folded on its own, weights and all
         done.add(id(layer))
         copy = copies[id(layer)]
         if isinstance(copy, InferenceAffine):

@@ -249,3 +249,32 @@ def test_folded_model_with_a_kept_bn_saves_and_loads(tmp_path):
     x = _x((2, 5, 6))
     assert isinstance(loaded.get_layer("bn"), InferenceAffine)
     np.testing.assert_array_equal(np.asarray(loaded(x)), np.asarray(folded(x)))
+
+
+class _Doubler(keras.Model):
+    """A subclassed model without BN: it has no graph, but it needs none to be copied."""
+
+    def call(self, x):
+        return x * 2.0
+
+
+class _DenseBN(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = L.Dense(4)
+        self.bn = L.BatchNormalization()
+
+    def call(self, x):
+        return self.bn(self.dense(x))
+
+
+def test_nested_subclassed_model_is_copied_unless_it_hides_a_bn():
+    inputs = keras.Input((5,))
+    y = L.BatchNormalization(name="bn")(L.Dense(4, name="host")(inputs))
+    model = randomise_batch_norms(keras.Model(inputs, _Doubler(name="doubler")(y)))
+    folded, report = _check_fold(model, _x((3, 5)))
+    assert [f.bn for f in report.folded] == ["bn"]
+
+    hidden = keras.Model(inputs, _DenseBN(name="block")(inputs))
+    with pytest.raises(TypeError, match="'block', a subclassed _DenseBN: it has no layer graph"):
+        fold_batch_norms(hidden)
