@@ -93,10 +93,14 @@ def main(argv=None):
         return 0
     model, accuracy = train(epochs=args.epochs, jit_compile=args.jit_compile, verbose=2)
     print(f"digits test accuracy (keras_bn CNN, {args.epochs} epochs): {accuracy:.4f}")
+    from keras_bn.export import atomic
+
     if args.save:
-        model.save(args.save)
+        with atomic.replacing(args.save) as temporary:
+            model.save(temporary)
     if args.save_inputs:
-        np.save(args.save_inputs, load()[0])
+        with atomic.replacing(args.save_inputs) as temporary:
+            np.save(temporary, load()[0])
     return 0
 
 
