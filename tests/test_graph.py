@@ -57,9 +57,9 @@ def test_functional_keras_bn_every_host_kind_and_forward_fold():
     y = keras_bn.BatchNormalization(name="bn_dw", epsilon=0.5)(y)
     y = L.ReLU()(y)
     y = L.SeparableConv2D(5, 3, padding="same", name="sep")(y)
-    y = L.BatchNormalization(name="bn_sep")(y)
+    y = L.BatchNormalization(name="bn_sep", center=False)(y)  # no beta
     y = L.Conv2DTranspose(3, 3, strides=2, use_bias=False, name="tconv")(y)
-    y = L.BatchNormalization(name="bn_tconv")(y)
+    y = keras_bn.BatchNormalization(name="bn_tconv", scale=False)(y)  # no gamma
     y = L.Flatten()(y)
     y = L.Dense(4, name="dense")(y)
     outputs = keras_bn.BatchNormalization(name="bn_dense")(y)
@@ -196,6 +196,10 @@ REFUSALS = {
     "no_neighbour": (
         lambda x: L.ReLU(name="relu")(L.BatchNormalization(name="bn")(x)),
         "BN layer 'bn' reads a model input directly; forward: the next layer 'relu' is a ReLU",
+    ),
+    "several_axes": (
+        lambda x: keras_bn.BatchNormalization(axis=[1, 2], name="bn")(L.Dense(4, name="host")(x)),
+        "BN layer 'bn' normalizes over several channel axes [1, 2]",
     ),
     "padded_consumer": (
         lambda x: L.Conv1D(3, 3, padding="same", name="conv")(
