@@ -7,6 +7,10 @@ nested models are folded on their own first and used as opaque layers of the out
 Each BN is folded backward into the layer that produces its input when it can be, else forward
 into the layer that consumes its output, else kept as an `InferenceAffine` layer, with the
 reason recorded. The input model is only read: every layer of the result is a copy.
+
+Keras has no public API for walking a model's graph; this reads the same internals that
+keras.models.clone_model uses (`_nodes_by_depth`, `_run_through_graph`, Sequential's
+`_functional`), which is one reason pyproject.toml bounds the Keras version.
 """
 
 import dataclasses
