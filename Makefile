@@ -5,7 +5,10 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?= -n 2
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: demo test bench clean
+DEMO := artifacts/demo
+EXPORT := $(VENV)/bin/keras-bn-export
+
+.PHONY: demo test bench bench-export clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -14,8 +17,20 @@ $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install --quiet -e '.[export,examples,dev]'
 	touch $(STAMP)
 
+# Train, save, fold, export (.tflite float32 and int8, .onnx), verify, report: into $(DEMO)/.
 demo: $(STAMP)
-	$(PY) examples/digits.py
+	mkdir -p $(DEMO)
+	$(PY) examples/digits.py --save $(DEMO)/digits.keras --save-inputs $(DEMO)/digits_train_x.npy
+	$(EXPORT) $(DEMO)/digits.keras --tflite $(DEMO)/digits.tflite --onnx $(DEMO)/digits.onnx \
+		--report $(DEMO)/report.json
+	$(EXPORT) $(DEMO)/digits.keras --tflite $(DEMO)/digits_int8.tflite --quantize int8 \
+		--representative-data $(DEMO)/digits_train_x.npy --atol 0.05 \
+		--report $(DEMO)/report_int8.json
+	$(PY) examples/digits.py --score-tflite $(DEMO)/digits_int8.tflite
+
+# Export latency (folded / unfolded / no BN) and ResNet50 fold time: prints a table.
+bench-export: $(STAMP)
+	$(PY) benchmarks/bench_export.py
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -1,6 +1,7 @@
 """The bundled digits data set and a small keras_bn CNN: shared by `make demo`, tests and notebooks.
 
-Run as a script (`make demo`) it trains the CNN and prints the test accuracy.
+Run as a script (`make demo`) it trains the CNN and prints the test accuracy; it can also save
+the model and its training inputs (for int8 calibration), and score an exported .tflite file.
 """
 
 import argparse
@@ -65,13 +66,41 @@ def train(epochs=10, batch_size=64, jit_compile=False, seed=0, verbose=0):
     return model, float(accuracy)
 
 
+def tflite_accuracy(path):
+    """Test accuracy of a digits classifier exported to .tflite, run in LiteRT."""
+    from ai_edge_litert.interpreter import Interpreter
+
+    from keras_bn.export.tflite import run
+
+    _, _, x_test, y_test = load()
+    predictions = run(Interpreter(model_path=str(path)), x_test)
+    return float(np.mean(predictions.argmax(-1) == y_test))
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--jit-compile", action="store_true")
+    parser.add_argument("--save", metavar="MODEL.keras", help="save the trained model here")
+    parser.add_argument("--save-inputs", metavar="X.npy",
+                        help="save the training inputs here (int8 calibration data)")
+    parser.add_argument("--score-tflite", metavar="MODEL.tflite",
+                        help="only print the test accuracy of this exported model")
     args = parser.parse_args(argv)
-    _, accuracy = train(epochs=args.epochs, jit_compile=args.jit_compile, verbose=2)
+    if args.score_tflite:
+        accuracy = tflite_accuracy(args.score_tflite)
+        print(f"digits test accuracy ({args.score_tflite}, LiteRT): {accuracy:.4f}")
+        return 0
+    model, accuracy = train(epochs=args.epochs, jit_compile=args.jit_compile, verbose=2)
     print(f"digits test accuracy (keras_bn CNN, {args.epochs} epochs): {accuracy:.4f}")
+    from keras_bn.export import atomic
+
+    if args.save:
+        with atomic.replacing(args.save) as temporary:
+            model.save(temporary)
+    if args.save_inputs:
+        with atomic.replacing(args.save_inputs) as temporary:
+            np.save(temporary, load()[0])
     return 0
 
 

@@ -1,11 +1,173 @@
-"""keras-bn-export: command-line entry point (a stub until the export module lands)."""
+"""keras-bn-export: fold a saved Keras model's batch norms, write TFLite/ONNX, verify, report.
 
+Exit codes: 0 success; 1 a written file differs from the Keras model by more than --atol (of
+the output scale); 2 bad usage or input (missing or corrupt file, unsupported model), said in
+one line, without a traceback.
+"""
+
+import argparse
+import json
+import os
 import sys
+import zipfile
+
+USAGE_ERROR, TOLERANCE_EXCEEDED = 2, 1
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not argparse's usage block
+        raise _UsageError(message)
+
+
+class _UsageError(Exception):
+    pass
+
+
+def _parser():
+    parser = _Parser(
+        prog="keras-bn-export",
+        description="Fold batch norms, export to TFLite and/or ONNX, and verify the files.",
+    )
+    parser.add_argument("model", metavar="MODEL.keras", help="a saved Keras model")
+    parser.add_argument("--tflite", metavar="OUT", help="write a .tflite file here")
+    parser.add_argument("--onnx", metavar="OUT", help="write an .onnx file here")
+    parser.add_argument("--quantize", choices=["float16", "dynamic", "int8"],
+                        help="TFLite quantization (int8 needs --representative-data)")
+    parser.add_argument("--representative-data", metavar="X.npy",
+                        help="inputs (first axis: samples) to calibrate int8 and to verify on")
+    parser.add_argument("--report", metavar="REPORT.json", help="also write the report as JSON")
+    parser.add_argument("--no-fold", action="store_true", help="export without folding")
+    parser.add_argument("--unsafe", action="store_true",
+                        help="load with safe_mode=False (allows Lambda layers' code)")
+    parser.add_argument("--atol", type=float, default=1e-4,
+                        help="largest error allowed, relative to the output scale (1e-4)")
+    return parser
+
+
+def _check_arguments(args):
+    if args.quantize and not args.tflite:
+        raise _UsageError("--quantize applies to TFLite: give --tflite OUT too")
+    if args.quantize == "int8" and not args.representative_data:
+        raise _UsageError("--quantize int8 needs --representative-data X.npy to calibrate")
+    if not args.atol > 0:
+        raise _UsageError(f"--atol must be positive; received {args.atol}")
+    if not os.path.isfile(args.model):
+        raise _UsageError(f"cannot read model file {args.model}: no such file")
+    if args.model.endswith(".keras") and not zipfile.is_zipfile(args.model):
+        raise _UsageError(f"{args.model} is not a valid .keras file (not a zip archive)")
+    if args.representative_data and not os.path.isfile(args.representative_data):
+        raise _UsageError(
+            f"cannot read representative data {args.representative_data}: no such file"
+        )
 
 
 def main(argv=None):
-    print("keras-bn-export: not implemented yet", file=sys.stderr)
-    return 2
+    try:
+        args = _parser().parse_args(argv)
+        _check_arguments(args)
+    except _UsageError as error:
+        print(f"keras-bn-export: error: {error}", file=sys.stderr)
+        return USAGE_ERROR
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    try:
+        summary = _run(args)
+    except Exception as error:  # bad input surfaces as many types: one line, no traceback
+        message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        print(f"keras-bn-export: error: {type(error).__name__}: {message}", file=sys.stderr)
+        return USAGE_ERROR
+    print(_human_summary(summary))
+    return 0 if summary["passed"] else TOLERANCE_EXCEEDED
+
+
+def _run(args):
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    progress = Progress(SpinnerColumn(), TextColumn("{task.description}"),
+                        TimeElapsedColumn(), console=Console(stderr=True), transient=False)
+    with progress:
+        current = {}
+
+        def stage(name):
+            if "task" in current:
+                progress.update(current["task"], completed=1)
+            current["task"] = progress.add_task(name, total=1)
+
+        summary = _export(args, stage)
+        progress.update(current["task"], completed=1)
+    return summary
+
+
+def _export(args, stage):
+    stage("load")
+    import keras
+    import numpy as np
+
+    import keras_bn  # noqa: F401  (registers keras_bn>BatchNormalization for loading)
+    from keras_bn.export import atomic, export_onnx, export_tflite, fold_batch_norms
+
+    model = keras.saving.load_model(args.model, compile=False, safe_mode=not args.unsafe)
+    data = None
+    if args.representative_data:
+        data = np.load(args.representative_data, allow_pickle=False)
+    probe = None if data is None else data[:64]
+    exports, fold_report = [], None
+    if args.tflite:
+        exports.append(export_tflite(
+            model, args.tflite, quantization=args.quantize, representative_data=data,
+            fold=not args.no_fold, probe=probe, on_stage=lambda name: stage(f"tflite: {name}"),
+        ))
+    if args.onnx:
+        exports.append(export_onnx(model, args.onnx, fold=not args.no_fold, probe=probe,
+                                   on_stage=lambda name: stage(f"onnx: {name}")))
+    if exports:
+        fold_report = exports[0].fold
+    elif not args.no_fold:
+        stage("fold")
+        fold_report = fold_batch_norms(model, probe)[1]
+
+    summary = {
+        "model": os.path.abspath(args.model),
+        "atol": args.atol,
+        "fold": None if fold_report is None else fold_report.to_dict(),
+        "exports": [report.to_dict() for report in exports],
+    }
+    errors = [e["relative_error"] for e in summary["exports"]]
+    if fold_report is not None:
+        errors.append(fold_report.relative_error)
+    summary["passed"] = all(error <= args.atol for error in errors)
+    if args.report:
+        atomic.write_text(args.report, json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _human_summary(summary):
+    lines = [f"model: {summary['model']}"]
+    fold = summary["fold"]
+    if fold is None:
+        lines.append("batch norms: not folded (--no-fold)")
+    else:
+        lines.append(f"batch norms: {len(fold['folded'])} folded, {len(fold['kept'])} kept; "
+                     f"folded model error {fold['relative_error']:.2e} of output scale")
+        lines += [f"  folded {f['bn']} -> {f['host']} ({f['direction']})" for f in fold["folded"]]
+        lines += [f"  kept   {k['bn']}: {k['reason']}" for k in fold["kept"]]
+    for report in summary["exports"]:
+        quantization = report["quantization"] or "float32"
+        if report["format"] == "onnx":
+            quantization = "float32"
+        errors = ", ".join(f"{k} {v:.2e}" for k, v in report["errors"].items())
+        ops = ", ".join(f"{name}×{count}" for name, count in report["op_histogram"].items())
+        lines += [
+            f"{report['format']} ({quantization}): {report['path']}, "
+            f"{report['size_bytes']:,} bytes",
+            f"  max abs error {report['max_abs_error']:.3e} = {report['relative_error']:.2e} "
+            f"of output scale ({errors})",
+            f"  ops: {ops}",
+        ]
+    verdict = "passed" if summary["passed"] else "FAILED"
+    lines.append(f"verification {verdict} (tolerance {summary['atol']:g} of output scale)")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

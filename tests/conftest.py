@@ -75,3 +75,24 @@ def _reset_keras_state():
     keras.utils.set_random_seed(0)
     yield
     keras.mixed_precision.set_global_policy("float32")
+
+
+def randomise_batch_norms(model, seed=0):
+    """Give every BN (nested ones too) random, well-conditioned statistics and affine params.
+
+    Freshly built BNs are the identity map, which would let a wrong fold pass unnoticed.
+    """
+    rng = np.random.default_rng(seed)
+    for layer in model._flatten_layers(include_self=False):
+        if "BatchNormalization" not in type(layer).__name__:
+            continue
+        n = layer.moving_mean.shape
+        values = {
+            "gamma": rng.uniform(0.5, 1.5, n), "beta": rng.normal(0, 0.2, n),
+            "moving_mean": rng.normal(0, 0.2, n), "moving_variance": rng.uniform(0.5, 1.5, n),
+        }
+        for name, value in values.items():
+            variable = getattr(layer, name)
+            if variable is not None:
+                variable.assign(value.astype("float32"))
+    return model

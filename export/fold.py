@@ -1,0 +1,118 @@
+"""Batch-norm folding maths: pure numpy, one function per host kind, no Keras graph code.
+
+Inference BN is a per-channel affine map y = scale·x + shift, with scale = γ/√(Var + ε) and
+shift = β − scale·E[x] (`keras_bn.ops.inference_affine`). Folding it into a linear neighbour
+("host") is therefore exact (design.md §4).
+
+Backward fold (host → BN): BN(host(x)) = scale·(W∗x + b) + shift, so every output channel o of
+the kernel is multiplied by scale[o] and the new bias is scale·b + shift. Only where the output
+channel sits in the kernel differs between hosts; the `fold_*` functions say which.
+
+Forward fold (BN → host): host(scale·x + shift) = (W·scale)∗x + (b + Σ W·shift). This is
+exact only when every kernel tap sees a BN output, never added zero padding: Dense, or a conv
+with padding="valid".
+
+Every function takes the host's Keras kernel and bias (None when use_bias=False: the folded
+layer gains a bias) and returns the new (kernel, bias) as float arrays of the kernel's dtype.
+"""
+
+import numpy as np
+
+
+def fold_dense(kernel, bias, scale, shift):
+    """Dense → BN. Kernel (in, out): output channel on the last axis."""
+    return _fold_output_axis(kernel, bias, scale, shift, axis=-1)
+
+
+def fold_conv(kernel, bias, scale, shift):
+    """Conv1D/2D/3D → BN, any groups and data format. Kernel (*k, in/groups, out)."""
+    return _fold_output_axis(kernel, bias, scale, shift, axis=-1)
+
+
+def fold_conv_transpose(kernel, bias, scale, shift):
+    """Conv1D/2D/3DTranspose → BN. Kernel (*k, out, in): output channel on axis −2."""
+    return _fold_output_axis(kernel, bias, scale, shift, axis=-2)
+
+
+def fold_depthwise(kernel, bias, scale, shift):
+    """DepthwiseConv1D/2D → BN. Kernel (*k, C, M); output channel c·M + m.
+
+    All C·M scales are used: reshaping them to (C, M) lines each one up with its own filter
+    (a fold that only reads the first C scales is wrong whenever M > 1).
+    """
+    kernel = np.asarray(kernel)
+    channels, multiplier = kernel.shape[-2:]
+    scale, shift = _check_per_channel(scale, shift, channels * multiplier, "depthwise C·M")
+    new_kernel = kernel * scale.reshape(channels, multiplier)
+    return new_kernel.astype(kernel.dtype), _fold_bias(bias, scale, shift, kernel.dtype)
+
+
+def fold_separable(pointwise_kernel, bias, scale, shift):
+    """SeparableConv1D/2D → BN: the pointwise kernel (1[, 1], C·M, out) is the one scaled.
+
+    The depthwise kernel is unchanged; returns the new (pointwise_kernel, bias).
+    """
+    return _fold_output_axis(pointwise_kernel, bias, scale, shift, axis=-1)
+
+
+def fold_forward(kernel, bias, scale, shift, groups=1):
+    """BN → Dense, or BN → Conv1D/2D/3D with padding="valid" (kernel (*k, in/groups, out)).
+
+    With g groups, output channel o reads input channels (o // (out/g))·(in/g) + j for the
+    kernel's input index j, so the per-input-channel scale and shift are laid out to match.
+    """
+    kernel = np.asarray(kernel)
+    per_group_in, out = kernel.shape[-2:]
+    if groups < 1 or out % groups:
+        raise ValueError(
+            f"groups={groups} does not divide the kernel's {out} output channels "
+            f"(kernel shape {kernel.shape})."
+        )
+    scale, shift = _check_per_channel(scale, shift, per_group_in * groups, "input")
+    # (groups, in/g) → one column per output channel: column o holds its group's channels.
+    group_of_output = np.arange(out) // (out // groups)
+    scale_io = scale.reshape(groups, per_group_in)[group_of_output].T
+    shift_io = shift.reshape(groups, per_group_in)[group_of_output].T
+    new_kernel = kernel * scale_io
+    old_bias = np.zeros(out) if bias is None else np.asarray(bias, np.float64)
+    spatial_axes = tuple(range(kernel.ndim - 2))
+    new_bias = old_bias + (kernel.astype(np.float64).sum(axis=spatial_axes) * shift_io).sum(0)
+    return new_kernel.astype(kernel.dtype), new_bias.astype(kernel.dtype)
+
+
+def _fold_output_axis(kernel, bias, scale, shift, axis):
+    """Backward fold for kernels whose output channels lie on one axis."""
+    kernel = np.asarray(kernel)
+    if kernel.ndim < 2:
+        raise ValueError(f"A kernel needs at least 2 dimensions; received shape {kernel.shape}.")
+    scale, shift = _check_per_channel(scale, shift, kernel.shape[axis], f"kernel axis {axis}")
+    shape = [1] * kernel.ndim
+    shape[axis] = -1
+    new_kernel = kernel * scale.reshape(shape)
+    return new_kernel.astype(kernel.dtype), _fold_bias(bias, scale, shift, kernel.dtype)
+
+
+def _fold_bias(bias, scale, shift, dtype):
+    """scale·b + shift, where a missing bias is zero."""
+    if bias is None:
+        return shift.astype(dtype)
+    bias = np.asarray(bias)
+    if bias.shape != scale.shape:
+        raise ValueError(
+            f"The bias has shape {bias.shape}, but the batch norm has {scale.shape[0]} channels."
+        )
+    return (scale * bias + shift).astype(dtype)
+
+
+def _check_per_channel(scale, shift, channels, where):
+    scale = np.asarray(scale, np.float64)
+    shift = np.asarray(shift, np.float64)
+    for name, value in (("scale", scale), ("shift", shift)):
+        if value.shape != (channels,):
+            raise ValueError(
+                f"The batch norm's {name} has shape {value.shape}, but the host has {channels} "
+                f"channels on its {where} axis."
+            )
+        if not np.all(np.isfinite(value)):
+            raise ValueError(f"The batch norm's {name} is not finite: {value}.")
+    return scale, shift

@@ -1,0 +1,406 @@
+"""fold_batch_norms: find (host, BN) pairs in a Keras model and rebuild it without the BNs.
+
+The maths lives in `keras_bn.export.fold`; this module only decides which BN folds where, and
+rebuilds the model. Sequential and Functional models are walked through their graph of nodes;
+nested models are folded on their own first and used as opaque layers of the outer graph.
+
+Each BN is folded backward into the layer that produces its input when it can be, else forward
+into the layer that consumes its output, else kept as an `InferenceAffine` layer, with the
+reason recorded. The input model is only read: every layer of the result is a copy.
+
+Keras has no public API for walking a model's graph; this reads the same internals that
+keras.models.clone_model uses (`_nodes_by_depth`, `_run_through_graph`, Sequential's
+`_functional`), which is one reason pyproject.toml bounds the Keras version.
+"""
+
+import dataclasses
+
+import keras
+import numpy as np
+from keras.src.models.functional import Functional
+from keras.src.saving.serialization_lib import SafeModeScope
+
+import keras_bn
+from keras_bn import ops
+from keras_bn.export import fold
+from keras_bn.export.affine import InferenceAffine
+from keras_bn.export.report import max_abs_error
+
+L = keras.layers
+BN_TYPES = (keras_bn.BatchNormalization, L.BatchNormalization)
+
+# Exact types, not isinstance: a subclass may change what `call` computes.
+CONV = (L.Conv1D, L.Conv2D, L.Conv3D)
+DEPTHWISE = (L.DepthwiseConv1D, L.DepthwiseConv2D)
+SEPARABLE = (L.SeparableConv1D, L.SeparableConv2D)
+TRANSPOSE = (L.Conv1DTranspose, L.Conv2DTranspose, L.Conv3DTranspose)
+BACKWARD_FOLDS = {L.Dense: fold.fold_dense}
+BACKWARD_FOLDS.update({t: fold.fold_conv for t in CONV})
+BACKWARD_FOLDS.update({t: fold.fold_depthwise for t in DEPTHWISE})
+BACKWARD_FOLDS.update({t: fold.fold_separable for t in SEPARABLE})
+BACKWARD_FOLDS.update({t: fold.fold_conv_transpose for t in TRANSPOSE})
+FORWARD_HOSTS = (L.Dense, *CONV)
+
+
+@dataclasses.dataclass(frozen=True)
+class FoldedBN:
+    bn: str
+    host: str
+    direction: str  # "backward" (host → BN) or "forward" (BN → host)
+
+
+@dataclasses.dataclass(frozen=True)
+class KeptBN:
+    bn: str
+    reason: str
+
+
+@dataclasses.dataclass
+class FoldReport:
+    folded: list
+    kept: list
+    max_abs_error: float  # folded vs original model, on the probe
+    output_scale: float  # max |original output| on the probe
+
+    @property
+    def relative_error(self):
+        return self.max_abs_error / max(self.output_scale, 1e-30)
+
+    def to_dict(self):
+        return {**dataclasses.asdict(self), "relative_error": self.relative_error}
+
+
+def fold_batch_norms(model, probe=None):
+    """Fold every batch norm of `model` into a neighbouring Dense/Conv layer.
+
+    Args:
+        model: a built Sequential or Functional Keras model (nested models allowed).
+        probe: optional input (array, or list/dict of arrays, as the model takes) on which the
+            folded model is compared with the original; seeded random data when None.
+
+    Returns:
+        (folded_model, FoldReport). BNs that cannot be folded are kept as InferenceAffine
+        layers and listed in `report.kept` with the reason.
+    """
+    folded_model, folded, kept = _fold_model(model, prefix="")
+    if probe is None:
+        probe = random_input(model)
+    expected = _flat_outputs(model, probe)
+    actual = _flat_outputs(folded_model, probe)
+    error = max(max_abs_error(a, e) for a, e in zip(actual, expected))
+    scale = max(float(np.max(np.abs(e), initial=0.0)) for e in expected)
+    return folded_model, FoldReport(folded, kept, error, scale)
+
+
+def random_input(model, batch=4, seed=0):
+    """Seeded standard-normal input for every model input (unknown dims: batch, else 8)."""
+    rng = np.random.default_rng(seed)
+    arrays = []
+    for tensor in model.inputs:
+        shape = [batch] + [8 if d is None else d for d in tensor.shape[1:]]
+        arrays.append(rng.standard_normal(shape).astype(keras.backend.standardize_dtype(
+            tensor.dtype)))
+    return arrays[0] if len(arrays) == 1 else arrays
+
+
+def _flat_outputs(model, x):
+    outputs = model(x, training=False)
+    return [np.asarray(o, np.float64) for o in keras.tree.flatten(outputs)]
+
+
+def _graph_of(model):
+    """The Functional graph behind `model`, or a clear error for models that have none."""
+    if isinstance(model, keras.Sequential):
+        graph = getattr(model, "_functional", None)
+        if graph is None:
+            raise ValueError(
+                f"Sequential model '{model.name}' is not built: give it a keras.Input (or "
+                f"call build()) before folding its batch norms."
+            )
+        return graph
+    if isinstance(model, Functional):
+        return model
+    raise TypeError(
+        f"Cannot fold batch norms in '{model.name}', a subclassed {type(model).__name__}: it "
+        f"has no layer graph to inspect. Build it as a Sequential or Functional model."
+    )
+
+
+def _has_graph(model):
+    return isinstance(model, (keras.Sequential, Functional))
+
+
+def _contains_bn(model):
+    return any(isinstance(l, BN_TYPES) for l in model._flatten_layers(include_self=False))
+
+
+class _Graph:
+    """Who feeds whom in a Functional graph, for the fold decisions."""
+
+    def __init__(self, graph):
+        self.nodes = [
+            node
+            for depth in sorted(graph._nodes_by_depth, reverse=True)
+            for node in graph._nodes_by_depth[depth]
+            if node.operation is not None and not node.is_input
+        ]
+        self.outputs = {id(t) for t in graph.outputs}
+        self.consumers = {}
+        self.calls = {}
+        for node in self.nodes:
+            self.calls[id(node.operation)] = self.calls.get(id(node.operation), 0) + 1
+            for tensor in node.input_tensors:
+                self.consumers.setdefault(id(tensor), []).append(node)
+
+    def producer(self, node):
+        """The operation whose output is the node's single input, or None for a model input."""
+        history = getattr(node.input_tensors[0], "_keras_history", None)
+        operation = history.operation if history else None
+        return None if isinstance(operation, L.InputLayer) else operation
+
+    def fan_out(self, tensor):
+        return len(self.consumers.get(id(tensor), [])) + (id(tensor) in self.outputs)
+
+    def shared(self, layer):
+        return self.calls.get(id(layer), 0) > 1
+
+
+def _fold_model(model, prefix):
+    """(new model, folded list, kept list) for one Sequential/Functional model."""
+    graph = _graph_of(model)
+    info = _Graph(graph)
+    folded, kept = [], []
+    weights = {}  # folded (kernels, bias) of each host, by id(original host)
+    dropped = set()  # ids of the BNs that were folded away
+
+    pending = []
+    for node in info.nodes:  # backward folds first: they need the hosts' original kernels
+        bn = node.operation
+        if not isinstance(bn, BN_TYPES):
+            continue
+        refusal = _refuse_bn(bn, node, info)
+        if refusal is None:
+            host = info.producer(node)
+            refusal = _refuse_backward(bn, node, host, info)
+            if refusal is None:
+                _fold_backward(bn, host, weights)
+                folded.append(FoldedBN(prefix + bn.name, prefix + host.name, "backward"))
+                dropped.add(id(bn))
+                continue
+        pending.append((node, refusal))
+
+    for node, backward_refusal in pending:
+        bn = node.operation
+        consumer, forward_refusal = _forward_target(bn, node, info, backward_refusal)
+        if forward_refusal is None:
+            _fold_forward(bn, node, consumer, weights)
+            folded.append(FoldedBN(prefix + bn.name, prefix + consumer.name, "forward"))
+            dropped.add(id(bn))
+        elif all(k.bn != prefix + bn.name for k in kept):  # a shared BN is reported once
+            kept.append(KeptBN(prefix + bn.name, forward_refusal))
+
+    copies, refolded = {}, set()
+    for node in info.nodes:
+        layer = node.operation
+        if id(layer) in copies or id(layer) in dropped:
+            continue
+        if isinstance(layer, keras.Model) and (_has_graph(layer) or _contains_bn(layer)):
+            inner, inner_folded, inner_kept = _fold_model(layer, prefix + layer.name + "/")
+            copies[id(layer)] = inner
+            refolded.add(id(layer))
+            folded.extend(inner_folded)
+            kept.extend(inner_kept)
+        elif isinstance(layer, BN_TYPES):
+            copies[id(layer)] = _affine_copy(layer, node)
+        elif not isinstance(layer, L.Layer):  # a stateless op such as `x * 2.0`: reusable
+            copies[id(layer)] = layer
+        else:
+            copies[id(layer)] = _copy_layer(layer, gains_bias=id(layer) in weights)
+
+    new_model = _rebuild(model, graph, copies, dropped)
+    _copy_weights(info.nodes, copies, weights, refolded)
+    return new_model, folded, kept
+
+
+def _refuse_bn(bn, node, info):
+    """Why this BN cannot fold in any direction, or None."""
+    if info.shared(bn):
+        return f"BN layer '{bn.name}' is shared (called {info.calls[id(bn)]} times)"
+    if len(node.input_tensors) != 1:
+        return f"BN layer '{bn.name}' has {len(node.input_tensors)} inputs"
+    if len(_bn_axes(bn, node)) != 1:
+        return f"BN layer '{bn.name}' normalizes over several channel axes {_bn_axes(bn, node)}"
+    return None
+
+
+def _refuse_backward(bn, node, host, info):
+    """Why the BN cannot fold into the layer that feeds it, or None."""
+    if host is None:
+        return f"BN layer '{bn.name}' reads a model input directly"
+    if type(host) not in BACKWARD_FOLDS:
+        return (f"BN layer '{bn.name}' follows '{host.name}', a {type(host).__name__}, which "
+                f"is not a Dense or convolution")
+    reason = _refuse_host(host, info)
+    if reason:
+        return reason
+    if _activation(host) != "linear":
+        return (f"host '{host.name}' has the non-linear activation '{_activation(host)}' "
+                f"between its linear part and the BN")
+    if info.fan_out(node.input_tensors[0]) > 1:
+        return f"host '{host.name}' output also feeds other layers or a model output"
+    rank = len(node.input_tensors[0].shape)
+    if _bn_axes(bn, node) != [_channel_axis(host, rank)]:
+        return (f"BN axis {_bn_axes(bn, node)} is not the channel axis "
+                f"{_channel_axis(host, rank)} of host '{host.name}'")
+    return None
+
+
+def _forward_target(bn, node, info, backward_refusal):
+    """(consumer, None) when the BN folds into the one layer it feeds, else (None, reason).
+
+    The reason keeps the backward refusal first: it is the fold one would expect.
+    """
+    if backward_refusal.startswith(f"BN layer '{bn.name}' is shared"):
+        return None, backward_refusal
+    output = node.outputs[0]
+    consumers = info.consumers.get(id(output), [])
+    if info.fan_out(output) != 1 or not consumers:
+        why = "its output feeds several layers or a model output"
+    elif type(consumers[0].operation) not in FORWARD_HOSTS:
+        consumer = consumers[0].operation
+        why = (f"the next layer '{consumer.name}' is a {type(consumer).__name__}, not a Dense "
+               f"or Conv1D/2D/3D")
+    else:
+        consumer = consumers[0].operation
+        rank = len(output.shape)
+        why = _refuse_host(consumer, info)
+        if why is None and getattr(consumer, "padding", "valid") != "valid":
+            why = (f"the next layer '{consumer.name}' pads its input (padding="
+                   f"'{consumer.padding}'), so a forward fold would not be exact")
+        if why is None and _bn_axes(bn, node) != [_channel_axis(consumer, rank)]:
+            why = f"BN axis {_bn_axes(bn, node)} is not the input channel axis of '{consumer.name}'"
+        if why is None:
+            return consumer, None
+    return None, f"{backward_refusal}; forward: {why}"
+
+
+def _refuse_host(layer, info):
+    if info.shared(layer):
+        return f"host '{layer.name}' is shared (called {info.calls[id(layer)]} times)"
+    if getattr(layer, "lora_enabled", False):
+        return f"host '{layer.name}' is LoRA-enabled"
+    if getattr(layer, "quantization_mode", None):
+        return f"host '{layer.name}' is quantized ({layer.quantization_mode})"
+    return None
+
+
+def _activation(layer):
+    return keras.activations.serialize(layer.activation) if layer.activation else "linear"
+
+
+def _channel_axis(layer, rank):
+    if getattr(layer, "data_format", "channels_last") == "channels_first":
+        return 1
+    return rank - 1
+
+
+def _bn_axes(bn, node):
+    rank = len(node.input_tensors[0].shape)
+    axes = [bn.axis] if isinstance(bn.axis, int) else list(bn.axis)
+    return sorted(a % rank for a in axes)
+
+
+def _bn_affine(bn):
+    """(scale, shift) of the BN's inference map, in float64, with the layer's own epsilon."""
+    channels = bn.moving_mean.shape
+    gamma = np.ones(channels) if bn.gamma is None else np.asarray(bn.gamma, np.float64)
+    beta = np.zeros(channels) if bn.beta is None else np.asarray(bn.beta, np.float64)
+    scale, shift = ops.inference_affine(
+        np.asarray(bn.moving_mean, np.float64), np.asarray(bn.moving_variance, np.float64),
+        gamma, beta, float(bn.epsilon),
+    )
+    return np.asarray(scale).ravel(), np.asarray(shift).ravel()
+
+
+def _host_weights(host, weights):
+    """The host's (kernel, bias) as folded so far: a layer may take a fold in each direction."""
+    if id(host) in weights:
+        return weights[id(host)]
+    values = host.get_weights()
+    kernel_index = 1 if type(host) in SEPARABLE else 0
+    bias = values[-1] if host.use_bias else None
+    return values[:kernel_index + 1], bias
+
+
+def _fold_backward(bn, host, weights):
+    kernels, bias = _host_weights(host, weights)
+    kernel, bias = BACKWARD_FOLDS[type(host)](kernels[-1], bias, *_bn_affine(bn))
+    weights[id(host)] = (kernels[:-1] + [kernel], bias)
+
+
+def _fold_forward(bn, node, consumer, weights):
+    kernels, bias = _host_weights(consumer, weights)
+    kernel, bias = fold.fold_forward(kernels[-1], bias, *_bn_affine(bn),
+                                     groups=getattr(consumer, "groups", 1))
+    weights[id(consumer)] = (kernels[:-1] + [kernel], bias)
+
+
+def _copy_layer(layer, gains_bias):
+    """An unbuilt copy of a layer, from its config; a folded host always has a bias."""
+    config = layer.get_config()
+    if gains_bias:
+        config["use_bias"] = True
+    try:
+        # The config comes from a live layer, not from a file: a Lambda's function is already
+        # loaded in this process, so safe mode (which guards files) has nothing to guard here.
+        with SafeModeScope(False):
+            return layer.__class__.from_config(config)
+    except Exception as error:  # a custom layer whose config does not round-trip
+        raise TypeError(
+            f"Cannot copy layer '{layer.name}' ({type(layer).__name__}) from its config: "
+            f"{error}"
+        ) from error
+
+
+def _affine_copy(bn, node):
+    axes = _bn_axes(bn, node)
+    return InferenceAffine(axes, bn.moving_mean.shape, name=bn.name, dtype=bn.dtype_policy)
+
+
+def _rebuild(model, graph, copies, dropped):
+    if isinstance(model, keras.Sequential):
+        layers = [copies[id(layer)] for layer in model.layers if id(layer) not in dropped]
+        return keras.Sequential(
+            [keras.Input(batch_shape=model.inputs[0].shape, dtype=model.inputs[0].dtype),
+             *layers], name=model.name,
+        )
+    inputs = [keras.Input(batch_shape=x.shape, dtype=x.dtype, name=x.name) for x in graph.inputs]
+
+    def operation_fn(operation):
+        if id(operation) in dropped:
+            return lambda x, *args, **kwargs: x
+        return copies[id(operation)]
+
+    outputs = graph._run_through_graph(inputs, operation_fn=operation_fn)
+    inputs = keras.tree.pack_sequence_as(graph._inputs_struct, inputs)
+    return keras.Model(inputs, outputs, name=model.name)
+
+
+def _copy_weights(nodes, copies, weights, refolded):
+    """Load the copies: folded weights for hosts, the affine for kept BNs, else the originals."""
+    done = set()
+    for node in nodes:
+        layer = node.operation
+        if id(layer) in done or id(layer) not in copies or copies[id(layer)] is layer:
+            continue
+        if id(layer) in refolded:
+            continue  # a nested model folded on its own, weights and all
+        done.add(id(layer))
+        copy = copies[id(layer)]
+        if isinstance(copy, InferenceAffine):
+            copy.set_affine(*_bn_affine(layer))
+        elif id(layer) in weights:
+            kernels, bias = weights[id(layer)]
+            copy.set_weights(kernels + [bias])
+        else:
+            copy.set_weights(layer.get_weights())

@@ -1,0 +1,17 @@
+"""benchmarks/bench_export.py runs end to end at tiny sizes (no timing is asserted)."""
+
+import os
+import subprocess
+import sys
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_export.py")
+
+
+def test_bench_export_smoke():
+    result = subprocess.run([sys.executable, SCRIPT, "--smoke"], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = [l for l in result.stdout.splitlines() if l.startswith("| ") and "ms" not in l]
+    assert len(rows) == 1 + 2 * 3  # header + 2 models × 3 runtime settings
+    assert "fold_batch_norms(ResNet50, 32 px)" in result.stdout
+    assert "# machine:" in result.stdout

@@ -1,0 +1,108 @@
+"""keras-bn-export end to end, through a subprocess running the installed console script."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+
+import keras
+import numpy as np
+import pytest
+from conftest import randomise_batch_norms
+
+import digits
+
+SCRIPT = shutil.which("keras-bn-export", path=os.path.dirname(sys.executable))
+
+
+def _cli(*args):
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    return subprocess.run([SCRIPT, *map(str, args)], capture_output=True, text=True, env=env,
+                          timeout=300)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("cli")
+    randomise_batch_norms(digits.small_cnn()).save(folder / "cnn.keras")
+    np.save(folder / "x.npy", digits.load()[0][:64])
+    return folder
+
+
+def test_success_writes_both_files_and_the_json_report(saved, tmp_path):
+    result = _cli(saved / "cnn.keras", "--tflite", tmp_path / "m.tflite", "--onnx",
+                  tmp_path / "m.onnx", "--report", tmp_path / "r.json")
+    assert result.returncode == 0, result.stderr
+    assert "batch norms: 3 folded, 0 kept" in result.stdout
+    assert "verification passed" in result.stdout and "ops: CONV_2D×2" in result.stdout
+    for stage in ("load", "tflite: fold", "tflite: convert", "tflite: verify", "onnx: verify"):
+        assert stage in result.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["passed"] is True and report["atol"] == 1e-4
+    assert [f["direction"] for f in report["fold"]["folded"]] == ["backward"] * 3
+    tflite, onnx = report["exports"]
+    assert tflite["format"] == "tflite" and onnx["format"] == "onnx"
+    assert tflite["size_bytes"] == os.path.getsize(tmp_path / "m.tflite")
+    assert onnx["size_bytes"] == os.path.getsize(tmp_path / "m.onnx")
+    assert set(onnx["errors"]) == {"ort_disabled", "ort_enabled"}
+    assert max(tflite["relative_error"], onnx["relative_error"]) <= 1e-4
+    assert tflite["op_histogram"]["CONV_2D"] == 2 and "MUL" not in tflite["op_histogram"]
+
+
+def test_error_over_tolerance_exits_1_and_still_reports(saved, tmp_path):
+    result = _cli(saved / "cnn.keras", "--tflite", tmp_path / "q.tflite", "--quantize", "int8",
+                  "--representative-data", saved / "x.npy", "--report", tmp_path / "r.json")
+    assert result.returncode == 1, result.stderr
+    assert "verification FAILED" in result.stdout
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["passed"] is False and report["exports"][0]["quantization"] == "int8"
+    assert report["exports"][0]["relative_error"] > 1e-4
+
+
+@pytest.mark.parametrize("corruption", ["truncated", "junk_inside_zip"])
+def test_corrupt_model_exits_2_in_one_line_without_output(saved, tmp_path, corruption):
+    bad = tmp_path / "bad.keras"
+    if corruption == "truncated":
+        data = (saved / "cnn.keras").read_bytes()
+        bad.write_bytes(data[: len(data) // 2])
+    else:
+        with zipfile.ZipFile(bad, "w") as archive:
+            archive.writestr("config.json", "{not json")
+    result = _cli(bad, "--tflite", tmp_path / "out.tflite", "--report", tmp_path / "r.json")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr + result.stdout
+    errors = [l for l in result.stderr.splitlines() if l.startswith("keras-bn-export: error:")]
+    assert len(errors) == 1, result.stderr
+    if corruption == "truncated":
+        assert "bad.keras is not a valid .keras file" in errors[0]
+    else:  # Keras's own complaint, on one line
+        assert "JSONDecodeError" in errors[0] or "ValueError" in errors[0], errors[0]
+    assert sorted(os.listdir(tmp_path)) == ["bad.keras"]
+
+
+def test_lambda_layer_loads_only_with_unsafe(tmp_path):
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3),
+                              keras.layers.BatchNormalization(),
+                              keras.layers.Lambda(lambda x: x * 2.0)])
+    model.save(tmp_path / "lambda.keras")
+    safe = _cli(tmp_path / "lambda.keras", "--onnx", tmp_path / "m.onnx")
+    assert safe.returncode == 2 and "Traceback" not in safe.stderr
+    assert "safe_mode" in safe.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "m.onnx").exists()
+    unsafe = _cli(tmp_path / "lambda.keras", "--onnx", tmp_path / "m.onnx", "--unsafe")
+    assert unsafe.returncode == 0, unsafe.stderr
+    assert "batch norms: 1 folded, 0 kept" in unsafe.stdout and (tmp_path / "m.onnx").exists()
+
+
+def test_bad_usage_exits_2_in_one_line(tmp_path):
+    result = _cli(tmp_path / "missing.keras", "--onnx", tmp_path / "m.onnx")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"keras-bn-export: error: cannot read model file {tmp_path / 'missing.keras'}: "
+        "no such file"
+    )
+    result = _cli(tmp_path / "m.keras", "--quantize", "int4")
+    assert result.returncode == 2
+    assert "argument --quantize: invalid choice: 'int4'" in result.stderr.splitlines()[-1]
