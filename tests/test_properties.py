@@ -5,11 +5,14 @@ masks and batch sizes from 2. Profiles live in conftest.py ("ci" by default, "th
 import keras
 import numpy as np
 import tensorflow as tf
-from conftest import assert_close, numpy_bn_train, tf_reference_bn
-from hypothesis import given
+from conftest import assert_close, numpy_bn_train, randomise_batch_norms, tf_reference_bn
+from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_fold import BACKWARD_HOSTS
+from test_fold import _input as fold_input
 
 import keras_bn
+from keras_bn.export import fold_batch_norms
 
 EPS = 1e-3
 # Mixed policies for the 16-bit dtypes: the realistic use, float32 weights.
@@ -183,3 +186,38 @@ def test_strategy_covers_the_space():
     assert {"listFalse", "intTrue", "intFalse"} <= seen["kind"]
     assert seen["masked"] == {True, False}
     keras.mixed_precision.set_global_policy("float32")
+
+
+# --------------------------------------------------------------------------- folding
+
+# Folding clones a Keras model per example, several times the cost of the cases above: a third
+# of the profile's examples (233 in "ci", 2,333 in "thorough").
+FOLD_EXAMPLES = max(settings().max_examples // 3, 10)
+
+
+@settings(max_examples=FOLD_EXAMPLES)
+@given(
+    host=st.sampled_from(sorted(BACKWARD_HOSTS)),
+    data_format=st.sampled_from(["channels_last", "channels_first"]),
+    use_bias=st.booleans(),
+    norm=st.sampled_from([keras_bn.BatchNormalization, keras.layers.BatchNormalization]),
+    epsilon=st.sampled_from([1e-5, 1e-3, 0.1]),
+    seed=st.integers(0, 2**31),
+)
+def test_folding_any_host_matches_unfolded_inference(host, data_format, use_bias, norm,
+                                                     epsilon, seed):
+    make, rank, _ = BACKWARD_HOSTS[host]
+    data_format = "channels_last" if host == "Dense" else data_format
+    rng = np.random.default_rng(seed)
+    x = (fold_input(rank, 4, data_format, rng) if rank else rng.normal(size=(3, 4))).astype(
+        "float32")
+    layer = make(data_format, use_bias)
+    axis = 1 if data_format == "channels_first" and rank else -1
+    model = keras.Sequential([keras.Input(x.shape[1:]), layer, norm(axis=axis, epsilon=epsilon)])
+    layer.set_weights([rng.normal(size=w.shape).astype("float32") for w in layer.get_weights()])
+    randomise_batch_norms(model, seed=seed % 1000)
+    folded, report = fold_batch_norms(model, probe=x)
+    assert [f.bn for f in report.folded] == [model.layers[1].name] and not report.kept
+    assert not any(isinstance(l, (keras_bn.BatchNormalization, keras.layers.BatchNormalization))
+                   for l in folded.layers)
+    assert_close(folded(x), model(x, training=False), 1e-5)
