@@ -9,6 +9,11 @@ if _keras.backend.backend() != "tensorflow":
     )
 
 from keras_bn.layers import BatchNormalization  # noqa: E402
+from keras_bn.population import (  # noqa: E402
+    LayerChange,
+    RecalibrationReport,
+    recalibrate,
+)
 
-__all__ = ["BatchNormalization"]
+__all__ = ["BatchNormalization", "LayerChange", "RecalibrationReport", "recalibrate"]
 __version__ = "0.1.0"
