@@ -6,7 +6,8 @@ import keras
 import tensorflow as tf
 from keras import constraints, initializers, regularizers
 
-from keras_bn import ops
+from keras_bn import ghost, ops
+from keras_bn import renorm as renormalization
 
 
 @keras.saving.register_keras_serializable(package="keras_bn")
@@ -76,6 +77,10 @@ class BatchNormalization(keras.layers.Layer):
         gamma_regularizer=None,
         beta_constraint=None,
         gamma_constraint=None,
+        renorm=False,
+        renorm_clipping=None,
+        renorm_momentum=0.99,
+        virtual_batch_size=None,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -92,6 +97,10 @@ class BatchNormalization(keras.layers.Layer):
         self.gamma_regularizer = regularizers.get(gamma_regularizer)
         self.beta_constraint = constraints.get(beta_constraint)
         self.gamma_constraint = constraints.get(gamma_constraint)
+        self.renorm = bool(renorm)
+        self.renorm_clipping = renormalization.validate_clipping(renorm_clipping, self.renorm)
+        self.renorm_momentum = _validate_momentum(renorm_momentum, "renorm_momentum")
+        self.virtual_batch_size = ghost.validate_virtual_batch_size(virtual_batch_size)
         self.supports_masking = True
         self.gamma = None
         self.beta = None
@@ -105,6 +114,7 @@ class BatchNormalization(keras.layers.Layer):
     def build(self, input_shape):
         rank = len(input_shape)
         self._channel_axes = _channel_axes(self.axis, input_shape)
+        ghost.check_channel_axes(self.virtual_batch_size, self._channel_axes)
         if not ops.reduction_axes(rank, self._channel_axes):
             raise ValueError(
                 f"BatchNormalization needs at least one axis to reduce over, but axis="
@@ -138,6 +148,7 @@ class BatchNormalization(keras.layers.Layer):
             shape=shape, name="moving_variance",
             initializer=self.moving_variance_initializer, trainable=False, autocast=False,
         )
+        self._build_optional_state(shape)
         self.input_spec = keras.layers.InputSpec(ndim=rank, axes=dims)
 
     def call(self, inputs, training=None, mask=None):
@@ -151,12 +162,7 @@ class BatchNormalization(keras.layers.Layer):
         beta = self._param(self.beta, 0.0, dtype)
 
         if training and self.trainable:
-            mask = None if mask is None else ops.expand_mask(mask, inputs, self._channel_axes)
-            count = ops.element_count(inputs, self._channel_axes, mask)
-            inputs = self._assert_enough_elements(inputs, count)
-            y, mean, variance = ops.batch_norm_train(
-                inputs, gamma, beta, self._channel_axes, self.epsilon, mask, fused=self._fused
-            )
+            y, mean, variance, count = self._normalize_batch(inputs, gamma, beta, mask)
             self._update_moving_statistics(mean, variance, count)
         else:
             y = ops.batch_norm_eval(
@@ -164,6 +170,62 @@ class BatchNormalization(keras.layers.Layer):
                 gamma, beta, self._channel_axes, self.epsilon,
             )
         return tf.cast(y, self.compute_dtype)
+
+    def _build_optional_state(self, shape):
+        """Weights that exist only when their feature is on, after the four of Keras's BN."""
+        self.moving_stddev = self.renorm_mean = self.renorm_stddev = None
+        self.num_batches_tracked = None
+        if self.renorm:
+            # Keras's renorm weights, in Keras's order; see _update_renorm_statistics.
+            stddev_initializer = _sqrt_of(self.moving_variance_initializer)
+            for name, initializer in (
+                ("moving_stddev", stddev_initializer),
+                ("renorm_mean", self.moving_mean_initializer),
+                ("renorm_stddev", stddev_initializer),
+            ):
+                setattr(self, name, self.add_weight(
+                    shape=shape, name=name, initializer=initializer, trainable=False,
+                    autocast=False,
+                ))
+        if self.momentum is None:
+            self.num_batches_tracked = self.add_weight(
+                shape=(), name="num_batches_tracked", initializer="zeros", dtype="int64",
+                trainable=False, autocast=False,
+            )
+
+    def _normalize_batch(self, inputs, gamma, beta, mask):
+        """Train mode: the output, and the per-channel mean, biased variance and count m that
+        the moving statistics take (averaged over the ghosts with virtual_batch_size)."""
+        batch, channel_axes = inputs, self._channel_axes
+        if self.virtual_batch_size is not None:
+            batch, channel_axes = ghost.split(inputs, self.virtual_batch_size, channel_axes, mask)
+        mask = None if mask is None else ops.expand_mask(mask, batch, channel_axes)
+        count = ops.element_count(batch, channel_axes, mask)
+        batch = self._assert_enough_elements(batch, count)
+        if not (self.renorm or self.virtual_batch_size):
+            y, mean, variance = ops.batch_norm_train(
+                batch, gamma, beta, channel_axes, self.epsilon, mask, fused=self._fused
+            )
+            return y, mean, variance, count
+        # x̂ keeps the hand-written gradient; the affine after it is differentiated by autodiff
+        # (renorm's r and d are constants there).
+        param_shape = tf.gather(tf.shape(batch), channel_axes)
+        x_hat, mean, variance = ops.batch_norm_train(
+            batch, tf.ones(param_shape, gamma.dtype), tf.zeros(param_shape, gamma.dtype),
+            channel_axes, self.epsilon, mask, fused=self._fused,
+        )
+        if self.virtual_batch_size is not None:
+            mean, variance = ghost.average(mean), ghost.average(variance)
+            channel_axes = channel_axes[1:]  # x̂'s axes for the per-channel affine
+        scale, offset = gamma, beta
+        if self.renorm:
+            r, d = renormalization.corrections(
+                mean, variance, tf.cast(self.renorm_mean, mean.dtype),
+                tf.cast(self.renorm_stddev, mean.dtype), self.epsilon, self.renorm_clipping,
+            )
+            scale, offset = gamma * r, beta + gamma * d
+        y = ops.batch_norm_inference(tf.cast(x_hat, gamma.dtype), scale, offset, channel_axes)
+        return tf.reshape(y, tf.shape(inputs)), mean, variance, count
 
     def _param(self, variable, default, dtype):
         """A weight as a tensor, or the constant that stands for it when disabled."""
@@ -197,10 +259,25 @@ class BatchNormalization(keras.layers.Layer):
             & tf.reduce_all(tf.math.is_finite(mean))
             & tf.reduce_all(tf.math.is_finite(unbiased))
         )
+        momentum = self.momentum
+        if momentum is None:  # cumulative average: the n-th usable batch gets weight 1/n
+            seen = tf.cast(self.num_batches_tracked, var_dtype)
+            momentum = seen / (seen + 1.0)
+            self.num_batches_tracked.assign_add(tf.cast(usable, "int64"))
         for moving, batch_value in ((self.moving_mean, mean), (self.moving_variance, unbiased)):
-            old = tf.convert_to_tensor(moving)
-            new = self.momentum * old + (1.0 - self.momentum) * batch_value
-            moving.assign(tf.where(usable, new, old))
+            _average_into(moving, batch_value, momentum, usable)
+        if self.renorm:
+            self._update_renorm_statistics(mean, tf.cast(variance, var_dtype), usable)
+
+    def _update_renorm_statistics(self, mean, variance, usable):
+        """Keras's renorm state: renorm_mean and renorm_stddev average μ_B and √(σ²_B + ε) with
+        renorm_momentum (they give r and d). moving_stddev is kept at √(moving_variance + ε),
+        the relation Keras maintains, so the weights carry over to Keras unchanged."""
+        for moving, batch_value in (
+            (self.renorm_mean, mean), (self.renorm_stddev, tf.sqrt(variance + self.epsilon))
+        ):
+            _average_into(moving, batch_value, self.renorm_momentum, usable)
+        self.moving_stddev.assign(tf.sqrt(self.moving_variance + self.epsilon))
 
     def compute_output_shape(self, input_shape):
         return input_shape
@@ -223,6 +300,10 @@ class BatchNormalization(keras.layers.Layer):
             "gamma_regularizer": regularizers.serialize(self.gamma_regularizer),
             "beta_constraint": constraints.serialize(self.beta_constraint),
             "gamma_constraint": constraints.serialize(self.gamma_constraint),
+            "renorm": self.renorm,
+            "renorm_clipping": self.renorm_clipping,
+            "renorm_momentum": self.renorm_momentum,
+            "virtual_batch_size": self.virtual_batch_size,
         }
 
 
@@ -259,13 +340,31 @@ def _channel_axes(axis, input_shape):
     return normalized
 
 
-def _validate_momentum(momentum):
+def _validate_momentum(momentum, name="momentum"):
+    """A float in [0, 1); `momentum` (not `renorm_momentum`) may also be None."""
+    if momentum is None and name == "momentum":
+        return None
     if isinstance(momentum, bool) or not isinstance(momentum, (int, float)):
-        raise ValueError(f"momentum must be a float in [0, 1); received momentum={momentum!r}.")
+        raise ValueError(f"{name} must be a float in [0, 1); received {name}={momentum!r}.")
     momentum = float(momentum)
     if not 0.0 <= momentum < 1.0:
-        raise ValueError(f"momentum must be in [0, 1); received momentum={momentum}.")
+        raise ValueError(f"{name} must be in [0, 1); received {name}={momentum}.")
     return momentum
+
+
+def _average_into(moving, value, momentum, usable):
+    """moving ← momentum·moving + (1 − momentum)·value where `usable`, else unchanged."""
+    old = tf.convert_to_tensor(moving)
+    new = momentum * old + (1.0 - momentum) * value
+    moving.assign(tf.where(usable, new, old))
+
+
+def _sqrt_of(initializer):
+    """An initializer giving the square root of `initializer`'s values (Keras's moving_stddev)."""
+    def initialize(shape, dtype=None):
+        return tf.sqrt(initializer(shape, dtype=dtype))
+
+    return initialize
 
 
 def _validate_epsilon(epsilon):
