@@ -190,3 +190,18 @@ def test_recalibration_beats_the_moving_average_on_a_small_batch_model():
     after = _normalization_error(model, x)
     print(f"normalization error: moving average {before:.4g}, recalibrated {after:.4g}")
     assert after < 0.1 * before, (before, after)
+
+
+def test_renorm_and_cumulative_bookkeeping_follow():
+    """moving_stddev stays √(moving_variance + ε); momentum=None's counter becomes the
+    number of batches the new average stands for."""
+    inputs = keras.Input((3,))
+    bn = keras_bn.BatchNormalization(renorm=True, momentum=None)
+    model = keras.Model(inputs, bn(inputs))
+    model(_data((8, 3)), training=True)
+    renorm_before = [bn.renorm_mean.numpy(), bn.renorm_stddev.numpy()]
+    keras_bn.recalibrate(model, _data((48, 3), seed=1), batch_size=16, progress=False)
+    assert_close(bn.moving_stddev, np.sqrt(bn.moving_variance.numpy() + EPS), 1e-6)
+    assert int(bn.num_batches_tracked.numpy()) == 3
+    for before, after in zip(renorm_before, [bn.renorm_mean, bn.renorm_stddev]):
+        np.testing.assert_array_equal(before, after)
