@@ -42,10 +42,19 @@ class BatchNormalization(keras.layers.Layer):
     Statistics are computed in float32 (float64 for float64 inputs) and the output is cast to
     the layer's compute dtype, so `mixed_float16` and `mixed_bfloat16` keep float32 variables.
 
+    Beyond Keras's BN (each adds weights only when it is on, after the four above):
+    - `momentum=None`: the moving statistics are the plain average over the (finite) batches
+      seen, as in PyTorch; the count is the int64 weight `num_batches_tracked`.
+    - `renorm=True`: batch renormalization (Ioffe 2017), with Keras's arguments and weights
+      (`moving_stddev`, `renorm_mean`, `renorm_stddev`); see keras_bn/renorm.py. Inference
+      and the moving statistics are as without it.
+    - `virtual_batch_size=v`: ghost batches with tf-keras's semantics; see keras_bn/ghost.py.
+
     Args:
         axis: int, or list/tuple of ints: the channel axis or axes, kept; every other axis is
             reduced. Negative values count from the end; use `axis=1` for channels_first.
-        momentum: weight of the old value in the moving averages, in [0, 1).
+        momentum: weight of the old value in the moving averages, in [0, 1); None for the
+            cumulative average.
         epsilon: positive float added to the variance.
         center: if True, add the learned offset `beta`.
         scale: if True, multiply by the learned scale `gamma`.
@@ -53,6 +62,11 @@ class BatchNormalization(keras.layers.Layer):
         moving_variance_initializer: initializers of the four weights.
         beta_regularizer, gamma_regularizer: optional regularizers.
         beta_constraint, gamma_constraint: optional constraints.
+        renorm: if True, use batch renormalization in training.
+        renorm_clipping: None or a dict with optional keys "rmax", "rmin", "dmax" clipping r
+            to [rmin, rmax] and d to [−dmax, dmax] (defaults inf, 0, inf); needs renorm.
+        renorm_momentum: weight of the old value in renorm's averages, in [0, 1).
+        virtual_batch_size: None, or a positive int dividing the training batch size.
         **kwargs: base layer arguments (`name`, `dtype`, `trainable`, ...).
 
     Call arguments:

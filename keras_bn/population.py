@@ -146,13 +146,17 @@ class _InputStatistics:
         self.order = []
 
     def __enter__(self):
+        self._shadowed = [layer.__dict__.get("call") for layer in self._layers]
         for index, layer in enumerate(self._layers):
             object.__setattr__(layer, "call", self._wrap(index, layer, layer.call))
         return self
 
     def __exit__(self, *exc):
-        for layer in self._layers:
-            object.__delattr__(layer, "call")
+        for layer, previous in zip(self._layers, self._shadowed):
+            if previous is None:
+                object.__delattr__(layer, "call")
+            else:
+                object.__setattr__(layer, "call", previous)
 
     def _wrap(self, index, layer, call):
         def call_and_record(inputs, *args, **kwargs):

@@ -5,7 +5,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import assert_close
+from conftest import assert_close, assert_xla_step_matches_eager, fit_under_mixed_float16
 
 import keras_bn
 
@@ -112,37 +112,13 @@ def test_batch_not_divisible_is_an_error():
 
 
 def test_xla_matches_eager():
-    shape = (8, 5, 5, 4)
-    x, upstream = tf.constant(_data(shape)), tf.constant(_data(shape, seed=9))
-    layers = [keras_bn.BatchNormalization(virtual_batch_size=2, momentum=0.7) for _ in range(2)]
-
-    def step(layer, x):
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            loss = tf.reduce_sum(layer(x, training=True) * upstream)
-        return tape.gradient(loss, [x] + layer.trainable_weights)
-
-    eager = step(layers[0], x)
-    compiled = tf.function(lambda t: step(layers[1], t), jit_compile=True)(x)
-    for e, c in zip(eager, compiled):
-        assert_close(c, e, 1e-5)
-    for a, b in zip(layers[0].weights, layers[1].weights):
-        assert_close(b, a, 1e-6)
+    assert_xla_step_matches_eager(
+        lambda: keras_bn.BatchNormalization(virtual_batch_size=2, momentum=0.7), (8, 5, 5, 4)
+    )
 
 
 def test_mixed_float16_training():
-    x, y = _data((64, 6)), _data((64, 1))
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    model = keras.Sequential([
-        keras.Input((6,)), keras.layers.Dense(8),
-        keras_bn.BatchNormalization(virtual_batch_size=4), keras.layers.Dense(1),
-    ])
-    model.compile(keras.optimizers.SGD(0.01), "mse", jit_compile=True)
-    history = model.fit(x, y, batch_size=16, epochs=2, verbose=0)
-    assert np.isfinite(history.history["loss"]).all()
-    bn = model.layers[1]
-    assert all(w.dtype == "float32" for w in bn.weights)
-    assert not np.allclose(bn.moving_mean, 0.0)
+    fit_under_mixed_float16(lambda: keras_bn.BatchNormalization(virtual_batch_size=4))
 
 
 @pytest.mark.parametrize("value", [0, -2, 2.0, True, "4"])

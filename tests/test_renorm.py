@@ -6,7 +6,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import assert_close
+from conftest import assert_close, assert_xla_step_matches_eager, fit_under_mixed_float16
 
 import keras_bn
 
@@ -120,39 +120,15 @@ def test_matches_keras_renorm_and_inference_uses_moving_statistics():
     assert_close(ours(x, training=False), plain(x, training=False), 1e-6)
 
 
-def _train_step(layer, x, upstream):
-    with tf.GradientTape() as tape:
-        tape.watch(x)
-        loss = tf.reduce_sum(tf.cast(layer(x, training=True), tf.float32) * upstream)
-    return tape.gradient(loss, [x] + layer.trainable_weights)
-
-
 def test_xla_matches_eager():
-    shape = (8, 5, 5, 4)
-    x, upstream = tf.constant(_data(shape)), tf.constant(_data(shape, seed=9))
-    eager_layer, xla_layer = _renorm_layer(shape), _renorm_layer(shape)
-    eager = _train_step(eager_layer, x, upstream)
-    compiled = tf.function(lambda t: _train_step(xla_layer, t, upstream), jit_compile=True)(x)
-    for e, c in zip(eager, compiled):
-        assert_close(c, e, 2e-5)
-    for a, b in zip(eager_layer.weights, xla_layer.weights):
-        assert_close(b, a, 1e-6)
+    assert_xla_step_matches_eager(lambda: _renorm_layer((8, 5, 5, 4)), (8, 5, 5, 4))
 
 
 def test_mixed_float16_training():
-    x, y = _data((64, 6)), _data((64, 1))
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    model = keras.Sequential([
-        keras.Input((6,)), keras.layers.Dense(8),
-        keras_bn.BatchNormalization(renorm=True, renorm_clipping=CLIPPING),
-        keras.layers.Dense(1),
-    ])
-    model.compile(keras.optimizers.SGD(0.01), "mse", jit_compile=True)
-    history = model.fit(x, y, batch_size=16, epochs=2, verbose=0)
-    assert np.isfinite(history.history["loss"]).all()
-    bn = model.layers[1]
-    assert all(w.dtype == "float32" for w in bn.weights)
-    assert model.layers[1](tf.ones((4, 8), "float16"), training=True).dtype == "float16"
+    bn = fit_under_mixed_float16(
+        lambda: keras_bn.BatchNormalization(renorm=True, renorm_clipping=CLIPPING)
+    )
+    assert bn(tf.ones((4, 8), "float16"), training=True).dtype == "float16"
     assert not np.allclose(bn.renorm_mean, 0.0)
 
 
