@@ -111,7 +111,9 @@ class BatchNormalization(keras.layers.Layer):
         self.gamma_regularizer = regularizers.get(gamma_regularizer)
         self.beta_constraint = constraints.get(beta_constraint)
         self.gamma_constraint = constraints.get(gamma_constraint)
-        self.renorm = bool(renorm)
+        if not isinstance(renorm, bool):
+            raise ValueError(f"renorm must be True or False; received renorm={renorm!r}.")
+        self.renorm = renorm
         self.renorm_clipping = renormalization.validate_clipping(renorm_clipping, self.renorm)
         self.renorm_momentum = _validate_momentum(renorm_momentum, "renorm_momentum")
         self.virtual_batch_size = ghost.validate_virtual_batch_size(virtual_batch_size)

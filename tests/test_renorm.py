@@ -149,6 +149,11 @@ def test_bad_renorm_arguments(kwargs, match):
         keras_bn.BatchNormalization(renorm=True, **kwargs)
 
 
+def test_renorm_must_be_a_bool():
+    with pytest.raises(ValueError, match=r"renorm='yes'"):
+        keras_bn.BatchNormalization(renorm="yes")
+
+
 def test_clipping_without_renorm_is_an_error():
     with pytest.raises(ValueError, match=r"no effect without renorm=True"):
         keras_bn.BatchNormalization(renorm_clipping={"rmax": 3.0})
