@@ -205,3 +205,46 @@ def test_renorm_and_cumulative_bookkeeping_follow():
     assert int(bn.num_batches_tracked.numpy()) == 3
     for before, after in zip(renorm_before, [bn.renorm_mean, bn.renorm_stddev]):
         np.testing.assert_array_equal(before, after)
+
+
+def test_masked_inputs_use_unmasked_values_only():
+    """A Keras mask (Embedding(mask_zero=True)) reaches the hook: only real tokens count."""
+    tokens = np.array([[3, 5, 2, 0], [4, 1, 0, 0], [2, 2, 2, 1], [6, 0, 0, 0]])
+    inputs = keras.Input((4,), dtype="int32")
+    embedding = keras.layers.Embedding(8, 3, mask_zero=True)
+    bn = keras_bn.BatchNormalization()
+    model = keras.Model(inputs, bn(embedding(inputs)))
+    keras_bn.recalibrate(model, [tokens[:2], tokens[2:]], progress=False)
+    vectors = embedding(tokens).numpy().astype(np.float64)
+    parts = [vectors[:2][tokens[:2] != 0], vectors[2:][tokens[2:] != 0]]  # 5 and 5 tokens
+    counts = np.array([len(p) for p in parts], dtype=np.float64)
+    mean = sum(len(p) * p.mean(axis=0) for p in parts) / counts.sum()
+    var = sum(len(p) * p.var(axis=0) for p in parts) / (counts - 1).sum()
+    assert_close(bn.moving_mean, mean, 1e-5)
+    assert_close(bn.moving_variance, var, 1e-5)
+
+
+class TwoBranchModel(keras.Model):
+    """Subclassed: `used` is called, `unused` is never reached by the forward pass."""
+
+    def __init__(self):
+        super().__init__(name="two_branch")
+        self.used = keras_bn.BatchNormalization(name="used")
+        self.unused = keras_bn.BatchNormalization(name="unused")
+        self.unused.build((None, 3))
+
+    def call(self, x, training=None):
+        return self.used(x, training=training)
+
+
+def test_subclassed_model_and_layers_not_called():
+    model = TwoBranchModel()
+    model(_data((4, 3)))
+    x = _data((32, 3))
+    report = keras_bn.recalibrate(model, x, batch_size=16, progress=False)
+    assert report.not_called == ("unused",)
+    assert [c.name for c in report.layers] == ["used"]
+    mean, var = _numpy_population(np.split(x.astype(np.float64), 2), unbiased=True)
+    assert_close(model.used.moving_mean, mean, 1e-6)
+    assert_close(model.used.moving_variance, var, 1e-6)
+    np.testing.assert_array_equal(model.unused.moving_variance, np.ones(3))
