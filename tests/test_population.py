@@ -248,3 +248,24 @@ def test_subclassed_model_and_layers_not_called():
     assert_close(model.used.moving_mean, mean, 1e-6)
     assert_close(model.used.moving_variance, var, 1e-6)
     np.testing.assert_array_equal(model.unused.moving_variance, np.ones(3))
+
+
+def test_mobilenet_v2_every_layer_matches_its_inference_input():
+    """On a real DAG (residual adds, 52 BN layers), each layer's new statistics are Algorithm 2
+    over its input in the final inference network, computed independently by a feature model.
+    Means are compared on the scale of the standard deviation (many are ~0)."""
+    base = keras.applications.MobileNetV2(
+        input_shape=(32, 32, 3), alpha=0.35, weights=None, include_top=False
+    )
+    model = keras_bn.convert.from_keras(base)
+    bns = [layer for layer in model.layers
+           if isinstance(layer, (keras_bn.BatchNormalization, keras.layers.BatchNormalization))]
+    x = _data((24, 32, 32, 3), loc=0.0, scale=1.0)
+    keras_bn.recalibrate(model, x, batch_size=8, progress=False)
+    features = keras.Model(model.inputs[0], [bn.input for bn in bns])(x, training=False)
+    for bn, h in zip(bns, features):
+        batches = np.split(h.numpy().astype(np.float64).reshape(3, -1, h.shape[-1]), 3)
+        batches = [b[0] for b in batches]
+        mean, var = _numpy_population(batches, unbiased=True)
+        np.testing.assert_allclose(bn.moving_mean, mean, rtol=0, atol=1e-4 * np.sqrt(var.max()))
+        assert_close(bn.moving_variance, var, 1e-4)
