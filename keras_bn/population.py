@@ -167,6 +167,8 @@ class _InputStatistics:
                         f"forward pass; a shared BN layer has no single input distribution."
                     )
                 self._recorded[index] = _batch_moments(layer, inputs, kwargs.get("mask"))
+                # Inference even where the caller's code passes training=True to this layer.
+                kwargs["training"] = False
             return call(inputs, *args, **kwargs)
 
         return call_and_record

@@ -225,16 +225,19 @@ def test_masked_inputs_use_unmasked_values_only():
 
 
 class TwoBranchModel(keras.Model):
-    """Subclassed: `used` is called, `unused` is never reached by the forward pass."""
+    """Subclassed: `used` then `second` are called, `unused` is never reached."""
 
     def __init__(self):
         super().__init__(name="two_branch")
         self.used = keras_bn.BatchNormalization(name="used")
+        self.second = keras.layers.BatchNormalization(name="second")
         self.unused = keras_bn.BatchNormalization(name="unused")
         self.unused.build((None, 3))
 
     def call(self, x, training=None):
-        return self.used(x, training=training)
+        # training=True in the model's own code: recalibrate still runs `used` in inference
+        # mode, so `second` sees its inference-time input.
+        return self.second(self.used(x, training=True), training=training)
 
 
 def test_subclassed_model_and_layers_not_called():
@@ -243,10 +246,15 @@ def test_subclassed_model_and_layers_not_called():
     x = _data((32, 3))
     report = keras_bn.recalibrate(model, x, batch_size=16, progress=False)
     assert report.not_called == ("unused",)
-    assert [c.name for c in report.layers] == ["used"]
-    mean, var = _numpy_population(np.split(x.astype(np.float64), 2), unbiased=True)
+    assert [c.name for c in report.layers] == ["used", "second"]
+    batches = np.split(x.astype(np.float64), 2)
+    mean, var = _numpy_population(batches, unbiased=True)
     assert_close(model.used.moving_mean, mean, 1e-6)
     assert_close(model.used.moving_variance, var, 1e-6)
+    normalized = [_numpy_inference_bn(b, model.used) for b in batches]
+    mean_2, var_2 = _numpy_population(normalized, unbiased=False)
+    np.testing.assert_allclose(model.second.moving_mean, mean_2, rtol=0, atol=1e-5)  # ~0
+    assert_close(model.second.moving_variance, var_2, 1e-5)
     np.testing.assert_array_equal(model.unused.moving_variance, np.ones(3))
 
 
