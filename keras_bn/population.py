@@ -15,11 +15,12 @@ which is the same for equal batches and is the pooled within-batch estimate othe
 Σ m_B·σ²_B / Σ m_B, the same convention as their own moving average.
 
 Upstream normalization while it runs: the layers are recalibrated one at a time, in the order
-the forward pass calls them, and every pass runs the whole model in inference mode. So when a
-layer's statistics are gathered, every BN layer upstream of it already normalizes with its new
-population statistics: each layer's statistics describe exactly the input it gets at inference,
-which is what they are used for. Dropout and the other training-only layers are off. The cost
-is one pass over the data per BN layer (one compiled forward function serves every pass).
+the forward pass calls them, and every pass runs the whole model in inference mode (BN layers
+infer even where the model's code passes them training=True). So when a layer's statistics are
+gathered, every BN layer upstream of it already normalizes with its new population statistics:
+each layer's statistics describe exactly the input it gets at inference, which is what they are
+used for. Dropout and the other training-only layers are off. The cost is one pass over the
+data per BN layer (one compiled forward function serves every pass).
 """
 
 import dataclasses
