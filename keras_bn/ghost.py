@@ -48,8 +48,9 @@ def split(x, virtual_batch_size, channel_axes, mask):
         ghosts = batch // virtual_batch_size
     else:
         dynamic = tf.shape(x)[0]
-        check = tf.debugging.assert_equal(
-            dynamic % virtual_batch_size, 0, message=message.format("another size")
+        check = tf.debugging.Assert(
+            tf.equal(dynamic % virtual_batch_size, 0),
+            [message.format("a size known only at run time"), "batch size:", dynamic],
         )
         with tf.control_dependencies([check]):
             x = tf.identity(x)
