@@ -79,7 +79,7 @@ def test_two_bn_network_matches_numpy(second_bn, unbiased):
     assert [c.convention for c in report.layers] == ["unbiased",
                                                      "unbiased" if unbiased else "biased"]
     assert report.batches == 4
-    assert_close(report.layers[0].mean_change, mean_1 - 0.0 - report.layers[0].old_mean, 1e-5)
+    assert_close(report.layers[0].mean_change, mean_1 - report.layers[0].old_mean, 1e-5)
     assert_close(report.layers[1].new_variance, var_2, 1e-5)
     assert "bn_2" in str(report)
 
