@@ -8,7 +8,13 @@ if _keras.backend.backend() != "tensorflow":
         f"{_keras.backend.backend()!r}. Set KERAS_BACKEND=tensorflow before importing keras."
     )
 
+from keras_bn import convert  # noqa: E402
 from keras_bn.layers import BatchNormalization  # noqa: E402
+from keras_bn.population import (  # noqa: E402
+    LayerChange,
+    RecalibrationReport,
+    recalibrate,
+)
 
-__all__ = ["BatchNormalization"]
+__all__ = ["BatchNormalization", "LayerChange", "RecalibrationReport", "convert", "recalibrate"]
 __version__ = "0.1.0"

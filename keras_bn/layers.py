@@ -6,7 +6,8 @@ import keras
 import tensorflow as tf
 from keras import constraints, initializers, regularizers
 
-from keras_bn import ops
+from keras_bn import ghost, ops
+from keras_bn import renorm as renormalization
 
 
 @keras.saving.register_keras_serializable(package="keras_bn")
@@ -41,10 +42,19 @@ class BatchNormalization(keras.layers.Layer):
     Statistics are computed in float32 (float64 for float64 inputs) and the output is cast to
     the layer's compute dtype, so `mixed_float16` and `mixed_bfloat16` keep float32 variables.
 
+    Beyond Keras's BN (each adds weights only when it is on, after the four above):
+    - `momentum=None`: the moving statistics are the plain average over the (finite) batches
+      seen, as in PyTorch; the count is the int64 weight `num_batches_tracked`.
+    - `renorm=True`: batch renormalization (Ioffe 2017), with Keras's arguments and weights
+      (`moving_stddev`, `renorm_mean`, `renorm_stddev`); see keras_bn/renorm.py. Inference
+      and the moving statistics are as without it.
+    - `virtual_batch_size=v`: ghost batches with tf-keras's semantics; see keras_bn/ghost.py.
+
     Args:
         axis: int, or list/tuple of ints: the channel axis or axes, kept; every other axis is
             reduced. Negative values count from the end; use `axis=1` for channels_first.
-        momentum: weight of the old value in the moving averages, in [0, 1).
+        momentum: weight of the old value in the moving averages, in [0, 1); None for the
+            cumulative average.
         epsilon: positive float added to the variance.
         center: if True, add the learned offset `beta`.
         scale: if True, multiply by the learned scale `gamma`.
@@ -52,6 +62,11 @@ class BatchNormalization(keras.layers.Layer):
         moving_variance_initializer: initializers of the four weights.
         beta_regularizer, gamma_regularizer: optional regularizers.
         beta_constraint, gamma_constraint: optional constraints.
+        renorm: if True, use batch renormalization in training.
+        renorm_clipping: None or a dict with optional keys "rmax", "rmin", "dmax" clipping r
+            to [rmin, rmax] and d to [−dmax, dmax] (defaults inf, 0, inf); needs renorm.
+        renorm_momentum: weight of the old value in renorm's averages, in [0, 1).
+        virtual_batch_size: None, or a positive int dividing the training batch size.
         synchronized: under a `tf.distribute` strategy with several replicas, compute the
             batch statistics over the global batch (all replicas) and all-reduce the backward
             pass's sums too, so training equals single-device BN on the global batch. With
@@ -81,6 +96,10 @@ class BatchNormalization(keras.layers.Layer):
         gamma_regularizer=None,
         beta_constraint=None,
         gamma_constraint=None,
+        renorm=False,
+        renorm_clipping=None,
+        renorm_momentum=0.99,
+        virtual_batch_size=None,
         synchronized=False,
         **kwargs,
     ):
@@ -103,6 +122,18 @@ class BatchNormalization(keras.layers.Layer):
                 f"synchronized must be True or False; received synchronized={synchronized!r}."
             )
         self.synchronized = synchronized
+        if not isinstance(renorm, bool):
+            raise ValueError(f"renorm must be True or False; received renorm={renorm!r}.")
+        self.renorm = renorm
+        self.renorm_clipping = renormalization.validate_clipping(renorm_clipping, self.renorm)
+        self.renorm_momentum = _validate_momentum(renorm_momentum, "renorm_momentum")
+        self.virtual_batch_size = ghost.validate_virtual_batch_size(virtual_batch_size)
+        if self.synchronized and self.virtual_batch_size is not None:
+            raise ValueError(
+                "synchronized=True and virtual_batch_size="
+                f"{self.virtual_batch_size} contradict each other: one pools the statistics "
+                "over every replica's batch, the other splits each batch; use one of them."
+            )
         self.supports_masking = True
         self.gamma = None
         self.beta = None
@@ -116,6 +147,7 @@ class BatchNormalization(keras.layers.Layer):
     def build(self, input_shape):
         rank = len(input_shape)
         self._channel_axes = _channel_axes(self.axis, input_shape)
+        ghost.check_channel_axes(self.virtual_batch_size, self._channel_axes)
         if not ops.reduction_axes(rank, self._channel_axes):
             raise ValueError(
                 f"BatchNormalization needs at least one axis to reduce over, but axis="
@@ -151,6 +183,7 @@ class BatchNormalization(keras.layers.Layer):
             shape=shape, name="moving_variance", initializer=self.moving_variance_initializer,
             trainable=False, autocast=False, aggregation="mean",
         )
+        self._build_optional_state(shape)
         self.input_spec = keras.layers.InputSpec(ndim=rank, axes=dims)
 
     def call(self, inputs, training=None, mask=None):
@@ -164,14 +197,7 @@ class BatchNormalization(keras.layers.Layer):
         beta = self._param(self.beta, 0.0, dtype)
 
         if training and self.trainable:
-            mask = None if mask is None else ops.expand_mask(mask, inputs, self._channel_axes)
-            replicas = self._replica_context()
-            count = ops.element_count(inputs, self._channel_axes, mask, replicas)
-            inputs = self._assert_enough_elements(inputs, count)
-            y, mean, variance = ops.batch_norm_train(
-                inputs, gamma, beta, self._channel_axes, self.epsilon, mask,
-                fused=self._fused, replica_context=replicas,
-            )
+            y, mean, variance, count = self._normalize_batch(inputs, gamma, beta, mask)
             self._update_moving_statistics(mean, variance, count)
         else:
             y = ops.batch_norm_eval(
@@ -180,6 +206,63 @@ class BatchNormalization(keras.layers.Layer):
             )
         return tf.cast(y, self.compute_dtype)
 
+    def _build_optional_state(self, shape):
+        """Weights that exist only when their feature is on, after the four of Keras's BN."""
+        self.moving_stddev = self.renorm_mean = self.renorm_stddev = None
+        self.num_batches_tracked = None
+        if self.renorm:
+            # Keras's renorm weights, in Keras's order; see _update_renorm_statistics.
+            stddev_initializer = _sqrt_of(self.moving_variance_initializer)
+            for name, initializer in (
+                ("moving_stddev", stddev_initializer),
+                ("renorm_mean", self.moving_mean_initializer),
+                ("renorm_stddev", stddev_initializer),
+            ):
+                setattr(self, name, self.add_weight(
+                    shape=shape, name=name, initializer=initializer, trainable=False,
+                    autocast=False, aggregation="mean",
+                ))
+        if self.momentum is None:
+            self.num_batches_tracked = self.add_weight(
+                shape=(), name="num_batches_tracked", initializer="zeros", dtype="int64",
+                trainable=False, autocast=False, aggregation="only_first_replica",
+            )
+
+    def _normalize_batch(self, inputs, gamma, beta, mask):
+        """Train mode: the output, and the per-channel mean, biased variance and count m that
+        the moving statistics take (averaged over the ghosts with virtual_batch_size)."""
+        batch, channel_axes = inputs, self._channel_axes
+        if self.virtual_batch_size is not None:
+            batch, channel_axes = ghost.split(inputs, self.virtual_batch_size, channel_axes, mask)
+        mask = None if mask is None else ops.expand_mask(mask, batch, channel_axes)
+        replicas = self._replica_context()
+        count = ops.element_count(batch, channel_axes, mask, replicas)
+        batch = self._assert_enough_elements(batch, count)
+        if not (self.renorm or self.virtual_batch_size):
+            y, mean, variance = ops.batch_norm_train(
+                batch, gamma, beta, channel_axes, self.epsilon, mask, fused=self._fused,
+                replica_context=replicas,
+            )
+            return y, mean, variance, count
+        # x̂ keeps the hand-written gradient; the affine after it is differentiated by autodiff
+        # (renorm's r and d are constants there).
+        param_shape = tf.gather(tf.shape(batch), channel_axes)
+        x_hat, mean, variance = ops.batch_norm_train(
+            batch, tf.ones(param_shape, gamma.dtype), tf.zeros(param_shape, gamma.dtype),
+            channel_axes, self.epsilon, mask, fused=self._fused, replica_context=replicas,
+        )
+        if self.virtual_batch_size is not None:
+            mean, variance = ghost.average(mean), ghost.average(variance)
+            channel_axes = channel_axes[1:]  # x̂'s axes for the per-channel affine
+        scale, offset = gamma, beta
+        if self.renorm:
+            r, d = renormalization.corrections(
+                mean, variance, tf.cast(self.renorm_mean, mean.dtype),
+                tf.cast(self.renorm_stddev, mean.dtype), self.epsilon, self.renorm_clipping,
+            )
+            scale, offset = gamma * r, beta + gamma * d
+        y = ops.batch_norm_inference(tf.cast(x_hat, gamma.dtype), scale, offset, channel_axes)
+        return tf.reshape(y, tf.shape(inputs)), mean, variance, count
     def _replica_context(self):
         """The replica context to all-reduce over for synchronized BN, or None: not
         synchronized, outside a strategy's replica function, or a single replica."""
@@ -222,10 +305,25 @@ class BatchNormalization(keras.layers.Layer):
             & tf.reduce_all(tf.math.is_finite(mean))
             & tf.reduce_all(tf.math.is_finite(unbiased))
         )
+        momentum = self.momentum
+        if momentum is None:  # cumulative average: the n-th usable batch gets weight 1/n
+            seen = tf.cast(self.num_batches_tracked, var_dtype)
+            momentum = seen / (seen + 1.0)
+            self.num_batches_tracked.assign_add(tf.cast(usable, "int64"))
         for moving, batch_value in ((self.moving_mean, mean), (self.moving_variance, unbiased)):
-            old = tf.convert_to_tensor(moving)
-            new = self.momentum * old + (1.0 - self.momentum) * batch_value
-            moving.assign(tf.where(usable, new, old))
+            _average_into(moving, batch_value, momentum, usable)
+        if self.renorm:
+            self._update_renorm_statistics(mean, tf.cast(variance, var_dtype), usable)
+
+    def _update_renorm_statistics(self, mean, variance, usable):
+        """Keras's renorm state: renorm_mean and renorm_stddev average μ_B and √(σ²_B + ε) with
+        renorm_momentum (they give r and d). moving_stddev is kept at √(moving_variance + ε),
+        the relation Keras maintains, so the weights carry over to Keras unchanged."""
+        for moving, batch_value in (
+            (self.renorm_mean, mean), (self.renorm_stddev, tf.sqrt(variance + self.epsilon))
+        ):
+            _average_into(moving, batch_value, self.renorm_momentum, usable)
+        self.moving_stddev.assign(tf.sqrt(self.moving_variance + self.epsilon))
 
     def compute_output_shape(self, input_shape):
         return input_shape
@@ -249,6 +347,11 @@ class BatchNormalization(keras.layers.Layer):
             "beta_constraint": constraints.serialize(self.beta_constraint),
             "gamma_constraint": constraints.serialize(self.gamma_constraint),
             "synchronized": self.synchronized,
+
+            "renorm": self.renorm,
+            "renorm_clipping": self.renorm_clipping,
+            "renorm_momentum": self.renorm_momentum,
+            "virtual_batch_size": self.virtual_batch_size,
         }
 
 
@@ -285,13 +388,31 @@ def _channel_axes(axis, input_shape):
     return normalized
 
 
-def _validate_momentum(momentum):
+def _validate_momentum(momentum, name="momentum"):
+    """A float in [0, 1); `momentum` (not `renorm_momentum`) may also be None."""
+    if momentum is None and name == "momentum":
+        return None
     if isinstance(momentum, bool) or not isinstance(momentum, (int, float)):
-        raise ValueError(f"momentum must be a float in [0, 1); received momentum={momentum!r}.")
+        raise ValueError(f"{name} must be a float in [0, 1); received {name}={momentum!r}.")
     momentum = float(momentum)
     if not 0.0 <= momentum < 1.0:
-        raise ValueError(f"momentum must be in [0, 1); received momentum={momentum}.")
+        raise ValueError(f"{name} must be in [0, 1); received {name}={momentum}.")
     return momentum
+
+
+def _average_into(moving, value, momentum, usable):
+    """moving ← momentum·moving + (1 − momentum)·value where `usable`, else unchanged."""
+    old = tf.convert_to_tensor(moving)
+    new = momentum * old + (1.0 - momentum) * value
+    moving.assign(tf.where(usable, new, old))
+
+
+def _sqrt_of(initializer):
+    """An initializer giving the square root of `initializer`'s values (Keras's moving_stddev)."""
+    def initialize(shape, dtype=None):
+        return tf.sqrt(initializer(shape, dtype=dtype))
+
+    return initialize
 
 
 def _validate_epsilon(epsilon):

@@ -117,6 +117,20 @@ def test_masked_moving_statistics_count_unmasked_elements():
     assert_close(y, (x - mean) / np.sqrt(var + EPS), 1e-5)
 
 
+def test_channels_first_mask():
+    """axis=1 with a mask over (batch, time): the mask has the input's shape less axis 1."""
+    x = _data((4, 3, 6))  # (batch, channels, time)
+    mask = np.random.default_rng(8).uniform(size=(4, 6)) > 0.4
+    layer = keras_bn.BatchNormalization(axis=1, momentum=0.0)
+    y = layer(x, training=True, mask=mask)
+    kept = np.transpose(x, (0, 2, 1))[mask].astype(np.float64)  # (m, 3)
+    m = kept.shape[0]
+    mean, var = kept.mean(axis=0), kept.var(axis=0)
+    assert_close(layer.moving_mean, mean, 1e-5)
+    assert_close(layer.moving_variance, var * m / (m - 1), 1e-5)
+    assert_close(y, (x - mean[:, None]) / np.sqrt(var[:, None] + EPS), 1e-5)
+
+
 def test_mask_propagates_from_embedding():
     tokens = np.array([[3, 5, 2, 0, 0], [4, 1, 0, 0, 0], [2, 2, 2, 2, 1]])
     inputs = keras.Input((5,), dtype="int32")
@@ -165,10 +179,9 @@ def test_matches_keras_except_unbiased_moving_variance(shape, axis):
 
 
 def test_keras_config_loads_into_keras_bn():
-    """A Keras BN's core arguments build an equivalent keras_bn layer."""
+    """A Keras BN's config builds an equivalent keras_bn layer."""
     theirs = keras.layers.BatchNormalization(axis=1, momentum=0.8, epsilon=1e-4, center=False)
-    config = {k: v for k, v in theirs.get_config().items()
-              if k not in ("renorm", "renorm_clipping", "renorm_momentum")}
+    config = theirs.get_config()  # every argument, renorm and synchronized included
     ours = keras_bn.BatchNormalization.from_config(config)
     assert (ours.axis, ours.momentum, ours.epsilon, ours.center) == (1, 0.8, 1e-4, False)
     assert ours.synchronized is False
@@ -337,6 +350,46 @@ def test_non_finite_batch_leaves_moving_statistics_unchanged(bad, jit):
     assert not np.array_equal(layer.moving_mean.numpy(), before[0])
 
 
+# --------------------------------------------------------------------------- momentum=None
+
+
+def test_momentum_none_is_the_cumulative_average():
+    """PyTorch's momentum=None: the plain average of every batch's μ_B and m/(m−1)·σ²_B."""
+    layer = keras_bn.BatchNormalization(momentum=None)
+    step = tf.function(lambda x: layer(x, training=True))
+    batches = [_data((8, 3), seed=s) for s in range(5)]
+    for x in batches[:3]:
+        step(x)
+    poisoned = batches[3].copy()
+    poisoned[0, 0] = np.nan
+    step(poisoned)  # skipped, and not counted
+    step(batches[4])
+    used = [b.astype(np.float64) for b in batches[:3] + batches[4:]]
+    assert int(layer.num_batches_tracked.numpy()) == 4
+    assert_close(layer.moving_mean, np.mean([b.mean(axis=0) for b in used], axis=0), 1e-6)
+    assert_close(layer.moving_variance,
+                 np.mean([b.var(axis=0, ddof=1) for b in used], axis=0), 1e-6)
+    assert [w.name for w in layer.weights][-1] == "num_batches_tracked"
+    assert layer.get_config()["momentum"] is None
+
+
+def test_momentum_none_counter_survives_keras_file(tmp_path):
+    model = keras.Sequential([keras.Input((3,)), keras_bn.BatchNormalization(momentum=None)])
+    for seed in range(3):
+        model(_data((8, 3), seed=seed), training=True)
+    path = tmp_path / "cumulative.keras"
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    assert int(loaded.layers[0].num_batches_tracked.numpy()) == 3
+    # Both continue the same average: the fourth batch gets weight 1/4 in each.
+    x = _data((8, 3), seed=3)
+    model(x, training=True)
+    loaded(x, training=True)
+    for a, b in zip(model.weights, loaded.weights):
+        np.testing.assert_array_equal(a, b)
+    assert int(loaded.layers[0].num_batches_tracked.numpy()) == 4
+
+
 @pytest.mark.parametrize("momentum", [-0.1, 1.0, 1.5, float("nan"), "0.9"])
 def test_bad_momentum(momentum):
     with pytest.raises(ValueError, match=rf"momentum.*{momentum}"):
@@ -404,7 +457,8 @@ def _non_default_layer():
         moving_mean_initializer="ones", moving_variance_initializer=keras.initializers.Constant(2.0),
         beta_regularizer="l2", gamma_regularizer=keras.regularizers.L1(0.01),
         beta_constraint="non_neg", gamma_constraint=keras.constraints.MaxNorm(2.0),
-        synchronized=True, name="custom_bn", trainable=False,
+        renorm=True, renorm_clipping={"rmax": 2.0, "rmin": 0.5, "dmax": 1.0},
+        renorm_momentum=0.8, synchronized=True, name="custom_bn", trainable=False,
     )
 
 
@@ -415,6 +469,9 @@ def test_get_config_round_trips_every_argument():
     assert clone.get_config() == config
     assert config["axis"] == [1, -1] and config["momentum"] == 0.7 and config["epsilon"] == 1e-4
     assert config["center"] is False and config["trainable"] is False
+    assert config["renorm"] is True and config["renorm_momentum"] == 0.8
+    assert config["renorm_clipping"] == {"rmax": 2.0, "rmin": 0.5, "dmax": 1.0}
+    assert config["virtual_batch_size"] is None and config["synchronized"] is True
     assert isinstance(clone.gamma_regularizer, keras.regularizers.L1)
     assert isinstance(clone.gamma_constraint, keras.constraints.MaxNorm)
     assert isinstance(clone.moving_variance_initializer, keras.initializers.Constant)

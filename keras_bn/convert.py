@@ -1,0 +1,105 @@
+"""Swap keras.layers.BatchNormalization and keras_bn.BatchNormalization in a model, weights kept.
+
+`from_keras(model)` and `to_keras(model)` return a clone (keras.models.clone_model, nested
+Sequential and Functional models included); the original model is untouched. Every argument
+and every weight is carried over as it is, in particular the moving variance: Keras stores the
+biased E_B[σ²_B] and keras_bn the unbiased m/(m−1)·E_B[σ²_B]. Inference outputs are therefore
+the same before and after; only training afterwards continues the average in the new layer's
+convention (or run keras_bn.recalibrate to recompute it in that convention).
+"""
+
+import inspect
+
+import keras
+
+from keras_bn.layers import BatchNormalization
+
+_KERAS_BN = keras.layers.BatchNormalization
+_BASE_ARGUMENTS = set(inspect.signature(keras.layers.Layer.__init__).parameters)
+
+
+def from_keras(model):
+    """A clone of `model` with every keras.layers.BatchNormalization a keras_bn one."""
+    return _swap(model, _KERAS_BN, BatchNormalization)
+
+
+def to_keras(model):
+    """A clone of `model` with every keras_bn.BatchNormalization a keras.layers one."""
+    return _swap(model, BatchNormalization, _KERAS_BN)
+
+
+def _check_keras_can_take(config):
+    """keras_bn arguments with no Keras form; the others are checked by `_translate`."""
+    name = config["name"]
+    if config["momentum"] is None:
+        raise ValueError(
+            f"Layer '{name}': momentum=None (a cumulative average) has no Keras equivalent."
+        )
+    if not isinstance(config["axis"], int):
+        raise ValueError(
+            f"Layer '{name}': axis={config['axis']} (several channel axes) has no Keras "
+            f"equivalent; keras.layers.BatchNormalization takes one int axis."
+        )
+
+
+def _swap(model, source, target):
+    if not model.built:
+        raise ValueError(f"Model '{model.name}' is not built; build it (or give it an Input) "
+                         f"so its weights can be copied.")
+    pairs = []
+
+    def clone_layer(layer):
+        if type(layer) is source:
+            config = layer.get_config()
+            if target is _KERAS_BN:
+                _check_keras_can_take(config)
+            new = target.from_config(_translate(config, source, target))
+        else:
+            if isinstance(layer, source):
+                raise ValueError(
+                    f"Layer '{layer.name}' is a subclass of {source.__name__} "
+                    f"({type(layer).__name__}); only the class itself is converted."
+                )
+            hidden = [sub.name for sub in layer._flatten_layers(include_self=False)
+                      if isinstance(sub, source)]
+            if hidden:
+                raise ValueError(
+                    f"Layer '{layer.name}' ({type(layer).__name__}) holds BatchNormalization "
+                    f"layer(s) {hidden} inside its own code; only Sequential and Functional "
+                    f"models can be converted through."
+                )
+            new = layer.__class__.from_config(layer.get_config())
+        pairs.append((layer, new))
+        return new
+
+    try:
+        clone = keras.models.clone_model(model, clone_function=clone_layer, recursive=True)
+    except ValueError as error:
+        if "clone_function" not in str(error):
+            raise
+        raise ValueError(
+            f"Model '{model.name}' ({type(model).__name__}) is a subclassed model; convert "
+            f"handles Sequential and Functional models (nested ones included)."
+        ) from error
+    for old, new in pairs:
+        new.set_weights(old.get_weights())
+    return clone
+
+
+def _translate(config, source, target):
+    """`config` for `target`: arguments `target` lacks must be at `source`'s default."""
+    accepted = set(inspect.signature(target.__init__).parameters) | _BASE_ARGUMENTS
+    defaults = {
+        name: parameter.default
+        for name, parameter in inspect.signature(source.__init__).parameters.items()
+    }
+    translated = {}
+    for key, value in config.items():
+        if key in accepted:
+            translated[key] = value
+        elif key not in defaults or value != defaults[key]:
+            raise ValueError(
+                f"Layer '{config['name']}': {key}={value!r} has no equivalent in "
+                f"{target.__module__}.{target.__name__}."
+            )
+    return translated

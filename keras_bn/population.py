@@ -1,0 +1,323 @@
+"""recalibrate(model, data): exact population statistics for every BN layer (Algorithm 2).
+
+Ioffe & Szegedy's Algorithm 2 sets each BN layer's inference statistics from the training
+mini-batches B, each of m values per channel:
+
+    E[x] = E_B[μ_B]        Var[x] = m/(m−1) · E_B[σ²_B]
+
+A moving average only approximates this, and lags when the weights change quickly. When the
+batches differ in size (a smaller last batch, or masks), each batch is weighted by its count,
+which is the same for equal batches and is the pooled within-batch estimate otherwise:
+
+    E[x] = Σ m_B·μ_B / Σ m_B        Var[x] = Σ m_B·σ²_B / Σ (m_B − 1)
+
+`keras.layers.BatchNormalization` stores the biased variance, so its layers get
+Σ m_B·σ²_B / Σ m_B, the same convention as their own moving average.
+
+Upstream normalization while it runs: the layers are recalibrated one at a time, in the order
+the forward pass calls them, and every pass runs the whole model in inference mode (BN layers
+infer even where the model's code passes them training=True). So when a layer's statistics are
+gathered, every BN layer upstream of it already normalizes with its new population statistics:
+each layer's statistics describe exactly the input it gets at inference, which is what they are
+used for. Dropout and the other training-only layers are off. The cost is one pass over the
+data per BN layer (one compiled forward function serves every pass).
+"""
+
+import dataclasses
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_bn import ops
+from keras_bn.layers import BatchNormalization
+
+_NORMALIZATION_TYPES = (BatchNormalization, keras.layers.BatchNormalization)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerChange:
+    """One layer's statistics before and after recalibration (float64 arrays, per channel)."""
+
+    name: str
+    convention: str  # "unbiased" (keras_bn) or "biased" (keras.layers.BatchNormalization)
+    old_mean: np.ndarray
+    new_mean: np.ndarray
+    old_variance: np.ndarray
+    new_variance: np.ndarray
+
+    @property
+    def mean_change(self):
+        """new − old moving mean, per channel."""
+        return self.new_mean - self.old_mean
+
+    @property
+    def variance_change(self):
+        """new − old moving variance, per channel."""
+        return self.new_variance - self.old_variance
+
+
+@dataclasses.dataclass(frozen=True)
+class RecalibrationReport:
+    """What `recalibrate` changed: one `LayerChange` per BN layer, in the order recalibrated."""
+
+    layers: tuple
+    batches: int
+    not_called: tuple = ()  # names of BN layers the forward pass never reached (left as they were)
+
+    def __str__(self):
+        lines = [
+            f"Recalibrated {len(self.layers)} BN layer(s) over {self.batches} batch(es).",
+            f"{'layer':<40} {'convention':<10} {'max |Δmean|':>12} {'max |Δvar|':>12}",
+        ]
+        for change in self.layers:
+            lines.append(
+                f"{change.name:<40} {change.convention:<10} "
+                f"{np.abs(change.mean_change).max():>12.4g} "
+                f"{np.abs(change.variance_change).max():>12.4g}"
+            )
+        if self.not_called:
+            lines.append(f"Not called by the forward pass (unchanged): {list(self.not_called)}")
+        return "\n".join(lines)
+
+
+def recalibrate(model, data, steps=None, progress=True, batch_size=32):
+    """Set every BN layer of `model` (nested models included) to Algorithm 2's statistics.
+
+    Args:
+        model: a built Keras model (Sequential, Functional, subclassed, nested).
+        data: a `tf.data.Dataset`, a numpy array, or an iterable of batches. Elements may be
+            `x`, or `(x, y)` / `(x, y, sample_weight)` tuples, of which only `x` is used. A
+            numpy array is split along its first axis into batches of `batch_size`.
+        steps: how many batches to use; None uses them all (required for an infinite
+            dataset).
+        progress: show a tqdm progress bar.
+        batch_size: batch size for numpy-array data only.
+
+    Returns:
+        A `RecalibrationReport` with the change in mean and variance of each layer.
+
+    Only `moving_mean` and `moving_variance` change (and the bookkeeping that follows them:
+    `moving_stddev` = √(moving_variance + ε) for renorm layers, the batch counter for
+    `momentum=None`); trainable weights are untouched. Every batch needs at least 2 values per
+    channel. The layers are recalibrated whether or not they are trainable.
+    """
+    layers = [
+        layer for layer in model._flatten_layers(include_self=False)
+        if isinstance(layer, _NORMALIZATION_TYPES)
+    ]
+    if not layers:
+        raise ValueError(f"Model '{model.name}' has no BatchNormalization layer to recalibrate.")
+    batches = _Batches(data, steps, batch_size)
+    with _InputStatistics(layers) as statistics:
+        forward = tf.function(
+            lambda x: statistics.collect(lambda: model(x, training=False)),
+            reduce_retracing=True,
+        )
+        forward(batches.first())
+        order = statistics.order
+        bar = _progress_bar(progress, len(order) * batches.count if batches.count else None)
+        changes = []
+        try:
+            for index in order:
+                layer = layers[index]
+                bar.set_description(layer.name)
+                sums = _Sums()
+                for x in batches:
+                    sums.add(*[t.numpy() for t in forward(x)[index]])
+                    bar.update(1)
+                batches.check_count(sums.batches)
+                changes.append(_assign(layer, sums))
+        finally:
+            bar.close()
+    not_called = tuple(layers[i].name for i in range(len(layers)) if i not in order)
+    return RecalibrationReport(tuple(changes), batches.count, not_called)
+
+
+class _InputStatistics:
+    """Wraps each BN layer's `call` so a forward pass also returns (μ_B, σ²_B, m) of its input.
+
+    The wrapper is an instance attribute that shadows the class's `call` (Keras calls
+    `self.call`), removed again on exit; the layer's own output is unchanged.
+    """
+
+    def __init__(self, layers):
+        self._layers = layers
+        self._recorded = None
+        self.order = []
+
+    def __enter__(self):
+        self._shadowed = [layer.__dict__.get("call") for layer in self._layers]
+        for index, layer in enumerate(self._layers):
+            object.__setattr__(layer, "call", self._wrap(index, layer, layer.call))
+        return self
+
+    def __exit__(self, *exc):
+        for layer, previous in zip(self._layers, self._shadowed):
+            if previous is None:
+                object.__delattr__(layer, "call")
+            else:
+                object.__setattr__(layer, "call", previous)
+
+    def _wrap(self, index, layer, call):
+        def call_and_record(inputs, *args, **kwargs):
+            if self._recorded is not None:
+                if index in self._recorded:
+                    raise ValueError(
+                        f"recalibrate: layer '{layer.name}' is called more than once per "
+                        f"forward pass; a shared BN layer has no single input distribution."
+                    )
+                self._recorded[index] = _batch_moments(layer, inputs, kwargs.get("mask"))
+                # Inference even where the caller's code passes training=True to this layer.
+                kwargs["training"] = False
+            return call(inputs, *args, **kwargs)
+
+        return call_and_record
+
+    def collect(self, run_model):
+        """Runs the model; returns {layer index: (mean, variance, count)}.
+
+        Records the call order (a topological order of the layers) as it traces.
+        """
+        self._recorded = {}
+        try:
+            run_model()
+            self.order = list(self._recorded)
+            return dict(self._recorded)
+        finally:
+            self._recorded = None
+
+
+def _batch_moments(layer, inputs, mask):
+    x = tf.cast(inputs, ops.statistics_dtype(inputs.dtype))
+    if isinstance(layer, BatchNormalization):
+        channel_axes = layer._channel_axes
+    else:
+        channel_axes = [layer.axis % x.shape.rank]
+    if mask is not None:
+        mask = ops.expand_mask(mask, x, channel_axes)
+    mean, variance = ops.moments(x, channel_axes, mask)
+    count = tf.cast(ops.element_count(x, channel_axes, mask), x.dtype)
+    shape = tf.shape(layer.moving_mean)
+    return tf.reshape(mean, shape), tf.reshape(variance, shape), count
+
+
+class _Sums:
+    """Running float64 sums over batches: Σm, Σm·μ, Σm·σ² and the batch count."""
+
+    def __init__(self):
+        self.batches = 0
+        self.count = 0.0
+        self.weighted_mean = 0.0
+        self.weighted_variance = 0.0
+
+    def add(self, mean, variance, count):
+        count = float(count)
+        if count < 2:
+            raise ValueError(
+                f"recalibrate: a batch gives m={count:g} values per channel; Algorithm 2 needs "
+                f"at least 2 to estimate a batch variance. Use larger batches."
+            )
+        self.batches += 1
+        self.count += count
+        self.weighted_mean = self.weighted_mean + count * mean.astype(np.float64)
+        self.weighted_variance = self.weighted_variance + count * variance.astype(np.float64)
+
+    def population(self, unbiased):
+        mean = self.weighted_mean / self.count
+        divisor = self.count - self.batches if unbiased else self.count
+        return mean, self.weighted_variance / divisor
+
+
+def _assign(layer, sums):
+    unbiased = isinstance(layer, BatchNormalization)
+    mean, variance = sums.population(unbiased)
+    old_mean = layer.moving_mean.numpy().astype(np.float64)
+    old_variance = layer.moving_variance.numpy().astype(np.float64)
+    layer.moving_mean.assign(mean.astype(layer.moving_mean.dtype))
+    layer.moving_variance.assign(variance.astype(layer.moving_variance.dtype))
+    # Renorm layers (both classes) keep moving_stddev = √(moving_variance + ε) for Keras.
+    if getattr(layer, "moving_stddev", None) is not None:
+        layer.moving_stddev.assign(np.sqrt(variance + layer.epsilon).astype("float32"))
+    # momentum=None: the cumulative average now stands for these batches.
+    if getattr(layer, "num_batches_tracked", None) is not None:
+        layer.num_batches_tracked.assign(sums.batches)
+    return LayerChange(
+        name=layer.name,
+        convention="unbiased" if unbiased else "biased",
+        old_mean=old_mean, new_mean=layer.moving_mean.numpy().astype(np.float64),
+        old_variance=old_variance,
+        new_variance=layer.moving_variance.numpy().astype(np.float64),
+    )
+
+
+class _Batches:
+    """The input batches `x`, re-iterable once per layer.
+
+    A one-shot iterator is read once and kept in memory; datasets, arrays and other
+    re-iterable containers are iterated again for each pass.
+    """
+
+    def __init__(self, data, steps, batch_size):
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int)
+                                  or steps < 1):
+            raise ValueError(f"steps must be a positive int or None; received steps={steps!r}.")
+        if isinstance(data, np.ndarray):
+            if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+                raise ValueError(
+                    f"batch_size must be a positive int; received batch_size={batch_size!r}."
+                )
+            data = [data[i:i + batch_size] for i in range(0, len(data), batch_size)]
+        elif isinstance(data, tf.data.Dataset):
+            if steps is None and data.cardinality() == tf.data.INFINITE_CARDINALITY:
+                raise ValueError("recalibrate: the dataset is infinite; pass steps=.")
+        elif iter(data) is data:
+            data = list(_take(data, steps))
+        self._data = data
+        self._steps = steps
+        self.count = _known_length(data, steps)  # for the progress bar; None if unknown
+        self._observed = None
+
+    def __iter__(self):
+        for element in _take(self._data, self._steps):
+            yield keras.utils.unpack_x_y_sample_weight(element)[0]
+
+    def first(self):
+        for x in self:
+            return x
+        raise ValueError("recalibrate: `data` gave no batch.")
+
+    def check_count(self, batches):
+        """Every pass must see the same batches; the first pass fixes how many."""
+        if self._observed is None:
+            self._observed = self.count = batches
+        elif batches != self._observed:
+            raise ValueError(
+                f"recalibrate: `data` gave {batches} batches on one pass and {self._observed} on "
+                f"another; it must give the same batches on every pass (one pass per BN layer)."
+            )
+
+
+def _known_length(data, steps):
+    """The number of batches when it is known before iterating, else None."""
+    if isinstance(data, tf.data.Dataset):
+        length = int(data.cardinality())
+        length = None if length < 0 else length
+    else:
+        length = len(data) if hasattr(data, "__len__") else None
+    if length is None:
+        return steps
+    return length if steps is None else min(length, steps)
+
+
+def _take(iterable, steps):
+    for i, element in enumerate(iterable):
+        if steps is not None and i >= steps:
+            return
+        yield element
+
+
+def _progress_bar(enabled, total):
+    from tqdm import tqdm
+
+    return tqdm(total=total, disable=not enabled, unit="batch", desc="recalibrate")

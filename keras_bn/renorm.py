@@ -1,0 +1,70 @@
+"""Batch renormalization (Ioffe 2017): the r and d corrections, and their arguments.
+
+In training, with σ_B = √(σ²_B + ε) and the renorm moving averages μ, σ (renorm_momentum):
+
+    r = clip(σ_B / σ, rmin, rmax)        d = clip((μ_B − μ) / σ, −dmax, dmax)
+    y = γ·(x̂·r + d) + β = x̂·(γ·r) + (β + γ·d)
+
+r and d are constants for the gradient (stop-gradient, as in the paper), so the gradient is
+that of y = x̂·γ' + β' with fixed γ', β'. Inference uses the moving statistics as without renorm.
+The argument names and weights follow keras.layers.BatchNormalization.
+"""
+
+import math
+
+import tensorflow as tf
+
+CLIPPING_KEYS = ("rmax", "rmin", "dmax")
+
+
+def validate_clipping(renorm_clipping, renorm):
+    """None, or a dict of floats over CLIPPING_KEYS with rmin ≤ rmax and dmax ≥ 0."""
+    if renorm_clipping is None:
+        return None
+    if not isinstance(renorm_clipping, dict):
+        raise ValueError(
+            f"renorm_clipping must be None or a dict with keys {list(CLIPPING_KEYS)}; received "
+            f"renorm_clipping={renorm_clipping!r}."
+        )
+    unknown = sorted(set(renorm_clipping) - set(CLIPPING_KEYS))
+    if unknown:
+        raise ValueError(
+            f"renorm_clipping has unknown key(s) {unknown}; the keys are {list(CLIPPING_KEYS)}. "
+            f"Received renorm_clipping={renorm_clipping!r}."
+        )
+    clipping = {}
+    for key, value in renorm_clipping.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+            raise ValueError(
+                f"renorm_clipping[{key!r}] must be a number; received {value!r}."
+            )
+        clipping[key] = float(value)
+    rmin, rmax, dmax = (clipping.get(k) for k in ("rmin", "rmax", "dmax"))
+    if rmin is not None and rmax is not None and rmax < rmin:
+        raise ValueError(
+            f"renorm_clipping needs rmax ≥ rmin; received rmax={rmax}, rmin={rmin}."
+        )
+    if dmax is not None and dmax < 0:
+        raise ValueError(f"renorm_clipping needs dmax ≥ 0; received dmax={dmax}.")
+    if clipping and not renorm:
+        raise ValueError(
+            f"renorm_clipping={renorm_clipping!r} has no effect without renorm=True."
+        )
+    return clipping
+
+
+def corrections(mean, variance, renorm_mean, renorm_stddev, epsilon, clipping):
+    """The per-channel (r, d) for a batch's mean and biased variance, without gradient."""
+    stddev = tf.sqrt(variance + epsilon)
+    # The floor avoids dividing by ~0 early in training (as Keras does).
+    renorm_stddev = tf.maximum(renorm_stddev, math.sqrt(epsilon))
+    r = stddev / renorm_stddev
+    d = (mean - renorm_mean) / renorm_stddev
+    clipping = clipping or {}
+    if "rmin" in clipping:
+        r = tf.maximum(r, clipping["rmin"])
+    if "rmax" in clipping:
+        r = tf.minimum(r, clipping["rmax"])
+    if "dmax" in clipping:
+        d = tf.clip_by_value(d, -clipping["dmax"], clipping["dmax"])
+    return tf.stop_gradient(r), tf.stop_gradient(d)

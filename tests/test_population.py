@@ -1,0 +1,279 @@
+"""keras_bn.recalibrate: Algorithm 2's population statistics against numpy, layer by layer with
+upstream layers in inference mode; and a measurable gain over the moving average."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import assert_close
+
+import keras_bn
+
+EPS = 1e-3
+
+
+def _data(shape, seed=0, loc=2.0, scale=3.0):
+    return np.random.default_rng(seed).normal(loc, scale, size=shape).astype("float32")
+
+
+def _two_bn_model(second_bn):
+    """Dense → keras_bn BN → ReLU → Dropout → Dense → `second_bn`, weights randomized."""
+    inputs = keras.Input((6,))
+    h = keras.layers.Dense(5, name="dense_1")(inputs)
+    h = keras_bn.BatchNormalization(name="bn_1")(h)
+    h = keras.layers.ReLU()(h)
+    h = keras.layers.Dropout(0.5)(h)  # must be off while recalibrating
+    h = keras.layers.Dense(4, name="dense_2")(h)
+    outputs = second_bn(name="bn_2")(h)
+    model = keras.Model(inputs, outputs)
+    rng = np.random.default_rng(3)
+    model.set_weights([rng.uniform(0.5, 1.5, w.shape).astype("float32") for w in model.weights])
+    return model
+
+
+def _numpy_population(batches, unbiased):
+    """Algorithm 2 for equal batches: mean of μ_B, (m/(m−1)·) mean of biased σ²_B."""
+    means = np.stack([b.mean(axis=0) for b in batches])
+    variances = np.stack([b.var(axis=0) for b in batches])
+    m = batches[0].shape[0]
+    factor = m / (m - 1) if unbiased else 1.0
+    return means.mean(axis=0), factor * variances.mean(axis=0)
+
+
+def _numpy_inference_bn(h, layer):
+    gamma, beta, mean, var = [w.numpy().astype(np.float64) for w in layer.weights[:4]]
+    return gamma * (h - mean) / np.sqrt(var + layer.epsilon) + beta
+
+
+@pytest.mark.parametrize(
+    "second_bn,unbiased",
+    [(keras_bn.BatchNormalization, True), (keras.layers.BatchNormalization, False)],
+    ids=["keras_bn", "keras"],
+)
+def test_two_bn_network_matches_numpy(second_bn, unbiased):
+    model = _two_bn_model(second_bn)
+    x = _data((64, 6))
+    batches = np.split(x.astype(np.float64), 4)
+    trainable_before = [w.numpy() for w in model.trainable_weights]
+    w1, b1 = [w.numpy().astype(np.float64) for w in model.get_layer("dense_1").weights]
+    w2, b2 = [w.numpy().astype(np.float64) for w in model.get_layer("dense_2").weights]
+    bn_1, bn_2 = model.get_layer("bn_1"), model.get_layer("bn_2")
+
+    report = keras_bn.recalibrate(model, x, batch_size=16, progress=False)
+
+    # bn_1 sees Dense(x); keras_bn's convention is unbiased.
+    pre_1 = [b @ w1 + b1 for b in batches]
+    mean_1, var_1 = _numpy_population(pre_1, unbiased=True)
+    assert_close(bn_1.moving_mean, mean_1, 1e-5)
+    assert_close(bn_1.moving_variance, var_1, 1e-5)
+    # bn_2 sees the inference-mode network upstream: bn_1 with its *new* statistics, and no
+    # dropout.
+    pre_2 = [np.maximum(_numpy_inference_bn(h, bn_1), 0.0) @ w2 + b2 for h in pre_1]
+    mean_2, var_2 = _numpy_population(pre_2, unbiased=unbiased)
+    assert_close(bn_2.moving_mean, mean_2, 1e-5)
+    assert_close(bn_2.moving_variance, var_2, 1e-5)
+
+    for before, after in zip(trainable_before, model.trainable_weights):
+        np.testing.assert_array_equal(before, after)
+    assert [c.name for c in report.layers] == ["bn_1", "bn_2"]
+    assert [c.convention for c in report.layers] == ["unbiased",
+                                                     "unbiased" if unbiased else "biased"]
+    assert report.batches == 4
+    assert_close(report.layers[0].mean_change, mean_1 - report.layers[0].old_mean, 1e-5)
+    assert_close(report.layers[1].new_variance, var_2, 1e-5)
+    assert "bn_2" in str(report)
+
+
+def test_unequal_batches_are_pooled_by_count():
+    """A smaller last batch: Σm·μ/Σm and Σm·σ²/Σ(m−1), which is Algorithm 2 for equal m."""
+    inputs = keras.Input((3,))
+    bn = keras_bn.BatchNormalization()
+    model = keras.Model(inputs, bn(inputs))
+    x = _data((40, 3))
+    keras_bn.recalibrate(model, x, batch_size=16, progress=False)  # batches of 16, 16, 8
+    parts = np.split(x.astype(np.float64), [16, 32])
+    counts = np.array([len(p) for p in parts], dtype=np.float64)
+    mean = sum(len(p) * p.mean(axis=0) for p in parts) / counts.sum()
+    var = sum(len(p) * p.var(axis=0) for p in parts) / (counts - 1).sum()
+    assert_close(bn.moving_mean, mean, 1e-6)
+    assert_close(bn.moving_variance, var, 1e-6)
+
+
+def test_nested_models_dataset_and_conv_layout():
+    """A keras_bn BN inside a nested Sequential, channels-first conv features, (x, y) dataset."""
+    inner = keras.Sequential([
+        keras.Input((2, 5, 5)),
+        keras.layers.Conv2D(3, 3, data_format="channels_first", name="conv"),
+        keras_bn.BatchNormalization(axis=1, name="inner_bn"),
+    ], name="inner")
+    inputs = keras.Input((2, 5, 5))
+    model = keras.Model(inputs, keras.layers.Flatten()(inner(inputs)))
+    x = _data((24, 2, 5, 5))
+    dataset = tf.data.Dataset.from_tensor_slices((x, np.zeros(24))).batch(8)
+    keras_bn.recalibrate(model, dataset, progress=False)
+    features = inner.get_layer("conv")(x).numpy().astype(np.float64)
+    batches = np.split(features, 3)
+    means = np.stack([b.mean(axis=(0, 2, 3)) for b in batches])
+    variances = np.stack([b.var(axis=(0, 2, 3)) for b in batches])
+    m = 8 * 3 * 3
+    bn = inner.get_layer("inner_bn")
+    assert_close(bn.moving_mean, means.mean(axis=0), 1e-5)
+    assert_close(bn.moving_variance, m / (m - 1) * variances.mean(axis=0), 1e-5)
+
+
+def test_iterator_and_steps():
+    """A one-shot generator is read once and replayed for each layer; steps limits it."""
+    model = _two_bn_model(keras_bn.BatchNormalization)
+    x = _data((64, 6))
+    from_array = keras_bn.recalibrate(model, x[:32], batch_size=16, progress=False)
+    from_gen = keras_bn.recalibrate(
+        model, (x[i:i + 16] for i in range(0, 64, 16)), steps=2, progress=False
+    )
+    assert from_gen.batches == 2
+    for a, b in zip(from_array.layers, from_gen.layers):
+        assert_close(b.new_mean, a.new_mean, 1e-6)
+        assert_close(b.new_variance, a.new_variance, 1e-6)
+
+
+def test_progress_bar_is_shown(capsys):
+    model = _two_bn_model(keras_bn.BatchNormalization)
+    keras_bn.recalibrate(model, _data((32, 6)), batch_size=16, progress=True)
+    assert "4/4" in capsys.readouterr().err  # 2 layers × 2 batches
+
+
+def test_errors_name_the_problem():
+    inputs = keras.Input((3,))
+    with pytest.raises(ValueError, match="no BatchNormalization"):
+        keras_bn.recalibrate(keras.Model(inputs, keras.layers.Dense(2)(inputs)), _data((8, 3)))
+    shared = keras_bn.BatchNormalization()
+    model = keras.Model(inputs, shared(shared(inputs)))
+    with pytest.raises(ValueError, match="called more than once"):
+        keras_bn.recalibrate(model, _data((8, 3)), progress=False)
+    model = keras.Model(inputs, keras_bn.BatchNormalization()(inputs))
+    with pytest.raises(ValueError, match="m=1"):
+        keras_bn.recalibrate(model, _data((9, 3)), batch_size=4, progress=False)
+    with pytest.raises(ValueError, match="steps=0"):
+        keras_bn.recalibrate(model, _data((8, 3)), steps=0)
+    with pytest.raises(ValueError, match="infinite"):
+        keras_bn.recalibrate(model, tf.data.Dataset.from_tensors(_data((8, 3))).repeat())
+
+
+def _normalization_error(model, x):
+    """Σ over BN layers and channels of mean(z)² + (var(z) − 1)², with z the inference-mode
+    input of each BN standardized by its moving statistics, over the whole data. Zero means
+    the statistics describe the data exactly; inputs come from a separate feature model."""
+    bns = [layer for layer in model.layers if isinstance(layer, keras_bn.BatchNormalization)]
+    features = keras.Model(model.inputs[0], [bn.input for bn in bns])(x, training=False)
+    error = 0.0
+    for bn, h in zip(bns, features):
+        h = h.numpy().astype(np.float64).reshape(-1, h.shape[-1])
+        z = (h - bn.moving_mean.numpy()) / np.sqrt(bn.moving_variance.numpy())
+        error += float((z.mean(axis=0) ** 2).sum() + ((z.var(axis=0) - 1.0) ** 2).sum())
+    return error
+
+
+def test_recalibration_beats_the_moving_average_on_a_small_batch_model():
+    """Batches of 4 and fast-changing weights: the moving average lags; Algorithm 2 does not."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(1.0, 2.0, (512, 8)).astype("float32")
+    y = (x[:, :1] * x[:, 1:2] > 0).astype("float32")
+    model = keras.Sequential([
+        keras.Input((8,)),
+        keras.layers.Dense(16), keras_bn.BatchNormalization(), keras.layers.ReLU(),
+        keras.layers.Dense(16), keras_bn.BatchNormalization(), keras.layers.ReLU(),
+        keras.layers.Dense(1, activation="sigmoid"),
+    ])
+    model.compile(keras.optimizers.SGD(0.1), "binary_crossentropy")
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0, shuffle=True)
+    before = _normalization_error(model, x)
+    keras_bn.recalibrate(model, x, batch_size=4, progress=False)
+    after = _normalization_error(model, x)
+    print(f"normalization error: moving average {before:.4g}, recalibrated {after:.4g}")
+    assert after < 0.1 * before, (before, after)
+
+
+def test_renorm_and_cumulative_bookkeeping_follow():
+    """moving_stddev stays √(moving_variance + ε); momentum=None's counter becomes the
+    number of batches the new average stands for."""
+    inputs = keras.Input((3,))
+    bn = keras_bn.BatchNormalization(renorm=True, momentum=None)
+    model = keras.Model(inputs, bn(inputs))
+    model(_data((8, 3)), training=True)
+    renorm_before = [bn.renorm_mean.numpy(), bn.renorm_stddev.numpy()]
+    keras_bn.recalibrate(model, _data((48, 3), seed=1), batch_size=16, progress=False)
+    assert_close(bn.moving_stddev, np.sqrt(bn.moving_variance.numpy() + EPS), 1e-6)
+    assert int(bn.num_batches_tracked.numpy()) == 3
+    for before, after in zip(renorm_before, [bn.renorm_mean, bn.renorm_stddev]):
+        np.testing.assert_array_equal(before, after)
+
+
+def test_masked_inputs_use_unmasked_values_only():
+    """A Keras mask (Embedding(mask_zero=True)) reaches the hook: only real tokens count."""
+    tokens = np.array([[3, 5, 2, 0], [4, 1, 0, 0], [2, 2, 2, 1], [6, 0, 0, 0]])
+    inputs = keras.Input((4,), dtype="int32")
+    embedding = keras.layers.Embedding(8, 3, mask_zero=True)
+    bn = keras_bn.BatchNormalization()
+    model = keras.Model(inputs, bn(embedding(inputs)))
+    keras_bn.recalibrate(model, [tokens[:2], tokens[2:]], progress=False)
+    vectors = embedding(tokens).numpy().astype(np.float64)
+    parts = [vectors[:2][tokens[:2] != 0], vectors[2:][tokens[2:] != 0]]  # 5 and 5 tokens
+    counts = np.array([len(p) for p in parts], dtype=np.float64)
+    mean = sum(len(p) * p.mean(axis=0) for p in parts) / counts.sum()
+    var = sum(len(p) * p.var(axis=0) for p in parts) / (counts - 1).sum()
+    assert_close(bn.moving_mean, mean, 1e-5)
+    assert_close(bn.moving_variance, var, 1e-5)
+
+
+class TwoBranchModel(keras.Model):
+    """Subclassed: `used` then `second` are called, `unused` is never reached."""
+
+    def __init__(self):
+        super().__init__(name="two_branch")
+        self.used = keras_bn.BatchNormalization(name="used")
+        self.second = keras.layers.BatchNormalization(name="second")
+        self.unused = keras_bn.BatchNormalization(name="unused")
+        self.unused.build((None, 3))
+
+    def call(self, x, training=None):
+        # training=True in the model's own code: recalibrate still runs `used` in inference
+        # mode, so `second` sees its inference-time input.
+        return self.second(self.used(x, training=True), training=training)
+
+
+def test_subclassed_model_and_layers_not_called():
+    model = TwoBranchModel()
+    model(_data((4, 3)))
+    x = _data((32, 3))
+    report = keras_bn.recalibrate(model, x, batch_size=16, progress=False)
+    assert report.not_called == ("unused",)
+    assert [c.name for c in report.layers] == ["used", "second"]
+    batches = np.split(x.astype(np.float64), 2)
+    mean, var = _numpy_population(batches, unbiased=True)
+    assert_close(model.used.moving_mean, mean, 1e-6)
+    assert_close(model.used.moving_variance, var, 1e-6)
+    normalized = [_numpy_inference_bn(b, model.used) for b in batches]
+    mean_2, var_2 = _numpy_population(normalized, unbiased=False)
+    np.testing.assert_allclose(model.second.moving_mean, mean_2, rtol=0, atol=1e-5)  # ~0
+    assert_close(model.second.moving_variance, var_2, 1e-5)
+    np.testing.assert_array_equal(model.unused.moving_variance, np.ones(3))
+
+
+def test_mobilenet_v2_every_layer_matches_its_inference_input():
+    """On a real DAG (residual adds, 52 BN layers), each layer's new statistics are Algorithm 2
+    over its input in the final inference network, computed independently by a feature model.
+    Means are compared on the scale of the standard deviation (many are ~0)."""
+    base = keras.applications.MobileNetV2(
+        input_shape=(32, 32, 3), alpha=0.35, weights=None, include_top=False
+    )
+    model = keras_bn.convert.from_keras(base)
+    bns = [layer for layer in model.layers
+           if isinstance(layer, (keras_bn.BatchNormalization, keras.layers.BatchNormalization))]
+    x = _data((24, 32, 32, 3), loc=0.0, scale=1.0)
+    keras_bn.recalibrate(model, x, batch_size=8, progress=False)
+    features = keras.Model(model.inputs[0], [bn.input for bn in bns])(x, training=False)
+    for bn, h in zip(bns, features):
+        batches = np.split(h.numpy().astype(np.float64).reshape(3, -1, h.shape[-1]), 3)
+        batches = [b[0] for b in batches]
+        mean, var = _numpy_population(batches, unbiased=True)
+        np.testing.assert_allclose(bn.moving_mean, mean, rtol=0, atol=1e-4 * np.sqrt(var.max()))
+        assert_close(bn.moving_variance, var, 1e-4)
