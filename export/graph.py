@@ -347,6 +347,11 @@ def _fold_forward(bn, node, consumer, weights):
 
 def _copy_layer(layer, gains_bias):
     """An unbuilt copy of a layer, from its config; a folded host always has a bias."""
+    if type(layer) is L.Lambda:
+        # From its config a Lambda's function would be re-created from bytecode, without the
+        # module globals it uses (e.g. `tf`); the live function object is what it computes.
+        return L.Lambda(layer.function, output_shape=layer._output_shape, mask=layer.mask,
+                        arguments=layer.arguments, name=layer.name, dtype=layer.dtype_policy)
     config = layer.get_config()
     if gains_bias:
         config["use_bias"] = True

@@ -6,6 +6,7 @@ Each folded model is compared with running the original (unfolded) model on the 
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from conftest import assert_close, randomise_batch_norms
 
 import digits
@@ -282,3 +283,16 @@ def test_nested_subclassed_model_is_copied_unless_it_hides_a_bn():
     hidden = keras.Model(inputs, _DenseBN(name="block")(inputs))
     with pytest.raises(TypeError, match="'block', a subclassed _DenseBN: it has no layer graph"):
         fold_batch_norms(hidden)
+
+
+def test_lambda_using_module_globals_folds():
+    """A Lambda's function is reused as it is: re-created from its config it would lose the
+    module globals it needs (here `tf`) and break the rebuilt model."""
+    model = keras.Sequential([keras.Input((3, 3)),
+                              keras.layers.Lambda(lambda t: tf.linalg.det(t)[:, None]),
+                              keras.layers.Dense(2), keras_bn.BatchNormalization()])
+    randomise_batch_norms(model)
+    x = np.random.default_rng(0).normal(size=(4, 3, 3)).astype("float32")
+    folded, report = fold_batch_norms(model, probe=x)
+    assert len(report.folded) == 1 and not report.kept
+    assert_close(folded(x), model(x, training=False), 1e-5)

@@ -567,3 +567,12 @@ def test_digits_cnn_converges(jit_compile):
 
     _, accuracy = digits.train(epochs=10, jit_compile=jit_compile)
     assert accuracy >= 0.90
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"synchronized": 1}, r"synchronized must be True or False; received synchronized=1"),
+    ({"synchronized": True, "virtual_batch_size": 4}, r"virtual_batch_size=4 contradict"),
+])
+def test_bad_synchronized(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        keras_bn.BatchNormalization(**kwargs)

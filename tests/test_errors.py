@@ -1,0 +1,292 @@
+"""The bad-input matrix: each case's exception type and message, and proof that nothing is
+lost (weights, statistics, existing files). README.md's "Errors" section is this table; the last
+test checks that the two agree."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.lite.python.convert import ConverterError
+
+import keras_bn
+from keras_bn.export import export_onnx, export_tflite, fold_batch_norms
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = shutil.which("keras-bn-export", path=os.path.dirname(sys.executable))
+
+
+def _x(shape, seed=0):
+    return np.random.default_rng(seed).normal(1.0, 2.0, shape).astype("float32")
+
+
+def _built_bn(shape=(8, 3), **kwargs):
+    layer = keras_bn.BatchNormalization(momentum=0.5, **kwargs)
+    layer(_x(shape), training=True)  # statistics that are not the initial ones
+    return layer
+
+
+def _state(layer):
+    return [w.numpy().copy() for w in layer.weights]
+
+
+def _unchanged(layer, before):
+    def check():
+        for w, b in zip(layer.weights, before):
+            np.testing.assert_array_equal(w.numpy(), b)
+    return check
+
+
+def _folder_holds(folder, names):
+    def check():
+        assert sorted(os.listdir(folder)) == sorted(names)
+    return check
+
+
+# Each case: (area, name, exception type, message regex, set-up(tmp_path) -> (act, check)).
+
+def _wrong_rank(tmp_path):
+    layer = _built_bn()
+    return (lambda: layer(_x((8, 2, 3)), training=True)), _unchanged(layer, _state(layer))
+
+
+def _axis_out_of_range(tmp_path):
+    layer = keras_bn.BatchNormalization(axis=3)
+    return (lambda: layer(_x((8, 3)))), lambda: None
+
+
+def _unknown_channel(tmp_path):
+    layer = keras_bn.BatchNormalization()
+    return (lambda: layer.build((None, 4, None))), lambda: None
+
+
+def _m_equal_one(tmp_path):
+    layer = _built_bn()
+    return (lambda: layer(_x((1, 3)), training=True)), _unchanged(layer, _state(layer))
+
+
+def _non_finite(tmp_path):
+    layer = _built_bn()
+    before = _state(layer)
+    bad = _x((8, 3))
+    bad[3, 1] = np.nan
+
+    def act():
+        y = layer(bad, training=True)
+        assert np.isnan(y.numpy()[:, 1]).all()  # the NaN shows in the output
+    return act, _unchanged(layer, before)
+
+
+def _integer_input(tmp_path):
+    layer = _built_bn()
+    return (lambda: layer(tf.ones([8, 3], tf.int32), training=True)), \
+        _unchanged(layer, _state(layer))
+
+
+def _bad_momentum(tmp_path):
+    return (lambda: keras_bn.BatchNormalization(momentum=1.0)), lambda: None
+
+
+def _bad_epsilon(tmp_path):
+    return (lambda: keras_bn.BatchNormalization(epsilon=0.0)), lambda: None
+
+
+def _wrong_mask(tmp_path):
+    layer = _built_bn((4, 5, 3))
+    return (lambda: layer(_x((4, 5, 3)), training=True, mask=np.ones((4, 3), bool))), \
+        _unchanged(layer, _state(layer))
+
+
+@keras.saving.register_keras_serializable(package="keras_bn_tests")
+class _Subclassed(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(3)
+        self.bn = keras_bn.BatchNormalization()
+
+    def call(self, x, training=None):
+        return self.bn(self.dense(x), training=training)
+
+
+def _subclassed(tmp_path):
+    model = _Subclassed()
+    model(_x((4, 5)))
+    before = [w.numpy().copy() for w in model.weights]
+
+    def check():
+        for w, b in zip(model.weights, before):
+            np.testing.assert_array_equal(w.numpy(), b)
+    return (lambda: fold_batch_norms(model)), check
+
+
+class _Unconfigurable(keras.layers.Layer):
+    """A custom layer whose config does not round-trip (no get_config for `factor`)."""
+
+    def __init__(self, factor):
+        super().__init__()
+        self.factor = factor
+
+    def call(self, x):
+        return x * self.factor
+
+
+def _custom_layer(tmp_path):
+    inputs = keras.Input((4,))
+    h = keras_bn.BatchNormalization()(keras.layers.Dense(3)(inputs))
+    model = keras.Model(inputs, _Unconfigurable(2.0)(h))
+    target = tmp_path / "model.onnx"
+    return (lambda: export_onnx(model, target)), _folder_holds(tmp_path, [])
+
+
+def _lambda_safe_mode(tmp_path):
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3),
+                              keras.layers.Lambda(lambda t: t * 2.0)])
+    model.save(tmp_path / "lambda.keras")
+    return (lambda: keras.saving.load_model(tmp_path / "lambda.keras")), \
+        _folder_holds(tmp_path, ["lambda.keras"])
+
+
+def _unwritable(tmp_path):
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3),
+                              keras_bn.BatchNormalization()])
+    return (lambda: export_tflite(model, tmp_path / "missing" / "m.tflite")), \
+        _folder_holds(tmp_path, [])
+
+
+def _conversion_fails(tmp_path):
+    # MatrixDeterminant is not a TFLite builtin: the converter fails after folding.
+    model = keras.Sequential([keras.Input((3, 3)),
+                              keras.layers.Lambda(lambda t: tf.linalg.det(t)[:, None]),
+                              keras.layers.Dense(2), keras_bn.BatchNormalization()])
+    target = tmp_path / "model.tflite"
+    target.write_bytes(b"previous export")
+
+    def check():
+        assert target.read_bytes() == b"previous export"
+        assert os.listdir(tmp_path) == ["model.tflite"]
+    return (lambda: export_tflite(model, target)), check
+
+
+def _corrupt_keras(tmp_path):
+    keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)]).save(tmp_path / "ok.keras")
+    data = (tmp_path / "ok.keras").read_bytes()
+    (tmp_path / "bad.keras").write_bytes(data[: len(data) // 2])
+    return (lambda: keras.saving.load_model(tmp_path / "bad.keras")), \
+        _folder_holds(tmp_path, ["ok.keras", "bad.keras"])
+
+
+ERROR_CASES = [
+    ("layer", "wrong rank", ValueError, r"expected ndim=2, found ndim=3", _wrong_rank),
+    ("layer", "axis out of range", ValueError, r"axis=3 is out of range for an input of rank 2",
+     _axis_out_of_range),
+    ("layer", "unknown channel dim", ValueError, r"needs a known size on its channel axis",
+     _unknown_channel),
+    ("layer", "m=1 in training", ValueError, r"needs at least 2 values per channel.*m=1",
+     _m_equal_one),
+    ("layer", "non-finite batch", None, None, _non_finite),
+    ("layer", "integer input", TypeError, r"requires floating-point inputs; received dtype int32",
+     _integer_input),
+    ("layer", "bad momentum", ValueError, r"momentum must be in \[0, 1\); received momentum=1.0",
+     _bad_momentum),
+    ("layer", "bad epsilon", ValueError,
+     r"epsilon must be a positive finite float; received epsilon=0.0", _bad_epsilon),
+    ("layer", "wrong-shaped mask", ValueError, r"does not match the input's non-channel",
+     _wrong_mask),
+    ("export", "subclassed model", TypeError, r"subclassed _Subclassed: it has no layer graph",
+     _subclassed),
+    ("export", "unsupported or custom layer", TypeError,
+     r"Cannot copy layer '.*' \(_Unconfigurable\) from its config", _custom_layer),
+    ("export", "Lambda layer under safe mode", ValueError, r"safe_mode", _lambda_safe_mode),
+    ("export", "unwritable path", OSError, r"Cannot write .*missing.*m\.tflite", _unwritable),
+    ("export", "conversion failure midway", ConverterError, r"MatrixDeterminant",
+     _conversion_fails),
+    ("export", "corrupt or truncated .keras", ValueError, r"accessible `\.keras` zip file",
+     _corrupt_keras),
+]
+
+
+@pytest.mark.parametrize("area,name,error,message,setup", ERROR_CASES,
+                         ids=[f"{c[0]}: {c[1]}" for c in ERROR_CASES])
+def test_bad_input(area, name, error, message, setup, tmp_path):
+    act, nothing_lost = setup(tmp_path)
+    if error is None:
+        act()
+    else:
+        with pytest.raises(error, match=message):
+            act()
+    nothing_lost()
+
+
+# --------------------------------------------------------------------------- the CLI
+
+
+def _cli(*args):
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    return subprocess.run([SCRIPT, *map(str, args)], capture_output=True, text=True, env=env,
+                          timeout=300)
+
+
+def _cli_model(tmp_path, case):
+    """A .keras file (or path) that brings each export case to the command line."""
+    path = tmp_path / f"{case}.keras"
+    if case == "subclassed model":  # its class exists only in this process
+        model = _Subclassed()
+        model(_x((4, 5)))
+        model.save(path)
+    elif case == "unsupported or custom layer":  # unregistered: cannot be loaded
+        inputs = keras.Input((4,))
+        keras.Model(inputs, _Unconfigurable(2.0)(keras.layers.Dense(3)(inputs))).save(path)
+    elif case in ("Lambda layer under safe mode", "conversion failure midway"):
+        keras.Sequential([keras.Input((3, 3)),
+                          keras.layers.Lambda(lambda t: tf.linalg.det(t)[:, None]),
+                          keras.layers.Dense(2)]).save(path)
+    elif case == "corrupt or truncated .keras":
+        keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)]).save(path)
+        path.write_bytes(path.read_bytes()[:200])
+    else:  # unwritable path
+        keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)]).save(path)
+    return path
+
+
+CLI_CASES = [name for area, name, *_ in ERROR_CASES if area == "export"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CLI_CASES)
+def test_cli_exits_2_in_one_line(case, tmp_path):
+    model = _cli_model(tmp_path, case)
+    out = tmp_path / "out"
+    out.mkdir()
+    target = out / "model.tflite"
+    target.write_bytes(b"previous export")
+    if case == "unwritable path":
+        target = tmp_path / "missing" / "model.tflite"
+    extra = ["--unsafe"] if case == "conversion failure midway" else []
+    result = _cli(model, "--tflite", target, *extra)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stdout + result.stderr
+    errors = [line for line in result.stderr.splitlines()
+              if line.startswith("keras-bn-export: error:")]
+    assert len(errors) == 1, result.stderr[-2000:]
+    assert (out / "model.tflite").read_bytes() == b"previous export"
+    assert os.listdir(out) == ["model.tflite"]
+
+
+# --------------------------------------------------------------------------- README
+
+
+def test_readme_errors_section_is_this_table():
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    section = readme.split("\n## Errors\n", 1)[1].split("\n## ", 1)[0]
+    rows = [[cell.strip() for cell in line.strip("|").split("|")]
+            for line in section.splitlines() if line.startswith("| ")][1:]
+    documented = [(r[0], r[1], r[2].strip("`")) for r in rows if r[0] in ("layer", "export")]
+    expected = [(area, name, error.__name__ if error else "none")
+                for area, name, error, _, _ in ERROR_CASES]
+    assert documented == expected
+    assert any(r[0] == "CLI" for r in rows)
