@@ -15,7 +15,7 @@ GLOBAL_BATCH = 16
 STEPS = 3
 
 
-def build_model():
+def build_model(synchronized=True):
     import keras
 
     import keras_bn
@@ -23,7 +23,7 @@ def build_model():
     return keras.Sequential([
         keras.Input((6,)),
         keras.layers.Dense(8, use_bias=False),
-        keras_bn.BatchNormalization(momentum=0.5, synchronized=True),
+        keras_bn.BatchNormalization(momentum=0.5, synchronized=synchronized),
         keras.layers.ReLU(),
         keras.layers.Dense(1),
     ])

@@ -14,6 +14,7 @@ import tensorflow as tf
 from conftest import assert_close
 
 import keras_bn
+from multiworker_worker import build_model
 
 EPS = 1e-3
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -165,16 +166,6 @@ def test_one_replica_or_no_strategy_is_unsynchronized_bn():
     assert_close(layer(x, training=True), plain(x, training=True), 1e-6)
 
 
-def _mlp(synchronized):
-    return keras.Sequential([
-        keras.Input((6,)),
-        keras.layers.Dense(8, use_bias=False),
-        keras_bn.BatchNormalization(momentum=0.5, synchronized=synchronized),
-        keras.layers.ReLU(),
-        keras.layers.Dense(1),
-    ])
-
-
 def test_fit_under_mirrored_strategy_matches_single_device():
     """Tolerance 1e-5 relative: float32 sums are added in a different order per replica, which
     moves each step's results by ~1e-7 relative; three SGD steps stay far below 1e-5."""
@@ -183,14 +174,14 @@ def test_fit_under_mirrored_strategy_matches_single_device():
     x[np.arange(48) % 16 >= 8] += 3.0  # each batch's second half: replica 1's slice
     y = rng.normal(size=(48, 1)).astype("float32")
     keras.utils.set_random_seed(0)
-    reference = _mlp(synchronized=False)
+    reference = build_model(synchronized=False)
     initial = reference.get_weights()
     reference.compile(keras.optimizers.SGD(0.1), "mse")
     reference.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
 
     strategy = _strategy(2)
     with strategy.scope():
-        model = _mlp(synchronized=True)
+        model = build_model(synchronized=True)
         model.set_weights(initial)
         model.compile(keras.optimizers.SGD(0.1), "mse")
     model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
@@ -220,7 +211,6 @@ def test_multi_worker_mirrored_strategy_matches_one_process(tmp_path):
     """Two worker processes on 127.0.0.1 train with MultiWorkerMirroredStrategy, each on its
     half of every global batch; their weights and moving statistics equal one process
     training on the global batch."""
-    sys.path.insert(0, HERE)
     import multiworker_worker as worker
 
     keras.utils.set_random_seed(0)
