@@ -263,6 +263,7 @@ class BatchNormalization(keras.layers.Layer):
             scale, offset = gamma * r, beta + gamma * d
         y = ops.batch_norm_inference(tf.cast(x_hat, gamma.dtype), scale, offset, channel_axes)
         return tf.reshape(y, tf.shape(inputs)), mean, variance, count
+
     def _replica_context(self):
         """The replica context to all-reduce over for synchronized BN, or None: not
         synchronized, outside a strategy's replica function, or a single replica."""
