@@ -8,7 +8,8 @@ if _keras.backend.backend() != "tensorflow":
         f"{_keras.backend.backend()!r}. Set KERAS_BACKEND=tensorflow before importing keras."
     )
 
+from keras_bn import diagnostics  # noqa: E402
 from keras_bn.layers import BatchNormalization  # noqa: E402
 
-__all__ = ["BatchNormalization"]
+__all__ = ["BatchNormalization", "diagnostics"]
 __version__ = "0.1.0"
