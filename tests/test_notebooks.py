@@ -3,9 +3,14 @@
 Each notebook ends with asserts of its claim's checks, so a claim that stops reproducing fails
 here. The kernel is the Python running the tests (the venv's), through a kernelspec written for
 it, so the notebooks import this checkout's keras_bn.
+
+`make notebooks` runs the same tests at full size: KERAS_BN_SMALL=0, a longer cell timeout
+(KERAS_BN_CELL_TIMEOUT) and the executed notebooks, with outputs, written to
+KERAS_BN_EXECUTED_DIR.
 """
 
 import json
+import os
 import pathlib
 import sys
 
@@ -15,7 +20,8 @@ from nbclient import NotebookClient
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 NOTEBOOKS = sorted(EXAMPLES.glob("*.ipynb"))
-CELL_TIMEOUT_S = 300
+CELL_TIMEOUT_S = int(os.environ.get("KERAS_BN_CELL_TIMEOUT", "300"))
+EXECUTED_DIR = os.environ.get("KERAS_BN_EXECUTED_DIR")
 
 
 @pytest.fixture
@@ -30,7 +36,7 @@ def kernel_for_this_python(tmp_path, monkeypatch):
     }
     (spec_dir / "kernel.json").write_text(json.dumps(spec))
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path))
-    monkeypatch.setenv("KERAS_BN_SMALL", "1")
+    monkeypatch.setenv("KERAS_BN_SMALL", os.environ.get("KERAS_BN_SMALL", "1"))
     monkeypatch.setenv("MPLBACKEND", "Agg")
     return "python3"
 
@@ -54,5 +60,10 @@ def test_notebook_runs_and_its_checks_hold(path, kernel_for_this_python):
         timeout=CELL_TIMEOUT_S,
         resources={"metadata": {"path": str(EXAMPLES)}},  # cwd, so `import digits` works
     )
-    client.execute()  # raises CellExecutionError on any failing cell, asserts included
+    try:
+        client.execute()  # raises CellExecutionError on any failing cell, asserts included
+    finally:
+        if EXECUTED_DIR:
+            pathlib.Path(EXECUTED_DIR).mkdir(parents=True, exist_ok=True)
+            nbformat.write(notebook, pathlib.Path(EXECUTED_DIR) / path.name)
     assert any(cell.get("outputs") for cell in notebook.cells if cell.cell_type == "code")
