@@ -100,7 +100,8 @@ def internal_covariate_shift(model, x, y, loss, optimizer, training=True):
     after `optimizer` has updated every trainable variable of the layers before i (layer i and
     later keep their current values). Returns a dict with `layers` (names), `l2_difference`
     (‖G_i − G′_i‖) and `cosine` (cos(G_i, G′_i)) as arrays. The model's weights and the
-    optimizer's state are restored afterwards.
+    optimizer's state are restored afterwards; an optimizer not yet built is built for the
+    model's trainable variables.
     """
     layers = _kernel_layers(model)
     variables = model.trainable_variables
