@@ -8,7 +8,7 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 DEMO := artifacts/demo
 EXPORT := $(VENV)/bin/keras-bn-export
 
-.PHONY: demo test bench bench-export clean
+.PHONY: demo test bench bench-export notebooks clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -34,6 +34,11 @@ bench-export: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The example notebooks at full size; executed copies, with outputs, go to build/notebooks.
+notebooks: $(STAMP)
+	KERAS_BN_SMALL=0 KERAS_BN_CELL_TIMEOUT=7200 KERAS_BN_EXECUTED_DIR=build/notebooks \
+		$(PY) -m pytest tests/test_notebooks.py $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_layer.py

@@ -8,21 +8,39 @@ import argparse
 
 import keras
 import numpy as np
+import tensorflow as tf
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
 import keras_bn
 
 
-def load(test_size=0.25, seed=0):
-    """sklearn's 8×8 digits as NHWC float32 in [0, 1]: (x_train, y_train, x_test, y_test)."""
+def load(test_size=0.25, seed=0, flat=False):
+    """sklearn's 8×8 digits as NHWC float32 in [0, 1]: (x_train, y_train, x_test, y_test).
+
+    flat=True gives 64-vectors instead, for MLPs.
+    """
     digits = load_digits()
-    x = (digits.images / 16.0).astype("float32")[..., None]
+    x = (digits.images / 16.0).astype("float32")
+    x = x.reshape(len(x), -1) if flat else x[..., None]
     y = digits.target.astype("int32")
     x_train, x_test, y_train, y_test = train_test_split(
         x, y, test_size=test_size, random_state=seed, stratify=y
     )
     return x_train, y_train, x_test, y_test
+
+
+def batches(x, y, batch_size, seed=0):
+    """An endless, shuffled tf.data stream of full batches, for `fit(..., steps_per_epoch=k)`.
+
+    The remainder is dropped: a last batch of one example would give BN m = 1.
+    """
+    return (
+        tf.data.Dataset.from_tensor_slices((x, y))
+        .shuffle(len(x), seed=seed)
+        .repeat()
+        .batch(batch_size, drop_remainder=True)
+    )
 
 
 def small_cnn(norm=keras_bn.BatchNormalization, momentum=0.9):

@@ -8,7 +8,7 @@ if _keras.backend.backend() != "tensorflow":
         f"{_keras.backend.backend()!r}. Set KERAS_BACKEND=tensorflow before importing keras."
     )
 
-from keras_bn import convert  # noqa: E402
+from keras_bn import convert, diagnostics  # noqa: E402
 from keras_bn.layers import BatchNormalization  # noqa: E402
 from keras_bn.population import (  # noqa: E402
     LayerChange,
@@ -16,5 +16,12 @@ from keras_bn.population import (  # noqa: E402
     recalibrate,
 )
 
-__all__ = ["BatchNormalization", "LayerChange", "RecalibrationReport", "convert", "recalibrate"]
+__all__ = [
+    "BatchNormalization",
+    "LayerChange",
+    "RecalibrationReport",
+    "convert",
+    "diagnostics",
+    "recalibrate",
+]
 __version__ = "0.1.0"
