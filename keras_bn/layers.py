@@ -299,13 +299,13 @@ class BatchNormalization(keras.layers.Layer):
         """EMA of μ_B and of the unbiased m/(m−1)·σ²_B; a non-finite batch changes nothing."""
         var_dtype = self.moving_mean.dtype
         mean = tf.cast(mean, var_dtype)
-        count = tf.cast(count, var_dtype)
-        unbiased = tf.cast(variance, var_dtype) * count / (count - 1.0)
-        usable = (
-            (count > 1.0)
-            & tf.reduce_all(tf.math.is_finite(mean))
-            & tf.reduce_all(tf.math.is_finite(unbiased))
-        )
+        if isinstance(count, int):  # static m, already checked ≥ 2: the factor costs no op
+            unbiased = tf.cast(variance, var_dtype) * (count / (count - 1))
+            usable = tf.reduce_all(tf.math.is_finite(tf.stack([mean, unbiased])))
+        else:
+            count = tf.cast(count, var_dtype)
+            unbiased = tf.cast(variance, var_dtype) * count / (count - 1.0)
+            usable = (count > 1.0) & tf.reduce_all(tf.math.is_finite(tf.stack([mean, unbiased])))
         momentum = self.momentum
         if momentum is None:  # cumulative average: the n-th usable batch gets weight 1/n
             seen = tf.cast(self.num_batches_tracked, var_dtype)

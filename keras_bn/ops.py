@@ -247,8 +247,11 @@ def _fused_train(x, gamma, beta, channel_axes, epsilon, data_format):
     # The kernel reports the Bessel-corrected variance on every device (its reserve spaces
     # differ between CPU and GPU); undo the correction to return the biased σ² like the
     # composite path. The layer's moving update re-applies m/(m−1).
-    m = tf.cast(element_count(x, channel_axes), unbiased_variance.dtype)
-    variance = unbiased_variance * tf.maximum(m - 1.0, 0.0) / m
+    m = element_count(x, channel_axes)
+    if isinstance(m, int):
+        variance = unbiased_variance * (max(m - 1, 0) / m)
+    else:
+        variance = unbiased_variance * tf.maximum(m - 1.0, 0.0) / m
     return tf.reshape(y, tf.shape(x)), tf.stop_gradient(mean), tf.stop_gradient(variance)
 
 
