@@ -33,13 +33,19 @@ def replacing(path):
         raise
 
 
-def write_bytes(path, data):
-    """Write `data` to `path` atomically (see `replacing`)."""
+def write_bytes(path, data, check=None):
+    """Write `data` to `path` atomically (see `replacing`).
+
+    `check(temporary_path)`, when given, runs on the complete file before it replaces `path`
+    (an exporter verifies the file in its runtime there); its result is returned, and if it
+    raises, `path` is left as it was.
+    """
     with replacing(path) as temporary:
         with open(temporary, "wb") as file:
             file.write(data)
             file.flush()
             os.fsync(file.fileno())
+        return None if check is None else check(temporary)
 
 
 def write_text(path, text):

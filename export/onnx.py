@@ -47,13 +47,10 @@ def export_onnx(model, path, opset=17, fold=True, probe=None, on_stage=None):
     expected = np.asarray(model(probe, training=False), np.float64)
 
     stage("verify")
-    with atomic.replacing(path) as temporary:
-        with open(temporary, "wb") as file:
-            file.write(content)
-        errors = {
-            setting: report.max_abs_error(run(temporary, probe, level), expected)
-            for setting, level in SESSION_SETTINGS.items()
-        }
+    errors = atomic.write_bytes(path, content, check=lambda written: {
+        setting: report.max_abs_error(run(written, probe, level), expected)
+        for setting, level in SESSION_SETTINGS.items()
+    })
     return report.ExportReport(
         format="onnx",
         path=os.path.abspath(path),

@@ -59,14 +59,8 @@ def export_tflite(model, path, quantization=None, representative_data=None, fold
     expected = np.asarray(model(probe, training=False), np.float64)
 
     stage("verify")
-    with atomic.replacing(path) as temporary:
-        with open(temporary, "wb") as file:
-            file.write(content)
-        actual = run(Interpreter(model_path=temporary), probe)
-        # The file's own ops: with the default delegate, partitions show up as DELEGATE.
-        plain = Interpreter(model_path=temporary, experimental_op_resolver_type=(
-            OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES))
-        ops = [op["op_name"] for op in plain._get_ops_details()]
+    actual, ops = atomic.write_bytes(path, content, check=lambda written: (
+        run(Interpreter(model_path=written), probe), _op_names(written)))
     return report.ExportReport(
         format="tflite",
         path=os.path.abspath(path),
@@ -88,6 +82,13 @@ def run(interpreter, x):
     interpreter.invoke()
     (output_detail,) = interpreter.get_output_details()
     return interpreter.get_tensor(output_detail["index"])
+
+
+def _op_names(path):
+    """The file's own ops (with the default delegate, partitions would show up as DELEGATE)."""
+    plain = Interpreter(model_path=path, experimental_op_resolver_type=(
+        OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES))
+    return [op["op_name"] for op in plain._get_ops_details()]
 
 
 def _convert(model, quantization, representative_data):
