@@ -46,7 +46,7 @@ def _parser():
                         help="load with safe_mode=False (allows Lambda layers' code)")
     parser.add_argument("--atol", type=float, default=None,
                         help="largest error allowed, relative to each output's scale (default "
-                             "per file: 1e-4 float32, 1e-2 float16, 5e-2 dynamic, 1e-1 int8)")
+                             "per file: 1e-4 float32, 1e-3 float16, 2e-2 dynamic, 5e-2 int8)")
     return parser
 
 

@@ -123,8 +123,10 @@ def test_report_error_is_measured_on_the_probe():
     probe = _x((6, 8, 8, 1), seed=3) * 5
     folded, report = fold_batch_norms(model, probe=probe)
     expected = np.asarray(model(probe, training=False), np.float64)
-    assert report.max_abs_error == np.abs(np.asarray(folded(probe)) - expected).max()
-    assert report.output_scale == np.abs(expected).max()
+    output = model.layers[-1].name
+    assert report.errors == {output: np.abs(np.asarray(folded(probe)) - expected).max()}
+    assert report.output_scales == {output: np.abs(expected).max()}
+    assert report.max_abs_error == report.errors[output]
 
 
 def test_subclassed_model_gets_a_clear_error():
