@@ -281,7 +281,8 @@ def _forward_target(bn, node, info, backward_refusal):
             why = (f"the next layer '{consumer.name}' pads its input (padding="
                    f"'{consumer.padding}'), so a forward fold would not be exact")
         if why is None and _bn_axes(bn, node) != [_channel_axis(consumer, rank)]:
-            why = f"BN axis {_bn_axes(bn, node)} is not the input channel axis of '{consumer.name}'"
+            why = (f"BN axis {_bn_axes(bn, node)} is not the input channel axis of "
+                   f"'{consumer.name}'")
         if why is None:
             return consumer, None
     return None, _Refusal(backward_refusal.kind, f"{backward_refusal.message}; forward: {why}")

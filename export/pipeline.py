@@ -1,5 +1,5 @@
-"""The one export pipeline: fold → trace → convert → write a temporary file → run it → compare
-→ rename it over the target.
+"""The one export pipeline: fold → trace → convert → write a temporary file → run it →
+compare → rename it over the target.
 
 A `Format` (tflite.py, onnx.py) supplies only what differs between file formats: refusing
 layers its converter cannot take, converting the traced model to bytes, validating the

@@ -158,18 +158,23 @@ def _unwritable(tmp_path):
         _folder_holds(tmp_path, [])
 
 
+def _export_over_a_previous_file(tmp_path, exporter, model, name):
+    """(export `model` over an existing file, check that file and nothing else is there)."""
+    target = tmp_path / name
+    target.write_bytes(b"previous export")
+
+    def check():
+        assert target.read_bytes() == b"previous export"
+        assert os.listdir(tmp_path) == [name]
+    return (lambda: exporter(model, target)), check
+
+
 def _conversion_fails(tmp_path):
     # MatrixDeterminant is not a TFLite builtin: the converter fails after folding.
     model = keras.Sequential([keras.Input((3, 3)),
                               keras.layers.Lambda(lambda t: tf.linalg.det(t)[:, None]),
                               keras.layers.Dense(2), keras_bn.BatchNormalization()])
-    target = tmp_path / "model.tflite"
-    target.write_bytes(b"previous export")
-
-    def check():
-        assert target.read_bytes() == b"previous export"
-        assert os.listdir(tmp_path) == ["model.tflite"]
-    return (lambda: export_tflite(model, target)), check
+    return _export_over_a_previous_file(tmp_path, export_tflite, model, "model.tflite")
 
 
 def _over_tolerance(tmp_path):
@@ -177,13 +182,7 @@ def _over_tolerance(tmp_path):
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3),
                               keras_bn.BatchNormalization(),
                               keras.layers.Lambda(lambda t: keras.ops.log(t))])
-    target = tmp_path / "model.onnx"
-    target.write_bytes(b"previous export")
-
-    def check():
-        assert target.read_bytes() == b"previous export"
-        assert os.listdir(tmp_path) == ["model.onnx"]
-    return (lambda: export_onnx(model, target)), check
+    return _export_over_a_previous_file(tmp_path, export_onnx, model, "model.onnx")
 
 
 def _channels_first_tflite(tmp_path):
@@ -191,13 +190,7 @@ def _channels_first_tflite(tmp_path):
                               keras.layers.Conv1D(4, 3, data_format="channels_first",
                                                   name="conv"),
                               keras_bn.BatchNormalization(axis=1)])
-    target = tmp_path / "model.tflite"
-    target.write_bytes(b"previous export")
-
-    def check():
-        assert target.read_bytes() == b"previous export"
-        assert os.listdir(tmp_path) == ["model.tflite"]
-    return (lambda: export_tflite(model, target)), check
+    return _export_over_a_previous_file(tmp_path, export_tflite, model, "model.tflite")
 
 
 def _corrupt_keras(tmp_path):
