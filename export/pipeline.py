@@ -15,6 +15,10 @@ from keras_bn.export import atomic, report, trace
 from keras_bn.export.graph import fold_batch_norms
 
 FLOAT32_ATOL = 1e-4
+# A model that computes in float16 or bfloat16 (a mixed-precision policy) rounds to 2^-11 or
+# 2^-8 at every layer, in Keras and in the file alike, but not in the same places.
+HALF_PRECISION_ATOL = 1e-2
+HALF_PRECISION = ("float16", "bfloat16")
 
 
 class Format:
@@ -55,7 +59,7 @@ def export(model, path, fmt, atol=None, strict=True, fold=True, probe=None, on_s
 
     See export_tflite / export_onnx for the arguments; returns the ExportReport.
     """
-    atol = fmt.default_atol() if atol is None else check_atol(atol)
+    atol = default_atol(model, fmt) if atol is None else check_atol(atol)
     if not isinstance(strict, bool):
         raise ValueError(f"strict must be True or False; received strict={strict!r}.")
     sig = trace.signature(model)
@@ -96,6 +100,14 @@ def export(model, path, fmt, atol=None, strict=True, fold=True, probe=None, on_s
 
     stage("verify")
     return atomic.write_bytes(path, content, check=verify)
+
+
+def default_atol(model, fmt):
+    """The format's default tolerance, or HALF_PRECISION_ATOL if larger and any layer of the
+    model computes in a 16-bit float."""
+    if any(layer.compute_dtype in HALF_PRECISION for layer in model._flatten_layers()):
+        return max(fmt.default_atol(), HALF_PRECISION_ATOL)
+    return fmt.default_atol()
 
 
 def check_atol(atol):

@@ -68,8 +68,9 @@ def export_tflite(model, path, quantization=None, representative_data=None, fold
     Raises:
         VerificationError: the file is over `atol` (or not finite) and strict is True; any
             file at `path` is unchanged.
-        ValueError: a bad argument, a probe that does not fit the model, or a channels_first
-            layer the converter cannot take (named).
+        ValueError: a bad argument, a probe that does not fit the model, or a layer the
+            converter cannot take (channels_first 1D/3D and transposed convolutions, 16-bit
+            compute dtypes), named.
         ConverterError: the converter failed (e.g. an op that is not a TFLite builtin).
         OSError: `path` cannot be written.
     """
@@ -107,6 +108,14 @@ class _TFLite(pipeline.Format):
 
     def check_model(self, model):
         for layer in model._flatten_layers(include_self=False):
+            if layer.compute_dtype in pipeline.HALF_PRECISION and not isinstance(
+                    layer, L.InputLayer):
+                raise ValueError(
+                    f"TFLite cannot convert layer '{layer.name}', which computes in "
+                    f"{layer.compute_dtype} (a mixed-precision policy): its TensorFlow ops have "
+                    f"no TFLite builtin. Rebuild the model under the float32 policy (and use "
+                    f'quantization="float16" for a half-size file), or export it to ONNX.'
+                )
             if (type(layer) in CHANNELS_FIRST_UNCONVERTIBLE
                     and layer.data_format == "channels_first"):
                 raise ValueError(

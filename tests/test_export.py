@@ -203,6 +203,19 @@ def test_tolerance_is_the_callers(cnn, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_mixed_precision_model_exports_to_onnx_and_gets_a_clear_tflite_refusal(tmp_path):
+    keras.mixed_precision.set_global_policy("mixed_float16")  # conftest restores float32
+    model = randomise_batch_norms(keras.Sequential([
+        keras.Input((8, 8, 3)), L.Conv2D(4, 3, use_bias=False, name="conv"),
+        keras_bn.BatchNormalization(), L.ReLU(), L.Flatten(), L.Dense(3)]))
+    report = export_onnx(model, tmp_path / "m.onnx")  # float16 rounding: about 5e-4
+    assert report.atol == 1e-2 and 0 < report.relative_error <= report.atol
+    with pytest.raises(ValueError, match="TFLite cannot convert layer 'conv', which computes "
+                                         "in float16"):
+        export_tflite(model, tmp_path / "m.tflite")
+    assert os.listdir(tmp_path) == ["m.onnx"]
+
+
 # --------------------------------------------------------------------------- channels_first
 
 
