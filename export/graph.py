@@ -305,9 +305,7 @@ def _activation(layer):
 
 
 def _channel_axis(layer, rank):
-    if getattr(layer, "data_format", "channels_last") == "channels_first":
-        return 1
-    return rank - 1
+    return 1 if _channels_first(layer) else rank - 1
 
 
 def _bn_axes(bn, node):
