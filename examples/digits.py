@@ -86,12 +86,10 @@ def train(epochs=10, batch_size=64, jit_compile=False, seed=0, verbose=0):
 
 def tflite_accuracy(path):
     """Test accuracy of a digits classifier exported to .tflite, run in LiteRT."""
-    from ai_edge_litert.interpreter import Interpreter
-
     from keras_bn.export.tflite import run
 
     _, _, x_test, y_test = load()
-    predictions = run(Interpreter(model_path=str(path)), x_test)
+    (predictions,) = run(path, x_test).values()
     return float(np.mean(predictions.argmax(-1) == y_test))
 
 

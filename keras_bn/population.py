@@ -29,10 +29,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_bn import ops
-from keras_bn.layers import BatchNormalization
-
-_NORMALIZATION_TYPES = (BatchNormalization, keras.layers.BatchNormalization)
+from keras_bn import _bn_layers, ops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +101,7 @@ def recalibrate(model, data, steps=None, progress=True, batch_size=32):
     """
     layers = [
         layer for layer in model._flatten_layers(include_self=False)
-        if isinstance(layer, _NORMALIZATION_TYPES)
+        if _bn_layers.is_batch_norm(layer)
     ]
     if not layers:
         raise ValueError(f"Model '{model.name}' has no BatchNormalization layer to recalibrate.")
@@ -190,10 +187,7 @@ class _InputStatistics:
 
 def _batch_moments(layer, inputs, mask):
     x = tf.cast(inputs, ops.statistics_dtype(inputs.dtype))
-    if isinstance(layer, BatchNormalization):
-        channel_axes = layer._channel_axes
-    else:
-        channel_axes = [layer.axis % x.shape.rank]
+    channel_axes = _bn_layers.channel_axes(layer, x.shape.rank)
     if mask is not None:
         mask = ops.expand_mask(mask, x, channel_axes)
     mean, variance = ops.moments(x, channel_axes, mask)
@@ -230,8 +224,7 @@ class _Sums:
 
 
 def _assign(layer, sums):
-    unbiased = isinstance(layer, BatchNormalization)
-    mean, variance = sums.population(unbiased)
+    mean, variance = sums.population(_bn_layers.unbiased_variance(layer))
     old_mean = layer.moving_mean.numpy().astype(np.float64)
     old_variance = layer.moving_variance.numpy().astype(np.float64)
     layer.moving_mean.assign(mean.astype(layer.moving_mean.dtype))
@@ -244,7 +237,7 @@ def _assign(layer, sums):
         layer.num_batches_tracked.assign(sums.batches)
     return LayerChange(
         name=layer.name,
-        convention="unbiased" if unbiased else "biased",
+        convention=_bn_layers.variance_convention(layer),
         old_mean=old_mean, new_mean=layer.moving_mean.numpy().astype(np.float64),
         old_variance=old_variance,
         new_variance=layer.moving_variance.numpy().astype(np.float64),

@@ -15,7 +15,7 @@ import tensorflow as tf
 from tensorflow.lite.python.convert import ConverterError
 
 import keras_bn
-from keras_bn.export import export_onnx, export_tflite, fold_batch_norms
+from keras_bn.export import VerificationError, export_onnx, export_tflite, fold_batch_norms
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = shutil.which("keras-bn-export", path=os.path.dirname(sys.executable))
@@ -158,18 +158,39 @@ def _unwritable(tmp_path):
         _folder_holds(tmp_path, [])
 
 
+def _export_over_a_previous_file(tmp_path, exporter, model, name):
+    """(export `model` over an existing file, check that file and nothing else is there)."""
+    target = tmp_path / name
+    target.write_bytes(b"previous export")
+
+    def check():
+        assert target.read_bytes() == b"previous export"
+        assert os.listdir(tmp_path) == [name]
+    return (lambda: exporter(model, target)), check
+
+
 def _conversion_fails(tmp_path):
     # MatrixDeterminant is not a TFLite builtin: the converter fails after folding.
     model = keras.Sequential([keras.Input((3, 3)),
                               keras.layers.Lambda(lambda t: tf.linalg.det(t)[:, None]),
                               keras.layers.Dense(2), keras_bn.BatchNormalization()])
-    target = tmp_path / "model.tflite"
-    target.write_bytes(b"previous export")
+    return _export_over_a_previous_file(tmp_path, export_tflite, model, "model.tflite")
 
-    def check():
-        assert target.read_bytes() == b"previous export"
-        assert os.listdir(tmp_path) == ["model.tflite"]
-    return (lambda: export_tflite(model, target)), check
+
+def _over_tolerance(tmp_path):
+    # log of a signed value: NaN on part of the probe, which no tolerance accepts.
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3),
+                              keras_bn.BatchNormalization(),
+                              keras.layers.Lambda(lambda t: keras.ops.log(t))])
+    return _export_over_a_previous_file(tmp_path, export_onnx, model, "model.onnx")
+
+
+def _channels_first_tflite(tmp_path):
+    model = keras.Sequential([keras.Input((2, 7)),
+                              keras.layers.Conv1D(4, 3, data_format="channels_first",
+                                                  name="conv"),
+                              keras_bn.BatchNormalization(axis=1)])
+    return _export_over_a_previous_file(tmp_path, export_tflite, model, "model.tflite")
 
 
 def _corrupt_keras(tmp_path):
@@ -205,6 +226,11 @@ ERROR_CASES = [
     ("export", "unwritable path", OSError, r"Cannot write .*missing.*m\.tflite", _unwritable),
     ("export", "conversion failure midway", ConverterError, r"MatrixDeterminant",
      _conversion_fails),
+    ("export", "file over its tolerance", VerificationError,
+     r"differs from the Keras model: output '.*' is off by nan", _over_tolerance),
+    ("export", "channels_first layer TFLite cannot convert", ValueError,
+     r"TFLite cannot convert layer 'conv' \(Conv1D with data_format='channels_first'\)",
+     _channels_first_tflite),
     ("export", "corrupt or truncated .keras", ValueError, r"accessible `\.keras` zip file",
      _corrupt_keras),
 ]
@@ -245,6 +271,9 @@ def _cli_model(tmp_path, case):
         keras.Sequential([keras.Input((3, 3)),
                           keras.layers.Lambda(lambda t: tf.linalg.det(t)[:, None]),
                           keras.layers.Dense(2)]).save(path)
+    elif case == "channels_first layer TFLite cannot convert":
+        keras.Sequential([keras.Input((2, 7)),
+                          keras.layers.Conv1D(4, 3, data_format="channels_first")]).save(path)
     elif case == "corrupt or truncated .keras":
         keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)]).save(path)
         path.write_bytes(path.read_bytes()[:200])
@@ -253,7 +282,9 @@ def _cli_model(tmp_path, case):
     return path
 
 
-CLI_CASES = [name for area, name, *_ in ERROR_CASES if area == "export"]
+# A file over its tolerance exits 1, not 2 (tests/test_cli.py), and also keeps the old file.
+CLI_CASES = [name for area, name, *_ in ERROR_CASES
+             if area == "export" and name != "file over its tolerance"]
 
 
 @pytest.mark.slow
