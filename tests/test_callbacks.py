@@ -94,6 +94,19 @@ def _numpy_first_bn_statistics(model):
     return mean, variance
 
 
+def _assert_validation_saw_recalibrated_statistics(history, before, after, rel):
+    """Each epoch's validation metrics are those of `evaluate` after a manual recalibrate of
+    the weights the validation run began with, and every replica's training statistics are
+    back at its end."""
+    for epoch, weights in enumerate(before.weights):
+        expected = _recalibrated_copy(weights).evaluate(X_VAL, Y_VAL, verbose=0, return_dict=True)
+        for name, value in expected.items():
+            assert history[f"val_{name}"][epoch] == pytest.approx(value, rel=rel)
+        for a, b in zip(before.begin[epoch], after.end[epoch], strict=True):
+            for replica_a, replica_b in zip(a, b, strict=True):
+                np.testing.assert_array_equal(replica_a, replica_b)
+
+
 def test_at_train_end_recalibrates_for_the_ema_weights():
     plain = _model()
     plain.fit(X, Y, batch_size=BATCH, epochs=2, verbose=0)
@@ -124,13 +137,7 @@ def test_before_validation_metrics_equal_evaluate_after_a_manual_recalibrate():
                  after]
     history = model.fit(X, Y, batch_size=BATCH, epochs=2, verbose=0,
                         validation_data=(X_VAL, Y_VAL), callbacks=callbacks).history
-    for epoch, weights in enumerate(before.weights):
-        expected = _recalibrated_copy(weights).evaluate(X_VAL, Y_VAL, verbose=0, return_dict=True)
-        for name, value in expected.items():
-            assert history[f"val_{name}"][epoch] == pytest.approx(value, rel=1e-6)
-        # The training statistics are back before the next epoch trains.
-        for a, b in zip(before.begin[epoch], after.end[epoch], strict=True):
-            np.testing.assert_array_equal(a, b)
+    _assert_validation_saw_recalibrated_statistics(history, before, after, rel=1e-6)
     # And the recalibrated statistics did change what validation reports.
     plain = _model().fit(X, Y, batch_size=BATCH, epochs=2, verbose=0, validation_data=(X_VAL, Y_VAL),
                          callbacks=[keras.callbacks.SwapEMAWeights()]).history
@@ -157,18 +164,12 @@ def test_works_under_mirrored_strategy():
     callbacks = [before, Recalibrate(X, batch_size=BATCH, before_validation=True), after]
     history = model.fit(X, Y, batch_size=BATCH, epochs=2, verbose=0,
                         validation_data=(X_VAL, Y_VAL), callbacks=callbacks).history
-
-    for epoch, weights in enumerate(before.weights):
-        expected = _recalibrated_copy(weights).evaluate(X_VAL, Y_VAL, verbose=0, return_dict=True)
-        for name, value in expected.items():
-            assert history[f"val_{name}"][epoch] == pytest.approx(value, rel=1e-5)
-        # Every replica's own statistics come back (Keras BN replicas differ from each other).
-        for a, b in zip(before.begin[epoch], after.end[epoch], strict=True):
-            for replica_a, replica_b in zip(a, b, strict=True):
-                np.testing.assert_array_equal(replica_a, replica_b)
+    # Metrics reduced across replicas: the same within float32 rounding.
+    _assert_validation_saw_recalibrated_statistics(history, before, after, rel=1e-5)
     index = next(i for i, v in enumerate(model.non_trainable_variables)
                  if v is model.layers[4].moving_mean)
-    assert not np.array_equal(*before.begin[-1][index])  # so the per-replica restore is needed
+    # Keras BN replicas differ from each other, so each must get its own statistics back.
+    assert not np.array_equal(*before.begin[-1][index])
 
     fresh = _statistics(_recalibrated_copy(model.get_weights()))
     statistics = [v for layer in _bn_layers(model) for v in (layer.moving_mean, layer.moving_variance)]

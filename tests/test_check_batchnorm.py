@@ -2,6 +2,11 @@
 its numbers checked against numpy; none on a healthy trained model; nested models and both BN
 classes; the model left exactly as found."""
 
+import os
+import re
+import subprocess
+import sys
+
 import digits
 import keras
 import numpy as np
@@ -243,3 +248,22 @@ def test_errors_name_the_problem():
         check_batchnorm(unbuilt)
     with pytest.raises(ValueError, match="steps=0"):
         check_batchnorm(_mlp(), np.zeros((8, 8), "float32"), steps=0)
+
+
+@pytest.mark.slow
+def test_readme_training_helpers_snippets_run_and_print_the_table_shown():
+    root = os.path.join(os.path.dirname(__file__), "..")
+    with open(os.path.join(root, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    section = readme[readme.index("## Training helpers"):readme.index("## Errors")]
+    snippets = re.findall(r"```python\n(.*?)```", section, re.S)
+    (table,) = re.findall(r"```text\n(.*?)```", section, re.S)
+    assert len(snippets) == 2
+    outputs = []
+    for snippet in snippets:  # each in a fresh process, so layer names start from scratch
+        result = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True,
+                                cwd=root, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+        assert result.returncode == 0, result.stderr[-2000:]
+        outputs.append(result.stdout)
+    assert outputs[0].startswith("Recalibrated 1 BN layer(s)")
+    assert outputs[1] == table
