@@ -198,7 +198,7 @@ STALE_VARIANCE_RATIO = 2.0  # moving variance / input variance outside [1/2, 2]
 GAP_THRESHOLD = 0.5  # RMS(training − inference output) / RMS spread of the inference output
 MIN_VALUES_PER_CHANNEL = 16  # values per channel in one batch (batch × spatial positions)
 
-KINDS = ("stale_statistics", "small_batch", "train_inference_gap", "unfoldable")
+KINDS = ("stale_statistics", "non_finite", "small_batch", "train_inference_gap", "unfoldable")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,13 +246,15 @@ def check_batchnorm(model, data=None, *, batch_size=32, steps=None):
 
     - `stale_statistics`: the moving mean and variance are still exactly their initial values
       (the layer never ran in training mode: a custom loop that calls `model(x)` without
-      `training=True`); or, on `data`, the moving mean is more than `STALE_MEAN_SHIFT` = 0.5
+      `training=True`), or not finite; or, on `data`, the moving mean is more than `STALE_MEAN_SHIFT` = 0.5
       standard deviations from the mean of the layer's input in some channel, or the moving
       variance is more than `STALE_VARIANCE_RATIO` = 2 times larger or smaller than the input's
       variance (both + epsilon). The input is what the layer gets at inference (upstream BNs use
       their moving statistics); its mean and variance are pooled over the batches of `data` in
       the layer's own convention (within-batch variances, m/(m−1) for keras_bn), which is what
       the moving average estimates.
+    - `non_finite`: on `data` (itself finite), the layer's input is NaN or inf: an upstream
+      weight or statistic is not finite.
     - `small_batch`: the batches of `data` give a layer fewer than `MIN_VALUES_PER_CHANNEL` =
       16 values per channel (batch size × spatial positions, unmasked only; the median over
       batches, so a short last batch does not count): its batch mean and variance are too noisy
@@ -265,7 +267,8 @@ def check_batchnorm(model, data=None, *, batch_size=32, steps=None):
       convolution); the threshold sits above it for healthy models. Reported once, for the
       model; the message names the BN whose statistics are furthest from its input's.
     - `unfoldable`: `keras_bn.export.fold_batch_norms(model)` would keep this BN (as an
-      affine layer), with the fold's reason; or the fold cannot read the model.
+      affine layer), with the fold's reason; or the fold never reaches it (a BN inside a
+      custom layer); or the fold fails on the whole model (subclassed; NaN statistics).
 
     Without `data` only the initial-value and fold checks run. The model is left exactly as
     found (training-mode passes move the statistics; they are put back after every batch).
@@ -284,8 +287,8 @@ def check_batchnorm(model, data=None, *, batch_size=32, steps=None):
         (empty when nothing is wrong); `str()` of it is a table.
 
     Raises:
-        ValueError: the model has no BN layer or is not built, `steps`/`batch_size` is not a
-            positive int, the dataset is infinite without `steps`, `data` gives no batch, or
+        ValueError: the model has no BN layer or is not built, `data` has a NaN or inf,
+            `steps`/`batch_size` is not a positive int, the dataset is infinite without `steps`, `data` gives no batch, or
             a BN layer is called twice in one forward pass (shared).
     """
     layers = [layer for layer in model._flatten_layers(include_self=False)
@@ -296,8 +299,8 @@ def check_batchnorm(model, data=None, *, batch_size=32, steps=None):
     if unbuilt:
         raise ValueError(f"check_batchnorm needs a built model; layers {unbuilt} are not built.")
     paths = _bn_paths(model)
-    findings = [Finding(paths[id(layer)], "stale_statistics", _INITIAL_MESSAGE)
-                for layer in layers if _at_initial_values(layer)]
+    findings = [Finding(paths[id(layer)], "stale_statistics", message)
+                for layer in layers for message in [_stale_without_data(layer)] if message]
     probe = None
     if data is not None:
         batches = _Batches(data, steps, batch_size)
@@ -309,10 +312,17 @@ def check_batchnorm(model, data=None, *, batch_size=32, steps=None):
     return Findings(findings, layers_checked=len(layers))
 
 
-_INITIAL_MESSAGE = (
-    "moving mean and variance are still their initial values: the layer never ran in training "
-    "mode (a custom loop must call model(x, training=True)); or run keras_bn.recalibrate"
-)
+def _stale_without_data(layer):
+    """The stale_statistics message that needs no data, or None."""
+    statistics = [v.numpy() for v in (layer.moving_mean, layer.moving_variance)]
+    if not all(np.all(np.isfinite(s)) for s in statistics):
+        return ("moving mean or variance is not finite (NaN or inf): training diverged or the "
+                "statistics were overwritten; run keras_bn.recalibrate")
+    if _at_initial_values(layer):
+        return ("moving mean and variance are still their initial values: the layer never ran "
+                "in training mode (a custom loop must call model(x, training=True)); or run "
+                "keras_bn.recalibrate")
+    return None
 
 
 def _bn_paths(model):
@@ -358,7 +368,8 @@ def _data_findings(model, layers, paths, batches, skip):
 
         infer = tf.function(infer_and_record, reduce_retracing=True)
         train = tf.function(lambda x: model(x, training=False), reduce_retracing=True)
-        for x in batches:
+        for number, x in enumerate(batches):
+            _check_finite(x, number)
             recorded, inferred = infer(x)
             inferred = _flat(inferred)
             try:
@@ -384,11 +395,22 @@ def _data_findings(model, layers, paths, batches, skip):
                 "statistics that noisy hurt training; use larger batches or renorm=True")))
         if sums[index].batches == 0:
             continue
-        distance, message = _distance_from_data(layer, sums[index])
+        mean, variance = sums[index].population(unbiased=isinstance(layer, BatchNormalization))
+        if not (np.all(np.isfinite(mean)) and np.all(np.isfinite(variance))):
+            findings.append(Finding(path, "non_finite", (
+                "its input is not finite on `data` (NaN or inf) although `data` is: an upstream "
+                "weight or statistic is not finite")))
+            continue
+        distance, message = _distance_from_data(layer, mean, variance)
         furthest = max(furthest, (distance, path), key=lambda pair: pair[0])
         if message and path not in skip:
             findings.append(Finding(path, "stale_statistics", message))
-    gap = np.sqrt(difference / spread) if spread > 0 else (np.inf if difference > 0 else 0.0)
+    if not np.isfinite(difference + spread):
+        findings.append(Finding(model.name, "train_inference_gap", (
+            "on `data`, the outputs with batch statistics or with the moving statistics are not "
+            "finite (NaN or inf): check the findings above")))
+        return findings
+    gap = np.sqrt(difference / spread) if spread > 0 else (0.0 if difference == 0 else np.inf)
     if gap > GAP_THRESHOLD:
         where = f"; the BN furthest from its input's statistics is '{furthest[1]}'" \
             if furthest[1] else ""
@@ -415,10 +437,18 @@ def _flat(outputs):
     return [np.asarray(t, dtype=np.float64) for t in tf.nest.flatten(outputs)]
 
 
-def _distance_from_data(layer, sums):
+def _check_finite(x, number):
+    for array in tf.nest.flatten(x):
+        array = np.asarray(array)
+        if np.issubdtype(array.dtype, np.floating) and not np.all(np.isfinite(array)):
+            where = tuple(int(i) for i in np.argwhere(~np.isfinite(array))[0])
+            raise ValueError(f"check_batchnorm: batch {number} of `data` has {array[where]} at "
+                             f"index {where}; the checks need finite data.")
+
+
+def _distance_from_data(layer, mean, variance):
     """(largest standardized distance, message or None) between the moving statistics and the
     input's pooled statistics on `data`."""
-    mean, variance = sums.population(unbiased=isinstance(layer, BatchNormalization))
     epsilon = layer.epsilon
     moving_mean = layer.moving_mean.numpy().astype(np.float64).ravel()
     moving_variance = layer.moving_variance.numpy().astype(np.float64).ravel()
@@ -453,8 +483,8 @@ def _unfoldable(model, layers, paths, probe):
 
     try:
         _, report = fold_batch_norms(model, probe)
-    except TypeError as error:  # a model without a layer graph (subclassed)
-        return [Finding(paths[id(layer)], "unfoldable", f"the fold cannot read the model: {error}")
+    except (TypeError, ValueError) as error:  # no layer graph (subclassed); NaN statistics
+        return [Finding(paths[id(layer)], "unfoldable", f"the fold fails on the model: {error}")
                 for layer in layers]
     kept = {k.bn: k.reason for k in report.kept}
     folded = {f.bn for f in report.folded}

@@ -267,3 +267,16 @@ def test_readme_training_helpers_snippets_run_and_print_the_table_shown():
         outputs.append(result.stdout)
     assert outputs[0].startswith("Recalibrated 1 BN layer(s)")
     assert outputs[1] == table
+
+
+def test_non_finite_statistics_and_data():
+    model = randomise_batch_norms(_mlp())
+    x = np.random.default_rng(4).normal(size=(64, 8)).astype("float32")
+    model.layers[1].moving_variance.assign(np.full(16, np.nan, "float32"))
+    kinds = _kinds(check_batchnorm(model, x))
+    assert ("ours", "stale_statistics") in kinds
+    assert ("inner/keras_bn_layer", "non_finite") in kinds  # its input is NaN now
+    assert ("mlp", "train_inference_gap") in kinds
+    x[5, 3] = np.inf
+    with pytest.raises(ValueError, match=r"batch 0 of `data` has inf at index \(5, 3\)"):
+        check_batchnorm(model, x)
