@@ -9,10 +9,11 @@
   β-smoothness along −∇L (Santurkar et al. 2018, §3.1).
 - `internal_covariate_shift`: ‖G − G′‖ and cos(G, G′) per layer (Santurkar et al. 2018, Def. 2.1).
 
-For the other functions, "layers" are the entries of `model.layers` that own a `kernel` variable (Dense, Conv, ...), in
-that order; nested models are not searched. Losses are evaluated with `training=True` by default,
-so BN layers use batch statistics, as during a training step. Every function leaves the model
-(trainable and moving statistics alike) and the optimizer exactly as it found them.
+For the other functions, "layers" are the entries of `model.layers` that own a `kernel`
+variable (Dense, Conv, ...), in that order; nested models are not searched. Losses are evaluated
+with `training=True` by default, so BN layers use batch statistics, as during a training step.
+Every function leaves the model (trainable and moving statistics alike) and the optimizer
+exactly as it found them.
 """
 
 import contextlib
@@ -218,7 +219,12 @@ class Finding:
 
 
 class Findings(list):
-    """The list of `Finding`s that `check_batchnorm` returns; `str()` of it is a table."""
+    """The list of `Finding`s that `check_batchnorm` returns; `str()` of it is a table.
+
+    Args:
+        findings: the `Finding`s, in order.
+        layers_checked: how many BN layers were checked (for the table's first line).
+    """
 
     def __init__(self, findings=(), layers_checked=0):
         super().__init__(findings)
@@ -246,10 +252,10 @@ def check_batchnorm(model, data=None, *, batch_size=32, steps=None):
 
     - `stale_statistics`: the moving mean and variance are still exactly their initial values
       (the layer never ran in training mode: a custom loop that calls `model(x)` without
-      `training=True`), or not finite; or, on `data`, the moving mean is more than `STALE_MEAN_SHIFT` = 0.5
-      standard deviations from the mean of the layer's input in some channel, or the moving
-      variance is more than `STALE_VARIANCE_RATIO` = 2 times larger or smaller than the input's
-      variance (both + epsilon). The input is what the layer gets at inference (upstream BNs use
+      `training=True`), or not finite; or, on `data`, the moving mean is more than
+      `STALE_MEAN_SHIFT` = 0.5 standard deviations from the mean of the layer's input in some
+      channel, or the moving variance is more than `STALE_VARIANCE_RATIO` = 2 times larger or
+      smaller than the input's variance (both + epsilon). The input is what the layer gets at inference (upstream BNs use
       their moving statistics); its mean and variance are pooled over the batches of `data` in
       the layer's own convention (within-batch variances, m/(m−1) for keras_bn), which is what
       the moving average estimates.
@@ -288,8 +294,9 @@ def check_batchnorm(model, data=None, *, batch_size=32, steps=None):
 
     Raises:
         ValueError: the model has no BN layer or is not built, `data` has a NaN or inf,
-            `steps`/`batch_size` is not a positive int, the dataset is infinite without `steps`, `data` gives no batch, or
-            a BN layer is called twice in one forward pass (shared).
+            `steps`/`batch_size` is not a positive int, the dataset is infinite without
+            `steps`, `data` gives no batch, or a BN layer is called twice in one forward pass
+            (shared).
     """
     layers = [layer for layer in model._flatten_layers(include_self=False)
               if isinstance(layer, _NORMALIZATION_TYPES)]
@@ -305,7 +312,8 @@ def check_batchnorm(model, data=None, *, batch_size=32, steps=None):
     if data is not None:
         batches = _Batches(data, steps, batch_size)
         probe = batches.first()
-        findings += _data_findings(model, layers, paths, batches, skip=set(f.layer for f in findings))
+        stale = {f.layer for f in findings}
+        findings += _data_findings(model, layers, paths, batches, skip=stale)
     findings += _unfoldable(model, layers, paths, probe)
     order = {path: i for i, path in enumerate(paths[id(layer)] for layer in layers)}
     findings.sort(key=lambda f: (order.get(f.layer, len(order)), KINDS.index(f.kind)))
@@ -474,7 +482,8 @@ def _distance_from_data(layer, mean, variance):
     distance = max(float(shift.max()), float(np.log(fold.max())))
     if not problems:
         return distance, None
-    return distance, "; ".join(problems) + ": keep training in training mode, or run keras_bn.recalibrate"
+    advice = ": keep training in training mode, or run keras_bn.recalibrate"
+    return distance, "; ".join(problems) + advice
 
 
 def _unfoldable(model, layers, paths, probe):

@@ -29,7 +29,7 @@ X_VAL, Y_VAL = _data(64, seed=1)
 
 
 def _model(strategy=None):
-    """Dense → keras_bn BN → Dense → Keras BN → Dense, compiled with Adam(use_ema=True): a large
+    """Dense → keras_bn BN → Dense → Keras BN → Dense, with Adam(use_ema=True): a large
     learning rate and a short EMA, so the EMA weights are far from the raw ones."""
     keras.utils.set_random_seed(0)
     with strategy.scope() if strategy else contextlib.nullcontext():
@@ -139,7 +139,8 @@ def test_before_validation_metrics_equal_evaluate_after_a_manual_recalibrate():
                         validation_data=(X_VAL, Y_VAL), callbacks=callbacks).history
     _assert_validation_saw_recalibrated_statistics(history, before, after, rel=1e-6)
     # And the recalibrated statistics did change what validation reports.
-    plain = _model().fit(X, Y, batch_size=BATCH, epochs=2, verbose=0, validation_data=(X_VAL, Y_VAL),
+    plain = _model().fit(X, Y, batch_size=BATCH, epochs=2, verbose=0,
+                         validation_data=(X_VAL, Y_VAL),
                          callbacks=[keras.callbacks.SwapEMAWeights()]).history
     assert abs(plain["val_loss"][-1] / history["val_loss"][-1] - 1) > 0.05
 
@@ -172,7 +173,8 @@ def test_works_under_mirrored_strategy():
     assert not np.array_equal(*before.begin[-1][index])
 
     fresh = _statistics(_recalibrated_copy(model.get_weights()))
-    statistics = [v for layer in _bn_layers(model) for v in (layer.moving_mean, layer.moving_variance)]
+    statistics = [v for layer in _bn_layers(model)
+                  for v in (layer.moving_mean, layer.moving_variance)]
     for variable, expected in zip(statistics, fresh, strict=True):
         for replica in model.distribute_strategy.experimental_local_results(variable.value):
             np.testing.assert_allclose(replica.numpy(), expected, rtol=0, atol=1e-6)

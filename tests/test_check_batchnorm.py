@@ -91,7 +91,7 @@ def test_statistics_far_from_the_data_are_stale_with_numpy_numbers():
     stale = {f.layer: f.message for f in findings if f.kind == "stale_statistics"}
     assert list(stale) == ["ours", "inner/keras_bn_layer"]
 
-    # numpy, through the model in inference mode: Dense → keras_bn BN → ReLU → Dense → Keras BN.
+    # numpy, in inference mode: Dense → keras_bn BN → ReLU → Dense → Keras BN.
     w1, b1, w2, b2 = [w.astype(np.float64) for layer in (model.layers[0], model.layers[3].layers[0])
                       for w in layer.get_weights()]
     ours, theirs = model.layers[1], model.layers[3].layers[1]
