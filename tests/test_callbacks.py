@@ -53,9 +53,14 @@ def _statistics(model):
             for v in (layer.moving_mean, layer.moving_variance)]
 
 
+_COPY = []  # one single-device model serves every check (its evaluate is traced once)
+
+
 def _recalibrated_copy(weights):
     """A single-device model with `weights`, recalibrated by hand on X."""
-    model = _model()
+    if not _COPY:
+        _COPY.append(_model())
+    model = _COPY[0]
     model.set_weights(weights)
     keras_bn.recalibrate(model, X, batch_size=BATCH, progress=False)
     return model
@@ -69,11 +74,16 @@ def _per_replica(model):
 
 
 class _Record(keras.callbacks.Callback):
-    """Records the weights at on_test_begin and every replica's statistics at both ends."""
+    """Records the weights at on_test_begin and every replica's statistics at both ends; and
+    the statistics at on_train_end."""
 
     def __init__(self):
         super().__init__()
         self.weights, self.begin, self.end = [], [], []
+        self.train_end = None
+
+    def on_train_end(self, logs=None):
+        self.train_end = _statistics(self.model)
 
     def on_test_begin(self, logs=None):
         self.weights.append(self.model.get_weights())
@@ -108,11 +118,10 @@ def _assert_validation_saw_recalibrated_statistics(history, before, after, rel):
 
 
 def test_at_train_end_recalibrates_for_the_ema_weights():
-    plain = _model()
-    plain.fit(X, Y, batch_size=BATCH, epochs=2, verbose=0)
     model = _model()
-    callback = Recalibrate(X, batch_size=BATCH)
-    model.fit(X, Y, batch_size=BATCH, epochs=2, verbose=0, callbacks=[callback])
+    # Callbacks run in list order: `moving` sees the statistics as they are without Recalibrate.
+    moving, callback = _Record(), Recalibrate(X, batch_size=BATCH)
+    model.fit(X, Y, batch_size=BATCH, epochs=2, verbose=0, callbacks=[moving, callback])
 
     # Keras put the EMA weights in before on_train_end: the statistics are for those.
     fresh = _statistics(_recalibrated_copy(model.get_weights()))
@@ -122,48 +131,42 @@ def test_at_train_end_recalibrates_for_the_ema_weights():
     assert_close(model.layers[1].moving_mean, mean, 1e-5)
     assert_close(model.layers[1].moving_variance, variance, 1e-5)
     assert [c.name for c in callback.last_report.layers] == [b.name for b in _bn_layers(model)]
-
     # Without the callback the moving averages describe other weights.
-    stale = _statistics(plain)
-    fresh = _statistics(_recalibrated_copy(plain.get_weights()))
-    assert max(np.max(np.abs(a - b) / (np.abs(b) + 1)) for a, b in zip(stale, fresh)) > 0.05
+    assert max(np.max(np.abs(a - b) / (np.abs(b) + 1))
+               for a, b in zip(moving.train_end, fresh, strict=True)) > 0.05
 
 
-def test_before_validation_metrics_equal_evaluate_after_a_manual_recalibrate():
-    model = _model()
-    before, after = _Record(), _Record()
-    callbacks = [keras.callbacks.SwapEMAWeights(), before,
-                 Recalibrate(X, batch_size=BATCH, at_train_end=False, before_validation=True),
-                 after]
-    history = model.fit(X, Y, batch_size=BATCH, epochs=2, verbose=0,
-                        validation_data=(X_VAL, Y_VAL), callbacks=callbacks).history
-    _assert_validation_saw_recalibrated_statistics(history, before, after, rel=1e-6)
-    # And the recalibrated statistics did change what validation reports.
-    plain = _model().fit(X, Y, batch_size=BATCH, epochs=2, verbose=0,
-                         validation_data=(X_VAL, Y_VAL),
-                         callbacks=[keras.callbacks.SwapEMAWeights()]).history
-    assert abs(plain["val_loss"][-1] / history["val_loss"][-1] - 1) > 0.05
-
-
-def test_training_after_a_before_validation_epoch_is_bit_identical():
+@pytest.mark.slow
+def test_before_validation_sees_recalibrated_statistics_and_leaves_training_bit_identical():
     runs = []
-    for callbacks in ([], [Recalibrate(X, at_train_end=False, before_validation=True)]):
+    for recalibrate in (False, True):
         model = _model()
-        history = model.fit(X, Y, batch_size=BATCH, epochs=3, verbose=0, shuffle=True,
+        before, after = _Record(), _Record()
+        callbacks = [keras.callbacks.SwapEMAWeights()]  # validate with the EMA weights
+        if recalibrate:  # from a generator: read once, used at every validation run
+            batches = (X[i:i + BATCH] for i in range(0, len(X), BATCH))
+            callback = Recalibrate(batches, at_train_end=False, before_validation=True)
+            callbacks += [before, callback, after]
+        history = model.fit(X, Y, batch_size=BATCH, epochs=2, verbose=0, shuffle=True,
                             validation_data=(X_VAL, Y_VAL), callbacks=callbacks).history
         runs.append((history, model.variables + model.optimizer.variables))
-    (plain, plain_variables), (recalibrated, variables) = runs
-    assert plain["loss"] == recalibrated["loss"]
-    assert plain["val_loss"] != recalibrated["val_loss"]
+    (plain, plain_variables), (history, variables) = runs
+
+    _assert_validation_saw_recalibrated_statistics(history, before, after, rel=1e-6)
+    assert callback.last_report.batches == len(X) // BATCH
+    assert abs(plain["val_loss"][-1] / history["val_loss"][-1] - 1) > 0.05
+    # Training after each validation run went on exactly as without the callback.
+    assert plain["loss"] == history["loss"]
     for a, b in zip(plain_variables, variables, strict=True):
         np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.path)
 
 
+@pytest.mark.slow
 def test_works_under_mirrored_strategy():
     model = _model(_strategy(2))
     before, after = _Record(), _Record()
     callbacks = [before, Recalibrate(X, batch_size=BATCH, before_validation=True), after]
-    history = model.fit(X, Y, batch_size=BATCH, epochs=2, verbose=0,
+    history = model.fit(X, Y, batch_size=BATCH, epochs=1, verbose=0,
                         validation_data=(X_VAL, Y_VAL), callbacks=callbacks).history
     # Metrics reduced across replicas: the same within float32 rounding.
     _assert_validation_saw_recalibrated_statistics(history, before, after, rel=1e-5)
@@ -178,18 +181,6 @@ def test_works_under_mirrored_strategy():
     for variable, expected in zip(statistics, fresh, strict=True):
         for replica in model.distribute_strategy.experimental_local_results(variable.value):
             np.testing.assert_allclose(replica.numpy(), expected, rtol=0, atol=1e-6)
-
-
-def test_a_generator_is_read_once_and_serves_every_recalibration():
-    model = _model()
-    callback = Recalibrate((X[i:i + BATCH] for i in range(0, len(X), BATCH)),
-                           before_validation=True)
-    model.fit(X, Y, batch_size=BATCH, epochs=2, verbose=0, validation_data=(X_VAL, Y_VAL),
-              callbacks=[callback])
-    assert callback.last_report.batches == len(X) // BATCH
-    for ours, expected in zip(_statistics(model),
-                              _statistics(_recalibrated_copy(model.get_weights())), strict=True):
-        np.testing.assert_allclose(ours, expected, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("kwargs,match", [
