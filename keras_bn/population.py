@@ -88,7 +88,7 @@ def recalibrate(model, data, steps=None, progress=True, batch_size=32):
             numpy array is split along its first axis into batches of `batch_size`.
         steps: how many batches to use; None uses them all (required for an infinite
             dataset).
-        progress: show a tqdm progress bar.
+        progress: show a progress bar (rich, on stderr).
         batch_size: batch size for numpy-array data only.
 
     Returns:
@@ -311,6 +311,32 @@ def _take(iterable, steps):
 
 
 def _progress_bar(enabled, total):
-    from tqdm import tqdm
+    return _ProgressBar(enabled, total)
 
-    return tqdm(total=total, disable=not enabled, unit="batch", desc="recalibrate")
+
+class _ProgressBar:
+    """A rich progress bar on stderr (rich comes with Keras): "<layer> ━━━ 3/8 0:00:01".
+
+    Where stderr is not a terminal (a log file, CI), rich draws the final state once.
+    """
+
+    def __init__(self, enabled, total):
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+        from rich.progress import TimeElapsedColumn
+
+        self._progress = Progress(
+            TextColumn("recalibrate {task.description}"), BarColumn(), MofNCompleteColumn(),
+            TimeElapsedColumn(), console=Console(stderr=True), disable=not enabled,
+        )
+        self._task = self._progress.add_task("", total=total)
+        self._progress.start()
+
+    def set_description(self, description):
+        self._progress.update(self._task, description=description)
+
+    def update(self, steps):
+        self._progress.advance(self._task, steps)
+
+    def close(self):
+        self._progress.stop()
