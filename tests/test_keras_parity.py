@@ -103,11 +103,11 @@ def _tests_that_construct_bn(source):
 
     def constructs_bn(node):
         for call, name in _called_names(node):
-            if name in involved and not (set(overrides.get(name, ())) & _passed(call, name)):
+            if name in involved and not (set(overrides.get(name, ())) & passed(call, name)):
                 return True
         return False
 
-    def _passed(call, name):
+    def passed(call, name):
         args = [a.arg for a in helpers[name].args.args] if name in helpers else []
         return {k.arg for k in call.keywords} | set(args[: len(call.args)])
 
@@ -352,7 +352,8 @@ def _subclass(module_name, source, keras_class):
     the tests named in DIFFERENCES."""
     rewritten = {test for module, test in DIFFERENCES if module == module_name}
     selected = None if module_name == KERAS_BN_TESTS else _tests_that_construct_bn(source)
-    body = {"__test__": True, "LAYER": keras_bn.BatchNormalization, "UNBIASED": True}
+    body = {"__test__": True, "KERAS_MODULE": module_name,
+            "LAYER": keras_bn.BatchNormalization, "UNBIASED": True}
     if module_name != KERAS_BN_TESTS:  # model and export tests, ~1 s each: deselectable
         body["pytestmark"] = list(getattr(keras_class, "pytestmark", [])) + [pytest.mark.slow]
     for name in dir(keras_class):
@@ -387,18 +388,21 @@ del _name, _module, _source, _keras_class, _cls
 
 
 @pytest.fixture(autouse=True)
-def _keras_bn_in_keras_tests(monkeypatch):
-    """Each Keras test module's `layers.BatchNormalization` (and `keras.layers`' where the
-    module uses that) is keras_bn's for the test; constructions are counted."""
-    with_ours = types.SimpleNamespace(
-        **{k: getattr(keras_layers, k) for k in dir(keras_layers) if not k.startswith("__")}
-    )
-    with_ours.BatchNormalization = keras_bn.BatchNormalization
-    for module, source in KERAS_TEST_MODULES.values():
-        if getattr(module, "layers", None) is keras_layers:
-            monkeypatch.setattr(module, "layers", with_ours)
-        if "keras.layers.BatchNormalization(" in source:
-            monkeypatch.setattr(keras.layers, "BatchNormalization", keras_bn.BatchNormalization)
+def _keras_bn_in_keras_tests(request, monkeypatch):
+    """In a Keras test, its module's `layers.BatchNormalization` (and `keras.layers`' where
+    the module uses that) is keras_bn's; keras_bn constructions are counted."""
+    module_name = getattr(request.cls, "KERAS_MODULE", None)
+    if module_name is None:
+        return
+    module, source = KERAS_TEST_MODULES[module_name]
+    if getattr(module, "layers", None) is keras_layers:
+        with_ours = types.SimpleNamespace(
+            **{k: getattr(keras_layers, k) for k in dir(keras_layers) if not k.startswith("__")}
+        )
+        with_ours.BatchNormalization = keras_bn.BatchNormalization
+        monkeypatch.setattr(module, "layers", with_ours)
+    if "keras.layers.BatchNormalization(" in source:
+        monkeypatch.setattr(keras.layers, "BatchNormalization", keras_bn.BatchNormalization)
     # Counted in __new__: Keras reads __init__'s signature for the layer's config.
     new = keras_bn.BatchNormalization.__new__
 
