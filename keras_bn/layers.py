@@ -32,10 +32,10 @@ class BatchNormalization(keras.layers.Layer):
     (`trainable=False`) always normalizes with its moving statistics and never updates them.
 
     Guards:
-    - m = 1 in training cannot estimate a variance. It raises a ValueError at trace time when
-      the shape is static, and an InvalidArgumentError with the same message at run time
-      otherwise. Under XLA (`jit_compile=True`) run-time asserts are compiled away: a dynamic
-      m = 1 then outputs β, like Keras, and the moving statistics are left unchanged.
+    - m ≤ 1 in training cannot estimate a variance. Known when traced (a static batch of 1)
+      it raises a ValueError. Known only at run time (a mask that leaves at most one value, a
+      dynamic batch of 1) the output is β for that batch, as in Keras, and the moving
+      statistics and batch counter are left unchanged; eager, graph and XLA alike.
     - A batch whose mean or variance is not finite leaves the moving statistics unchanged; the
       output still shows the NaN or inf.
 
@@ -77,8 +77,9 @@ class BatchNormalization(keras.layers.Layer):
     Call arguments:
         inputs: floating tensor.
         training: Python bool; training mode uses the batch statistics.
-        mask: optional boolean tensor with the input's shape less its channel axes; only the
-            True positions enter the statistics (all positions are normalized).
+        mask: optional boolean tensor with the input's shape less its channel axes, or any
+            shape of that rank that broadcasts to it (size-1 dimensions); only the True
+            (non-zero) positions enter the statistics (all positions are normalized).
     """
 
     def __init__(
@@ -237,7 +238,7 @@ class BatchNormalization(keras.layers.Layer):
         mask = None if mask is None else ops.expand_mask(mask, batch, channel_axes)
         replicas = self._replica_context()
         count = ops.element_count(batch, channel_axes, mask, replicas)
-        batch = self._assert_enough_elements(batch, count)
+        gamma = self._zero_unless_enough(gamma, batch, count)
         if not (self.renorm or self.virtual_batch_size):
             y, mean, variance = ops.batch_norm_train(
                 batch, gamma, beta, channel_axes, self.epsilon, mask, fused=self._fused,
@@ -281,19 +282,24 @@ class BatchNormalization(keras.layers.Layer):
             return tf.fill(shape, tf.constant(default, dtype))
         return tf.cast(variable, dtype)
 
-    def _assert_enough_elements(self, x, count):
-        message = (
-            f"BatchNormalization layer '{self.name}' in training mode needs at least 2 values "
-            f"per channel to estimate a batch variance, but this batch gives m=1 (input shape "
-            f"{x.shape}). Use a larger batch, or call it with training=False."
-        )
+    def _zero_unless_enough(self, gamma, x, count):
+        """γ, or 0 for a batch with m ≤ 1 values per channel, which has no variance.
+
+        m ≤ 1 known when traced (a static batch of 1) is the caller's mistake: ValueError.
+        Known only at run time (a mask that leaves ≤ 1 value, a dynamic batch of 1) it is
+        legitimate data: γ = 0 makes the output β and the gradients to x and γ zero (x̂ stays
+        finite, see ops.divisor), and _update_moving_statistics skips the batch (count > 1).
+        """
         if isinstance(count, int):
             if count < 2:
-                raise ValueError(message.replace("m=1", f"m={count}"))
-            return x
-        check = tf.debugging.assert_greater_equal(count, tf.cast(2, count.dtype), message=message)
-        with tf.control_dependencies([check]):
-            return tf.identity(x)
+                raise ValueError(
+                    f"BatchNormalization layer '{self.name}' in training mode needs at least "
+                    f"2 values per channel to estimate a batch variance, but this batch gives "
+                    f"m={count} (input shape {x.shape}). Use a larger batch, or call it with "
+                    f"training=False."
+                )
+            return gamma
+        return tf.where(count > 1, gamma, tf.zeros_like(gamma))
 
     def _update_moving_statistics(self, mean, variance, count):
         """EMA of μ_B and of the unbiased m/(m−1)·σ²_B; a non-finite batch changes nothing."""
@@ -324,7 +330,10 @@ class BatchNormalization(keras.layers.Layer):
             (self.renorm_mean, mean), (self.renorm_stddev, tf.sqrt(variance + self.epsilon))
         ):
             _average_into(moving, batch_value, self.renorm_momentum, usable)
-        self.moving_stddev.assign(tf.sqrt(self.moving_variance + self.epsilon))
+        # Only for a usable batch: a skipped one leaves every weight as it was.
+        self.moving_stddev.assign(tf.where(
+            usable, tf.sqrt(self.moving_variance + self.epsilon), self.moving_stddev
+        ))
 
     def compute_output_shape(self, input_shape):
         return input_shape

@@ -82,6 +82,18 @@ def _non_finite(tmp_path):
     return act, _unchanged(layer, before)
 
 
+def _m_at_most_one_at_run_time(tmp_path):
+    layer = keras_bn.BatchNormalization(momentum=None, renorm=True)
+    layer(_x((8, 5, 3)), training=True)  # statistics that are not the initial ones
+    before = _state(layer)
+    step = tf.function(lambda x, mask: layer(x, training=True, mask=mask), jit_compile=True)
+
+    def act():
+        y = step(_x((4, 5, 3), seed=1), np.eye(4, 5, dtype=bool) & False)  # every value masked
+        np.testing.assert_array_equal(y, np.broadcast_to(layer.beta.numpy(), (4, 5, 3)))
+    return act, _unchanged(layer, before)
+
+
 def _integer_input(tmp_path):
     layer = _built_bn()
     return (lambda: layer(tf.ones([8, 3], tf.int32), training=True)), \
@@ -210,6 +222,7 @@ ERROR_CASES = [
     ("layer", "m=1 in training", ValueError, r"needs at least 2 values per channel.*m=1",
      _m_equal_one),
     ("layer", "non-finite batch", None, None, _non_finite),
+    ("layer", "m ≤ 1 known only at run time", None, None, _m_at_most_one_at_run_time),
     ("layer", "integer input", TypeError, r"requires floating-point inputs; received dtype int32",
      _integer_input),
     ("layer", "bad momentum", ValueError, r"momentum must be in \[0, 1\); received momentum=1.0",
