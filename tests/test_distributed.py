@@ -1,12 +1,6 @@
 """Synchronized BN on real tf.distribute replicas (logical CPU devices, see conftest.py) and
 across two real worker processes: exactly single-device BN on the global batch."""
 
-import json
-import os
-import socket
-import subprocess
-import sys
-
 import keras
 import numpy as np
 import pytest
@@ -14,33 +8,11 @@ import tensorflow as tf
 from conftest import assert_close
 
 import keras_bn
-from multiworker_worker import build_model
+import multiworker_worker as worker
 
 EPS = 1e-3
-HERE = os.path.dirname(os.path.abspath(__file__))
 # (global input shape, axis)
 LAYOUTS = {"nhwc": ((16, 4, 4, 3), -1), "nchw": ((16, 3, 4, 4), 1), "2d": ((16, 5), -1)}
-
-
-def _devices(n):
-    return [f"/cpu:{i}" for i in range(n)]
-
-
-_STRATEGIES = {}
-
-
-def _strategy(replicas):
-    """A MirroredStrategy over `replicas` logical CPUs, one per size for the whole process.
-
-    TF numbers collective groups from 1 in every MirroredStrategy, so strategies of two sizes
-    in one process collide ("joining a group with size 4, but that group has size 2"); a key
-    base of its own per size keeps their groups apart.
-    """
-    if replicas not in _STRATEGIES:
-        cls = type(f"MirroredStrategy{replicas}", (tf.distribute.MirroredStrategy,),
-                   {"_collective_key_base": 1000 * replicas})
-        _STRATEGIES[replicas] = cls(_devices(replicas))
-    return _STRATEGIES[replicas]
 
 
 def _weights(layer, seed=1):
@@ -83,7 +55,7 @@ def _replicated(x, upstream, axis, replicas, synchronized=True, momentum=0.5):
     """One training step of the layer on `replicas` devices, each given its slice of x.
     Returns the replicas' outputs and input gradients concatenated, the weight gradients
     summed (what the optimizer's all-reduce does) and every replica's moving statistics."""
-    strategy = _strategy(replicas)
+    strategy = worker.mirrored_strategy(replicas)
     per_replica = len(x) // replicas
     with strategy.scope():
         layer = keras_bn.BatchNormalization(
@@ -185,14 +157,14 @@ def test_fit_under_mirrored_strategy_matches_single_device():
     x[np.arange(48) % 16 >= 8] += 3.0  # each batch's second half: replica 1's slice
     y = rng.normal(size=(48, 1)).astype("float32")
     keras.utils.set_random_seed(0)
-    reference = build_model(synchronized=False)
+    reference = worker.build_model(synchronized=False)
     initial = reference.get_weights()
     reference.compile(keras.optimizers.SGD(0.1), "mse")
     reference.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
 
-    strategy = _strategy(2)
+    strategy = worker.mirrored_strategy(2)
     with strategy.scope():
-        model = build_model(synchronized=True)
+        model = worker.build_model(synchronized=True)
         model.set_weights(initial)
         model.compile(keras.optimizers.SGD(0.1), "mse")
     model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
@@ -263,7 +235,7 @@ def _replica_layer(strategy, input_shape, **kwargs):
 def test_non_finite_batch_on_one_replica_updates_no_replica(momentum, synchronized, nan_replica):
     """Three global batches, the second with a NaN in one replica's rows: every replica
     skips that batch (the counter of momentum=None too) and takes the other two."""
-    strategy = _strategy(2)
+    strategy = worker.mirrored_strategy(2)
     batches = [_data((8, 3), seed)[0] for seed in range(3)]
     batches[1][4 * nan_replica + 1, 2] = np.nan
     layer = _replica_layer(strategy, (4, 3), momentum=momentum, synchronized=synchronized)
@@ -305,7 +277,7 @@ def test_unequal_replica_batches_weight_the_update_by_count(case, synchronized):
     each). Synchronized, toward the global batch's mean and unbiased variance."""
     shape, kwargs = UNEQUAL[case]
     momentum = kwargs.get("momentum", 0.5)
-    strategy = _strategy(2)
+    strategy = worker.mirrored_strategy(2)
     x = _data(shape, seed=3)[0]
     mask = MASK if case == "masked" else None
     layer = _replica_layer(strategy, (None,) + shape[1:], synchronized=synchronized,
@@ -334,49 +306,20 @@ def test_unequal_replica_batches_weight_the_update_by_count(case, synchronized):
 # --------------------------------------------------------------------------- multi-worker
 
 
-def _free_ports(n):
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
 @pytest.mark.slow
 def test_multi_worker_mirrored_strategy_matches_one_process(tmp_path):
     """Two worker processes on 127.0.0.1 train with MultiWorkerMirroredStrategy, each on its
     half of every global batch; their weights and moving statistics equal one process
     training on the global batch."""
-    import multiworker_worker as worker
-
     keras.utils.set_random_seed(0)
     init = tmp_path / "init.npz"
     np.savez(init, *worker.build_model().get_weights())
     reference = worker.train(None, str(init))
 
-    ports = _free_ports(2)
-    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
-    procs = []
-    try:
-        for index in range(2):
-            env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": "",
-                   "TF_CONFIG": json.dumps({"cluster": cluster,
-                                            "task": {"type": "worker", "index": index}})}
-            procs.append(subprocess.Popen(
-                [sys.executable, os.path.join(HERE, "multiworker_worker.py"), str(init),
-                 str(tmp_path / f"worker{index}.npz")],
-                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            ))
-        for proc in procs:
-            out, _ = proc.communicate(timeout=100)
-            assert proc.returncode == 0, out[-3000:]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    worker.run_cluster(
+        [["loop", str(init), str(tmp_path / f"worker{index}.npz")] for index in range(2)],
+        str(tmp_path), "loop", timeout=100,
+    )
     for index in range(2):
         result = np.load(tmp_path / f"worker{index}.npz")
         assert len(result.files) == len(reference)
