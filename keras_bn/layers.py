@@ -70,8 +70,11 @@ class BatchNormalization(keras.layers.Layer):
         synchronized: under a `tf.distribute` strategy with several replicas, compute the
             batch statistics over the global batch (all replicas) and all-reduce the backward
             pass's sums too, so training equals single-device BN on the global batch. With
-            False each replica normalizes with its own batch's statistics (Keras semantics);
-            either way the moving statistics are averaged over replicas and stay identical.
+            False each replica normalizes with its own batch's statistics (Keras semantics),
+            and the moving statistics move toward the replicas' count-weighted averages,
+            Σmᵢμᵢ/Σmᵢ and Σmᵢ·sᵢ²/Σmᵢ (sᵢ² the unbiased variance of replica i's mᵢ values).
+            Either way every replica applies the same update, so the copies stay identical,
+            and a non-finite statistic on any replica skips the update on all of them.
         **kwargs: base layer arguments (`name`, `dtype`, `trainable`, ...).
 
     Call arguments:
