@@ -2,7 +2,8 @@
 `Cluster`, which starts the workers on 127.0.0.1.
 
     TF_CONFIG=... python multiworker_worker.py loop INIT.npz OUT.npz
-    TF_CONFIG=... python multiworker_worker.py backup INIT.npz OUT.npz BACKUP_DIR LOG [--hang-at E:B]
+    TF_CONFIG=... python multiworker_worker.py backup INIT.npz OUT.npz BACKUP_DIR LOG
+        [--hang-at EPOCH:BATCH]
 
 `loop` (tests/test_distributed.py) trains a small synchronized-BN model for a few SGD steps,
 each worker on its slice of every global batch. `backup` (tests/test_fault_tolerance.py)
@@ -208,7 +209,8 @@ class Cluster:
 
     def __init__(self, worker_args, log_dir, name):
         self.worker_args, self.name = worker_args, name
-        self.logs = [os.path.join(log_dir, f"{name}-worker{i}.log") for i in range(len(worker_args))]
+        self.logs = [os.path.join(log_dir, f"{name}-worker{i}.log")
+                     for i in range(len(worker_args))]
         self.procs = []
 
     def __enter__(self):

@@ -273,8 +273,9 @@ MASK = np.array([1, 0, 1, 1, 0, 1, 0, 1], bool)
 def test_unequal_replica_batches_weight_the_update_by_count(case, synchronized):
     """A global batch of 8 split 5/3. Unsynchronized, the moving mean moves toward
     (5·μ₁ + 3·μ₂)/8, the global batch mean, and the moving variance toward (5·s₁² + 3·s₂²)/8,
-    sᵢ² replica i's unbiased variance (m counts spatial positions too; ghosts count one group
-    each). Synchronized, toward the global batch's mean and unbiased variance."""
+    sᵢ² replica i's unbiased variance (m counts spatial positions too, and only unmasked
+    rows; with ghost batches the average runs over every replica's ghosts). Synchronized,
+    toward the global batch's mean and unbiased variance."""
     shape, kwargs = UNEQUAL[case]
     momentum = kwargs.get("momentum", 0.5)
     strategy = worker.mirrored_strategy(2)

@@ -3,7 +3,6 @@ with keras.callbacks.BackupAndRestore, ends exactly where an uninterrupted run e
 a restart repeats with each save_freq (Keras 3.15)."""
 
 import json
-import os
 import time
 
 import keras
@@ -11,7 +10,6 @@ import numpy as np
 import pytest
 from conftest import assert_close
 
-import keras_bn
 import multiworker_worker as worker
 
 HANG_AT = (1, 2)  # (epoch, batch): worker 1 is killed there, after the epoch-0 backup
@@ -22,7 +20,7 @@ def _progress(path):
         return [tuple(int(v) for v in line.split()) for line in log]
 
 
-def _fit_args(tmp_path, init, run, index, hang_at=None):
+def _worker_args(tmp_path, init, run, index, hang_at=None):
     args = ["backup", str(init), str(tmp_path / f"{run}{index}.npz"),
             str(tmp_path / f"backup{index}"),
             str(tmp_path / f"{run}{index}.progress")]
@@ -39,12 +37,12 @@ def _wait_for(condition, cluster, timeout):
 
 def _uninterrupted_and_killed(tmp_path, init, attempts=3):
     """Start both workers; while they start, train the uninterrupted reference here; when
-    worker 1 has finished batch HANG_AT (it then waits), SIGKILL it, then worker 0 (blocked
-    in the next step's all-reduce). Fresh ports if one was taken. Returns the reference's
-    weights."""
+    both have finished batch HANG_AT (worker 1 then waits, worker 0 waits for it in the next
+    step's all-reduce), SIGKILL worker 1, then worker 0. Fresh ports if one was taken.
+    Returns the reference's weights."""
     reference = None
     for attempt in range(attempts):
-        args = [_fit_args(tmp_path, init, "faulty", i, HANG_AT if i == 1 else None)
+        args = [_worker_args(tmp_path, init, "faulty", i, HANG_AT if i == 1 else None)
                 for i in range(2)]
         try:
             with worker.Cluster(args, str(tmp_path), f"faulty{attempt}") as cluster:
@@ -53,8 +51,8 @@ def _uninterrupted_and_killed(tmp_path, init, attempts=3):
                         worker.mirrored_strategy(2), str(init),
                         str(tmp_path / "reference_backup"), str(tmp_path / "reference.progress"),
                     )
-                progress = tmp_path / "faulty1.progress"
-                _wait_for(lambda: progress.exists() and HANG_AT in _progress(progress),
+                logs = [tmp_path / f"faulty{index}.progress" for index in range(2)]
+                _wait_for(lambda: all(log.exists() and HANG_AT in _progress(log) for log in logs),
                           cluster, timeout=100)
                 cluster.kill(1)
                 cluster.kill(0)
@@ -79,7 +77,7 @@ def test_worker_killed_mid_epoch_restarts_from_the_epoch_backup(tmp_path):
     for index in range(2):  # both workers had backed up epoch 0, and nothing later
         with open(tmp_path / f"backup{index}" / "training_metadata.json") as f:
             assert json.load(f)["epoch"] == 1
-    worker.run_cluster([_fit_args(tmp_path, init, "restarted", i) for i in range(2)],
+    worker.run_cluster([_worker_args(tmp_path, init, "restarted", i) for i in range(2)],
                        str(tmp_path), "restarted", timeout=100)
 
     steps = _progress(tmp_path / "reference.progress")
