@@ -304,6 +304,23 @@ def test_unequal_replica_batches_weight_the_update_by_count(case, synchronized):
         assert _copies(strategy, layer.num_batches_tracked) == [1, 1]
 
 
+def test_fit_with_an_uneven_last_batch_moves_toward_its_global_mean():
+    """Keras fit under 2 replicas: 21 examples in batches of 8 end with a batch of 5, which TF
+    splits unevenly. With momentum=0 the moving mean is that batch's statistic, and the
+    count-weighted rule makes it the batch's global mean, whatever the split."""
+    rng = np.random.default_rng(2)
+    x = rng.normal(2.0, 3.0, size=(21, 3)).astype("float32")
+    x[-2:] += 10.0  # the last batch's replicas differ
+    strategy = worker.mirrored_strategy(2)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras_bn.BatchNormalization(momentum=0.0),
+                                  keras.layers.Dense(1)])
+        model.compile(keras.optimizers.SGD(0.0), "mse")
+    model.fit(x, np.zeros((21, 1), "float32"), batch_size=8, shuffle=False, verbose=0)
+    for copy in _copies(strategy, model.layers[0].moving_mean):
+        assert_close(copy, x[16:].mean(0), 1e-6)
+
+
 # --------------------------------------------------------------------------- multi-worker
 
 
