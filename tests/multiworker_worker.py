@@ -29,6 +29,9 @@ import tensorflow as tf
 
 import keras_bn
 
+# Only catches a hang: two workers normally finish in under a minute, but on a loaded 2-core
+# machine TensorFlow's start-up alone has taken a minute per process.
+CLUSTER_TIMEOUT_S = 400
 GLOBAL_BATCH = 16
 STEPS = 3
 FIT_EPOCHS = 3
@@ -204,7 +207,8 @@ class Cluster:
     """Worker processes of this script on 127.0.0.1, one per argument list, on free ports.
 
     A context manager: on exit it SIGKILLs every worker still running, so a failing test
-    leaves no process behind. Each worker's output goes to LOG_DIR/NAME-worker{i}.log.
+    leaves no process behind (nor does a killed test process: see _die_with_parent). Each
+    worker's output goes to LOG_DIR/NAME-worker{i}.log.
     """
 
     def __init__(self, worker_args, log_dir, name):
@@ -218,7 +222,8 @@ class Cluster:
         for index, (args, log) in enumerate(zip(self.worker_args, self.logs)):
             env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": "",
                    "TF_CONFIG": json.dumps({"cluster": cluster,
-                                            "task": {"type": "worker", "index": index}})}
+                                            "task": {"type": "worker", "index": index}}),
+                   _PARENT: str(os.getpid())}
             with open(log, "w") as out:
                 self.procs.append(subprocess.Popen(
                     [sys.executable, os.path.abspath(__file__), *args],
@@ -262,6 +267,23 @@ class Cluster:
         raise AssertionError(f"{self.name} worker {index} {what}:\n{output[-3000:]}")
 
 
+_PARENT = "KERAS_BN_TEST_PARENT_PID"
+
+
+def _die_with_parent():
+    """In a worker started by Cluster, on Linux: be SIGKILLed when the test process dies,
+    even if it is killed itself and never reaches Cluster.__exit__."""
+    parent = os.environ.get(_PARENT)
+    if parent is None or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != int(parent):  # it died before the line above
+        print("the test process that started this worker is gone", flush=True)
+        os._exit(1)  # not sys.exit: TensorFlow's threads can hold up a normal exit
+
+
 def run_cluster(worker_args, log_dir, name, timeout, attempts=3):
     """Start the workers and wait for them to finish, on fresh ports again if one was taken."""
     for attempt in range(attempts):
@@ -287,6 +309,7 @@ def _free_ports(n):
 
 
 def main():
+    _die_with_parent()
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["loop", "backup"])
     parser.add_argument("init")

@@ -336,7 +336,7 @@ def test_multi_worker_mirrored_strategy_matches_one_process(tmp_path):
 
     worker.run_cluster(
         [["loop", str(init), str(tmp_path / f"worker{index}.npz")] for index in range(2)],
-        str(tmp_path), "loop", timeout=100,
+        str(tmp_path), "loop", timeout=worker.CLUSTER_TIMEOUT_S,
     )
     for index in range(2):
         result = np.load(tmp_path / f"worker{index}.npz")

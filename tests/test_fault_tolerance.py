@@ -53,7 +53,7 @@ def _uninterrupted_and_killed(tmp_path, init, attempts=3):
                     )
                 logs = [tmp_path / f"faulty{index}.progress" for index in range(2)]
                 _wait_for(lambda: all(log.exists() and HANG_AT in _progress(log) for log in logs),
-                          cluster, timeout=100)
+                          cluster, timeout=worker.CLUSTER_TIMEOUT_S)
                 cluster.kill(1)
                 cluster.kill(0)
                 return reference
@@ -78,7 +78,7 @@ def test_worker_killed_mid_epoch_restarts_from_the_epoch_backup(tmp_path):
         with open(tmp_path / f"backup{index}" / "training_metadata.json") as f:
             assert json.load(f)["epoch"] == 1
     worker.run_cluster([_worker_args(tmp_path, init, "restarted", i) for i in range(2)],
-                       str(tmp_path), "restarted", timeout=100)
+                       str(tmp_path), "restarted", timeout=worker.CLUSTER_TIMEOUT_S)
 
     steps = _progress(tmp_path / "reference.progress")
     assert len(steps) == worker.FIT_EPOCHS * worker.FIT_STEPS
