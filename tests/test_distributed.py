@@ -229,15 +229,17 @@ def _replica_layer(strategy, input_shape, **kwargs):
     return layer
 
 
-@pytest.mark.parametrize("nan_replica", [0, 1])
+@pytest.mark.parametrize("bad_replica,bad_value", [(0, np.inf), (1, np.nan)])
 @pytest.mark.parametrize("synchronized", [False, True])
 @pytest.mark.parametrize("momentum", [0.5, None])
-def test_non_finite_batch_on_one_replica_updates_no_replica(momentum, synchronized, nan_replica):
-    """Three global batches, the second with a NaN in one replica's rows: every replica
-    skips that batch (the counter of momentum=None too) and takes the other two."""
+def test_non_finite_batch_on_one_replica_updates_no_replica(
+    momentum, synchronized, bad_replica, bad_value
+):
+    """Three global batches, the second with an inf or a NaN in one replica's rows: every
+    replica skips that batch (the counter of momentum=None too) and takes the other two."""
     strategy = worker.mirrored_strategy(2)
     batches = [_data((8, 3), seed)[0] for seed in range(3)]
-    batches[1][4 * nan_replica + 1, 2] = np.nan
+    batches[1][4 * bad_replica + 1, 2] = bad_value
     layer = _replica_layer(strategy, (4, 3), momentum=momentum, synchronized=synchronized)
     _train_replicas(strategy, layer, batches, (4, 4))
 
