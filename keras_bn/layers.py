@@ -327,7 +327,7 @@ class BatchNormalization(keras.layers.Layer):
         pool: the values are returned as they are. Otherwise (synchronized=False, several
         replicas) one all-reduce gives each replica the same count-weighted average
         Σ mᵢ·vᵢ / Σ mᵢ over the replicas i, mᵢ being the number of values replica i reduced
-        (all ghosts together), and the update is usable only if it is on every replica.
+        (all ghosts together); see `_count_weighted_average`.
         """
         context = None if self.synchronized else _several_replicas()
         if context is None:
@@ -438,24 +438,25 @@ def _usable(values, enough):
 
 def _count_weighted_average(context, values, weight, enough):
     """Across the replicas of `context`: (Σᵢ wᵢ·vᵢ / Σᵢ wᵢ for each per-channel tensor v in
-    `values`, whether every replica's values are usable), identical on every replica.
+    `values`, whether the result is usable), identical on every replica.
 
-    One all-reduce of the packed vector [w, short, w·v...], short being 1 where a replica's
-    m < 2. A non-finite value on any replica makes its sum non-finite, so all replicas see
-    the update as unusable together.
+    A replica whose m < 2 (`enough` false; possible at run time) has no variance: it counts
+    with weight 0, and if no replica has m ≥ 2 the result is unusable. A non-finite value on
+    any other replica makes its sum non-finite, so all replicas skip the update together.
+    One all-reduce of the packed vector [w, w·v...].
     """
     dtype = values[0].dtype
     weight = tf.cast(weight, dtype)
-    short = tf.zeros([], dtype) if enough is True else 1.0 - tf.cast(enough, dtype)
-    packed = tf.concat(
-        [tf.stack([weight, short])] + [tf.reshape(weight * v, [-1]) for v in values], 0
-    )
+    if enough is not True:
+        weight = tf.where(enough, weight, tf.zeros_like(weight))
+        values = [tf.where(enough, v, tf.zeros_like(v)) for v in values]
+    packed = tf.concat([weight[None]] + [tf.reshape(weight * v, [-1]) for v in values], 0)
     total = context.all_reduce(tf.distribute.ReduceOp.SUM, packed)
     averages = [
-        tf.reshape(part, tf.shape(v)) / total[0]
-        for part, v in zip(tf.split(total[2:], len(values)), values)
+        tf.reshape(part, tf.shape(v)) / total[0]  # 0/0 = NaN, unusable, when all weigh 0
+        for part, v in zip(tf.split(total[1:], len(values)), values)
     ]
-    return averages, _usable(averages, total[1] == 0.0)
+    return averages, _usable(averages, True)
 
 
 def _average_into(moving, value, momentum, usable):

@@ -257,6 +257,40 @@ def test_non_finite_batch_on_one_replica_updates_no_replica(
         assert _copies(strategy, layer.num_batches_tracked) == [2, 2]
 
 
+@pytest.mark.parametrize("values,weights,enough,expected", [
+    ([[1.0, 2.0], [3.0, 4.0]], [5, 3], [True, True], [1.75, 2.75]),
+    # A replica with m < 2 (at run time: a fully masked or empty share) weighs 0, NaN or not.
+    ([[1.0, 2.0], [np.nan, 4.0]], [5, 1], [True, False], [1.0, 2.0]),
+    ([[1.0, 2.0], [np.nan, 4.0]], [5, 3], [True, True], None),  # a NaN with m ≥ 2: skip
+    ([[1.0, 2.0], [3.0, 4.0]], [1, 0], [False, False], None),  # nobody has m ≥ 2: skip
+])
+def test_count_weighted_average_across_real_replicas(values, weights, enough, expected):
+    """The pooling function alone, on 2 replicas: every replica gets Σwᵢvᵢ/Σwᵢ over the
+    replicas with m ≥ 2, and the same verdict on whether to update (None: skip)."""
+    strategy = worker.mirrored_strategy(2)
+
+    def shard(context):
+        i = context.replica_id_in_sync_group
+        return (tf.constant(values[i], tf.float32), tf.constant(weights[i], tf.float32),
+                tf.constant(enough[i]))
+
+    def pool(args):
+        value, weight, has_enough = args
+        averages, usable = keras_bn.layers._count_weighted_average(
+            tf.distribute.get_replica_context(), [value], weight, has_enough
+        )
+        return averages[0], usable
+
+    averages, usable = tf.function(lambda d: strategy.run(pool, args=(d,)))(
+        strategy.experimental_distribute_values_from_function(shard)
+    )
+    verdicts = [bool(u) for u in strategy.experimental_local_results(usable)]
+    assert verdicts == [expected is not None] * 2
+    if expected is not None:
+        for average in strategy.experimental_local_results(averages):
+            assert_close(average, expected, 1e-7)
+
+
 UNEQUAL = {  # (global batch shape, layer arguments)
     "2d": ((8, 3), {}),
     "nhwc": ((8, 2, 2, 3), {}),
