@@ -56,24 +56,6 @@ def build_model(synchronized=True, cumulative=False):
     ])
 
 
-_STRATEGIES = {}
-
-
-def mirrored_strategy(replicas):
-    """A MirroredStrategy over `replicas` logical CPUs (tests/conftest.py makes 4), one per
-    size for the whole process.
-
-    TF numbers collective groups from 1 in every MirroredStrategy, so strategies of two sizes
-    in one process collide ("joining a group with size 4, but that group has size 2"); a key
-    base of its own per size keeps their groups apart.
-    """
-    if replicas not in _STRATEGIES:
-        cls = type(f"MirroredStrategy{replicas}", (tf.distribute.MirroredStrategy,),
-                   {"_collective_key_base": 1000 * replicas})
-        _STRATEGIES[replicas] = cls([f"/cpu:{i}" for i in range(replicas)])
-    return _STRATEGIES[replicas]
-
-
 def load_weights(model, path):
     saved = np.load(path)
     model.set_weights([saved[f"arr_{i}"] for i in range(len(saved.files))])

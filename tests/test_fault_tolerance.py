@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 from conftest import assert_close
 
+from test_distributed import _strategy
+
 import multiworker_worker as worker
 
 HANG_AT = (1, 2)  # (epoch, batch): worker 1 is killed there, after the epoch-0 backup
@@ -48,7 +50,7 @@ def _uninterrupted_and_killed(tmp_path, init, attempts=3):
             with worker.Cluster(args, str(tmp_path), f"faulty{attempt}") as cluster:
                 if reference is None:
                     reference = worker.train_with_backup(
-                        worker.mirrored_strategy(2), str(init),
+                        _strategy(2), str(init),
                         str(tmp_path / "reference_backup"), str(tmp_path / "reference.progress"),
                     )
                 logs = [tmp_path / f"faulty{index}.progress" for index in range(2)]
