@@ -116,3 +116,89 @@ def _check_per_channel(scale, shift, channels, where):
         if not np.all(np.isfinite(value)):
             raise ValueError(f"The batch norm's {name} is not finite: {value}.")
     return scale, shift
+
+
+# The kernel layouts `output_channel_ranges` knows: where a host's output channels lie.
+LAST, TRANSPOSE, DEPTHWISE = "last", "transpose", "depthwise"
+
+
+def output_channel_ranges(kernel, layout=LAST):
+    """max |w| of each output channel of a (folded) kernel, in float64.
+
+    Args:
+        kernel: the host's kernel.
+        layout: where its output channels lie: "last" (Dense (in, out), Conv (*k, in/g, out),
+            a SeparableConv's pointwise kernel), "transpose" (ConvTranspose (*k, out, in): axis
+            −2) or "depthwise" (DepthwiseConv (*k, C, M): channel c·M + m, C·M in all).
+
+    Returns:
+        A 1-D float64 array, one entry per output channel (NaN where a weight is NaN).
+
+    Raises:
+        ValueError: an unknown layout, or a kernel with fewer than 2 dimensions.
+    """
+    kernel = np.abs(np.asarray(kernel, np.float64))
+    if kernel.ndim < 2:
+        raise ValueError(f"A kernel needs at least 2 dimensions; received shape {kernel.shape}.")
+    if layout == DEPTHWISE:
+        kernel = kernel.reshape(*kernel.shape[:-2], -1)
+    elif layout == TRANSPOSE:
+        kernel = np.moveaxis(kernel, -2, -1)
+    elif layout != LAST:
+        raise ValueError(
+            f"layout must be one of {(LAST, TRANSPOSE, DEPTHWISE)}; received layout={layout!r}."
+        )
+    # np.max propagates NaN (a NaN weight must never read as a small range); initial=0 for
+    # a kernel with no taps.
+    return np.max(kernel.reshape(-1, kernel.shape[-1]), axis=0, initial=0.0)
+
+
+def input_channel_ranges(kernel, groups=1):
+    """max |w| of each input channel of a Dense or Conv kernel (*k, in/groups, out), in float64:
+    what a forward fold scales.
+
+    With g groups, input channel (group i, index j) is read by the kernel's index j of group i's
+    output channels only, as in `fold_forward`.
+
+    Returns:
+        A 1-D float64 array of in/groups·groups entries (NaN where a weight is NaN).
+
+    Raises:
+        ValueError: groups does not divide the output channels.
+    """
+    kernel = np.abs(np.asarray(kernel, np.float64))
+    per_group_in, out = kernel.shape[-2:]
+    if groups < 1 or out % groups:
+        raise ValueError(
+            f"groups={groups} does not divide the kernel's {out} output channels "
+            f"(kernel shape {kernel.shape})."
+        )
+    # (..., in/g, g, out/g) → group-major input channels (g, in/g), as fold_forward lays out.
+    by_group = kernel.reshape(-1, per_group_in, groups, out // groups)
+    return np.max(by_group, axis=(0, 3), initial=0.0).T.reshape(-1)
+
+
+def channel_spread(ranges):
+    """max / min of per-channel ranges (max |w| per channel): how many times finer the
+    smallest channel's weights are than the largest's, where all share one int8 scale.
+
+    Channels whose weights are all exactly zero are left out: int8 represents them exactly,
+    whatever the scale (a pruned or γ = 0 channel loses nothing), so they carry no risk. A
+    tiny but non-zero channel counts, and its spread is huge: per-tensor int8 rounds it to 0.
+
+    Returns:
+        A float ≥ 1: 1.0 when fewer than two channels are non-zero; inf when a range is
+        infinite; NaN when a range is NaN. Compare with `not spread <= threshold`, so that
+        NaN never reads as fine.
+    """
+    ranges = np.asarray(ranges, np.float64).reshape(-1)
+    if np.isnan(ranges).any():
+        return float("nan")
+    nonzero = ranges[ranges != 0]
+    if nonzero.size < 2:
+        return 1.0
+    largest, smallest = nonzero.max(), nonzero.min()
+    if np.isinf(largest):
+        return float("inf")
+    return float(largest / smallest)
+
