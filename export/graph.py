@@ -85,7 +85,7 @@ def fold_batch_norms(model, probe=None):
         (folded_model, FoldReport). BNs that cannot be folded are kept as InferenceAffine
         layers and listed in `report.kept` with the reason; `report.errors` has the error of
         each output; `report.channel_spreads` has each folded host's int8 readiness (and
-        `report.int8_risks` those over `report.INT8_SPREAD_THRESHOLD`).
+        `report.int8_risks` those over `INT8_SPREAD_THRESHOLD`).
 
     Raises:
         TypeError: the model (or a nested one holding a BN) is subclassed, or a layer's
