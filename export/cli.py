@@ -194,20 +194,30 @@ def _int8_readiness(fold):
     threshold = fold["int8_spread_threshold"]
     spreads = fold["channel_spreads"]
     risks = [spread for spread in spreads if spread["int8_risk"]]
+    if not spreads:
+        return []
     if not risks:
-        largest = max((s["output_spread"] for s in spreads), default=1.0)
+        largest = max(value for spread in spreads
+                      for value in (spread["output_spread"], spread["input_spread"])
+                      if value is not None)
         return [f"int8 readiness: every folded host's channel ranges are within {threshold:g}x "
                 f"(largest spread {largest:.3g}x)"]
     lines = [f"int8 risk: {len(risks)} folded host(s) with channel ranges over {threshold:g}x "
              f"apart lose precision where int8 weights are quantized per tensor"]
     for spread in risks:
-        parts = [f"output channels {spread['output_spread']:.3g}x apart"]
+        parts = [_apart("output", spread["output_spread"])]
         if spread["input_spread"] is not None:
-            parts.append(f"input channels {spread['input_spread']:.3g}x apart")
+            parts.append(_apart("input", spread["input_spread"]))
         where = ("per-channel int8 too (TFLite's)" if spread["per_channel_int8_risk"] else
                  "per-tensor int8 only (TFLite's int8 is per channel)")
         lines.append(f"  {spread['host']} ({spread['layer']}): {', '.join(parts)}: {where}")
     return lines
+
+
+def _apart(channels, spread):
+    if math.isnan(spread):
+        return f"{channels} channels: a weight is NaN"
+    return f"{channels} channels {spread:.3g}x apart"
 
 
 if __name__ == "__main__":

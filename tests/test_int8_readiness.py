@@ -9,7 +9,6 @@ CLI end to end, where the ×1000 model's int8 file is also measured in LiteRT.
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -20,11 +19,11 @@ from ai_edge_litert.interpreter import Interpreter
 
 import digits
 import keras_bn
+from test_cli import _cli
 from keras_bn.export import INT8_SPREAD_THRESHOLD, ChannelSpread, export_tflite, fold
 from keras_bn.export import fold_batch_norms
 
 L = keras.layers
-SCRIPT = shutil.which("keras-bn-export", path=os.path.dirname(sys.executable))
 
 
 def _loop_ranges(kernel, channel_of):
@@ -203,12 +202,6 @@ def test_tflite_int8_quantizes_every_host_per_output_channel(tmp_path):
         "TRANSPOSE_CONV": [((7, 3, 3, 5), 7, 0)],
         "FULLY_CONNECTED": [((9, 252), 9, 0)],
     }
-
-
-def _cli(*args):
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    return subprocess.run([SCRIPT, *map(str, args)], capture_output=True, text=True, env=env,
-                          timeout=300)
 
 
 @pytest.mark.slow
