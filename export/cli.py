@@ -193,9 +193,9 @@ def _int8_readiness(fold):
     """The summary lines for the hosts whose channel ranges spread over the threshold."""
     threshold = fold["int8_spread_threshold"]
     spreads = fold["channel_spreads"]
-    risks = [spread for spread in spreads if spread["int8_risk"]]
     if not spreads:
         return []
+    risks = [spread for spread in spreads if spread["int8_risk"]]
     if not risks:
         largest = max(value for spread in spreads
                       for value in (spread["output_spread"], spread["input_spread"])

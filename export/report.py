@@ -103,8 +103,8 @@ class FoldReport:
         kept: KeptBN per batch norm kept as an InferenceAffine layer, with the reason.
         errors: output name → max |folded − original| on the probe.
         output_scales: output name → max |original output| on the probe.
-        channel_spreads: ChannelSpread per folded host (backward folds first), its int8
-            readiness; `int8_risks` lists those over INT8_SPREAD_THRESHOLD.
+        channel_spreads: ChannelSpread per folded host, its int8 readiness; `int8_risks`
+            lists those over INT8_SPREAD_THRESHOLD.
     """
 
     folded: list
