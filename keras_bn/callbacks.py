@@ -10,7 +10,7 @@ trajectory. The same holds after any weight averaging and after a large learning
 import keras
 
 from keras_bn import _bn_layers
-from keras_bn.population import _Batches, recalibrate
+from keras_bn.population import _Batches, _recalibrate_layers
 
 __all__ = ["Recalibrate"]
 
@@ -33,6 +33,10 @@ class Recalibrate(keras.callbacks.Callback):
       statistics are put back exactly (on every replica under a `tf.distribute` strategy), so
       training goes on as if the callback were not there. Given to `evaluate(callbacks=...)`,
       it does the same around that evaluation.
+
+    Only the BN layers that train are recalibrated: a frozen one (`trainable=False`, e.g. a
+    pretrained backbone during fine-tuning) normalized with its moving statistics all through
+    `fit`, and the layers after it were trained for them, so they are kept.
 
     Callbacks run in list order: put `Recalibrate` after any callback that changes the weights
     in the same hook, i.e. after `keras.callbacks.SwapEMAWeights` (so validation sees the EMA
@@ -97,10 +101,14 @@ class Recalibrate(keras.callbacks.Callback):
             self._training_statistics = None
 
     def _recalibrate(self):
-        self.last_report = recalibrate(
-            self.model, self._data, steps=self.steps, progress=self.progress,
-            batch_size=self.batch_size,
-        )
+        # Only the BNs that train: a frozen one (trainable=False) normalized with its moving
+        # statistics all through fit, and the layers after it were trained for them.
+        layers = [layer for layer in _bn_layers.in_model(self.model) if layer.trainable]
+        if layers:
+            self.last_report = _recalibrate_layers(
+                self.model, layers, _Batches(self._data, self.steps, self.batch_size),
+                self.progress,
+            )
 
 
 class _Snapshot:
@@ -114,8 +122,7 @@ class _Snapshot:
         strategy = model.distribute_strategy
         self._saved = [
             (copy, copy.numpy())
-            for layer in model._flatten_layers(include_self=False)
-            if _bn_layers.is_batch_norm(layer)
+            for layer in _bn_layers.in_model(model)
             for variable in layer.non_trainable_variables
             for copy in strategy.experimental_local_results(variable.value)
         ]

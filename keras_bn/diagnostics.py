@@ -299,8 +299,7 @@ def check_batchnorm(model, data=None, *, batch_size=32, steps=None):
             `steps`, `data` gives no batch, or a BN layer is called twice in one forward pass
             (shared).
     """
-    layers = [layer for layer in model._flatten_layers(include_self=False)
-              if _bn_layers.is_batch_norm(layer)]
+    layers = _bn_layers.in_model(model)
     if not layers:
         raise ValueError(f"Model '{model.name}' has no BatchNormalization layer to check.")
     unbuilt = [layer.name for layer in layers if not layer.built]

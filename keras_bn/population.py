@@ -99,13 +99,15 @@ def recalibrate(model, data, steps=None, progress=True, batch_size=32):
     `momentum=None`); trainable weights are untouched. Every batch needs at least 2 values per
     channel. The layers are recalibrated whether or not they are trainable.
     """
-    layers = [
-        layer for layer in model._flatten_layers(include_self=False)
-        if _bn_layers.is_batch_norm(layer)
-    ]
+    layers = _bn_layers.in_model(model)
     if not layers:
         raise ValueError(f"Model '{model.name}' has no BatchNormalization layer to recalibrate.")
-    batches = _Batches(data, steps, batch_size)
+    return _recalibrate_layers(model, layers, _Batches(data, steps, batch_size), progress)
+
+
+def _recalibrate_layers(model, layers, batches, progress):
+    """`recalibrate` for the BN `layers` of `model` only, over `_Batches`; the other BN layers
+    keep their statistics (and normalize with them while the chosen ones are gathered)."""
     with _InputStatistics(layers) as statistics:
         forward = tf.function(
             lambda x: statistics.collect(lambda: model(x, training=False)),
