@@ -7,6 +7,8 @@ trajectory. The same holds after any weight averaging and after a large learning
 `Recalibrate` recomputes them from data with `keras_bn.recalibrate`.
 """
 
+import warnings
+
 import keras
 
 from keras_bn import _bn_layers
@@ -42,6 +44,9 @@ class Recalibrate(keras.callbacks.Callback):
     in the same hook, i.e. after `keras.callbacks.SwapEMAWeights` (so validation sees the EMA
     weights and statistics computed for them) and after `EarlyStopping(restore_best_weights=
     True)`, which sets the weights, moving statistics included, in `on_train_end`.
+
+    If `fit` stops with an exception during a validation run (e.g. KeyboardInterrupt), Keras
+    runs no further callback, so the model keeps the statistics recalibrated for that run.
 
     Each recalibration costs one inference pass over `data` per BN layer. `last_report` holds
     the `RecalibrationReport` of the latest one (None before the first).
@@ -85,12 +90,23 @@ class Recalibrate(keras.callbacks.Callback):
         self.progress = progress
         self.last_report = None
         self._training_statistics = None
+        self._validation_runs = 0
+
+    def on_train_begin(self, logs=None):
+        self._validation_runs = 0
 
     def on_train_end(self, logs=None):
         if self.at_train_end:
             self._recalibrate()
+        elif self._validation_runs == 0:
+            warnings.warn(
+                "Recalibrate(before_validation=True, at_train_end=False) did nothing: this fit "
+                "ran no validation (give fit validation_data or validation_split).",
+                stacklevel=2,
+            )
 
     def on_test_begin(self, logs=None):
+        self._validation_runs += 1
         if self.before_validation:
             self._training_statistics = _Snapshot(self.model)
             self._recalibrate()

@@ -239,3 +239,13 @@ def test_frozen_bn_layers_keep_the_statistics_they_were_trained_with():
     batches = np.split(h @ w2 + b2, len(X) // BATCH)
     assert_close(trained.moving_mean, np.mean([b.mean(axis=0) for b in batches], axis=0), 1e-5)
     assert_close(trained.moving_variance, np.mean([b.var(axis=0) for b in batches], axis=0), 1e-5)
+
+
+def test_before_validation_alone_warns_when_fit_runs_no_validation():
+    """The constructor refuses a callback that would do nothing; a fit without validation data
+    makes before_validation=True, at_train_end=False do nothing too, so it says so."""
+    callback = Recalibrate(X, batch_size=BATCH, at_train_end=False, before_validation=True)
+    with pytest.warns(UserWarning, match="ran no validation"):
+        _model().fit(X[:BATCH], Y[:BATCH], batch_size=BATCH, epochs=1, verbose=0,
+                     callbacks=[callback])
+    assert callback.last_report is None
