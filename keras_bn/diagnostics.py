@@ -269,7 +269,9 @@ def check_batchnorm(model, data=None, *, batch_size=32, steps=None):
     - `train_inference_gap`: on `data`, the model's outputs with every BN in training mode
       (batch statistics; the other layers, Dropout included, infer) differ from its inference
       outputs by more than `GAP_THRESHOLD` = 0.5, measured as the RMS difference over the RMS
-      spread of the inference outputs around their batch mean (all outputs pooled). Batch noise
+      spread of the inference outputs around their batch mean (all outputs pooled; a batch
+      that leaves some BN m ≤ 1 values, e.g. a last batch of one sample, is left out: it has
+      no batch statistics, and BN outputs β for it). Batch noise
       alone gives some gap (more for Dense→BN, whose m is the batch size, than after a
       convolution); the threshold sits above it for healthy models. Reported once, for the
       model; the message names the BN whose statistics are furthest from its input's.
@@ -384,11 +386,16 @@ def _data_findings(model, layers, paths, batches, skip):
                 trained = _flat(train(x))
             finally:
                 training_statistics.restore()
+            degenerate = False  # some BN got m ≤ 1: no batch statistics, it output β
             for index, (mean, variance, count) in recorded.items():
                 count = float(count)
                 counts[index].append(count)
                 if count >= 2:  # a batch of one value has no variance (a last batch of 1)
                     sums[index].add(mean.numpy(), variance.numpy(), count)
+                else:
+                    degenerate = True
+            if degenerate:  # its training-mode outputs are the guard's, not batch statistics
+                continue
             for a, b in zip(trained, inferred):
                 difference += float(np.sum(np.square(a - b)))
                 spread += float(np.sum(np.square(b - b.mean(axis=0))))
