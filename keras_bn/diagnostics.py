@@ -390,10 +390,8 @@ def _data_findings(model, layers, paths, batches, skip):
             for index, (mean, variance, count) in recorded.items():
                 count = float(count)
                 counts[index].append(count)
-                if count >= 2:  # a batch of one value has no variance (a last batch of 1)
-                    sums[index].add(mean.numpy(), variance.numpy(), count)
-                else:
-                    degenerate = True
+                sums[index].add(mean.numpy(), variance.numpy(), count)  # skips m ≤ 1
+                degenerate = degenerate or count < 2
             if degenerate:  # its training-mode outputs are the guard's, not batch statistics
                 continue
             for a, b in zip(trained, inferred):

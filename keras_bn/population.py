@@ -42,6 +42,9 @@ class LayerChange:
     new_mean: np.ndarray
     old_variance: np.ndarray
     new_variance: np.ndarray
+    # Batches whose statistics entered; fewer than the report's `batches` where some left this
+    # layer m ≤ 1 values per channel (skipped, as training skips them).
+    batches_used: int = None
 
     @property
     def mean_change(self):
@@ -73,6 +76,10 @@ class RecalibrationReport:
                 f"{np.abs(change.mean_change).max():>12.4g} "
                 f"{np.abs(change.variance_change).max():>12.4g}"
             )
+        skipped = {c.name: self.batches - c.batches_used for c in self.layers
+                   if c.batches_used is not None and c.batches_used < self.batches}
+        if skipped:
+            lines.append(f"Batches skipped (m ≤ 1 values per channel), per layer: {skipped}")
         if self.not_called:
             lines.append(f"Not called by the forward pass (unchanged): {list(self.not_called)}")
         return "\n".join(lines)
@@ -96,8 +103,10 @@ def recalibrate(model, data, steps=None, progress=True, batch_size=32):
 
     Only `moving_mean` and `moving_variance` change (and the bookkeeping that follows them:
     `moving_stddev` = √(moving_variance + ε) for renorm layers, the batch counter for
-    `momentum=None`); trainable weights are untouched. Every batch needs at least 2 values per
-    channel. The layers are recalibrated whether or not they are trainable.
+    `momentum=None`); trainable weights are untouched. A batch that gives a layer at most one
+    value per channel (a last batch of one sample, a mask leaving one token) has no variance
+    and is skipped for that layer, as training skips it. The layers are recalibrated whether
+    or not they are trainable.
     """
     layers = _bn_layers.in_model(model)
     if not layers:
@@ -125,7 +134,13 @@ def _recalibrate_layers(model, layers, batches, progress):
                 for x in batches:
                     sums.add(*[t.numpy() for t in forward(x)[index]])
                     bar.update(1)
-                batches.check_count(sums.batches)
+                batches.check_count(sums.batches + sums.skipped)
+                if not sums.batches:
+                    raise ValueError(
+                        f"recalibrate: no batch of `data` gives layer '{layer.name}' at least 2 "
+                        f"values per channel (m ≤ 1 in all {sums.skipped} batches), which "
+                        f"Algorithm 2 needs to estimate a batch variance. Use larger batches."
+                    )
                 changes.append(_assign(layer, sums))
         finally:
             bar.close()
@@ -199,10 +214,12 @@ def _batch_moments(layer, inputs, mask):
 
 
 class _Sums:
-    """Running float64 sums over batches: Σm, Σm·μ, Σm·σ² and the batch count."""
+    """Running float64 sums over batches: Σm, Σm·μ, Σm·σ² and the batch count; a batch with
+    m ≤ 1 (no variance) is only counted as skipped."""
 
     def __init__(self):
         self.batches = 0
+        self.skipped = 0
         self.count = 0.0
         self.weighted_mean = 0.0
         self.weighted_variance = 0.0
@@ -210,10 +227,8 @@ class _Sums:
     def add(self, mean, variance, count):
         count = float(count)
         if count < 2:
-            raise ValueError(
-                f"recalibrate: a batch gives m={count:g} values per channel; Algorithm 2 needs "
-                f"at least 2 to estimate a batch variance. Use larger batches."
-            )
+            self.skipped += 1
+            return
         self.batches += 1
         self.count += count
         self.weighted_mean = self.weighted_mean + count * mean.astype(np.float64)
@@ -243,6 +258,7 @@ def _assign(layer, sums):
         old_mean=old_mean, new_mean=layer.moving_mean.numpy().astype(np.float64),
         old_variance=old_variance,
         new_variance=layer.moving_variance.numpy().astype(np.float64),
+        batches_used=sums.batches,
     )
 
 

@@ -249,3 +249,14 @@ def test_before_validation_alone_warns_when_fit_runs_no_validation():
         _model().fit(X[:BATCH], Y[:BATCH], batch_size=BATCH, epochs=1, verbose=0,
                      callbacks=[callback])
     assert callback.last_report is None
+
+
+def test_a_last_batch_of_one_sample_does_not_crash_fit():
+    """fit trains on BATCH + 1 samples (its last batch of one outputs β, issue 17's rule); the
+    callback's recalibration at the end skips that batch too instead of raising in fit."""
+    model = _model()
+    callback = Recalibrate(X[:BATCH + 1], batch_size=BATCH)
+    model.fit(X[:BATCH + 1], Y[:BATCH + 1], batch_size=BATCH, epochs=1, verbose=0,
+              callbacks=[callback])
+    assert callback.last_report.batches == 2
+    assert [c.batches_used for c in callback.last_report.layers] == [1, 1]
