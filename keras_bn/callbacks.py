@@ -53,10 +53,10 @@ class Recalibrate(keras.callbacks.Callback):
 
     Args:
         data: the batches to compute the statistics from, as for `keras_bn.recalibrate`: a
-            `tf.data.Dataset` (finite, or with `steps`), a numpy array, or an iterable of
-            batches; `(x, y)` and `(x, y, sample_weight)` elements use `x`. A one-shot iterator
+            `tf.data.Dataset` (finite, or with `steps`), a numpy array or a dict of them (named
+            inputs), or an iterable of batches; `(x, y)` and `(x, y, sample_weight)` elements use `x`. A one-shot iterator
             (a generator) is read once, here, and kept in memory.
-        batch_size: batch size for numpy-array data.
+        batch_size: batch size for numpy-array (or dict of arrays) data.
         steps: how many batches to use each time; None uses them all.
         at_train_end: recalibrate in `on_train_end`.
         before_validation: recalibrate for each validation run, then restore.

@@ -285,10 +285,10 @@ def check_batchnorm(model, data=None, *, batch_size=32, steps=None):
     Args:
         model: a built Keras model (Sequential, Functional, subclassed, nested).
         data: optional batches, as for `keras_bn.recalibrate`: a `tf.data.Dataset` (finite,
-            or with `steps`), a numpy array (split into batches of `batch_size`), or an iterable
-            of batches; `(x, y)` and `(x, y, sample_weight)` elements use `x`. Give batches of
+            or with `steps`), a numpy array or a dict of them (named inputs; split into batches
+            of `batch_size`), or an iterable of batches; `(x, y)` and `(x, y, sample_weight)` elements use `x`. Give batches of
             the size you train with: the small-batch and gap checks depend on it.
-        batch_size: batch size for numpy-array data.
+        batch_size: batch size for numpy-array (or dict of arrays) data.
         steps: how many batches of `data` to use; None uses them all.
 
     Returns:

@@ -90,13 +90,14 @@ def recalibrate(model, data, steps=None, progress=True, batch_size=32):
 
     Args:
         model: a built Keras model (Sequential, Functional, subclassed, nested).
-        data: a `tf.data.Dataset`, a numpy array, or an iterable of batches. Elements may be
-            `x`, or `(x, y)` / `(x, y, sample_weight)` tuples, of which only `x` is used. A
-            numpy array is split along its first axis into batches of `batch_size`.
+        data: a `tf.data.Dataset`, a numpy array, a dict of numpy arrays (a model with named
+            inputs), or an iterable of batches. Elements may be `x`, or `(x, y)` /
+            `(x, y, sample_weight)` tuples, of which only `x` is used. An array, or each array
+            of a dict, is split along its first axis into batches of `batch_size`.
         steps: how many batches to use; None uses them all (required for an infinite
             dataset).
         progress: show a progress bar (rich, on stderr).
-        batch_size: batch size for numpy-array data only.
+        batch_size: batch size for numpy-array (or dict of arrays) data only.
 
     Returns:
         A `RecalibrationReport` with the change in mean and variance of each layer.
@@ -273,12 +274,12 @@ class _Batches:
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int)
                                   or steps < 1):
             raise ValueError(f"steps must be a positive int or None; received steps={steps!r}.")
-        if isinstance(data, np.ndarray):
+        if isinstance(data, (np.ndarray, dict)):
             if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
                 raise ValueError(
                     f"batch_size must be a positive int; received batch_size={batch_size!r}."
                 )
-            data = [data[i:i + batch_size] for i in range(0, len(data), batch_size)]
+            data = _split(data, batch_size)
         elif isinstance(data, tf.data.Dataset):
             if steps is None and data.cardinality() == tf.data.INFINITE_CARDINALITY:
                 raise ValueError("recalibrate: the dataset is infinite; pass steps=.")
@@ -307,6 +308,23 @@ class _Batches:
                 f"recalibrate: `data` gave {batches} batches on one pass and {self._observed} on "
                 f"another; it must give the same batches on every pass (one pass per BN layer)."
             )
+
+
+def _split(data, batch_size):
+    """An array, or a dict of arrays (a model's named inputs, as `fit` takes them), as a list
+    of batches of `batch_size` along the first axis."""
+    if isinstance(data, np.ndarray):
+        return [data[i:i + batch_size] for i in range(0, len(data), batch_size)]
+    arrays = {name: np.asarray(value) for name, value in data.items()}
+    lengths = {name: len(array) for name, array in arrays.items()}
+    if not arrays or len(set(lengths.values())) != 1:
+        raise ValueError(
+            f"`data` as a dict needs arrays of one length (samples) per input name; received "
+            f"lengths {lengths}."
+        )
+    total = next(iter(lengths.values()))
+    return [{name: array[i:i + batch_size] for name, array in arrays.items()}
+            for i in range(0, total, batch_size)]
 
 
 def _known_length(data, steps):

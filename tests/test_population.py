@@ -129,6 +129,26 @@ def test_batches_with_at_most_one_value_per_channel_are_skipped():
     assert_close(masked_bn.moving_variance, vectors.var(axis=0, ddof=1), 1e-5)
 
 
+def test_named_inputs_as_a_dict_of_arrays():
+    """A model with named inputs takes `data` as `fit` does, a dict of arrays, split into
+    batches like an array (a dict was iterated as its keys and failed inside Keras)."""
+    a, b = keras.Input((2,), name="a"), keras.Input((3,), name="b")
+    bn = keras_bn.BatchNormalization()
+    model = keras.Model({"a": a, "b": b}, bn(keras.layers.Concatenate()([a, b])))
+    data = {"a": _data((40, 2)), "b": _data((40, 3), seed=1)}
+    report = keras_bn.recalibrate(model, data, batch_size=16, progress=False)
+    assert report.batches == 3  # 16, 16 and 8
+    parts = np.split(np.concatenate([data["a"], data["b"]], axis=1).astype(np.float64), [16, 32])
+    m = np.array([len(p) for p in parts], dtype=np.float64)
+    assert_close(bn.moving_mean, sum(len(p) * p.mean(axis=0) for p in parts) / m.sum(), 1e-6)
+    assert_close(bn.moving_variance, sum(len(p) * p.var(axis=0) for p in parts) / (m - 1).sum(),
+                 1e-6)
+    findings = keras_bn.diagnostics.check_batchnorm(model, data, batch_size=16)
+    assert [f.kind for f in findings] == ["unfoldable"]  # it feeds the model output
+    with pytest.raises(ValueError, match=r"one length .* lengths \{'a': 40, 'b': 39\}"):
+        keras_bn.recalibrate(model, {"a": data["a"], "b": data["b"][:39]}, progress=False)
+
+
 def test_nested_models_dataset_and_conv_layout():
     """A keras_bn BN inside a nested Sequential, channels-first conv features, (x, y) dataset."""
     inner = keras.Sequential([
