@@ -259,7 +259,8 @@ def check_batchnorm(model, data=None, *, batch_size=32, steps=None):
       smaller than the input's variance (both + epsilon). The input is what the layer gets at inference (upstream BNs use
       their moving statistics); its mean and variance are pooled over the batches of `data` in
       the layer's own convention (within-batch variances, m/(m−1) for keras_bn), which is what
-      the moving average estimates.
+      the moving average estimates. For a frozen BN (trainable=False) the message says so
+      rather than advise recalibrating: the layers after it are trained for its statistics.
     - `non_finite`: on `data` (itself finite), the layer's input is NaN or inf: an upstream
       weight or statistic is not finite.
     - `small_batch`: the batches of `data` give a layer fewer than `MIN_VALUES_PER_CHANNEL` =
@@ -329,10 +330,20 @@ def _stale_without_data(layer):
         return ("moving mean or variance is not finite (NaN or inf): training diverged or the "
                 "statistics were overwritten; run keras_bn.recalibrate")
     if _at_initial_values(layer):
+        if not layer.trainable:
+            return "moving mean and variance are still their initial values" + _FROZEN
         return ("moving mean and variance are still their initial values: the layer never ran "
                 "in training mode (a custom loop must call model(x, training=True)); or run "
                 "keras_bn.recalibrate")
     return None
+
+
+# The advice for a frozen BN: recalibrating it, the advice for the others, would change the
+# function the layers after it were trained with.
+_FROZEN = (": the layer is frozen (trainable=False), so fit never updates them, and the layers "
+           "after it are trained for these values (recalibrating it would change the trained "
+           "model); unfreeze it, or load the statistics it was trained with, if that is not "
+           "intended")
 
 
 def _bn_paths(model):
@@ -487,7 +498,8 @@ def _distance_from_data(layer, mean, variance):
     distance = max(float(shift.max()), float(np.log(fold.max())))
     if not problems:
         return distance, None
-    advice = ": keep training in training mode, or run keras_bn.recalibrate"
+    advice = (": keep training in training mode, or run keras_bn.recalibrate" if layer.trainable
+              else _FROZEN)
     return distance, "; ".join(problems) + advice
 
 
