@@ -27,6 +27,11 @@ def is_batch_norm(layer):
     return isinstance(layer, BN_TYPES)
 
 
+def in_model(model):
+    """Every BN layer of `model` (either class), nested models included, in layer order."""
+    return [layer for layer in model._flatten_layers(include_self=False) if is_batch_norm(layer)]
+
+
 def channel_axes(layer, rank):
     """The layer's channel axes for an input of `rank`, sorted and non-negative."""
     if isinstance(layer, KERAS_BN_BN) and layer._channel_axes is not None:

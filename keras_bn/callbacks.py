@@ -7,10 +7,12 @@ trajectory. The same holds after any weight averaging and after a large learning
 `Recalibrate` recomputes them from data with `keras_bn.recalibrate`.
 """
 
+import warnings
+
 import keras
 
 from keras_bn import _bn_layers
-from keras_bn.population import _Batches, recalibrate
+from keras_bn.population import _Batches, _recalibrate_layers
 
 __all__ = ["Recalibrate"]
 
@@ -34,20 +36,27 @@ class Recalibrate(keras.callbacks.Callback):
       training goes on as if the callback were not there. Given to `evaluate(callbacks=...)`,
       it does the same around that evaluation.
 
+    Only the BN layers that train are recalibrated: a frozen one (`trainable=False`, e.g. a
+    pretrained backbone during fine-tuning) normalized with its moving statistics all through
+    `fit`, and the layers after it were trained for them, so they are kept.
+
     Callbacks run in list order: put `Recalibrate` after any callback that changes the weights
     in the same hook, i.e. after `keras.callbacks.SwapEMAWeights` (so validation sees the EMA
     weights and statistics computed for them) and after `EarlyStopping(restore_best_weights=
     True)`, which sets the weights, moving statistics included, in `on_train_end`.
+
+    If `fit` stops with an exception during a validation run (e.g. KeyboardInterrupt), Keras
+    runs no further callback, so the model keeps the statistics recalibrated for that run.
 
     Each recalibration costs one inference pass over `data` per BN layer. `last_report` holds
     the `RecalibrationReport` of the latest one (None before the first).
 
     Args:
         data: the batches to compute the statistics from, as for `keras_bn.recalibrate`: a
-            `tf.data.Dataset` (finite, or with `steps`), a numpy array, or an iterable of
-            batches; `(x, y)` and `(x, y, sample_weight)` elements use `x`. A one-shot iterator
+            `tf.data.Dataset` (finite, or with `steps`), a numpy array or a dict of them (named
+            inputs), or an iterable of batches; `(x, y)` and `(x, y, sample_weight)` elements use `x`. A one-shot iterator
             (a generator) is read once, here, and kept in memory.
-        batch_size: batch size for numpy-array data.
+        batch_size: batch size for numpy-array (or dict of arrays) data.
         steps: how many batches to use each time; None uses them all.
         at_train_end: recalibrate in `on_train_end`.
         before_validation: recalibrate for each validation run, then restore.
@@ -81,12 +90,23 @@ class Recalibrate(keras.callbacks.Callback):
         self.progress = progress
         self.last_report = None
         self._training_statistics = None
+        self._validation_runs = 0
+
+    def on_train_begin(self, logs=None):
+        self._validation_runs = 0
 
     def on_train_end(self, logs=None):
         if self.at_train_end:
             self._recalibrate()
+        elif self._validation_runs == 0:
+            warnings.warn(
+                "Recalibrate(before_validation=True, at_train_end=False) did nothing: this fit "
+                "ran no validation (give fit validation_data or validation_split).",
+                stacklevel=2,
+            )
 
     def on_test_begin(self, logs=None):
+        self._validation_runs += 1
         if self.before_validation:
             self._training_statistics = _Snapshot(self.model)
             self._recalibrate()
@@ -97,10 +117,14 @@ class Recalibrate(keras.callbacks.Callback):
             self._training_statistics = None
 
     def _recalibrate(self):
-        self.last_report = recalibrate(
-            self.model, self._data, steps=self.steps, progress=self.progress,
-            batch_size=self.batch_size,
-        )
+        # Only the BNs that train: a frozen one (trainable=False) normalized with its moving
+        # statistics all through fit, and the layers after it were trained for them.
+        layers = [layer for layer in _bn_layers.in_model(self.model) if layer.trainable]
+        if layers:
+            self.last_report = _recalibrate_layers(
+                self.model, layers, _Batches(self._data, self.steps, self.batch_size),
+                self.progress,
+            )
 
 
 class _Snapshot:
@@ -114,8 +138,7 @@ class _Snapshot:
         strategy = model.distribute_strategy
         self._saved = [
             (copy, copy.numpy())
-            for layer in model._flatten_layers(include_self=False)
-            if _bn_layers.is_batch_norm(layer)
+            for layer in _bn_layers.in_model(model)
             for variable in layer.non_trainable_variables
             for copy in strategy.experimental_local_results(variable.value)
         ]

@@ -259,7 +259,8 @@ def check_batchnorm(model, data=None, *, batch_size=32, steps=None):
       smaller than the input's variance (both + epsilon). The input is what the layer gets at inference (upstream BNs use
       their moving statistics); its mean and variance are pooled over the batches of `data` in
       the layer's own convention (within-batch variances, m/(m−1) for keras_bn), which is what
-      the moving average estimates.
+      the moving average estimates. For a frozen BN (trainable=False) the message says so
+      rather than advise recalibrating: the layers after it are trained for its statistics.
     - `non_finite`: on `data` (itself finite), the layer's input is NaN or inf: an upstream
       weight or statistic is not finite.
     - `small_batch`: the batches of `data` give a layer fewer than `MIN_VALUES_PER_CHANNEL` =
@@ -269,7 +270,9 @@ def check_batchnorm(model, data=None, *, batch_size=32, steps=None):
     - `train_inference_gap`: on `data`, the model's outputs with every BN in training mode
       (batch statistics; the other layers, Dropout included, infer) differ from its inference
       outputs by more than `GAP_THRESHOLD` = 0.5, measured as the RMS difference over the RMS
-      spread of the inference outputs around their batch mean (all outputs pooled). Batch noise
+      spread of the inference outputs around their batch mean (all outputs pooled; a batch
+      that leaves some BN m ≤ 1 values, e.g. a last batch of one sample, is left out: it has
+      no batch statistics, and BN outputs β for it). Batch noise
       alone gives some gap (more for Dense→BN, whose m is the batch size, than after a
       convolution); the threshold sits above it for healthy models. Reported once, for the
       model; the message names the BN whose statistics are furthest from its input's.
@@ -283,10 +286,10 @@ def check_batchnorm(model, data=None, *, batch_size=32, steps=None):
     Args:
         model: a built Keras model (Sequential, Functional, subclassed, nested).
         data: optional batches, as for `keras_bn.recalibrate`: a `tf.data.Dataset` (finite,
-            or with `steps`), a numpy array (split into batches of `batch_size`), or an iterable
-            of batches; `(x, y)` and `(x, y, sample_weight)` elements use `x`. Give batches of
+            or with `steps`), a numpy array or a dict of them (named inputs; split into batches
+            of `batch_size`), or an iterable of batches; `(x, y)` and `(x, y, sample_weight)` elements use `x`. Give batches of
             the size you train with: the small-batch and gap checks depend on it.
-        batch_size: batch size for numpy-array data.
+        batch_size: batch size for numpy-array (or dict of arrays) data.
         steps: how many batches of `data` to use; None uses them all.
 
     Returns:
@@ -299,8 +302,7 @@ def check_batchnorm(model, data=None, *, batch_size=32, steps=None):
             `steps`, `data` gives no batch, or a BN layer is called twice in one forward pass
             (shared).
     """
-    layers = [layer for layer in model._flatten_layers(include_self=False)
-              if _bn_layers.is_batch_norm(layer)]
+    layers = _bn_layers.in_model(model)
     if not layers:
         raise ValueError(f"Model '{model.name}' has no BatchNormalization layer to check.")
     unbuilt = [layer.name for layer in layers if not layer.built]
@@ -328,10 +330,20 @@ def _stale_without_data(layer):
         return ("moving mean or variance is not finite (NaN or inf): training diverged or the "
                 "statistics were overwritten; run keras_bn.recalibrate")
     if _at_initial_values(layer):
+        if not layer.trainable:
+            return "moving mean and variance are still their initial values" + _FROZEN
         return ("moving mean and variance are still their initial values: the layer never ran "
                 "in training mode (a custom loop must call model(x, training=True)); or run "
                 "keras_bn.recalibrate")
     return None
+
+
+# The advice for a frozen BN: recalibrating it, the advice for the others, would change the
+# function the layers after it were trained with.
+_FROZEN = (": the layer is frozen (trainable=False), so fit never updates them, and the layers "
+           "after it are trained for these values (recalibrating it would change the trained "
+           "model); unfreeze it, or load the statistics it was trained with, if that is not "
+           "intended")
 
 
 def _bn_paths(model):
@@ -385,11 +397,14 @@ def _data_findings(model, layers, paths, batches, skip):
                 trained = _flat(train(x))
             finally:
                 training_statistics.restore()
+            degenerate = False  # some BN got m ≤ 1: no batch statistics, it output β
             for index, (mean, variance, count) in recorded.items():
                 count = float(count)
                 counts[index].append(count)
-                if count >= 2:  # a batch of one value has no variance (a last batch of 1)
-                    sums[index].add(mean.numpy(), variance.numpy(), count)
+                sums[index].add(mean.numpy(), variance.numpy(), count)  # skips m ≤ 1
+                degenerate = degenerate or count < 2
+            if degenerate:  # its training-mode outputs are the guard's, not batch statistics
+                continue
             for a, b in zip(trained, inferred):
                 difference += float(np.sum(np.square(a - b)))
                 spread += float(np.sum(np.square(b - b.mean(axis=0))))
@@ -483,7 +498,8 @@ def _distance_from_data(layer, mean, variance):
     distance = max(float(shift.max()), float(np.log(fold.max())))
     if not problems:
         return distance, None
-    advice = ": keep training in training mode, or run keras_bn.recalibrate"
+    advice = (": keep training in training mode, or run keras_bn.recalibrate" if layer.trainable
+              else _FROZEN)
     return distance, "; ".join(problems) + advice
 
 

@@ -118,8 +118,15 @@ def divisor(count):
 
 def _channel_sums(tensors, axes, mask=None, replica_context=None):
     """Per-channel sums over the reduced axes (of the unmasked elements), added up across
-    replicas in one batched all-reduce when a replica context is given."""
-    sums = [tf.reduce_sum(t if mask is None else mask * t, axes, keepdims=True) for t in tensors]
+    replicas in one batched all-reduce when a replica context is given.
+
+    Masked-out elements are selected away, not multiplied by 0: padding may hold NaN or inf
+    (0·NaN = NaN), and must not reach the statistics (as in Keras, which selects too).
+    """
+    if mask is not None:
+        keep = mask > 0
+        tensors = [tf.where(keep, t, tf.zeros_like(t)) for t in tensors]
+    sums = [tf.reduce_sum(t, axes, keepdims=True) for t in tensors]
     if replica_context is not None:
         sums = replica_context.all_reduce(tf.distribute.ReduceOp.SUM, sums)
     return sums
