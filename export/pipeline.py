@@ -102,12 +102,14 @@ def export(model, path, fmt, atol=None, strict=True, fold=True, probe=None, on_s
     return atomic.write_bytes(path, content, check=verify)
 
 
-def default_atol(model, fmt):
-    """The format's default tolerance, or HALF_PRECISION_ATOL if larger and any layer of the
-    model computes in a 16-bit float."""
+def default_atol(model, fmt=None):
+    """The format's default tolerance (FLOAT32_ATOL for the folded Keras model itself, when
+    `fmt` is None), or HALF_PRECISION_ATOL if larger and any layer of the model computes in a
+    16-bit float."""
+    atol = FLOAT32_ATOL if fmt is None else fmt.default_atol()
     if any(layer.compute_dtype in HALF_PRECISION for layer in model._flatten_layers()):
-        return max(fmt.default_atol(), HALF_PRECISION_ATOL)
-    return fmt.default_atol()
+        return max(atol, HALF_PRECISION_ATOL)
+    return atol
 
 
 def check_atol(atol):
