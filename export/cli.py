@@ -116,6 +116,9 @@ def _export(args, stage):
     from keras_bn.export import (VerificationError, atomic, export_onnx, export_tflite,
                                  fold_batch_norms, pipeline)
 
+    for output in (args.tflite, args.onnx, args.report):
+        if output:
+            atomic.target(output)  # a folder or a device (/dev/stdout): refused before any work
     model = keras.saving.load_model(args.model, compile=False, safe_mode=not args.unsafe)
     data = probe = None
     if args.representative_data:

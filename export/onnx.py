@@ -44,7 +44,8 @@ def export_onnx(model, path, opset=17, fold=True, probe=None, atol=None, strict=
             file at `path` is unchanged.
         ValueError: a bad argument, a probe that does not fit the model, or a file that
             onnx.checker rejects.
-        OSError: `path` cannot be written.
+        OSError: `path` cannot be written, or is a folder, FIFO or device (refused before
+            converting).
     """
     return pipeline.export(model, path, _ONNX(opset), atol=atol, strict=strict, fold=fold,
                            probe=probe, on_stage=on_stage)

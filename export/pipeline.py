@@ -62,6 +62,7 @@ def export(model, path, fmt, atol=None, strict=True, fold=True, probe=None, on_s
     atol = default_atol(model, fmt) if atol is None else check_atol(atol)
     if not isinstance(strict, bool):
         raise ValueError(f"strict must be True or False; received strict={strict!r}.")
+    atomic.target(path)  # a folder or a device fails here, not after the conversion
     sig = trace.signature(model)
     if probe is not None:
         inputs = trace.feed(sig, probe)
