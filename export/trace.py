@@ -5,7 +5,8 @@ signatures, onnxruntime sessions) take and give named tensors, and a report need
 per output name. `Signature` fixes those names once per model:
 - inputs: the key where the model takes a dict, else the Input layer's name;
 - outputs: the key where the model returns a dict, else the name of the layer that produces it
-  (`_1`, `_2` appended where two outputs would share a name).
+  (`_1`, `_2` appended where two outputs would share a name, or an output an input's: a file's
+  tensors need distinct names, and a model may return one of its inputs).
 
 The converters start from `inference_function`: a tf.function with an explicit signature and
 a dynamic batch dim (TFLite via a SavedModel, tf2onnx's from_function), which avoids the
@@ -63,13 +64,15 @@ def signature(model):
         tf.TensorSpec([None, *t.shape[1:]], t.dtype, name=name)
         for name, t in zip(input_names, keras.tree.flatten(inputs))
     )
-    output_names = _names(outputs, lambda t: t._keras_history.operation.name)
+    output_names = _names(outputs, lambda t: t._keras_history.operation.name,
+                          taken=input_names)
     return Signature(input_names, specs, output_names, inputs)
 
 
-def _names(structure, name_of_tensor):
-    """One unique, converter-safe name per leaf: dict keys along its path, else its own name."""
-    names = []
+def _names(structure, name_of_tensor, taken=()):
+    """One unique, converter-safe name per leaf: dict keys along its path, else its own name;
+    none of them in `taken`."""
+    names = list(taken)
     for path, tensor in keras.tree.flatten_with_path(structure):
         keys = [str(p) for p in path if isinstance(p, str)]
         name = "_".join(keys) if keys else name_of_tensor(tensor)
@@ -79,7 +82,7 @@ def _names(structure, name_of_tensor):
             count += 1
             unique = f"{name}_{count}"
         names.append(unique)
-    return tuple(names)
+    return tuple(names[len(taken):])
 
 
 def feed(sig, data, what="probe"):

@@ -330,3 +330,20 @@ def test_probe_that_does_not_fit_the_inputs_is_named(tmp_path):
     with pytest.raises(ValueError, match="one array, but the model has 2 inputs"):
         fold_batch_norms(model, data["features"])
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("fmt", sorted(EXPORTERS))
+def test_an_output_named_like_an_input_gets_its_own_name(fmt, tmp_path):
+    """A model that also returns its inputs (or a dict output keyed like an input): a file's
+    output names must differ from its input names (tf2onnx failed "graph input 'ids' not
+    exist")."""
+    features = keras.Input((6,), name="features")
+    ids = keras.Input((3,), dtype="int32", name="ids")
+    h = L.BatchNormalization()(L.Dense(4, use_bias=False)(features))
+    model = randomise_batch_norms(keras.Model([features, ids], {"ids": h, "echo": ids}))
+    data = _multi_io_data(8)
+    report = EXPORTERS[fmt](model, tmp_path / f"m.{fmt}", probe=data)
+    assert list(report.errors) == ["echo", "ids_1"] and report.passed
+    actual = RUNNERS[fmt](tmp_path / f"m.{fmt}", data)
+    np.testing.assert_array_equal(actual["echo"], data["ids"])
+    assert_close(actual["ids_1"], model(data, training=False)["ids"], 1e-4)
