@@ -42,8 +42,9 @@ class Format:
         """The file's bytes for `model`, traced with the inputs and outputs of `sig`."""
         raise NotImplementedError
 
-    def check_file(self, path):
-        """Raise if the written file is not a valid file of its format."""
+    def check_file(self, written, target):
+        """Raise if the `written` file is not a valid file of its format; the error names
+        `target`, the path the caller gave (the written file is a temporary)."""
 
     def run(self, path, inputs):
         """{runtime setting: {output name: array}} for a {input name: array} feed."""
@@ -78,7 +79,7 @@ def export(model, path, fmt, atol=None, strict=True, fold=True, probe=None, on_s
     expected = trace.outputs(model, sig, inputs)
 
     def verify(written):
-        fmt.check_file(written)
+        fmt.check_file(written, path)
         actual = fmt.run(written, inputs)
         result = report.ExportReport(
             format=fmt.name,

@@ -347,3 +347,14 @@ def test_an_output_named_like_an_input_gets_its_own_name(fmt, tmp_path):
     actual = RUNNERS[fmt](tmp_path / f"m.{fmt}", data)
     np.testing.assert_array_equal(actual["echo"], data["ids"])
     assert_close(actual["ids_1"], model(data, training=False)["ids"], 1e-4)
+
+
+def test_onnx_file_the_checker_rejects_is_named_by_its_target_path(tmp_path):
+    """bfloat16 has no ONNX Conv: the checker's error names the path the caller gave, not the
+    temporary file (gone by then)."""
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")  # conftest restores float32
+    model = keras.Sequential([keras.Input((6, 6, 2)), L.Conv2D(3, 3)])
+    target = tmp_path / "m.onnx"
+    with pytest.raises(ValueError, match=f"^{target} is not a valid ONNX model: .*bfloat16"):
+        export_onnx(model, target)
+    assert os.listdir(tmp_path) == []
