@@ -3,10 +3,13 @@
 Every exporter and the fold report work on flat {name: array} maps: the runtimes (LiteRT
 signatures, onnxruntime sessions) take and give named tensors, and a report needs one error
 per output name. `Signature` fixes those names once per model:
-- inputs: the key where the model takes a dict, else the Input layer's name;
+- inputs: the key where the model takes a dict, else the Input layer's name (a feed may use
+  these, `Signature.input_keys`, even where the file's name differs);
 - outputs: the key where the model returns a dict, else the name of the layer that produces it
   (`_1`, `_2` appended where two outputs would share a name, or an output an input's: a file's
   tensors need distinct names, and a model may return one of its inputs).
+Either is made converter-safe: characters outside [A-Za-z0-9_.-] become "_", and a leading
+"_" or "-" is dropped (TensorFlow's signatures refuse such argument names).
 
 The converters start from `inference_function`: a tf.function with an explicit signature and
 a dynamic batch dim (TFLite via a SavedModel, tf2onnx's from_function), which avoids the
@@ -29,7 +32,8 @@ UNKNOWN_DIM = 8  # a free non-batch dim in random input
 class Signature:
     """Names, shapes and dtypes of a model's inputs and outputs, in the model's flat order."""
 
-    input_names: tuple
+    input_names: tuple  # converter-safe and unique: the names in the files and in feeds
+    input_keys: tuple  # the model's own name of each input (dict key path, or Input name)
     input_specs: tuple  # tf.TensorSpec per input, batch dim free, named as the input
     output_names: tuple
     _inputs_struct: object  # what the model is called with, with inputs as leaves
@@ -59,24 +63,32 @@ def signature(model):
     outputs = getattr(model, "_outputs_struct", None)
     if outputs is None:
         outputs = model.outputs[0] if len(model.outputs) == 1 else list(model.outputs)
-    input_names = _names(inputs, lambda t: t._keras_history.operation.name)
+    input_keys = _keys(inputs)
+    input_names = _safe_names(input_keys)
     specs = tuple(
         tf.TensorSpec([None, *t.shape[1:]], t.dtype, name=name)
         for name, t in zip(input_names, keras.tree.flatten(inputs))
     )
-    output_names = _names(outputs, lambda t: t._keras_history.operation.name,
-                          taken=input_names)
-    return Signature(input_names, specs, output_names, inputs)
+    output_names = _safe_names(_keys(outputs), taken=input_names)
+    return Signature(input_names, input_keys, specs, output_names, inputs)
 
 
-def _names(structure, name_of_tensor, taken=()):
-    """One unique, converter-safe name per leaf: dict keys along its path, else its own name;
-    none of them in `taken`."""
-    names = list(taken)
+def _keys(structure):
+    """Each leaf's own name: the dict keys along its path, else its producing layer's name."""
+    keys = []
     for path, tensor in keras.tree.flatten_with_path(structure):
-        keys = [str(p) for p in path if isinstance(p, str)]
-        name = "_".join(keys) if keys else name_of_tensor(tensor)
-        name = re.sub(r"[^A-Za-z0-9_.\-]", "_", name) or "tensor"
+        along = [str(p) for p in path if isinstance(p, str)]
+        keys.append("_".join(along) if along else tensor._keras_history.operation.name)
+    return keys
+
+
+def _safe_names(keys, taken=()):
+    """One unique, converter-safe name per key; none of them in `taken`."""
+    names = list(taken)
+    for key in keys:
+        # TensorFlow's rule for a signature's argument names: [A-Za-z0-9.][A-Za-z0-9_.\-/]*.
+        name = re.sub(r"^[^A-Za-z0-9.]+", "", re.sub(r"[^A-Za-z0-9_.\-]", "_", key))
+        name = name or "tensor"
         unique, count = name, 0
         while unique in names:
             count += 1
@@ -91,7 +103,8 @@ def feed(sig, data, what="probe"):
     Args:
         sig: the model's Signature.
         data: one array (single-input models), a list/tuple of arrays in the model's input
-            order, or a dict keyed by input name.
+            order, or a dict keyed by input name (the model's own keys, or the converter-safe
+            `sig.input_names` where they differ).
         what: the argument's name, for error messages.
 
     Returns:
@@ -103,14 +116,21 @@ def feed(sig, data, what="probe"):
     """
     names = sig.input_names
     if isinstance(data, dict) or hasattr(data, "files"):  # dict, or np.load's NpzFile
-        given = set(data.keys())
-        if given != set(names):
+        aliases = {name: name for name in names}
+        aliases.update(zip(sig.input_keys, names))  # the model's own key first
+        given = {}  # input name → the caller's key
+        for key in data.keys():
+            given.setdefault(aliases.get(key), []).append(key)
+        unknown = sorted(map(str, given.pop(None, [])))
+        missing = [key for key, name in zip(sig.input_keys, names) if name not in given]
+        twice = [keys for keys in given.values() if len(keys) > 1]
+        if unknown or missing or twice:
             raise ValueError(
-                f"{what} has arrays for {sorted(given)}, but the model's inputs are "
-                f"{list(names)} (missing {sorted(set(names) - given)}, unknown "
-                f"{sorted(given - set(names))})."
+                f"{what} has arrays for {sorted(map(str, data.keys()))}, but the model's inputs "
+                f"are {list(sig.input_keys)} (missing {missing}, unknown {unknown}"
+                f"{f', the same input twice {twice}' if twice else ''})."
             )
-        arrays = [data[name] for name in names]
+        arrays = [data[given[name][0]] for name in names]
     elif isinstance(data, (list, tuple)):
         if len(data) != len(names):
             raise ValueError(

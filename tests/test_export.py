@@ -358,3 +358,25 @@ def test_onnx_file_the_checker_rejects_is_named_by_its_target_path(tmp_path):
     with pytest.raises(ValueError, match=f"^{target} is not a valid ONNX model: .*bfloat16"):
         export_onnx(model, target)
     assert os.listdir(tmp_path) == []
+
+
+def test_input_keys_tensorflow_cannot_name_an_argument_are_renamed(tmp_path):
+    """A signature argument must start with a letter, digit or '.': dict keys "_private" and
+    "-offset" failed the TFLite export ("non-flat/non-unique argument names"). The files name
+    them "private" and "offset"; a probe still takes the model's own keys."""
+    private, offset = keras.Input((4,), name="private"), keras.Input((4,), name="offset")
+    h = L.BatchNormalization()(L.Dense(4)(private))
+    model = randomise_batch_norms(keras.Model({"_private": private, "-offset": offset},
+                                              L.Add()([h, offset])))
+    rng = np.random.default_rng(0)
+    data = {"_private": rng.normal(size=(8, 4)).astype("float32"),
+            "-offset": rng.normal(size=(8, 4)).astype("float32")}
+    # The probe is keyed as model.predict takes it: by the model's own keys.
+    report = export_tflite(model, tmp_path / "m.tflite", probe=data)
+    assert report.passed
+    actual = tflite_export.run(tmp_path / "m.tflite", {"private": data["_private"],
+                                                       "offset": data["-offset"]})
+    assert_close(next(iter(actual.values())), model(data, training=False), 1e-4)
+    with pytest.raises(ValueError, match=r"inputs are \['-offset', '_private'\] \(missing "
+                                         r"\['-offset'\], unknown \['offzet'\]"):
+        fold_batch_norms(model, {"_private": data["_private"], "offzet": data["-offset"]})
