@@ -364,7 +364,7 @@ def test_input_keys_tensorflow_cannot_name_an_argument_are_renamed(tmp_path):
     """A signature argument must start with a letter, digit or '.': dict keys "_private" and
     "-offset" failed the TFLite export ("non-flat/non-unique argument names"). The files name
     them "private" and "offset"; a probe still takes the model's own keys."""
-    private, offset = keras.Input((4,), name="private"), keras.Input((4,), name="offset")
+    private, offset = keras.Input((4,), name="_private"), keras.Input((4,), name="-offset")
     h = L.BatchNormalization()(L.Dense(4)(private))
     model = randomise_batch_norms(keras.Model({"_private": private, "-offset": offset},
                                               L.Add()([h, offset])))
