@@ -244,9 +244,10 @@ def _refuse_bn(bn, node, info):
     if info.shared(bn):
         return _Refusal("shared_bn",
                         f"BN layer '{bn.name}' is shared (called {info.calls[id(bn)]} times)")
-    if len(node.input_tensors) != 1:
-        return _Refusal("several_inputs",
-                        f"BN layer '{bn.name}' has {len(node.input_tensors)} inputs")
+    # Only the tensors passed positionally: a mask (a keyword tensor) is ignored by inference BN.
+    inputs = keras.tree.flatten(node.arguments.args)
+    if len(inputs) != 1:
+        return _Refusal("several_inputs", f"BN layer '{bn.name}' has {len(inputs)} inputs")
     if len(_bn_axes(bn, node)) != 1:
         return _Refusal("several_axes", f"BN layer '{bn.name}' normalizes over several "
                                         f"channel axes {_bn_axes(bn, node)}")

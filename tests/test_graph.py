@@ -393,3 +393,20 @@ def test_every_bn_is_accounted_for_bns_the_fold_cannot_see_into_are_kept():
     assert "_ReluBN" in kept["relu_bn"].reason
     assert isinstance(folded.get_layer("relu_bn"), _ReluBN)
     assert len(report.folded) + len(report.kept) == len(_bn_layers(model))
+
+
+def test_bn_under_a_mask_folds_and_the_mask_still_reaches_later_layers():
+    """Inference BN ignores its mask: a BN after a masking Embedding folds (it was kept as
+    "has 2 inputs", counting the mask), and the pooling after it still averages only the
+    unmasked steps."""
+    ids = keras.Input((5,), dtype="int32")
+    y = L.Embedding(10, 4, mask_zero=True)(ids)
+    y = L.BatchNormalization(name="forward_bn")(y)
+    y = L.Dense(4, name="host")(y)
+    y = keras_bn.BatchNormalization(name="backward_bn")(y)
+    model = randomise_batch_norms(keras.Model(ids, L.GlobalAveragePooling1D()(y)))
+    probe = np.array([[1, 2, 0, 0, 0], [3, 0, 0, 0, 0], [4, 5, 6, 7, 9]])
+    folded, report = _check_fold(model, probe)
+    assert {(f.bn, f.host, f.direction) for f in report.folded} == {
+        ("forward_bn", "host", "forward"), ("backward_bn", "host", "backward")}
+    assert report.kept == [] and _bn_layers(folded) == []
