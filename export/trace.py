@@ -112,7 +112,7 @@ def feed(sig, data, what="probe"):
 
     Raises:
         ValueError naming the input when a name is missing or unknown, the count is wrong, the
-        sample counts differ, or a float array is given for an integer input.
+        sample counts differ or are 0, or a float array is given for an integer input.
     """
     names = sig.input_names
     if isinstance(data, dict) or hasattr(data, "files"):  # dict, or np.load's NpzFile
@@ -151,6 +151,9 @@ def feed(sig, data, what="probe"):
     counts = {name: len(a) for name, a in result.items()}
     if len(set(counts.values())) > 1:
         raise ValueError(f"{what}'s arrays differ in their number of samples: {counts}.")
+    if 0 in counts.values():  # every comparison on it would pass, having compared nothing
+        raise ValueError(f"{what} has no samples (shapes "
+                         f"{[a.shape for a in result.values()]}): nothing to verify on.")
     return result
 
 

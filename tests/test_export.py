@@ -380,3 +380,18 @@ def test_input_keys_tensorflow_cannot_name_an_argument_are_renamed(tmp_path):
     with pytest.raises(ValueError, match=r"inputs are \['-offset', '_private'\] \(missing "
                                          r"\['-offset'\], unknown \['offzet'\]"):
         fold_batch_norms(model, {"_private": data["_private"], "offzet": data["-offset"]})
+
+
+@pytest.mark.parametrize("fmt", sorted(EXPORTERS))
+def test_a_probe_without_samples_is_refused(fmt, tmp_path):
+    """Zero samples compare nothing: the file "passed" even at atol=1e-30."""
+    model = randomise_batch_norms(keras.Sequential([keras.Input((4,)), L.Dense(3),
+                                                    keras_bn.BatchNormalization()]))
+    empty = np.zeros((0, 4), "float32")
+    with pytest.raises(ValueError, match=r"probe has no samples \(shapes \[\(0, 4\)\]\)"):
+        EXPORTERS[fmt](model, tmp_path / "m.out", probe=empty, atol=1e-30)
+    with pytest.raises(ValueError, match="representative_data has no samples"):
+        export_tflite(model, tmp_path / "m.out", representative_data=empty)
+    with pytest.raises(ValueError, match="probe has no samples"):
+        fold_batch_norms(model, empty)
+    assert os.listdir(tmp_path) == []
