@@ -102,9 +102,10 @@ def feed(sig, data, what="probe"):
 
     Args:
         sig: the model's Signature.
-        data: one array (single-input models), a list/tuple of arrays in the model's input
-            order, or a dict keyed by input name (the model's own keys, or the converter-safe
-            `sig.input_names` where they differ).
+        data: the model's own input structure (nested lists and dicts as the model takes
+            them), one array (single-input models), a flat list/tuple of arrays in the model's
+            input order, or a flat dict keyed by input name (the model's own keys, or the
+            converter-safe `sig.input_names` where they differ).
         what: the argument's name, for error messages.
 
     Returns:
@@ -115,7 +116,9 @@ def feed(sig, data, what="probe"):
         sample counts differ or are 0, or a float array is given for an integer input.
     """
     names = sig.input_names
-    if isinstance(data, dict) or hasattr(data, "files"):  # dict, or np.load's NpzFile
+    if isinstance(data, (dict, list, tuple)) and _same_structure(data, sig._inputs_struct):
+        arrays = keras.tree.flatten(data)  # the order of the model's inputs, nested or not
+    elif isinstance(data, dict) or hasattr(data, "files"):  # dict, or np.load's NpzFile
         aliases = {name: name for name in names}
         aliases.update(zip(sig.input_keys, names))  # the model's own key first
         given = {}  # input name → the caller's key
@@ -155,6 +158,14 @@ def feed(sig, data, what="probe"):
         raise ValueError(f"{what} has no samples (shapes "
                          f"{[a.shape for a in result.values()]}): nothing to verify on.")
     return result
+
+
+def _same_structure(data, structure):
+    try:
+        keras.tree.assert_same_structure(data, structure)
+    except (ValueError, TypeError):
+        return False
+    return True
 
 
 def _as_input(name, array, spec, what):

@@ -395,3 +395,22 @@ def test_a_probe_without_samples_is_refused(fmt, tmp_path):
     with pytest.raises(ValueError, match="probe has no samples"):
         fold_batch_norms(model, empty)
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("nesting", ["dict", "list"])
+def test_a_probe_in_the_models_own_nested_structure(nesting, tmp_path):
+    """model.predict takes {"x": …, "meta": {"a": …, "b": …}} (or [x, [a, b]]) for a model built
+    on that structure; the probe was refused ("unknown ['meta']", "2 arrays … 3 inputs")."""
+    x, a, b = (keras.Input((n,), name=name) for n, name in ((4, "x"), (2, "a"), (3, "b")))
+    h = L.BatchNormalization()(L.Dense(4)(L.Concatenate()([x, a, b])))
+    rng = np.random.default_rng(0)
+    xs, as_, bs = (rng.normal(size=(5, n)).astype("float32") for n in (4, 2, 3))
+    if nesting == "dict":
+        inputs, probe = {"x": x, "meta": {"a": a, "b": b}}, {"x": xs, "meta": {"a": as_, "b": bs}}
+    else:
+        inputs, probe = [x, [a, b]], [xs, [as_, bs]]
+    model = randomise_batch_norms(keras.Model(inputs, h))
+    folded, report = fold_batch_norms(model, probe)
+    assert report.relative_error <= 1e-5
+    assert_close(folded(probe), model(probe, training=False), 1e-5)
+    assert export_onnx(model, tmp_path / "m.onnx", probe=probe).passed
