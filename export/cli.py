@@ -188,6 +188,7 @@ def _human_summary(summary):
                      f"folded model error {fold['relative_error']:.2e} of output scale")
         lines += [f"  folded {f['bn']} -> {f['host']} ({f['direction']})" for f in fold["folded"]]
         lines += [f"  kept   {k['bn']}: {k['reason']}" for k in fold["kept"]]
+        lines += _int8_readiness(fold)
     for report in summary["exports"]:
         quantization = report["quantization"] or "float32"
         ops = ", ".join(f"{name}×{count}" for name, count in report["op_histogram"].items())
@@ -206,6 +207,37 @@ def _human_summary(summary):
     verdict = "passed" if summary["passed"] else "FAILED"
     lines.append(f"verification {verdict}")
     return "\n".join(lines)
+
+
+def _int8_readiness(fold):
+    """The summary lines for the hosts whose channel ranges spread over the threshold."""
+    threshold = fold["int8_spread_threshold"]
+    spreads = fold["channel_spreads"]
+    if not spreads:
+        return []
+    risks = [spread for spread in spreads if spread["int8_risk"]]
+    if not risks:
+        largest = max(value for spread in spreads
+                      for value in (spread["output_spread"], spread["input_spread"])
+                      if value is not None)
+        return [f"int8 readiness: every folded host's channel ranges are within {threshold:g}x "
+                f"(largest spread {largest:.3g}x)"]
+    lines = [f"int8 risk: {len(risks)} folded host(s) with channel ranges over {threshold:g}x "
+             f"apart lose precision where int8 weights are quantized per tensor"]
+    for spread in risks:
+        parts = [_apart("output", spread["output_spread"])]
+        if spread["input_spread"] is not None:
+            parts.append(_apart("input", spread["input_spread"]))
+        where = ("per-channel int8 too (TFLite's)" if spread["per_channel_int8_risk"] else
+                 "per-tensor int8 only (TFLite's int8 is per channel)")
+        lines.append(f"  {spread['host']} ({spread['layer']}): {', '.join(parts)}: {where}")
+    return lines
+
+
+def _apart(channels, spread):
+    if math.isnan(spread):
+        return f"{channels} channels: a weight is NaN"
+    return f"{channels} channels {spread:.3g}x apart"
 
 
 if __name__ == "__main__":

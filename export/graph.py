@@ -25,7 +25,7 @@ from keras.src.saving.serialization_lib import SafeModeScope
 from keras_bn import _bn_layers
 from keras_bn.export import fold, report, trace
 from keras_bn.export.affine import ChannelBias, InferenceAffine
-from keras_bn.export.report import FoldReport
+from keras_bn.export.report import ChannelSpread, FoldReport
 
 L = keras.layers
 BN_TYPES = _bn_layers.BN_TYPES  # exact types: a subclass is copied as it is, and kept
@@ -41,6 +41,9 @@ BACKWARD_FOLDS.update({t: fold.fold_depthwise for t in DEPTHWISE})
 BACKWARD_FOLDS.update({t: fold.fold_separable for t in SEPARABLE})
 BACKWARD_FOLDS.update({t: fold.fold_conv_transpose for t in TRANSPOSE})
 FORWARD_HOSTS = (L.Dense, *CONV)
+# Where each host's output channels lie in its (folded) kernel; the rest have them last.
+OUTPUT_LAYOUTS = {t: fold.DEPTHWISE for t in DEPTHWISE}
+OUTPUT_LAYOUTS.update({t: fold.TRANSPOSE for t in TRANSPOSE})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,21 +90,23 @@ def fold_batch_norms(model, probe=None):
         (folded_model, FoldReport). BNs that cannot be folded are kept as InferenceAffine
         layers (BNs inside custom layers and BN subclasses: as they are) and listed in
         `report.kept` with the reason, so every BN is in `report.folded` or `report.kept`;
-        `report.errors` has the error of each output.
+        `report.errors` has the error of each output; `report.channel_spreads` has each
+        folded host's int8 readiness (and `report.int8_risks` those over
+        `INT8_SPREAD_THRESHOLD`).
 
     Raises:
         TypeError: the model (or a nested one holding a BN) is subclassed, or a layer's
             config does not round-trip.
         ValueError: the model is not built, or `probe` does not fit its inputs.
     """
-    folded_model, folded, kept = _fold_model(model, prefix="")
+    folded_model, folded, kept, spreads = _fold_model(model, prefix="")
     sig = trace.signature(model)
     inputs = trace.random_feed(sig) if probe is None else trace.feed(sig, probe)
     expected = trace.outputs(model, sig, inputs)
     actual = trace.outputs(folded_model, sig, inputs)
     errors = {name: report.max_abs_error(actual[name], expected[name]) for name in expected}
     scales = {name: report.scale(expected[name]) for name in expected}
-    return folded_model, FoldReport(folded, kept, errors, scales)
+    return folded_model, FoldReport(folded, kept, errors, scales, spreads)
 
 
 def _graph_of(model):
@@ -162,12 +167,14 @@ class _Graph:
 
 
 def _fold_model(model, prefix):
-    """(new model, folded list, kept list) for one Sequential/Functional model."""
+    """(new model, folded list, kept list, ChannelSpread list) for one Sequential/Functional
+    model."""
     graph = _graph_of(model)
     info = _Graph(graph)
     folded, kept = [], []
     weights = {}  # folded (kernels, bias) of each host, by id(original host)
     dropped = set()  # ids of the BNs that were folded away
+    hosts, forward_hosts = {}, set()  # by id: every host, and those that took a forward fold
 
     pending = []
     for node in info.nodes:  # backward folds first: they need the hosts' original kernels
@@ -180,6 +187,7 @@ def _fold_model(model, prefix):
             refusal = _refuse_backward(bn, node, host, info)
             if refusal is None:
                 _fold_backward(bn, host, weights)
+                hosts[id(host)] = host
                 folded.append(FoldedBN(prefix + bn.name, prefix + host.name, "backward"))
                 dropped.add(id(bn))
                 continue
@@ -190,11 +198,15 @@ def _fold_model(model, prefix):
         consumer, forward_refusal = _forward_target(bn, node, info, backward_refusal)
         if forward_refusal is None:
             _fold_forward(bn, node, consumer, weights)
+            hosts[id(consumer)] = consumer
+            forward_hosts.add(id(consumer))
             folded.append(FoldedBN(prefix + bn.name, prefix + consumer.name, "forward"))
             dropped.add(id(bn))
         elif all(k.bn != prefix + bn.name for k in kept):  # a shared BN is reported once
             kept.append(KeptBN(prefix + bn.name, forward_refusal.message, forward_refusal.kind))
 
+    spreads = [_channel_spread(prefix + hosts[key].name, hosts[key], weights[key][0][-1],
+                               key in forward_hosts) for key in weights]
     copies, refolded = {}, set()
     biases = {}  # ChannelBias after each folded channels_first host, by id(original host)
     for node in info.nodes:
@@ -202,11 +214,13 @@ def _fold_model(model, prefix):
         if id(layer) in copies or id(layer) in dropped:
             continue
         if isinstance(layer, keras.Model) and (_has_graph(layer) or _contains_bn(layer)):
-            inner, inner_folded, inner_kept = _fold_model(layer, prefix + layer.name + "/")
+            inner, inner_folded, inner_kept, inner_spreads = _fold_model(
+                layer, prefix + layer.name + "/")
             copies[id(layer)] = inner
             refolded.add(id(layer))
             folded.extend(inner_folded)
             kept.extend(inner_kept)
+            spreads.extend(inner_spreads)
         elif type(layer) in BN_TYPES:
             copies[id(layer)] = _affine_copy(layer, node)
         elif not isinstance(layer, L.Layer):  # a stateless op such as `x * 2.0`: reusable
@@ -222,7 +236,7 @@ def _fold_model(model, prefix):
 
     new_model = _rebuild(model, graph, copies, biases, dropped)
     _copy_weights(info.nodes, copies, biases, weights, refolded)
-    return new_model, folded, kept
+    return new_model, folded, kept, spreads
 
 
 def _unseen_batch_norms(layer, prefix):
@@ -355,6 +369,17 @@ def _fold_forward(bn, node, consumer, weights):
     kernel, bias = fold.fold_forward(kernels[-1], bias, *_bn_layers.inference_affine(bn),
                                      groups=getattr(consumer, "groups", 1))
     weights[id(consumer)] = (kernels[:-1] + [kernel], bias)
+
+
+def _channel_spread(name, host, kernel, forward):
+    """The ChannelSpread of a host's folded kernel (a SeparableConv's pointwise kernel)."""
+    output_ranges = fold.output_channel_ranges(kernel, OUTPUT_LAYOUTS.get(type(host), fold.LAST))
+    input_spread = None
+    if forward:
+        input_ranges = fold.input_channel_ranges(kernel, getattr(host, "groups", 1))
+        input_spread = fold.channel_spread(input_ranges)
+    return ChannelSpread(name, type(host).__name__, fold.channel_spread(output_ranges),
+                         input_spread)
 
 
 def _channels_first(layer):

@@ -11,6 +11,13 @@ import dataclasses
 
 import numpy as np
 
+# int8 readiness. A weight tensor quantized per tensor has one int8 scale, max |w| / 127, so a
+# channel whose largest weight is `spread` times smaller than the tensor's keeps only
+# 127 / spread levels: above 10, under 13 (< 4 bits). On the digits MLP the per-tensor int8 file
+# leaves the int8 tolerance (5e-2) between spreads 6.4 and 12.9; healthy trained hosts have
+# spreads of 2 to 3 (README, "int8 readiness"; benchmarks/bench_int8_spread.py).
+INT8_SPREAD_THRESHOLD = 10.0
+
 
 def max_abs_error(actual, expected):
     """max |actual − expected| in float64; inf when the shapes differ (a wrong file)."""
@@ -41,6 +48,52 @@ def histogram(op_names):
     return dict(collections.Counter(op_names).most_common())
 
 
+def over_threshold(spread, threshold=INT8_SPREAD_THRESHOLD):
+    """True when `spread` is above `threshold` or NaN (NaN never reads as fine)."""
+    return spread is not None and not spread <= threshold
+
+
+@dataclasses.dataclass(frozen=True)
+class ChannelSpread:
+    """How far apart a folded host's per-channel weight ranges are: its int8 readiness.
+
+    A backward fold multiplies each output channel of the host's kernel by its BN's γ/σ, a
+    forward fold each input channel. Where one int8 scale covers channels of very different
+    ranges, the small ones round to a few levels, or to zero.
+
+    Attributes:
+        host: the host's name ("inner/conv" inside a nested model "inner").
+        layer: the host's class name.
+        output_spread: max / min over output channels of max |w| per channel, on the folded
+            kernel (`fold.channel_spread`: all-zero channels left out, NaN if a weight is
+            NaN). For a SeparableConv, its pointwise kernel: the one the fold scales, whose
+            last axis is the output channels (the depthwise kernel is left as trained).
+        input_spread: the same over input channels, for a host that took a forward fold;
+            None otherwise.
+    """
+
+    host: str
+    layer: str
+    output_spread: float
+    input_spread: float | None = None
+
+    @property
+    def int8_risk(self):
+        """A spread over INT8_SPREAD_THRESHOLD (or NaN): precision lost where the weights are
+        quantized per tensor (one scale for the whole kernel)."""
+        return over_threshold(self.output_spread) or over_threshold(self.input_spread)
+
+    @property
+    def per_channel_int8_risk(self):
+        """The input spread over the threshold: precision lost even where each output channel
+        has its own scale (TFLite's int8), since that scale spans every input channel."""
+        return over_threshold(self.input_spread)
+
+    def to_dict(self):
+        return {**dataclasses.asdict(self), "int8_risk": self.int8_risk,
+                "per_channel_int8_risk": self.per_channel_int8_risk}
+
+
 @dataclasses.dataclass
 class FoldReport:
     """What `fold_batch_norms` did, and how far the folded model is from the original.
@@ -50,12 +103,15 @@ class FoldReport:
         kept: KeptBN per batch norm kept as an InferenceAffine layer, with the reason.
         errors: output name → max |folded − original| on the probe.
         output_scales: output name → max |original output| on the probe.
+        channel_spreads: ChannelSpread per folded host, its int8 readiness; `int8_risks`
+            lists those over INT8_SPREAD_THRESHOLD.
     """
 
     folded: list
     kept: list
     errors: dict
     output_scales: dict
+    channel_spreads: list = dataclasses.field(default_factory=list)
 
     @property
     def relative_errors(self):
@@ -73,9 +129,19 @@ class FoldReport:
         finite."""
         return worst(self.relative_errors.values())
 
+    @property
+    def int8_risks(self):
+        """The ChannelSpread of each host whose spread is over INT8_SPREAD_THRESHOLD (or
+        NaN): an int8 risk where weights are quantized per tensor (`per_channel_int8_risk`
+        says whether per-channel quantization, TFLite's, is affected too)."""
+        return [spread for spread in self.channel_spreads if spread.int8_risk]
+
     def to_dict(self):
         return {**dataclasses.asdict(self), "relative_errors": self.relative_errors,
-                "relative_error": self.relative_error}
+                "relative_error": self.relative_error,
+                "channel_spreads": [spread.to_dict() for spread in self.channel_spreads],
+                "int8_spread_threshold": INT8_SPREAD_THRESHOLD,
+                "int8_risks": [spread.host for spread in self.int8_risks]}
 
 
 @dataclasses.dataclass
