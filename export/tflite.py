@@ -72,7 +72,8 @@ def export_tflite(model, path, quantization=None, representative_data=None, fold
             converter cannot take (channels_first 1D/3D and transposed convolutions, 16-bit
             compute dtypes), named.
         ConverterError: the converter failed (e.g. an op that is not a TFLite builtin).
-        OSError: `path` cannot be written.
+        OSError: `path` cannot be written, or is a folder, FIFO or device (refused before
+            converting).
     """
     if quantization not in QUANTIZATIONS:
         raise ValueError(

@@ -349,15 +349,8 @@ _FROZEN = (": the layer is frozen (trainable=False), so fit never updates them, 
 def _bn_paths(model):
     """{id(BN layer): "outer/inner/name"}, the naming of the fold's report."""
     paths = {}
-
-    def walk(layer, prefix):
-        for child in layer._flatten_layers(include_self=False, recursive=False):
-            if _bn_layers.is_batch_norm(child):
-                paths.setdefault(id(child), prefix + child.name)
-            else:
-                walk(child, prefix + child.name + "/")
-
-    walk(model, "")
+    for path, layer in _bn_layers.batch_norms_inside(model):
+        paths.setdefault(id(layer), path)
     return paths
 
 

@@ -155,3 +155,54 @@ def test_bad_usage_exits_2_in_one_line(tmp_path):
     result = _cli(tmp_path / "m.keras", "--quantize", "int4")
     assert result.returncode == 2
     assert "argument --quantize: invalid choice: 'int4'" in result.stderr.splitlines()[-1]
+
+
+def test_mixed_precision_model_is_judged_at_its_default_tolerance(tmp_path):
+    """The folded mixed-precision model rounds to float16 as its ONNX file does: it gets the
+    same 1e-2 default (with 1e-4 the CLI exited 1, "FAILED", yet wrote the file)."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        inputs = keras.Input((6, 6, 3))
+        y = keras.layers.Conv2D(6, 3, padding="same", use_bias=False)(inputs)
+        y = keras.layers.ReLU()(keras.layers.BatchNormalization()(y))
+        y = keras.layers.Dense(4)(keras.layers.Flatten()(y))
+        y = keras.layers.BatchNormalization()(y)
+        outputs = keras.layers.Activation("linear", dtype="float32")(y)
+        model = randomise_batch_norms(keras.Model(inputs, outputs))
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    model.save(tmp_path / "mixed.keras")
+    result = _cli(tmp_path / "mixed.keras", "--onnx", tmp_path / "m.onnx",
+                  "--report", tmp_path / "r.json")
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["fold"]["relative_error"] > 1e-4  # 16-bit rounding, over the float32 default
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert report["fold_atol"] == report["exports"][0]["atol"] == 1e-2 and report["passed"]
+    assert (tmp_path / "m.onnx").exists() and "verification passed" in result.stdout
+
+
+def test_report_is_strict_json_when_an_output_is_nan(tmp_path):
+    """A NaN error is written as null (Python's json writes the token NaN, which strict JSON
+    parsers reject); the report still says the file failed."""
+    inputs = keras.Input((4,))
+    hidden = keras.layers.BatchNormalization()(keras.layers.Dense(4)(inputs))
+    head = keras.layers.Dense(2, name="nan_head")
+    model = keras.Model(inputs, [keras.layers.Dense(2, name="fine")(hidden), head(hidden)])
+    kernel, bias = head.get_weights()
+    kernel[0, 0] = np.nan
+    head.set_weights([kernel, bias])
+    model.save(tmp_path / "nan.keras")
+    result = _cli(tmp_path / "nan.keras", "--onnx", tmp_path / "m.onnx",
+                  "--report", tmp_path / "r.json")
+    assert result.returncode == 1, result.stdout + result.stderr
+
+    def reject(token):
+        raise ValueError(f"not JSON: {token}")
+
+    report = json.loads((tmp_path / "r.json").read_text(), parse_constant=reject)
+    (export,) = report["exports"]
+    assert export["relative_errors"] == {"fine": export["relative_errors"]["fine"],
+                                         "nan_head": None}
+    assert export["relative_error"] is None and not export["passed"] and not report["passed"]
+    assert report["fold"]["errors"]["nan_head"] is None
+    assert not (tmp_path / "m.onnx").exists()

@@ -5,6 +5,7 @@ test checks that the two agree."""
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 
@@ -170,6 +171,19 @@ def _unwritable(tmp_path):
         _folder_holds(tmp_path, [])
 
 
+def _not_a_file(tmp_path):
+    """A FIFO stands for a device such as /dev/stdout: a file renamed over it would replace it."""
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3),
+                              keras_bn.BatchNormalization()])
+    os.mkfifo(tmp_path / "pipe")
+
+    def check():
+        assert os.listdir(tmp_path) == ["pipe"]
+        assert stat.S_ISFIFO(os.stat(tmp_path / "pipe").st_mode)
+
+    return (lambda: export_onnx(model, tmp_path / "pipe")), check
+
+
 def _export_over_a_previous_file(tmp_path, exporter, model, name):
     """(export `model` over an existing file, check that file and nothing else is there)."""
     target = tmp_path / name
@@ -237,6 +251,8 @@ ERROR_CASES = [
      r"Cannot copy layer '.*' \(_Unconfigurable\) from its config", _custom_layer),
     ("export", "Lambda layer under safe mode", ValueError, r"safe_mode", _lambda_safe_mode),
     ("export", "unwritable path", OSError, r"Cannot write .*missing.*m\.tflite", _unwritable),
+    ("export", "path is a folder, FIFO or device", OSError,
+     r"Cannot write .*pipe: it is a FIFO, socket or device, not a regular file", _not_a_file),
     ("export", "conversion failure midway", ConverterError, r"MatrixDeterminant",
      _conversion_fails),
     ("export", "file over its tolerance", VerificationError,
@@ -310,6 +326,8 @@ def test_cli_exits_2_in_one_line(case, tmp_path):
     target.write_bytes(b"previous export")
     if case == "unwritable path":
         target = tmp_path / "missing" / "model.tflite"
+    if case == "path is a folder, FIFO or device":
+        target = out
     extra = ["--unsafe"] if case == "conversion failure midway" else []
     result = _cli(model, "--tflite", target, *extra)
     assert result.returncode == 2, result.stderr[-2000:]
