@@ -85,9 +85,7 @@ def batch_norm_train(x, gamma, beta, channel_axes, epsilon):
 
     @tf.custom_gradient
     def _normalize(x, gamma, beta):
-        # K: each channel's value at index 0 of every reduced axis.
-        shift = tf.slice(x, [0] * rank, [1 if a in reduced else -1 for a in range(rank)])
-        shift, offset, variance = _shifted_moments(x, shift, m, sums)
+        shift, offset, variance = _shifted_moments(x, _first_sample(x, reduced), m, sums)
         shift, offset, variance = tf.cond(
             tf.reduce_any(tf.square(offset) > RECENTRE_RATIO * variance),
             lambda: _shifted_moments(x, shift + offset, m, sums),
@@ -110,6 +108,17 @@ def batch_norm_train(x, gamma, beta, channel_axes, epsilon):
 
     y, mean, variance = _normalize(x, gamma, beta)
     return y, tf.stop_gradient(mean), tf.stop_gradient(variance)
+
+
+def _first_sample(x, reduced):
+    """K: each channel's value at index 0 of every reduced axis, per-channel shaped. A batch
+    known only at run time may be empty: it is padded by one, so that the shift is then 0 and
+    the statistics NaN (so the layer leaves its moving statistics alone), as on the other paths.
+    """
+    rank = x.shape.rank
+    if any(x.shape[a] is None for a in reduced):
+        x = tf.pad(x, [[0, 1] if a in reduced else [0, 0] for a in range(rank)])
+    return tf.slice(x, [0] * rank, [1 if a in reduced else -1 for a in range(rank)])
 
 
 def _shifted_moments(x, shift, m, sums):

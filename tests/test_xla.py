@@ -220,3 +220,17 @@ def test_group_axis_prefers_a_static_axis_that_groups_divide():
     assert xla.group_axis([6, 16, 5, 5], [1]) == 0  # none divisible: the first, padded
     assert xla.group_axis([12, 16], [1]) == 0
     assert xla.group_axis([16, 12], [0]) is None  # only the minor axis is reduced
+
+
+def test_empty_batch_known_only_at_run_time_changes_nothing_under_xla():
+    """XLA compiles the m ≥ 2 assert away (see README's Errors): an empty batch gives an empty
+    output and leaves the moving statistics alone, as the composite path does."""
+    for fused in (None, False):
+        layer = _layer((4, 5, 3), -1)
+        layer._fused = fused
+        before = [w.numpy() for w in layer.weights]
+        step = tf.function(lambda x, layer=layer: layer(x, training=True), jit_compile=True,
+                           input_signature=[tf.TensorSpec([None, None, 3])])
+        assert step(tf.zeros([0, 5, 3])).shape == (0, 5, 3)
+        for w, b in zip(layer.weights, before):
+            np.testing.assert_array_equal(w.numpy(), b)
