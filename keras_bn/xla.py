@@ -12,9 +12,9 @@ global sums before ∂l/∂x:
 - Both sums of a pass come from one read: the two summands are stacked on a new leading axis of
   size 2 with tf.where. (A concat would not fuse; a new minor axis of size 2 fuses but breaks
   the vectorised loop over x's minor axis: 0-30% slower on bench_layer.py's shapes.)
-- The summands are computed per slice, from slices of x: computed once for the whole tensor, a
-  summand would feed 2·GROUPS consumers, more than XLA duplicates a producer into (15), so it
-  would be written out.
+- The summands are computed per slice, from slices of x, each used twice. Computed once for the
+  whole tensor, a summand feeds 2·GROUPS consumers, and XLA writes out a producer with more than
+  15 (measured at GROUPS = 8).
 - Only per-channel values are saved; the backward recomputes x̂ from x.
 
 The moments are shifted sums about K, one sample of each channel (Chan, Golub & LeVeque 1983):
@@ -29,8 +29,10 @@ from tensorflow.python.eager import context
 
 from keras_bn import ops
 
-# Slices added elementwise before the reduce_sum: the partials are 1/GROUPS of x.
-GROUPS = 8
+# Slices added elementwise before the reduce_sum: the partials are 1/GROUPS of x. 4 was as
+# fast as 8 or faster on every shape of benchmarks/bench_layer.py (0-20%, interleaved runs),
+# with a smaller program to compile; 2 was slower.
+GROUPS = 4
 # Redo the moments about the mean when (μ − K)² exceeds this multiple of σ², that is when K
 # lies more than 8σ from the mean; below it the shifted sums lose at most ~65× their rounding.
 RECENTRE_RATIO = 64.0

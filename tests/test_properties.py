@@ -14,7 +14,7 @@ from test_fold import BACKWARD_HOSTS
 from test_fold import _input as fold_input
 
 import keras_bn
-from keras_bn import ops
+from keras_bn import ops, xla
 from keras_bn.export import fold_batch_norms
 
 EPS = 1e-3
@@ -29,7 +29,7 @@ GRADIENT_TOL = {"float16": 2e-2, "bfloat16": 1e-1, "float32": 1e-4, "float64": 1
 @st.composite
 def bn_cases(draw):
     rank = draw(st.integers(2, 5))
-    # Batches of 8 and 16 are split evenly by keras_bn/xla.py's groups of 8; the others padded.
+    # keras_bn/xla.py splits batches of 4, 8 and 16 into its GROUPS evenly and pads the others.
     batch = draw(st.sampled_from([2, 3, 4, 5, 8, 16]))
     shape = [batch] + [draw(st.integers(1, 4)) for _ in range(rank - 1)]
     kind = draw(st.sampled_from(["last", "negative", "channels_first", "list"]))
@@ -232,7 +232,7 @@ def _check_moving_statistics(case, jit):
 
 def test_strategy_covers_the_space():
     """The generator reaches every kind of case (hypothesis would silently narrow if not)."""
-    seen = {"dtype": set(), "rank": set(), "kind": set(), "masked": set(), "batch8": set()}
+    seen = {"dtype": set(), "rank": set(), "kind": set(), "masked": set(), "grouped": set()}
 
     @given(bn_cases())
     def collect(case):
@@ -240,14 +240,14 @@ def test_strategy_covers_the_space():
         seen["rank"].add(len(case["shape"]))
         seen["kind"].add(type(case["axis"]).__name__ + str(case["axis"] == 1))
         seen["masked"].add(case["masked"])
-        seen["batch8"].add(case["shape"][0] % 8 == 0)
+        seen["grouped"].add(case["shape"][0] % xla.GROUPS == 0)
 
     collect()
     assert seen["dtype"] == set(POLICY)
     assert seen["rank"] == {2, 3, 4, 5}
     assert {"listFalse", "intTrue", "intFalse"} <= seen["kind"]
     assert seen["masked"] == {True, False}
-    assert seen["batch8"] == {True, False}  # XLA's grouped sums, split evenly and padded
+    assert seen["grouped"] == {True, False}  # XLA's grouped sums, split evenly and padded
     keras.mixed_precision.set_global_policy("float32")
 
 
