@@ -45,7 +45,14 @@ OUTPUT_LAYOUTS.update({t: fold.TRANSPOSE for t in TRANSPOSE})
 
 @dataclasses.dataclass(frozen=True)
 class FoldedBN:
-    """A batch norm folded into `host`, "backward" (host → BN) or "forward" (BN → host)."""
+    """A batch norm that `fold_batch_norms` folded into a neighbouring layer.
+
+    Attributes:
+        bn: the BN layer's path ("inner/bn" for a BN in the nested model "inner").
+        host: the path of the Dense/Conv layer that took it.
+        direction: "backward" (host → BN: the BN scaled the host's output channels) or
+            "forward" (BN → host: the BN scaled the next layer's input channels).
+    """
 
     bn: str
     host: str
@@ -54,8 +61,16 @@ class FoldedBN:
 
 @dataclasses.dataclass(frozen=True)
 class KeptBN:
-    """A batch norm kept as an InferenceAffine layer: `kind` names the refusal (e.g.
-    "activation", "shared_bn"), `reason` says it in words."""
+    """A batch norm that `fold_batch_norms` kept, as an InferenceAffine layer.
+
+    Attributes:
+        bn: the BN layer's path ("inner/bn" for a BN in the nested model "inner").
+        reason: why neither fold applies, in words (the backward reason, then the forward
+            one).
+        kind: the backward refusal, a short code to branch on: "shared_bn", "several_inputs",
+            "several_axes", "reads_input", "not_a_host", "shared_host", "lora", "quantized",
+            "activation", "fan_out" or "axis".
+    """
 
     bn: str
     reason: str
@@ -90,7 +105,16 @@ def fold_batch_norms(model, probe=None):
     Raises:
         TypeError: the model (or a nested one holding a BN) is subclassed, or a layer's
             config does not round-trip.
-        ValueError: the model is not built, or `probe` does not fit its inputs.
+        ValueError: the model is not built, `probe` does not fit its inputs, or a BN to be
+            folded has a non-finite inference scale or shift (NaN or inf statistics
+            or weights).
+
+    Example::
+
+        folded, report = fold_batch_norms(model, x_val[:64])
+        for kept in report.kept:
+            print(kept.bn, kept.kind, kept.reason)
+        assert report.relative_error < 1e-5
     """
     folded_model, folded, kept, spreads = _fold_model(model, prefix="")
     sig = trace.signature(model)
