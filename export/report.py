@@ -11,9 +11,9 @@ import dataclasses
 
 import numpy as np
 
-#: int8 readiness: the channel spread (max / min over channels of max |w|) above which a
+#: int8 readiness: the channel spread (max / min over channels of max abs(w)) above which a
 #: folded host is an int8 risk. A weight tensor quantized per tensor has one int8 scale,
-#: max |w| / 127, so a channel whose largest weight is `spread` times smaller than the tensor's
+#: max abs(w) / 127, so a channel whose largest weight is `spread` times smaller than the tensor's
 #: keeps only 127 / spread levels: above 10, under 13 (< 4 bits). On the digits MLP the
 #: per-tensor int8 file leaves the int8 tolerance (5e-2) between spreads 6.4 and 12.9; healthy
 #: trained hosts have spreads of 2 to 3 (benchmarks/bench_int8_spread.py).
@@ -65,7 +65,7 @@ class ChannelSpread:
     Attributes:
         host: the host's name ("inner/conv" inside a nested model "inner").
         layer: the host's class name.
-        output_spread: max / min over output channels of max |w| per channel, on the folded
+        output_spread: max / min over output channels of max abs(w) per channel, on the folded
             kernel (`fold.channel_spread`: all-zero channels left out, NaN if a weight is
             NaN). For a SeparableConv, its pointwise kernel: the one the fold scales, whose
             last axis is the output channels (the depthwise kernel is left as trained).
@@ -80,14 +80,15 @@ class ChannelSpread:
 
     @property
     def int8_risk(self):
-        """A spread over INT8_SPREAD_THRESHOLD (or NaN): precision lost where the weights are
-        quantized per tensor (one scale for the whole kernel)."""
+        """True when a spread is over INT8_SPREAD_THRESHOLD (or NaN), so that precision is
+        lost where the weights are quantized per tensor (one scale for the whole kernel)."""
         return over_threshold(self.output_spread) or over_threshold(self.input_spread)
 
     @property
     def per_channel_int8_risk(self):
-        """The input spread over the threshold: precision lost even where each output channel
-        has its own scale (TFLite's int8), since that scale spans every input channel."""
+        """True when the input spread is over the threshold (or NaN), so that precision is lost
+        even where each output channel has its own scale (TFLite's int8), since that scale
+        spans every input channel."""
         return over_threshold(self.input_spread)
 
     def to_dict(self):
@@ -108,8 +109,8 @@ class FoldReport:
     Attributes:
         folded: FoldedBN per folded batch norm.
         kept: KeptBN per batch norm kept as an InferenceAffine layer, with the reason.
-        errors: output name → max |folded − original| on the probe.
-        output_scales: output name → max |original output| on the probe.
+        errors: output name → max abs(folded − original) on the probe.
+        output_scales: output name → max abs(original output) on the probe.
         channel_spreads: ChannelSpread per folded host, its int8 readiness; `int8_risks`
             lists those over INT8_SPREAD_THRESHOLD.
     """
@@ -150,7 +151,7 @@ class FoldReport:
         (the names of the hosts at risk).
 
         Returns:
-            dict, as the CLI's --report file holds it under "fold".
+            dict, as the CLI's `--report` file holds it under "fold".
         """
         return {**dataclasses.asdict(self), "relative_errors": self.relative_errors,
                 "relative_error": self.relative_error,
@@ -167,9 +168,9 @@ class ExportReport:
         format: "tflite" or "onnx".
         path: the file's absolute path.
         size_bytes: its size.
-        errors: output name → {runtime setting → max |runtime − Keras|} on the probe
+        errors: output name → {runtime setting → max abs(runtime − Keras)} on the probe
             ("litert"; "ort_disabled" and "ort_enabled" for onnxruntime's optimiser).
-        output_scales: output name → max |Keras output| on the probe.
+        output_scales: output name → max abs(Keras output) on the probe.
         atol: the tolerance, as a fraction of each output's scale.
         op_histogram: op name → count in the file.
         quantization: the TFLite quantization, None for float32.
@@ -213,7 +214,7 @@ class ExportReport:
         `max_abs_error`, `relative_errors`, `relative_error` and `passed`.
 
         Returns:
-            dict, as the CLI's --report file lists it under "exports".
+            dict, as the CLI's `--report` file lists it under "exports".
         """
         data = dataclasses.asdict(self)
         data["fold"] = None if self.fold is None else self.fold.to_dict()

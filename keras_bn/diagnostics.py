@@ -2,7 +2,7 @@
 
 - `check_batchnorm`: the common BN mistakes that raise no error (statistics that never moved,
   "good in training, bad at inference", batches too small, BNs the fold must keep), as a
-  list of `Finding`s.
+  list of `Finding` objects.
 - `gradient_norms_by_layer`: squared gradient norm at each layer's kernel (Yang et al. 2019).
 - `explosion_rate`: the per-layer growth λ fitted to those norms.
 - `landscape_along_gradient`: loss variation, gradient predictiveness and effective
@@ -56,8 +56,8 @@ def gradient_norms_by_layer(model, x, y, loss, training=True):
             layers use batch statistics, as in a training step.
 
     Returns:
-        dict {layer name: float}, in `model.layers` order (input side first), for the layers
-        that own a `kernel`.
+        dict: {layer name → float}, in `model.layers` order (input side first), for the
+        layers that own a `kernel`.
 
     Raises:
         ValueError: no entry of `model.layers` has a kernel, or the loss does not depend on
@@ -125,7 +125,7 @@ def landscape_along_gradient(model, x, y, loss, step_sizes, training=True):
             layers use batch statistics, as in a training step.
 
     Returns:
-        dict with:
+        dict: the step sizes and what was measured at each, under the keys below.
 
         - `step_sizes`: the η_k, as a float64 array;
         - `losses`: L(θ − η_k∇L(θ)) per η_k;
@@ -183,7 +183,7 @@ def internal_covariate_shift(model, x, y, loss, optimizer, training=True):
             layers use batch statistics, as in a training step.
 
     Returns:
-        dict with `layers` (the names of the layers with a kernel, in `model.layers` order),
+        dict: `layers` (the names of the layers with a kernel, in `model.layers` order),
         `l2_difference` (‖G_i − G′_i‖) and `cosine` (cos(G_i, G′_i)), both arrays.
 
     Raises:
@@ -295,10 +295,10 @@ class Finding:
 
 
 class Findings(list):
-    """The list of `Finding`s that `check_batchnorm` returns; `str()` of it is a table.
+    """The list of `Finding` objects that `check_batchnorm` returns; `str()` of it is a table.
 
     Args:
-        findings: the `Finding`s, in order.
+        findings: the `Finding` objects, in order.
         layers_checked: how many BN layers were checked (for the table's first line).
 
     Attributes:
