@@ -40,7 +40,8 @@ def from_keras(model):
         model: a built Sequential or Functional Keras model (nested ones included).
 
     Returns:
-        The new model; `model` is left untouched.
+        The clone, whose BN layers are all keras_bn.BatchNormalization; `model` is left
+        untouched.
 
     Raises:
         ValueError: the model is not built or is subclassed; a layer subclasses
@@ -61,7 +62,8 @@ def to_keras(model):
         model: a built Sequential or Functional Keras model (nested ones included).
 
     Returns:
-        The new model; `model` is left untouched.
+        The clone, whose BN layers are all keras.layers.BatchNormalization; `model` is left
+        untouched.
 
     Raises:
         ValueError: the model is not built or is subclassed; a layer subclasses

@@ -115,9 +115,9 @@ def landscape_along_gradient(model, x, y, loss, step_sizes, training=True):
     Gradients are over all trainable variables. The model's variables are restored afterwards.
 
     Args:
-        model: a built Keras model whose `model.layers` include layers with a kernel.
-        x: an input batch.
-        y: its targets.
+        model: a built Keras model; every trainable variable takes the step.
+        x: the input batch the loss and gradients are taken on.
+        y: the targets of `x`.
         loss: a Keras loss: a name ("mse"), a `keras.losses.Loss` or a function
             `loss(y_true, y_pred)`; its mean over the batch is differentiated.
         step_sizes: the step sizes η_k to probe.
@@ -173,9 +173,10 @@ def internal_covariate_shift(model, x, y, loss, optimizer, training=True):
     variables.
 
     Args:
-        model: a built Keras model whose `model.layers` include layers with a kernel.
-        x: an input batch.
-        y: its targets.
+        model: a built Keras model whose `model.layers` include layers with a kernel
+            (G_i is taken at each).
+        x: the input batch of the step and of the gradients.
+        y: the targets of `x`.
         loss: a Keras loss: a name ("mse"), a `keras.losses.Loss` or a function
             `loss(y_true, y_pred)`; its mean over the batch is differentiated.
         optimizer: a `keras.optimizers.Optimizer` that takes the step.
