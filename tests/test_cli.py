@@ -2,9 +2,6 @@
 
 import json
 import os
-import shutil
-import subprocess
-import sys
 import zipfile
 
 import keras

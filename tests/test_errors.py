@@ -4,9 +4,6 @@ test checks that the two agree."""
 
 import os
 import re
-import shutil
-import subprocess
-import sys
 
 import keras
 import numpy as np

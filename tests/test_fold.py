@@ -75,6 +75,7 @@ def _cases(hosts):
                             ["channels_last", "channels_first"])
     ]
 
+
 @pytest.mark.parametrize("use_bias", BIAS)
 @pytest.mark.parametrize("kind, data_format", _cases(BACKWARD_HOSTS))
 def test_backward_fold_matches_host_then_bn(kind, data_format, use_bias):
