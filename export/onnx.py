@@ -27,7 +27,7 @@ def export_onnx(model, path, opset=17, fold=True, probe=None, atol=None, strict=
         fold: fold the batch norms first (`fold_batch_norms`).
         probe: inputs on which the file is compared with `model`, in any structure
             `model.predict` takes; seeded random by default.
-        atol: the largest error allowed, as a fraction of each output's scale (max |output|
+        atol: the largest error allowed, as a fraction of each output's scale (max abs(output)
             on the probe); default 1e-4, or 1e-2 for a model that computes in float16 or
             bfloat16 (a mixed-precision policy).
         strict: raise VerificationError (and write nothing) when the file is over `atol`;

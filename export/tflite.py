@@ -53,7 +53,7 @@ def export_tflite(model, path, quantization=None, representative_data=None, fold
         probe: inputs on which the file is compared with `model`, in any structure
             `model.predict` takes; default: the first 64 representative samples, else seeded
             random input.
-        atol: the largest error allowed, as a fraction of each output's scale (max |output|
+        atol: the largest error allowed, as a fraction of each output's scale (max abs(output)
             on the probe); default `DEFAULT_ATOL[quantization]`: 1e-4 for float32, 1e-3 for
             float16, 2e-2 for dynamic, 5e-2 for int8.
         strict: raise VerificationError (and write nothing) when the file is over `atol`;

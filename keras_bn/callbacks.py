@@ -21,7 +21,7 @@ class Recalibrate(keras.callbacks.Callback):
     """Recalibrate every BN layer's statistics at the end of `fit`, and optionally before
     each validation run.
 
-    Example, with the EMA weights that `use_ema=True` puts into the model at the end of `fit`:
+    Example, with the EMA weights that `use_ema=True` puts into the model at the end of `fit`::
 
         model.compile(keras.optimizers.Adam(1e-3, use_ema=True), "mse")
         model.fit(x, y, epochs=5, validation_data=(x_val, y_val),
@@ -63,7 +63,8 @@ class Recalibrate(keras.callbacks.Callback):
         progress: show `recalibrate`'s progress bar.
 
     Raises:
-        ValueError: `steps` or `batch_size` is not a positive int, a dataset is infinite
+        ValueError: `steps` is not a positive int (nor None), `batch_size` is not a positive
+            int while `data` is a numpy array, a dataset is infinite
             without `steps`, a flag is not a bool, or both `at_train_end` and
             `before_validation` are False (the callback would do nothing).
     """
@@ -96,6 +97,16 @@ class Recalibrate(keras.callbacks.Callback):
         self._validation_runs = 0
 
     def on_train_end(self, logs=None):
+        """Recalibrate for the final weights, if `at_train_end`; the report goes to
+        `last_report`.
+
+        Args:
+            logs: Keras's logs dict (unused).
+
+        Raises:
+            ValueError: `data` gives no batch, no batch with 2 values per channel for some
+                layer, or a different number of batches on another pass (see `keras_bn.recalibrate`).
+        """
         if self.at_train_end:
             self._recalibrate()
         elif self._validation_runs == 0:
@@ -106,12 +117,27 @@ class Recalibrate(keras.callbacks.Callback):
             )
 
     def on_test_begin(self, logs=None):
+        """If `before_validation`: save the BN statistics (every replica's copy), then
+        recalibrate them for the current weights.
+
+        Args:
+            logs: Keras's logs dict (unused).
+
+        Raises:
+            ValueError: as `on_train_end`.
+        """
         self._validation_runs += 1
         if self.before_validation:
             self._training_statistics = _Snapshot(self.model)
             self._recalibrate()
 
     def on_test_end(self, logs=None):
+        """Put back the statistics that `on_test_begin` saved, exactly, so training goes on
+        as if the evaluation had not recalibrated them.
+
+        Args:
+            logs: Keras's logs dict (unused).
+        """
         if self._training_statistics is not None:
             self._training_statistics.restore()
             self._training_statistics = None

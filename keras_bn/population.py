@@ -34,7 +34,17 @@ from keras_bn import _bn_layers, ops
 
 @dataclasses.dataclass(frozen=True)
 class LayerChange:
-    """One layer's statistics before and after recalibration (float64 arrays, per channel)."""
+    """One layer's statistics before and after recalibration (float64 arrays, per channel).
+
+    Attributes:
+        name: the BN layer's name.
+        convention: "unbiased" for `keras_bn.BatchNormalization` (m/(m−1)·E_B[σ²_B]), "biased"
+            for `keras.layers.BatchNormalization` (E_B[σ²_B]).
+        old_mean: `moving_mean` before.
+        new_mean: `moving_mean` after.
+        old_variance: `moving_variance` before.
+        new_variance: `moving_variance` after.
+    """
 
     name: str
     convention: str  # "unbiased" (keras_bn) or "biased" (keras.layers.BatchNormalization)
@@ -48,18 +58,28 @@ class LayerChange:
 
     @property
     def mean_change(self):
-        """new − old moving mean, per channel."""
+        """new − old moving mean, per channel (float64 array)."""
         return self.new_mean - self.old_mean
 
     @property
     def variance_change(self):
-        """new − old moving variance, per channel."""
+        """new − old moving variance, per channel (float64 array)."""
         return self.new_variance - self.old_variance
 
 
 @dataclasses.dataclass(frozen=True)
 class RecalibrationReport:
-    """What `recalibrate` changed: one `LayerChange` per BN layer, in the order recalibrated."""
+    """What `recalibrate` changed: one `LayerChange` per BN layer, in the order recalibrated.
+
+    `str()` of it is a table: per layer, its convention and the largest change of mean and
+    variance over its channels.
+
+    Attributes:
+        layers: tuple of `LayerChange`, in the order the forward pass calls the layers.
+        batches: how many batches each layer's statistics were computed from.
+        not_called: names of the BN layers the forward pass never reached; they are left as
+            they were.
+    """
 
     layers: tuple
     batches: int
@@ -88,6 +108,25 @@ class RecalibrationReport:
 def recalibrate(model, data, steps=None, progress=True, batch_size=32):
     """Set every BN layer of `model` (nested models included) to Algorithm 2's statistics.
 
+    Ioffe & Szegedy's Algorithm 2 sets the inference statistics from the mini-batches B (m_B
+    values per channel each, μ_B and σ²_B their mean and biased variance), each weighted by
+    its count so that a short last batch or a mask counts for what it holds::
+
+        E[x] = Σ m_B·μ_B / Σ m_B
+        Var[x] = Σ m_B·σ²_B / Σ (m_B − 1)     keras_bn.BatchNormalization (unbiased)
+        Var[x] = Σ m_B·σ²_B / Σ m_B           keras.layers.BatchNormalization (biased)
+
+    The layers are recalibrated one at a time in the order the forward pass calls them, with
+    every pass in inference mode, so each layer's statistics describe the input it gets at
+    inference (upstream layers already use their new statistics). This costs one pass over
+    `data` per BN layer.
+    Only `moving_mean` and `moving_variance` change (and the bookkeeping that follows them:
+    `moving_stddev` = √(moving_variance + ε) for renorm layers, the batch counter for
+    `momentum=None`); trainable weights are untouched. A batch that gives a layer at most one value per channel
+    (a last batch of one sample, a mask leaving one token) has no variance and is skipped for
+    that layer, as training skips it; `LayerChange.batches_used` counts the rest. The layers
+    are recalibrated whether or not they are trainable.
+
     Args:
         model: a built Keras model (Sequential, Functional, subclassed, nested).
         data: a `tf.data.Dataset`, a numpy array, a dict of numpy arrays (a model with named
@@ -102,12 +141,17 @@ def recalibrate(model, data, steps=None, progress=True, batch_size=32):
     Returns:
         A `RecalibrationReport` with the change in mean and variance of each layer.
 
-    Only `moving_mean` and `moving_variance` change (and the bookkeeping that follows them:
-    `moving_stddev` = √(moving_variance + ε) for renorm layers, the batch counter for
-    `momentum=None`); trainable weights are untouched. A batch that gives a layer at most one
-    value per channel (a last batch of one sample, a mask leaving one token) has no variance
-    and is skipped for that layer, as training skips it. The layers are recalibrated whether
-    or not they are trainable.
+    Raises:
+        ValueError: the model has no BN layer; `steps` or `batch_size` is not a positive int;
+            the dataset is infinite and `steps` is None; the arrays of a dict differ in
+            length; `data` gives no batch, or no batch with 2 values per channel for some
+            layer, or a different number of batches on another pass; or a BN layer is called more than once per forward pass (shared).
+
+    Example:
+        After training with weight averaging, or to replace the moving averages::
+
+            report = keras_bn.recalibrate(model, x_train, batch_size=64)
+            print(report)   # per layer: max |Δmean|, max |Δvar|
     """
     layers = _bn_layers.in_model(model)
     if not layers:

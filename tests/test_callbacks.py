@@ -8,8 +8,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import assert_close
-from test_distributed import _strategy
+from helpers import assert_close, mirrored_strategy
 
 import keras_bn
 from keras_bn.callbacks import Recalibrate
@@ -163,7 +162,7 @@ def test_before_validation_sees_recalibrated_statistics_and_leaves_training_bit_
 
 @pytest.mark.slow
 def test_works_under_mirrored_strategy():
-    model = _model(_strategy(2))
+    model = _model(mirrored_strategy(2))
     before, after = _Record(), _Record()
     callbacks = [before, Recalibrate(X, batch_size=BATCH, before_validation=True), after]
     history = model.fit(X, Y, batch_size=BATCH, epochs=1, verbose=0,

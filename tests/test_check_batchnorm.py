@@ -10,7 +10,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import randomise_batch_norms
+from helpers import randomise_batch_norms
 
 import keras_bn
 from keras_bn.diagnostics import Finding, Findings, check_batchnorm

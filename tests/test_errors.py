@@ -4,22 +4,19 @@ test checks that the two agree."""
 
 import os
 import re
-import shutil
 import stat
-import subprocess
-import sys
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers import run_cli
 from tensorflow.lite.python.convert import ConverterError
 
 import keras_bn
 from keras_bn.export import VerificationError, export_onnx, export_tflite, fold_batch_norms
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = shutil.which("keras-bn-export", path=os.path.dirname(sys.executable))
 
 
 def _x(shape, seed=0):
@@ -280,12 +277,6 @@ def test_bad_input(area, name, error, message, setup, tmp_path):
 # --------------------------------------------------------------------------- the CLI
 
 
-def _cli(*args):
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    return subprocess.run([SCRIPT, *map(str, args)], capture_output=True, text=True, env=env,
-                          timeout=300)
-
-
 def _cli_model(tmp_path, case):
     """A .keras file (or path) that brings each export case to the command line."""
     path = tmp_path / f"{case}.keras"
@@ -329,7 +320,7 @@ def test_cli_exits_2_in_one_line(case, tmp_path):
     if case == "path is a folder, FIFO or device":
         target = out
     extra = ["--unsafe"] if case == "conversion failure midway" else []
-    result = _cli(model, "--tflite", target, *extra)
+    result = run_cli(model, "--tflite", target, *extra)
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Traceback" not in result.stdout + result.stderr
     errors = [line for line in result.stderr.splitlines()

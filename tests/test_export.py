@@ -8,7 +8,7 @@ import keras
 import numpy as np
 import onnx
 import pytest
-from conftest import assert_close, randomise_batch_norms
+from helpers import assert_close, randomise_batch_norms
 
 import digits
 import keras_bn

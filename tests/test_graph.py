@@ -7,7 +7,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import assert_close, randomise_batch_norms
+from helpers import assert_close, randomise_batch_norms
 
 import digits
 import keras_bn

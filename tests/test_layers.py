@@ -10,7 +10,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import assert_close, numpy_bn_train
+from helpers import assert_close, mirrored_strategy, numpy_bn_train
 
 import keras_bn
 
@@ -216,9 +216,7 @@ def test_mask_that_does_not_broadcast_is_rejected(mask_shape):
 def test_synchronized_masked_count_is_global():
     """Two replicas, one unmasked value each: m = 2 over the global batch, so it normalizes
     (not β) and matches masked BN on the whole batch; with one value in all, m = 1: β."""
-    from test_distributed import _strategy
-
-    strategy = _strategy(2)
+    strategy = mirrored_strategy(2)
     x = _data((4, 3, 2))
     with strategy.scope():
         layer = keras_bn.BatchNormalization(momentum=0.0, synchronized=True)

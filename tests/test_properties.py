@@ -7,11 +7,10 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import assert_close, numpy_bn_train, randomise_batch_norms, tf_reference_bn
+from helpers import (BACKWARD_HOSTS, assert_close, fold_input, numpy_bn_train,
+                     randomise_batch_norms, tf_reference_bn)
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_fold import BACKWARD_HOSTS
-from test_fold import _input as fold_input
 
 import keras_bn
 from keras_bn import ops, xla
