@@ -94,6 +94,11 @@ class Recalibrate(keras.callbacks.Callback):
         self._validation_runs = 0
 
     def on_train_begin(self, logs=None):
+        """Start counting validation runs (for the warning when a fit has none).
+
+        Args:
+            logs: Keras's logs dict (unused).
+        """
         self._validation_runs = 0
 
     def on_train_end(self, logs=None):

@@ -44,6 +44,9 @@ class LayerChange:
         new_mean: `moving_mean` after.
         old_variance: `moving_variance` before.
         new_variance: `moving_variance` after.
+        batches_used: the batches whose statistics entered; fewer than the report's `batches`
+            where some left this layer m ≤ 1 values per channel (skipped, as training skips
+            them).
     """
 
     name: str
@@ -52,8 +55,6 @@ class LayerChange:
     new_mean: np.ndarray
     old_variance: np.ndarray
     new_variance: np.ndarray
-    # Batches whose statistics entered; fewer than the report's `batches` where some left this
-    # layer m ≤ 1 values per channel (skipped, as training skips them).
     batches_used: int = None
 
     @property

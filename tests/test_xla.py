@@ -6,8 +6,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import assert_close
-from test_distributed import _strategy
+from helpers import assert_close, mirrored_strategy
 
 import keras_bn
 from keras_bn import ops, xla
@@ -201,7 +200,7 @@ def test_xla_path_is_selected_only_under_xla_on_cpu():
 
 
 def test_synchronized_replicas_keep_the_composite_path_under_xla():
-    strategy = _strategy(2)
+    strategy = mirrored_strategy(2)
     paths = []
 
     def replica_step(x):
