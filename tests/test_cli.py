@@ -160,7 +160,7 @@ def test_mixed_precision_model_is_judged_at_its_default_tolerance(tmp_path):
     finally:
         keras.mixed_precision.set_global_policy("float32")
     model.save(tmp_path / "mixed.keras")
-    result = _cli(tmp_path / "mixed.keras", "--onnx", tmp_path / "m.onnx",
+    result = run_cli(tmp_path / "mixed.keras", "--onnx", tmp_path / "m.onnx",
                   "--report", tmp_path / "r.json")
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["fold"]["relative_error"] > 1e-4  # 16-bit rounding, over the float32 default
@@ -180,7 +180,7 @@ def test_report_is_strict_json_when_an_output_is_nan(tmp_path):
     kernel[0, 0] = np.nan
     head.set_weights([kernel, bias])
     model.save(tmp_path / "nan.keras")
-    result = _cli(tmp_path / "nan.keras", "--onnx", tmp_path / "m.onnx",
+    result = run_cli(tmp_path / "nan.keras", "--onnx", tmp_path / "m.onnx",
                   "--report", tmp_path / "r.json")
     assert result.returncode == 1, result.stdout + result.stderr
 
