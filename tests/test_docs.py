@@ -1,0 +1,89 @@
+"""The documentation site: it builds with warnings as errors, and a real headless Chromium shows a
+rendered figure on every example page and every public name on the API page.
+
+The build executes the notebooks at CI size (KERAS_BN_SMALL=1). Chromium and ChromeDriver are
+Debian's (`chromium`, `chromium-driver`), which .ci/run installs; where they are missing the
+browser test is skipped, except under KERAS_BN_REQUIRE_BROWSER=1 (set by .ci/run), where it fails.
+"""
+
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import keras_bn
+import keras_bn.export
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "examples").glob("*.ipynb"))
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMEDRIVER = shutil.which("chromedriver")
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    """The site, built once for this module by `sphinx-build -W` (as `make docs` does)."""
+    out = tmp_path_factory.mktemp("site")
+    env = {**os.environ, "KERAS_BN_SMALL": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-b", "html", "-q",
+         str(ROOT / "docs"), str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800,
+    )
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not (CHROMIUM and CHROMEDRIVER):
+        message = "Debian's chromium and chromium-driver are not installed"
+        if os.environ.get("KERAS_BN_REQUIRE_BROWSER") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                 "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    driver.set_page_load_timeout(60)
+    yield driver
+    driver.quit()
+
+
+def _rendered_images(driver):
+    """Images in the page's main content that the browser decoded (naturalWidth > 0)."""
+    return driver.execute_script(
+        "return Array.from(document.querySelectorAll('main img, article img'))"
+        ".filter(i => i.complete && i.naturalWidth > 0).map(i => i.src);"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_each_example_page_shows_a_rendered_figure(site, browser, notebook):
+    page = site / "examples" / f"{notebook.stem}.html"
+    assert page.is_file(), f"no page for {notebook.name}"
+    browser.get(page.as_uri())
+    assert _rendered_images(browser), f"{page.name} shows no rendered figure"
+
+
+@pytest.mark.slow
+def test_api_page_lists_every_public_name(site, browser):
+    browser.get((site / "api.html").as_uri())
+    anchors = set(browser.execute_script(
+        "return Array.from(document.querySelectorAll('dt[id]')).map(e => e.id);"
+    ))
+    expected = {f"keras_bn.{name}" for name in keras_bn.__all__}
+    expected |= {f"keras_bn.export.{name}" for name in keras_bn.export.__all__}
+    missing = sorted(name for name in expected
+                     if name not in anchors and f"module-{name}" not in anchors)
+    assert not missing, f"API page lacks {missing}"
