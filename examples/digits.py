@@ -84,14 +84,46 @@ def train(epochs=10, batch_size=64, jit_compile=False, seed=0, verbose=0):
     return model, float(accuracy)
 
 
+def train_mlp(epochs=5, seed=0):
+    """Dense(32, "hidden") → BN → ReLU → Dense(10, "head", logits) on the 64 pixels, trained
+    with Adam; returns (model, x_train)."""
+    keras.utils.set_random_seed(seed)
+    x_train, y_train, _, _ = load(seed=seed, flat=True)
+    model = keras.Sequential([
+        keras.Input((64,)),
+        keras.layers.Dense(32, use_bias=False, name="hidden"),
+        keras_bn.BatchNormalization(momentum=0.9),
+        keras.layers.ReLU(),
+        keras.layers.Dense(10, name="head"),
+    ])
+    model.compile(keras.optimizers.Adam(3e-3),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x_train, y_train, epochs=epochs, batch_size=64, verbose=0)
+    return model, x_train
+
+
+def scale_hidden_channel(model, channel, factor):
+    """Scale one channel of a `train_mlp` model's BN by `factor` (γ and β) and the head's row
+    for it by 1/factor, in place: the same function (ReLU(a·x) = a·ReLU(x) for a > 0), whose
+    folded hidden kernel has that channel `factor` times larger."""
+    if not factor > 0:
+        raise ValueError(f"factor must be positive (ReLU keeps only that); received {factor}.")
+    bn, head = model.get_layer(index=1), model.get_layer("head")
+    for variable in (bn.gamma, bn.beta):
+        value = variable.numpy()
+        value[channel] *= factor
+        variable.assign(value)
+    kernel = head.kernel.numpy()
+    kernel[channel] /= factor
+    head.kernel.assign(kernel)
+
+
 def tflite_accuracy(path):
     """Test accuracy of a digits classifier exported to .tflite, run in LiteRT."""
-    from ai_edge_litert.interpreter import Interpreter
-
     from keras_bn.export.tflite import run
 
     _, _, x_test, y_test = load()
-    predictions = run(Interpreter(model_path=str(path)), x_test)
+    (predictions,) = run(path, x_test).values()
     return float(np.mean(predictions.argmax(-1) == y_test))
 
 

@@ -1,25 +1,33 @@
 """keras_bn.export: fold batch norms into neighbouring layers and write verified TFLite/ONNX files.
 
     folded, report = fold_batch_norms(model)            # no BN left; report.folded / .kept
+    report.int8_risks     # hosts whose channel ranges spread over INT8_SPREAD_THRESHOLD
     export_tflite(model, "model.tflite", quantization="int8", representative_data=x)
     export_onnx(model, "model.onnx")
 
-Each exporter folds first, writes its file atomically, runs it in the real runtime (LiteRT,
-onnxruntime) against the Keras model and returns an ExportReport.
+Each exporter folds first, converts, writes a temporary file next to the target, runs it in
+the real runtime (LiteRT, onnxruntime) against the Keras model, and renames it over the target
+only when every output is within tolerance (else VerificationError, and the target keeps what
+it had). Models may have several inputs and outputs; the reports have one error per output.
 """
 
-from keras_bn.export.affine import InferenceAffine
-from keras_bn.export.graph import FoldedBN, FoldReport, KeptBN, fold_batch_norms
+from keras_bn.export.affine import ChannelBias, InferenceAffine
+from keras_bn.export.graph import FoldedBN, KeptBN, fold_batch_norms
 from keras_bn.export.onnx import export_onnx
-from keras_bn.export.report import ExportReport
+from keras_bn.export.report import (INT8_SPREAD_THRESHOLD, ChannelSpread, ExportReport,
+                                    FoldReport, VerificationError)
 from keras_bn.export.tflite import export_tflite
 
 __all__ = [
+    "INT8_SPREAD_THRESHOLD",
+    "ChannelBias",
+    "ChannelSpread",
     "ExportReport",
     "FoldReport",
     "FoldedBN",
     "InferenceAffine",
     "KeptBN",
+    "VerificationError",
     "export_onnx",
     "export_tflite",
     "fold_batch_norms",

@@ -1,10 +1,13 @@
-"""InferenceAffine: what a batch norm that cannot be folded becomes, y = scale·x + shift.
+"""Layers a folded model may contain: InferenceAffine, what a batch norm that cannot be folded
+becomes (y = scale·x + shift), and ChannelBias, the bias of a folded channels_first host.
 
-Converters turn it into one Mul and one Add. It has no training mode and no statistics.
+Converters turn InferenceAffine into one Mul and one Add, and ChannelBias into one Add;
+neither has a training mode or statistics.
 """
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 from keras_bn import ops
 
@@ -36,4 +39,48 @@ class InferenceAffine(keras.layers.Layer):
 
     def get_config(self):
         return {**super().get_config(), "channel_axes": self.channel_axes,
+                "channels": self.channels}
+
+
+@keras.saving.register_keras_serializable(package="keras_bn.export")
+class ChannelBias(keras.layers.Layer):
+    """y = x + bias on one explicit channel axis: the bias of a folded channels_first host.
+
+    Keras 3.15's TensorFlow `ops.add` guesses a bias's axis from the shapes, and puts a
+    channels_first conv's bias on the last spatial axis whenever that axis has as many
+    entries as there are channels. A folded host therefore has no bias of its own when it is
+    channels_first; this layer adds it with a reshape that names the axis, so no guess is made.
+
+    Args:
+        channel_axis: the (non-negative) axis the bias runs along.
+        channels: the number of channels.
+    """
+
+    def __init__(self, channel_axis, channels, **kwargs):
+        super().__init__(**kwargs)
+        if isinstance(channel_axis, bool) or not isinstance(channel_axis, int) or channel_axis < 1:
+            raise ValueError(
+                f"channel_axis must be a positive int (axis 0 is the batch); received "
+                f"channel_axis={channel_axis!r}."
+            )
+        if isinstance(channels, bool) or not isinstance(channels, int) or channels < 1:
+            raise ValueError(f"channels must be a positive int; received channels={channels!r}.")
+        self.channel_axis = channel_axis
+        self.channels = channels
+        self.bias = self.add_weight(shape=(channels,), name="bias", initializer="zeros",
+                                    trainable=False)
+
+    def call(self, inputs):
+        x = keras.ops.cast(inputs, self.bias.dtype)
+        shape = [1] * len(inputs.shape)
+        shape[self.channel_axis] = self.channels
+        # tf.add, not keras.ops.add: the latter is where the axis is guessed.
+        y = tf.add(x, tf.reshape(self.bias, shape))
+        return keras.ops.cast(y, self.compute_dtype)
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+    def get_config(self):
+        return {**super().get_config(), "channel_axis": self.channel_axis,
                 "channels": self.channels}

@@ -1,11 +1,14 @@
 """Atomic file writes: a temporary file in the target folder, renamed over the target at the end.
 
 A failure at any point leaves no partial file, and an existing file at the target path is
-untouched until the complete new one replaces it.
+untouched until the complete new one replaces it. The new file gets the mode a plain
+`open(path, "wb")` would give it (an existing file's mode, else 0o666 less the umask), not
+mkstemp's 0o600, and is on disk (fsync) before the rename makes it visible.
 """
 
 import contextlib
 import os
+import stat
 import tempfile
 
 
@@ -26,11 +29,15 @@ def replacing(path):
         raise OSError(error.errno, f"Cannot write {path}: {error.strerror}", path) from error
     try:
         yield temporary
+        os.chmod(temporary, _mode_for(path))
+        _fsync(temporary, os.O_RDONLY)
         os.replace(temporary, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temporary)
         raise
+    with contextlib.suppress(OSError):  # the rename itself; not every file system allows it
+        _fsync(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
 
 
 def write_bytes(path, data, check=None):
@@ -43,10 +50,26 @@ def write_bytes(path, data, check=None):
     with replacing(path) as temporary:
         with open(temporary, "wb") as file:
             file.write(data)
-            file.flush()
-            os.fsync(file.fileno())
         return None if check is None else check(temporary)
 
 
 def write_text(path, text):
     write_bytes(path, text.encode("utf-8"))
+
+
+def _mode_for(path):
+    """An existing file's permission bits, else what open() would create under the umask."""
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        umask = os.umask(0)  # the only portable way to read it; set straight back
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
+def _fsync(path, flags):
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -16,18 +16,16 @@ keras.models.clone_model uses (`_nodes_by_depth`, `_run_through_graph`, Sequenti
 import dataclasses
 
 import keras
-import numpy as np
 from keras.src.models.functional import Functional
 from keras.src.saving.serialization_lib import SafeModeScope
 
-import keras_bn
-from keras_bn import ops
-from keras_bn.export import fold
-from keras_bn.export.affine import InferenceAffine
-from keras_bn.export.report import max_abs_error
+from keras_bn import _bn_layers
+from keras_bn.export import fold, report, trace
+from keras_bn.export.affine import ChannelBias, InferenceAffine
+from keras_bn.export.report import ChannelSpread, FoldReport
 
 L = keras.layers
-BN_TYPES = (keras_bn.BatchNormalization, L.BatchNormalization)
+BN_TYPES = _bn_layers.BN_TYPES
 
 # Exact types, not isinstance: a subclass may change what `call` computes.
 CONV = (L.Conv1D, L.Conv2D, L.Conv3D)
@@ -40,72 +38,68 @@ BACKWARD_FOLDS.update({t: fold.fold_depthwise for t in DEPTHWISE})
 BACKWARD_FOLDS.update({t: fold.fold_separable for t in SEPARABLE})
 BACKWARD_FOLDS.update({t: fold.fold_conv_transpose for t in TRANSPOSE})
 FORWARD_HOSTS = (L.Dense, *CONV)
+# Where each host's output channels lie in its (folded) kernel; the rest have them last.
+OUTPUT_LAYOUTS = {t: fold.DEPTHWISE for t in DEPTHWISE}
+OUTPUT_LAYOUTS.update({t: fold.TRANSPOSE for t in TRANSPOSE})
 
 
 @dataclasses.dataclass(frozen=True)
 class FoldedBN:
+    """A batch norm folded into `host`, "backward" (host → BN) or "forward" (BN → host)."""
+
     bn: str
     host: str
-    direction: str  # "backward" (host → BN) or "forward" (BN → host)
+    direction: str
 
 
 @dataclasses.dataclass(frozen=True)
 class KeptBN:
+    """A batch norm kept as an InferenceAffine layer: `kind` names the refusal (e.g.
+    "activation", "shared_bn"), `reason` says it in words."""
+
     bn: str
     reason: str
+    kind: str = ""
 
 
-@dataclasses.dataclass
-class FoldReport:
-    folded: list
-    kept: list
-    max_abs_error: float  # folded vs original model, on the probe
-    output_scale: float  # max |original output| on the probe
+@dataclasses.dataclass(frozen=True)
+class _Refusal:
+    """Why a fold cannot happen: `kind` is what the decisions branch on, `message` is only
+    for the report."""
 
-    @property
-    def relative_error(self):
-        return self.max_abs_error / max(self.output_scale, 1e-30)
-
-    def to_dict(self):
-        return {**dataclasses.asdict(self), "relative_error": self.relative_error}
+    kind: str
+    message: str
 
 
 def fold_batch_norms(model, probe=None):
     """Fold every batch norm of `model` into a neighbouring Dense/Conv layer.
 
     Args:
-        model: a built Sequential or Functional Keras model (nested models allowed).
-        probe: optional input (array, or list/dict of arrays, as the model takes) on which the
-            folded model is compared with the original; seeded random data when None.
+        model: a built Sequential or Functional Keras model (nested models, several inputs
+            and outputs allowed).
+        probe: optional input on which the folded model is compared with the original, in
+            any structure `model.predict` takes (an array, a list of arrays in input order,
+            or a dict keyed by input name); seeded random data when None.
 
     Returns:
         (folded_model, FoldReport). BNs that cannot be folded are kept as InferenceAffine
-        layers and listed in `report.kept` with the reason.
+        layers and listed in `report.kept` with the reason; `report.errors` has the error of
+        each output; `report.channel_spreads` has each folded host's int8 readiness (and
+        `report.int8_risks` those over `INT8_SPREAD_THRESHOLD`).
+
+    Raises:
+        TypeError: the model (or a nested one holding a BN) is subclassed, or a layer's
+            config does not round-trip.
+        ValueError: the model is not built, or `probe` does not fit its inputs.
     """
-    folded_model, folded, kept = _fold_model(model, prefix="")
-    if probe is None:
-        probe = random_input(model)
-    expected = _flat_outputs(model, probe)
-    actual = _flat_outputs(folded_model, probe)
-    error = max(max_abs_error(a, e) for a, e in zip(actual, expected))
-    scale = max(float(np.max(np.abs(e), initial=0.0)) for e in expected)
-    return folded_model, FoldReport(folded, kept, error, scale)
-
-
-def random_input(model, batch=4, seed=0):
-    """Seeded standard-normal input for every model input (unknown dims: batch, else 8)."""
-    rng = np.random.default_rng(seed)
-    arrays = []
-    for tensor in model.inputs:
-        shape = [batch] + [8 if d is None else d for d in tensor.shape[1:]]
-        arrays.append(rng.standard_normal(shape).astype(keras.backend.standardize_dtype(
-            tensor.dtype)))
-    return arrays[0] if len(arrays) == 1 else arrays
-
-
-def _flat_outputs(model, x):
-    outputs = model(x, training=False)
-    return [np.asarray(o, np.float64) for o in keras.tree.flatten(outputs)]
+    folded_model, folded, kept, spreads = _fold_model(model, prefix="")
+    sig = trace.signature(model)
+    inputs = trace.random_feed(sig) if probe is None else trace.feed(sig, probe)
+    expected = trace.outputs(model, sig, inputs)
+    actual = trace.outputs(folded_model, sig, inputs)
+    errors = {name: report.max_abs_error(actual[name], expected[name]) for name in expected}
+    scales = {name: report.scale(expected[name]) for name in expected}
+    return folded_model, FoldReport(folded, kept, errors, scales, spreads)
 
 
 def _graph_of(model):
@@ -131,7 +125,7 @@ def _has_graph(model):
 
 
 def _contains_bn(model):
-    return any(isinstance(l, BN_TYPES) for l in model._flatten_layers(include_self=False))
+    return any(_bn_layers.is_batch_norm(l) for l in model._flatten_layers(include_self=False))
 
 
 class _Graph:
@@ -166,12 +160,14 @@ class _Graph:
 
 
 def _fold_model(model, prefix):
-    """(new model, folded list, kept list) for one Sequential/Functional model."""
+    """(new model, folded list, kept list, ChannelSpread list) for one Sequential/Functional
+    model."""
     graph = _graph_of(model)
     info = _Graph(graph)
     folded, kept = [], []
     weights = {}  # folded (kernels, bias) of each host, by id(original host)
     dropped = set()  # ids of the BNs that were folded away
+    hosts, forward_hosts = {}, set()  # by id: every host, and those that took a forward fold
 
     pending = []
     for node in info.nodes:  # backward folds first: they need the hosts' original kernels
@@ -184,6 +180,7 @@ def _fold_model(model, prefix):
             refusal = _refuse_backward(bn, node, host, info)
             if refusal is None:
                 _fold_backward(bn, host, weights)
+                hosts[id(host)] = host
                 folded.append(FoldedBN(prefix + bn.name, prefix + host.name, "backward"))
                 dropped.add(id(bn))
                 continue
@@ -194,73 +191,91 @@ def _fold_model(model, prefix):
         consumer, forward_refusal = _forward_target(bn, node, info, backward_refusal)
         if forward_refusal is None:
             _fold_forward(bn, node, consumer, weights)
+            hosts[id(consumer)] = consumer
+            forward_hosts.add(id(consumer))
             folded.append(FoldedBN(prefix + bn.name, prefix + consumer.name, "forward"))
             dropped.add(id(bn))
         elif all(k.bn != prefix + bn.name for k in kept):  # a shared BN is reported once
-            kept.append(KeptBN(prefix + bn.name, forward_refusal))
+            kept.append(KeptBN(prefix + bn.name, forward_refusal.message, forward_refusal.kind))
 
+    spreads = [_channel_spread(prefix + hosts[key].name, hosts[key], weights[key][0][-1],
+                               key in forward_hosts) for key in weights]
     copies, refolded = {}, set()
+    biases = {}  # ChannelBias after each folded channels_first host, by id(original host)
     for node in info.nodes:
         layer = node.operation
         if id(layer) in copies or id(layer) in dropped:
             continue
         if isinstance(layer, keras.Model) and (_has_graph(layer) or _contains_bn(layer)):
-            inner, inner_folded, inner_kept = _fold_model(layer, prefix + layer.name + "/")
+            inner, inner_folded, inner_kept, inner_spreads = _fold_model(
+                layer, prefix + layer.name + "/")
             copies[id(layer)] = inner
             refolded.add(id(layer))
             folded.extend(inner_folded)
             kept.extend(inner_kept)
+            spreads.extend(inner_spreads)
         elif isinstance(layer, BN_TYPES):
             copies[id(layer)] = _affine_copy(layer, node)
         elif not isinstance(layer, L.Layer):  # a stateless op such as `x * 2.0`: reusable
             copies[id(layer)] = layer
+        elif id(layer) in weights and _channels_first(layer):
+            copies[id(layer)] = _copy_layer(layer, use_bias=False)
+            biases[id(layer)] = ChannelBias(1, len(weights[id(layer)][1]),
+                                            name=_unused_name(f"{layer.name}_bias", model),
+                                            dtype=layer.dtype_policy)
         else:
-            copies[id(layer)] = _copy_layer(layer, gains_bias=id(layer) in weights)
+            copies[id(layer)] = _copy_layer(layer, use_bias=True if id(layer) in weights else None)
 
-    new_model = _rebuild(model, graph, copies, dropped)
-    _copy_weights(info.nodes, copies, weights, refolded)
-    return new_model, folded, kept
+    new_model = _rebuild(model, graph, copies, biases, dropped)
+    _copy_weights(info.nodes, copies, biases, weights, refolded)
+    return new_model, folded, kept, spreads
 
 
 def _refuse_bn(bn, node, info):
     """Why this BN cannot fold in any direction, or None."""
     if info.shared(bn):
-        return f"BN layer '{bn.name}' is shared (called {info.calls[id(bn)]} times)"
+        return _Refusal("shared_bn",
+                        f"BN layer '{bn.name}' is shared (called {info.calls[id(bn)]} times)")
     if len(node.input_tensors) != 1:
-        return f"BN layer '{bn.name}' has {len(node.input_tensors)} inputs"
+        return _Refusal("several_inputs",
+                        f"BN layer '{bn.name}' has {len(node.input_tensors)} inputs")
     if len(_bn_axes(bn, node)) != 1:
-        return f"BN layer '{bn.name}' normalizes over several channel axes {_bn_axes(bn, node)}"
+        return _Refusal("several_axes", f"BN layer '{bn.name}' normalizes over several "
+                                        f"channel axes {_bn_axes(bn, node)}")
     return None
 
 
 def _refuse_backward(bn, node, host, info):
     """Why the BN cannot fold into the layer that feeds it, or None."""
     if host is None:
-        return f"BN layer '{bn.name}' reads a model input directly"
+        return _Refusal("reads_input", f"BN layer '{bn.name}' reads a model input directly")
     if type(host) not in BACKWARD_FOLDS:
-        return (f"BN layer '{bn.name}' follows '{host.name}', a {type(host).__name__}, which "
-                f"is not a Dense or convolution")
-    reason = _refuse_host(host, info)
-    if reason:
-        return reason
+        return _Refusal("not_a_host", f"BN layer '{bn.name}' follows '{host.name}', a "
+                                      f"{type(host).__name__}, which is not a Dense or "
+                                      f"convolution")
+    refusal = _refuse_host(host, info)
+    if refusal:
+        return refusal
     if _activation(host) != "linear":
-        return (f"host '{host.name}' has the non-linear activation '{_activation(host)}' "
-                f"between its linear part and the BN")
+        return _Refusal("activation", f"host '{host.name}' has the non-linear activation "
+                                      f"'{_activation(host)}' between its linear part and "
+                                      f"the BN")
     if info.fan_out(node.input_tensors[0]) > 1:
-        return f"host '{host.name}' output also feeds other layers or a model output"
+        return _Refusal("fan_out",
+                        f"host '{host.name}' output also feeds other layers or a model output")
     rank = len(node.input_tensors[0].shape)
     if _bn_axes(bn, node) != [_channel_axis(host, rank)]:
-        return (f"BN axis {_bn_axes(bn, node)} is not the channel axis "
-                f"{_channel_axis(host, rank)} of host '{host.name}'")
+        return _Refusal("axis", f"BN axis {_bn_axes(bn, node)} is not the channel axis "
+                                f"{_channel_axis(host, rank)} of host '{host.name}'")
     return None
 
 
 def _forward_target(bn, node, info, backward_refusal):
-    """(consumer, None) when the BN folds into the one layer it feeds, else (None, reason).
+    """(consumer, None) when the BN folds into the one layer it feeds, else (None, refusal).
 
-    The reason keeps the backward refusal first: it is the fold one would expect.
+    The refusal's message keeps the backward reason first: it is the fold one would expect.
     """
-    if backward_refusal.startswith(f"BN layer '{bn.name}' is shared"):
+    if backward_refusal.kind == "shared_bn":
         return None, backward_refusal
     output = node.outputs[0]
     consumers = info.consumers.get(id(output), [])
@@ -273,24 +288,28 @@ def _forward_target(bn, node, info, backward_refusal):
     else:
         consumer = consumers[0].operation
         rank = len(output.shape)
-        why = _refuse_host(consumer, info)
+        refusal = _refuse_host(consumer, info)
+        why = refusal.message if refusal else None
         if why is None and getattr(consumer, "padding", "valid") != "valid":
             why = (f"the next layer '{consumer.name}' pads its input (padding="
                    f"'{consumer.padding}'), so a forward fold would not be exact")
         if why is None and _bn_axes(bn, node) != [_channel_axis(consumer, rank)]:
-            why = f"BN axis {_bn_axes(bn, node)} is not the input channel axis of '{consumer.name}'"
+            why = (f"BN axis {_bn_axes(bn, node)} is not the input channel axis of "
+                   f"'{consumer.name}'")
         if why is None:
             return consumer, None
-    return None, f"{backward_refusal}; forward: {why}"
+    return None, _Refusal(backward_refusal.kind, f"{backward_refusal.message}; forward: {why}")
 
 
 def _refuse_host(layer, info):
     if info.shared(layer):
-        return f"host '{layer.name}' is shared (called {info.calls[id(layer)]} times)"
+        return _Refusal("shared_host",
+                        f"host '{layer.name}' is shared (called {info.calls[id(layer)]} times)")
     if getattr(layer, "lora_enabled", False):
-        return f"host '{layer.name}' is LoRA-enabled"
+        return _Refusal("lora", f"host '{layer.name}' is LoRA-enabled")
     if getattr(layer, "quantization_mode", None):
-        return f"host '{layer.name}' is quantized ({layer.quantization_mode})"
+        return _Refusal("quantized",
+                        f"host '{layer.name}' is quantized ({layer.quantization_mode})")
     return None
 
 
@@ -299,27 +318,11 @@ def _activation(layer):
 
 
 def _channel_axis(layer, rank):
-    if getattr(layer, "data_format", "channels_last") == "channels_first":
-        return 1
-    return rank - 1
+    return 1 if _channels_first(layer) else rank - 1
 
 
 def _bn_axes(bn, node):
-    rank = len(node.input_tensors[0].shape)
-    axes = [bn.axis] if isinstance(bn.axis, int) else list(bn.axis)
-    return sorted(a % rank for a in axes)
-
-
-def _bn_affine(bn):
-    """(scale, shift) of the BN's inference map, in float64, with the layer's own epsilon."""
-    channels = bn.moving_mean.shape
-    gamma = np.ones(channels) if bn.gamma is None else np.asarray(bn.gamma, np.float64)
-    beta = np.zeros(channels) if bn.beta is None else np.asarray(bn.beta, np.float64)
-    scale, shift = ops.inference_affine(
-        np.asarray(bn.moving_mean, np.float64), np.asarray(bn.moving_variance, np.float64),
-        gamma, beta, float(bn.epsilon),
-    )
-    return np.asarray(scale).ravel(), np.asarray(shift).ravel()
+    return _bn_layers.channel_axes(bn, len(node.input_tensors[0].shape))
 
 
 def _host_weights(host, weights):
@@ -334,27 +337,57 @@ def _host_weights(host, weights):
 
 def _fold_backward(bn, host, weights):
     kernels, bias = _host_weights(host, weights)
-    kernel, bias = BACKWARD_FOLDS[type(host)](kernels[-1], bias, *_bn_affine(bn))
+    kernel, bias = BACKWARD_FOLDS[type(host)](kernels[-1], bias, *_bn_layers.inference_affine(bn))
     weights[id(host)] = (kernels[:-1] + [kernel], bias)
 
 
 def _fold_forward(bn, node, consumer, weights):
     kernels, bias = _host_weights(consumer, weights)
-    kernel, bias = fold.fold_forward(kernels[-1], bias, *_bn_affine(bn),
+    kernel, bias = fold.fold_forward(kernels[-1], bias, *_bn_layers.inference_affine(bn),
                                      groups=getattr(consumer, "groups", 1))
     weights[id(consumer)] = (kernels[:-1] + [kernel], bias)
 
 
-def _copy_layer(layer, gains_bias):
-    """An unbuilt copy of a layer, from its config; a folded host always has a bias."""
+def _channel_spread(name, host, kernel, forward):
+    """The ChannelSpread of a host's folded kernel (a SeparableConv's pointwise kernel)."""
+    output_ranges = fold.output_channel_ranges(kernel, OUTPUT_LAYOUTS.get(type(host), fold.LAST))
+    input_spread = None
+    if forward:
+        input_ranges = fold.input_channel_ranges(kernel, getattr(host, "groups", 1))
+        input_spread = fold.channel_spread(input_ranges)
+    return ChannelSpread(name, type(host).__name__, fold.channel_spread(output_ranges),
+                         input_spread)
+
+
+def _channels_first(layer):
+    return getattr(layer, "data_format", None) == "channels_first"
+
+
+def _unused_name(name, model):
+    taken = {layer.name for layer in model.layers}
+    unique, count = name, 0
+    while unique in taken:
+        count += 1
+        unique = f"{name}_{count}"
+    return unique
+
+
+def _copy_layer(layer, use_bias=None):
+    """An unbuilt copy of a layer, from its config; `use_bias` overrides the config's.
+
+    A folded host has a bias: its own (use_bias=True), or, when it is channels_first, a
+    ChannelBias after it (use_bias=False). Keras's own bias add guesses the axis from the
+    shapes (keras.ops.add on the TensorFlow backend) and gets a channels_first output wrong
+    whenever its last dim equals its channel count.
+    """
     if type(layer) is L.Lambda:
         # From its config a Lambda's function would be re-created from bytecode, without the
         # module globals it uses (e.g. `tf`); the live function object is what it computes.
         return L.Lambda(layer.function, output_shape=layer._output_shape, mask=layer.mask,
                         arguments=layer.arguments, name=layer.name, dtype=layer.dtype_policy)
     config = layer.get_config()
-    if gains_bias:
-        config["use_bias"] = True
+    if use_bias is not None:
+        config["use_bias"] = use_bias
     try:
         # The config comes from a live layer, not from a file: a Lambda's function is already
         # loaded in this process, so safe mode (which guards files) has nothing to guard here.
@@ -372,18 +405,26 @@ def _affine_copy(bn, node):
     return InferenceAffine(axes, bn.moving_mean.shape, name=bn.name, dtype=bn.dtype_policy)
 
 
-def _rebuild(model, graph, copies, dropped):
+def _rebuild(model, graph, copies, biases, dropped):
     if isinstance(model, keras.Sequential):
-        layers = [copies[id(layer)] for layer in model.layers if id(layer) not in dropped]
+        layers = []
+        for layer in model.layers:
+            if id(layer) not in dropped:
+                layers.append(copies[id(layer)])
+                layers.extend([biases[id(layer)]] if id(layer) in biases else [])
         return keras.Sequential(
             [keras.Input(batch_shape=model.inputs[0].shape, dtype=model.inputs[0].dtype),
              *layers], name=model.name,
         )
-    inputs = [keras.Input(batch_shape=x.shape, dtype=x.dtype, name=x.name) for x in graph.inputs]
+    inputs = [keras.Input(batch_shape=x.shape, dtype=x.dtype,
+                          name=x._keras_history.operation.name) for x in graph.inputs]
 
     def operation_fn(operation):
         if id(operation) in dropped:
             return lambda x, *args, **kwargs: x
+        if id(operation) in biases:
+            copy, bias = copies[id(operation)], biases[id(operation)]
+            return lambda *args, **kwargs: bias(copy(*args, **kwargs))
         return copies[id(operation)]
 
     outputs = graph._run_through_graph(inputs, operation_fn=operation_fn)
@@ -391,7 +432,7 @@ def _rebuild(model, graph, copies, dropped):
     return keras.Model(inputs, outputs, name=model.name)
 
 
-def _copy_weights(nodes, copies, weights, refolded):
+def _copy_weights(nodes, copies, biases, weights, refolded):
     """Load the copies: folded weights for hosts, the affine for kept BNs, else the originals."""
     done = set()
     for node in nodes:
@@ -403,7 +444,11 @@ def _copy_weights(nodes, copies, weights, refolded):
         done.add(id(layer))
         copy = copies[id(layer)]
         if isinstance(copy, InferenceAffine):
-            copy.set_affine(*_bn_affine(layer))
+            copy.set_affine(*_bn_layers.inference_affine(layer))
+        elif id(layer) in biases:
+            kernels, bias = weights[id(layer)]
+            copy.set_weights(kernels)
+            biases[id(layer)].bias.assign(bias)
         elif id(layer) in weights:
             kernels, bias = weights[id(layer)]
             copy.set_weights(kernels + [bias])

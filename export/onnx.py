@@ -1,13 +1,11 @@
-"""export_onnx: fold, convert with tf2onnx.from_function, run in onnxruntime, compare with Keras."""
-
-import os
+"""export_onnx: the ONNX steps of the export pipeline (tf2onnx, onnx.checker, onnxruntime)."""
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import tf2onnx
 
-from keras_bn.export import atomic, report, trace
-from keras_bn.export.graph import fold_batch_norms, random_input
+from keras_bn.export import pipeline, trace
 
 # Both ends of onnxruntime's optimiser: what the file says, and what ORT makes of it.
 SESSION_SETTINGS = {
@@ -16,56 +14,104 @@ SESSION_SETTINGS = {
 }
 
 
-def export_onnx(model, path, opset=17, fold=True, probe=None, on_stage=None):
-    """Write `model` as an .onnx file at `path` and check it against the Keras model.
+def export_onnx(model, path, opset=17, fold=True, probe=None, atol=None, strict=True,
+                on_stage=None):
+    """Write `model` as an .onnx file at `path`, once it matches the Keras model in onnxruntime.
 
     Args:
-        model: a Keras model with one input and one output.
-        path: the .onnx file to write (atomically: no partial file on failure).
+        model: a built Sequential or Functional Keras model; any number of inputs and outputs
+            (lists, dicts), of any dtypes.
+        path: the .onnx file to write. It is written to a temporary file in the same folder,
+            validated with onnx.checker, run and compared, and only then renamed to `path`.
         opset: the ONNX opset.
         fold: fold the batch norms first (`fold_batch_norms`).
-        probe: inputs on which the file is compared with `model`; seeded random by default.
+        probe: inputs on which the file is compared with `model`, in any structure
+            `model.predict` takes; seeded random by default.
+        atol: the largest error allowed, as a fraction of each output's scale (max |output|
+            on the probe); default 1e-4, or 1e-2 for a model that computes in float16 or
+            bfloat16 (a mixed-precision policy).
+        strict: raise VerificationError (and write nothing) when the file is over `atol`;
+            False writes it anyway and returns the report (`report.passed` is False).
         on_stage: optional callback, called with "fold", "convert" and "verify" as each
             stage starts (the CLI's progress display).
 
     Returns:
-        ExportReport with the error of onnxruntime with graph optimisation disabled and
-        enabled, the file's op histogram and its size.
+        ExportReport: the error of each output in onnxruntime with graph optimisation
+        disabled and enabled, the file's op histogram and its size.
+
+    Raises:
+        VerificationError: the file is over `atol` (or not finite) and strict is True; any
+            file at `path` is unchanged.
+        ValueError: a bad argument, a probe that does not fit the model, or a file that
+            onnx.checker rejects.
+        OSError: `path` cannot be written.
     """
-    trace.check_single_io(model)
-    probe = np.asarray(random_input(model) if probe is None else probe)
-    stage = on_stage or (lambda name: None)
-    if fold:
-        stage("fold")
-    source, fold_report = fold_batch_norms(model, probe) if fold else (model, None)
-    stage("convert")
-    function = trace.inference_function(source)
-    proto, _ = tf2onnx.convert.from_function(
-        function, input_signature=function.input_signature, opset=opset
-    )
-    content = proto.SerializeToString()
-    expected = np.asarray(model(probe, training=False), np.float64)
-
-    stage("verify")
-    errors = atomic.write_bytes(path, content, check=lambda written: {
-        setting: report.max_abs_error(run(written, probe, level), expected)
-        for setting, level in SESSION_SETTINGS.items()
-    })
-    return report.ExportReport(
-        format="onnx",
-        path=os.path.abspath(path),
-        size_bytes=len(content),
-        errors=errors,
-        output_scale=float(np.abs(expected).max()),
-        op_histogram=report.histogram(node.op_type for node in proto.graph.node),
-        fold=fold_report,
-    )
+    return pipeline.export(model, path, _ONNX(opset), atol=atol, strict=strict, fold=fold,
+                           probe=probe, on_stage=on_stage)
 
 
-def run(path, x, level=ort.GraphOptimizationLevel.ORT_ENABLE_ALL):
-    """Run a single-input, single-output ONNX file in onnxruntime (CPU) on a batch."""
+class _ONNX(pipeline.Format):
+    name = "onnx"
+
+    def __init__(self, opset):
+        if isinstance(opset, bool) or not isinstance(opset, int) or opset < 1:
+            raise ValueError(f"opset must be a positive int; received opset={opset!r}.")
+        self.opset = opset
+
+    def convert(self, model, sig):
+        function = trace.inference_function(model, sig)
+        proto, _ = tf2onnx.convert.from_function(
+            function, input_signature=function.input_signature, opset=self.opset
+        )
+        return proto.SerializeToString()
+
+    def check_file(self, path):
+        check(path)
+
+    def run(self, path, inputs):
+        return {setting: run(path, inputs, level) for setting, level in SESSION_SETTINGS.items()}
+
+    def op_names(self, path):
+        return [node.op_type for node in onnx.load(path).graph.node]
+
+
+def check(path):
+    """onnx.checker.check_model with full shape inference; a ValueError naming `path` if the
+    file is not a valid ONNX model."""
+    try:
+        onnx.checker.check_model(str(path), full_check=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise ValueError(f"{path} is not a valid ONNX model: {first_line}") from error
+
+
+def run(path, inputs, level=ort.GraphOptimizationLevel.ORT_ENABLE_ALL):
+    """Run an .onnx file in onnxruntime (CPU).
+
+    Args:
+        path: the file.
+        inputs: {input name: array}, or one array for a single-input file; any batch size.
+        level: onnxruntime's graph optimisation level.
+
+    Returns:
+        {output name: array}.
+    """
     options = ort.SessionOptions()
     options.graph_optimization_level = level
-    session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
-    (input_,) = session.get_inputs()
-    return session.run(None, {input_.name: x.astype(np.float32)})[0]
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()]
+    if not isinstance(inputs, dict):
+        if len(names) != 1:
+            raise ValueError(f"{path} has the inputs {names}: give a dict keyed by them.")
+        inputs = {names[0]: inputs}
+    types = {i.name: i.type for i in session.get_inputs()}
+    feed = {name: np.asarray(inputs[name], _ORT_TYPES.get(types[name], None)) for name in names}
+    outputs = session.run(None, feed)
+    return dict(zip([o.name for o in session.get_outputs()], outputs))
+
+
+_ORT_TYPES = {
+    "tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
+    "tensor(int32)": np.int32, "tensor(int64)": np.int64, "tensor(bool)": np.bool_,
+    "tensor(int8)": np.int8, "tensor(uint8)": np.uint8,
+}

@@ -1,36 +1,188 @@
-"""A Keras model as a tf.function with an explicit input signature and a dynamic batch dim.
+"""A Keras model's inputs and outputs by name, and the model as a traced inference function.
 
-Both converters start from this: TFLite's from_concrete_functions and tf2onnx's
-from_function need a traced function, and an explicit signature avoids the Keras 3 paths of
-from_keras (tf2onnx#2329, #2348, #2448).
+Every exporter and the fold report work on flat {name: array} maps: the runtimes (LiteRT
+signatures, onnxruntime sessions) take and give named tensors, and a report needs one error
+per output name. `Signature` fixes those names once per model:
+- inputs: the key where the model takes a dict, else the Input layer's name;
+- outputs: the key where the model returns a dict, else the name of the layer that produces it
+  (`_1`, `_2` appended where two outputs would share a name).
+
+The converters start from `inference_function`: a tf.function with an explicit signature and
+a dynamic batch dim (TFLite via a SavedModel, tf2onnx's from_function), which avoids the
+Keras 3 paths of tf2onnx's from_keras (tf2onnx#2329, #2348, #2448).
 """
 
+import dataclasses
+import re
+
 import keras
+import numpy as np
 import tensorflow as tf
+from keras.src.models.functional import Functional
+
+RANDOM_BATCH = 4
+UNKNOWN_DIM = 8  # a free non-batch dim in random input
 
 
-def check_single_io(model):
-    """The exporters' runners feed one input and read one output: say so up front."""
-    for kind, tensors in (("input", model.inputs), ("output", model.outputs)):
-        count = len(keras.tree.flatten(tensors))
-        if count != 1:
+@dataclasses.dataclass(frozen=True)
+class Signature:
+    """Names, shapes and dtypes of a model's inputs and outputs, in the model's flat order."""
+
+    input_names: tuple
+    input_specs: tuple  # tf.TensorSpec per input, batch dim free, named as the input
+    output_names: tuple
+    _inputs_struct: object  # what the model is called with, with inputs as leaves
+
+    def pack(self, feed):
+        """The model's own input structure from a {name: array} feed."""
+        return keras.tree.pack_sequence_as(
+            self._inputs_struct, [feed[name] for name in self.input_names])
+
+
+def signature(model):
+    """The Signature of a built Sequential or Functional model (nested structures allowed).
+
+    Raises TypeError for a subclassed model (its inputs are not known before it is called)
+    and ValueError for an unbuilt Sequential one.
+    """
+    if not isinstance(model, (keras.Sequential, Functional)):
+        raise TypeError(
+            f"Cannot export '{model.name}', a subclassed {type(model).__name__}: it has no "
+            f"declared inputs and outputs. Build it as a Sequential or Functional model."
+        )
+    if not model.built or not model.inputs:
+        raise ValueError(f"Model '{model.name}' is not built: give it a keras.Input first.")
+    inputs = getattr(model, "_inputs_struct", None)
+    if inputs is None:  # Sequential
+        inputs = model.inputs[0] if len(model.inputs) == 1 else list(model.inputs)
+    outputs = getattr(model, "_outputs_struct", None)
+    if outputs is None:
+        outputs = model.outputs[0] if len(model.outputs) == 1 else list(model.outputs)
+    input_names = _names(inputs, lambda t: t._keras_history.operation.name)
+    specs = tuple(
+        tf.TensorSpec([None, *t.shape[1:]], t.dtype, name=name)
+        for name, t in zip(input_names, keras.tree.flatten(inputs))
+    )
+    output_names = _names(outputs, lambda t: t._keras_history.operation.name)
+    return Signature(input_names, specs, output_names, inputs)
+
+
+def _names(structure, name_of_tensor):
+    """One unique, converter-safe name per leaf: dict keys along its path, else its own name."""
+    names = []
+    for path, tensor in keras.tree.flatten_with_path(structure):
+        keys = [str(p) for p in path if isinstance(p, str)]
+        name = "_".join(keys) if keys else name_of_tensor(tensor)
+        name = re.sub(r"[^A-Za-z0-9_.\-]", "_", name) or "tensor"
+        unique, count = name, 0
+        while unique in names:
+            count += 1
+            unique = f"{name}_{count}"
+        names.append(unique)
+    return tuple(names)
+
+
+def feed(sig, data, what="probe"):
+    """{input name: array} from `data` in any structure `model.predict` takes.
+
+    Args:
+        sig: the model's Signature.
+        data: one array (single-input models), a list/tuple of arrays in the model's input
+            order, or a dict keyed by input name.
+        what: the argument's name, for error messages.
+
+    Returns:
+        dict of numpy arrays in the inputs' dtypes, all with the same number of samples.
+
+    Raises:
+        ValueError naming the input when a name is missing or unknown, the count is wrong, the
+        sample counts differ, or a float array is given for an integer input.
+    """
+    names = sig.input_names
+    if isinstance(data, dict) or hasattr(data, "files"):  # dict, or np.load's NpzFile
+        given = set(data.keys())
+        if given != set(names):
             raise ValueError(
-                f"Export supports models with one {kind}; '{model.name}' has {count}."
+                f"{what} has arrays for {sorted(given)}, but the model's inputs are "
+                f"{list(names)} (missing {sorted(set(names) - given)}, unknown "
+                f"{sorted(given - set(names))})."
             )
+        arrays = [data[name] for name in names]
+    elif isinstance(data, (list, tuple)):
+        if len(data) != len(names):
+            raise ValueError(
+                f"{what} has {len(data)} arrays, but the model has {len(names)} inputs "
+                f"{list(names)}."
+            )
+        arrays = list(data)
+    elif len(names) == 1:
+        arrays = [data]
+    else:
+        raise ValueError(
+            f"{what} is one array, but the model has {len(names)} inputs {list(names)}: give a "
+            f"list in that order or a dict keyed by those names."
+        )
+    result = {}
+    for name, array, spec in zip(names, arrays, sig.input_specs):
+        result[name] = _as_input(name, np.asarray(array), spec, what)
+    counts = {name: len(a) for name, a in result.items()}
+    if len(set(counts.values())) > 1:
+        raise ValueError(f"{what}'s arrays differ in their number of samples: {counts}.")
+    return result
 
 
-def input_spec(model):
-    """The TensorSpec of the model's single input, with the batch dim left free."""
-    check_single_io(model)
-    tensor = model.inputs[0]
-    return tf.TensorSpec([None, *tensor.shape[1:]], tensor.dtype, name="input")
+def _as_input(name, array, spec, what):
+    dtype = np.dtype(spec.dtype.as_numpy_dtype)
+    if array.ndim == 0:
+        raise ValueError(f"{what} for input '{name}' is a scalar; it needs a batch axis.")
+    if np.issubdtype(array.dtype, np.floating) and not np.issubdtype(dtype, np.floating):
+        raise ValueError(
+            f"{what} for input '{name}' is {array.dtype}, but the input is {dtype.name}."
+        )
+    expected = spec.shape[1:]
+    if len(array.shape) - 1 != len(expected) or any(
+            d is not None and d != a for d, a in zip(expected, array.shape[1:])):
+        raise ValueError(
+            f"{what} for input '{name}' has shape {array.shape}, but the input takes "
+            f"(batch, {', '.join('None' if d is None else str(d) for d in expected)})."
+        )
+    return array.astype(dtype, copy=False)
 
 
-def inference_function(model):
-    """tf.function(x) -> the model's single output in inference mode."""
+def random_feed(sig, batch=RANDOM_BATCH, seed=0):
+    """Seeded input for every model input: standard normal for floats, 0s and 1s for integer
+    and bool inputs (valid ids and masks for any vocabulary); free dims get 8."""
+    rng = np.random.default_rng(seed)
+    result = {}
+    for name, spec in zip(sig.input_names, sig.input_specs):
+        shape = [batch] + [UNKNOWN_DIM if d is None else d for d in spec.shape[1:]]
+        dtype = np.dtype(spec.dtype.as_numpy_dtype)
+        if np.issubdtype(dtype, np.floating):
+            result[name] = rng.standard_normal(shape).astype(dtype)
+        else:
+            result[name] = rng.integers(0, 2, shape).astype(dtype)
+    return result
 
-    @tf.function(input_signature=[input_spec(model)])
-    def infer(x):
-        return {"output": model(x, training=False)}
 
-    return infer
+def first_samples(inputs, count):
+    """The first `count` samples of every array of a feed."""
+    return {name: array[:count] for name, array in inputs.items()}
+
+
+def outputs(model, sig, inputs):
+    """{output name: float64 array}: the model run in inference mode on a feed."""
+    results = keras.tree.flatten(model(sig.pack(inputs), training=False))
+    return {name: np.asarray(r, np.float64) for name, r in zip(sig.output_names, results)}
+
+
+def inference_function(model, sig):
+    """tf.function(*inputs) -> {output name: tensor}, the model in inference mode.
+
+    Its positional arguments follow `sig.input_names`, each with its TensorSpec.
+    """
+
+    def infer(*tensors):
+        results = model(sig.pack(dict(zip(sig.input_names, tensors))), training=False)
+        return dict(zip(sig.output_names, keras.tree.flatten(results)))
+
+    return tf.function(infer, input_signature=list(sig.input_specs))

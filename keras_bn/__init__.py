@@ -8,7 +8,7 @@ if _keras.backend.backend() != "tensorflow":
         f"{_keras.backend.backend()!r}. Set KERAS_BACKEND=tensorflow before importing keras."
     )
 
-from keras_bn import convert, diagnostics  # noqa: E402
+from keras_bn import callbacks, convert, diagnostics  # noqa: E402
 from keras_bn.layers import BatchNormalization  # noqa: E402
 from keras_bn.population import (  # noqa: E402
     LayerChange,
@@ -20,6 +20,7 @@ __all__ = [
     "BatchNormalization",
     "LayerChange",
     "RecalibrationReport",
+    "callbacks",
     "convert",
     "diagnostics",
     "recalibrate",

@@ -12,9 +12,9 @@ import inspect
 
 import keras
 
-from keras_bn.layers import BatchNormalization
+from keras_bn._bn_layers import KERAS_BN as _KERAS_BN
+from keras_bn._bn_layers import KERAS_BN_BN as BatchNormalization
 
-_KERAS_BN = keras.layers.BatchNormalization
 _BASE_ARGUMENTS = set(inspect.signature(keras.layers.Layer.__init__).parameters)
 
 

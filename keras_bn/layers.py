@@ -32,10 +32,10 @@ class BatchNormalization(keras.layers.Layer):
     (`trainable=False`) always normalizes with its moving statistics and never updates them.
 
     Guards:
-    - m = 1 in training cannot estimate a variance. It raises a ValueError at trace time when
-      the shape is static, and an InvalidArgumentError with the same message at run time
-      otherwise. Under XLA (`jit_compile=True`) run-time asserts are compiled away: a dynamic
-      m = 1 then outputs β, like Keras, and the moving statistics are left unchanged.
+    - m ≤ 1 in training cannot estimate a variance. Known when traced (a static batch of 1)
+      it raises a ValueError. Known only at run time (a mask that leaves at most one value, a
+      dynamic batch of 1) the output is β for that batch, as in Keras, and the moving
+      statistics and batch counter are left unchanged; eager, graph and XLA alike.
     - A batch whose mean or variance is not finite leaves the moving statistics unchanged; the
       output still shows the NaN or inf.
 
@@ -70,15 +70,19 @@ class BatchNormalization(keras.layers.Layer):
         synchronized: under a `tf.distribute` strategy with several replicas, compute the
             batch statistics over the global batch (all replicas) and all-reduce the backward
             pass's sums too, so training equals single-device BN on the global batch. With
-            False each replica normalizes with its own batch's statistics (Keras semantics);
-            either way the moving statistics are averaged over replicas and stay identical.
+            False each replica normalizes with its own batch's statistics (Keras semantics),
+            and the moving statistics move toward the replicas' count-weighted averages,
+            Σmᵢμᵢ/Σmᵢ and Σmᵢ·sᵢ²/Σmᵢ (sᵢ² the unbiased variance of replica i's mᵢ values).
+            Either way every replica applies the same update, so the copies stay identical,
+            and a non-finite statistic on any replica skips the update on all of them.
         **kwargs: base layer arguments (`name`, `dtype`, `trainable`, ...).
 
     Call arguments:
         inputs: floating tensor.
         training: Python bool; training mode uses the batch statistics.
-        mask: optional boolean tensor with the input's shape less its channel axes; only the
-            True positions enter the statistics (all positions are normalized).
+        mask: optional boolean tensor with the input's shape less its channel axes, or any
+            shape of that rank that broadcasts to it (size-1 dimensions); only the True
+            (non-zero) positions enter the statistics (all positions are normalized).
     """
 
     def __init__(
@@ -198,7 +202,7 @@ class BatchNormalization(keras.layers.Layer):
 
         if training and self.trainable:
             y, mean, variance, count = self._normalize_batch(inputs, gamma, beta, mask)
-            self._update_moving_statistics(mean, variance, count)
+            self._update_moving_statistics(inputs, mean, variance, count)
         else:
             y = ops.batch_norm_eval(
                 inputs, tf.cast(self.moving_mean, dtype), tf.cast(self.moving_variance, dtype),
@@ -237,7 +241,7 @@ class BatchNormalization(keras.layers.Layer):
         mask = None if mask is None else ops.expand_mask(mask, batch, channel_axes)
         replicas = self._replica_context()
         count = ops.element_count(batch, channel_axes, mask, replicas)
-        batch = self._assert_enough_elements(batch, count)
+        gamma = self._zero_unless_enough(gamma, batch, count)
         if not (self.renorm or self.virtual_batch_size):
             y, mean, variance = ops.batch_norm_train(
                 batch, gamma, beta, channel_axes, self.epsilon, mask, fused=self._fused,
@@ -267,12 +271,7 @@ class BatchNormalization(keras.layers.Layer):
     def _replica_context(self):
         """The replica context to all-reduce over for synchronized BN, or None: not
         synchronized, outside a strategy's replica function, or a single replica."""
-        if not self.synchronized:
-            return None
-        context = tf.distribute.get_replica_context()
-        if context is None or context.num_replicas_in_sync <= 1:
-            return None
-        return context
+        return _several_replicas() if self.synchronized else None
 
     def _param(self, variable, default, dtype):
         """A weight as a tensor, or the constant that stands for it when disabled."""
@@ -281,50 +280,79 @@ class BatchNormalization(keras.layers.Layer):
             return tf.fill(shape, tf.constant(default, dtype))
         return tf.cast(variable, dtype)
 
-    def _assert_enough_elements(self, x, count):
-        message = (
-            f"BatchNormalization layer '{self.name}' in training mode needs at least 2 values "
-            f"per channel to estimate a batch variance, but this batch gives m=1 (input shape "
-            f"{x.shape}). Use a larger batch, or call it with training=False."
-        )
+    def _zero_unless_enough(self, gamma, x, count):
+        """γ, or 0 for a batch with m ≤ 1 values per channel, which has no variance.
+
+        m ≤ 1 known when traced (a static batch of 1) is the caller's mistake: ValueError.
+        Known only at run time (a mask that leaves ≤ 1 value, a dynamic batch of 1) it is
+        legitimate data: γ = 0 makes the output β and the gradients to x and γ zero (x̂ stays
+        finite, see ops.divisor), and _update_moving_statistics skips the batch (count > 1).
+        """
         if isinstance(count, int):
             if count < 2:
-                raise ValueError(message.replace("m=1", f"m={count}"))
-            return x
-        check = tf.debugging.assert_greater_equal(count, tf.cast(2, count.dtype), message=message)
-        with tf.control_dependencies([check]):
-            return tf.identity(x)
+                raise ValueError(
+                    f"BatchNormalization layer '{self.name}' in training mode needs at least "
+                    f"2 values per channel to estimate a batch variance, but this batch gives "
+                    f"m={count} (input shape {x.shape}). Use a larger batch, or call it with "
+                    f"training=False."
+                )
+            return gamma
+        return tf.where(count > 1, gamma, tf.zeros_like(gamma))
 
-    def _update_moving_statistics(self, mean, variance, count):
-        """EMA of μ_B and of the unbiased m/(m−1)·σ²_B; a non-finite batch changes nothing."""
+    def _update_moving_statistics(self, inputs, mean, variance, count):
+        """EMA of μ_B and of the unbiased m/(m−1)·σ²_B; a non-finite batch changes nothing.
+
+        Under a strategy every replica applies the same update, decided together: see
+        `_pool_replicas`.
+        """
         var_dtype = self.moving_mean.dtype
-        mean = tf.cast(mean, var_dtype)
+        mean, variance = tf.cast(mean, var_dtype), tf.cast(variance, var_dtype)
         if isinstance(count, int):  # static m, already checked ≥ 2: the factor costs no op
-            unbiased = tf.cast(variance, var_dtype) * (count / (count - 1))
-            usable = tf.reduce_all(tf.math.is_finite(tf.stack([mean, unbiased])))
+            unbiased, enough = variance * (count / (count - 1)), True
         else:
             count = tf.cast(count, var_dtype)
-            unbiased = tf.cast(variance, var_dtype) * count / (count - 1.0)
-            usable = (count > 1.0) & tf.reduce_all(tf.math.is_finite(tf.stack([mean, unbiased])))
+            unbiased, enough = variance * count / (count - 1.0), count > 1.0
+        # Renorm's stddev average, √(σ²_B + ε), pools like the moving statistics.
+        batch = [mean, unbiased] + ([tf.sqrt(variance + self.epsilon)] if self.renorm else [])
+        batch, usable = self._pool_replicas(inputs, count, batch, enough)
         momentum = self.momentum
         if momentum is None:  # cumulative average: the n-th usable batch gets weight 1/n
             seen = tf.cast(self.num_batches_tracked, var_dtype)
             momentum = seen / (seen + 1.0)
             self.num_batches_tracked.assign_add(tf.cast(usable, "int64"))
-        for moving, batch_value in ((self.moving_mean, mean), (self.moving_variance, unbiased)):
+        for moving, batch_value in zip((self.moving_mean, self.moving_variance), batch):
             _average_into(moving, batch_value, momentum, usable)
         if self.renorm:
-            self._update_renorm_statistics(mean, tf.cast(variance, var_dtype), usable)
+            self._update_renorm_statistics(batch[0], batch[2], usable)
 
-    def _update_renorm_statistics(self, mean, variance, usable):
+    def _pool_replicas(self, inputs, count, batch, enough):
+        """The per-channel `batch` values every replica averages in, and whether they are
+        usable (all finite, m ≥ 2).
+
+        Synchronized BN's statistics are already global, and one replica has nothing to
+        pool: the values are returned as they are. Otherwise (synchronized=False, several
+        replicas) one all-reduce gives each replica the same count-weighted average
+        Σ mᵢ·vᵢ / Σ mᵢ over the replicas i, mᵢ being the number of values replica i reduced
+        (all ghosts together); see `_count_weighted_average`.
+        """
+        context = None if self.synchronized else _several_replicas()
+        if context is None:
+            return batch, _usable(batch, enough)
+        weight = count if self.virtual_batch_size is None else ops.element_count(
+            inputs, self._channel_axes
+        )
+        return _count_weighted_average(context, batch, weight, enough)
+
+    def _update_renorm_statistics(self, mean, stddev, usable):
         """Keras's renorm state: renorm_mean and renorm_stddev average μ_B and √(σ²_B + ε) with
         renorm_momentum (they give r and d). moving_stddev is kept at √(moving_variance + ε),
         the relation Keras maintains, so the weights carry over to Keras unchanged."""
-        for moving, batch_value in (
-            (self.renorm_mean, mean), (self.renorm_stddev, tf.sqrt(variance + self.epsilon))
-        ):
+        for moving, batch_value in ((self.renorm_mean, mean), (self.renorm_stddev, stddev)):
             _average_into(moving, batch_value, self.renorm_momentum, usable)
-        self.moving_stddev.assign(tf.sqrt(self.moving_variance + self.epsilon))
+        # Only for a usable batch: a skipped one leaves every weight as it was.
+        self.moving_stddev.assign(tf.where(
+            usable, tf.sqrt(self.moving_variance + self.epsilon), self.moving_stddev
+        ))
 
     def compute_output_shape(self, input_shape):
         return input_shape
@@ -399,6 +427,45 @@ def _validate_momentum(momentum, name="momentum"):
     if not 0.0 <= momentum < 1.0:
         raise ValueError(f"{name} must be in [0, 1); received {name}={momentum}.")
     return momentum
+
+
+def _several_replicas():
+    """The current replica context when a tf.distribute strategy runs several replicas;
+    None outside a replica function or with one replica."""
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync <= 1:
+        return None
+    return context
+
+
+def _usable(values, enough):
+    """Whether a moving-statistics update may be applied: every value finite and m ≥ 2
+    (`enough`: True when m was checked statically, else a boolean tensor)."""
+    finite = tf.reduce_all(tf.math.is_finite(tf.stack(values)))
+    return finite if enough is True else enough & finite
+
+
+def _count_weighted_average(context, values, weight, enough):
+    """Across the replicas of `context`: (Σᵢ wᵢ·vᵢ / Σᵢ wᵢ for each per-channel tensor v in
+    `values`, whether the result is usable), identical on every replica.
+
+    A replica whose m < 2 (`enough` false; possible at run time) has no variance: it counts
+    with weight 0, and if no replica has m ≥ 2 the result is unusable. A non-finite value on
+    any other replica makes its sum non-finite, so all replicas skip the update together.
+    One all-reduce of the packed vector [w, w·v...].
+    """
+    dtype = values[0].dtype
+    weight = tf.cast(weight, dtype)
+    if enough is not True:
+        weight = tf.where(enough, weight, tf.zeros_like(weight))
+        values = [tf.where(enough, v, tf.zeros_like(v)) for v in values]
+    packed = tf.concat([weight[None]] + [tf.reshape(weight * v, [-1]) for v in values], 0)
+    total = context.all_reduce(tf.distribute.ReduceOp.SUM, packed)
+    averages = [
+        tf.reshape(part, tf.shape(v)) / total[0]  # 0/0 = NaN, unusable, when all weigh 0
+        for part, v in zip(tf.split(total[1:], len(values)), values)
+    ]
+    return averages, _usable(averages, True)
 
 
 def _average_into(moving, value, momentum, usable):

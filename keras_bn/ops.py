@@ -50,9 +50,12 @@ def _per_channel(t, x, channel_axes):
 def expand_mask(mask, x, channel_axes):
     """A mask over the non-channel axes, as a 0/1 tensor of x's dtype broadcastable to x.
 
-    The mask's shape must be x's shape without the channel axes (Keras's convention, which for
-    one trailing channel axis is `x.shape[:-1]`). It takes the statistics dtype: float16 cannot
-    count past 2048 exactly.
+    The mask has the rank of x's shape without the channel axes, and each of its dimensions is
+    that dimension of x or 1 (it broadcasts, as Keras's masks do): for one trailing channel
+    axis, `x.shape[:-1]` or e.g. (batch, 1, ...). A lower rank is refused rather than aligned
+    from the right, which would silently pair a per-sample mask with another axis. Non-zero
+    values count as True, as in Keras. The result takes the statistics dtype (float16 cannot
+    count past 2048 exactly) and the full non-channel shape, so that summing it counts m.
     """
     mask = tf.convert_to_tensor(mask)
     rank = x.shape.rank
@@ -62,13 +65,19 @@ def expand_mask(mask, x, channel_axes):
             f"{x.shape}, channel axes {list(channel_axes)}, so a mask of rank "
             f"{rank - len(channel_axes)}; received a mask of shape {mask.shape}."
         )
-    expected = [x.shape[i] for i in reduction_axes(rank, channel_axes)]
+    axes = reduction_axes(rank, channel_axes)
+    expected = [x.shape[i] for i in axes]
     for got, want in zip(mask.shape, expected):
-        if got is not None and want is not None and got != want:
+        if got is not None and want is not None and got not in (want, 1):
             raise ValueError(
                 f"The mask's shape {mask.shape} does not match the input's non-channel "
-                f"dimensions {expected} (input shape {x.shape})."
+                f"dimensions {expected} (input shape {x.shape}): each dimension must be "
+                f"that size or 1."
             )
+    if mask.dtype != tf.bool:
+        mask = tf.cast(mask, tf.bool)
+    if mask.shape.as_list() != expected or None in expected:
+        mask = tf.broadcast_to(mask, tf.gather(tf.shape(x), axes))
     for axis in channel_axes:
         mask = tf.expand_dims(mask, axis)
     return tf.cast(mask, statistics_dtype(x.dtype))
@@ -78,9 +87,9 @@ def element_count(x, channel_axes, mask=None, replica_context=None):
     """m: how many elements each channel's statistics are taken over.
 
     A Python int when the shape is static, there is no mask and no replica context (so callers
-    can check it at trace time); otherwise a scalar tensor of `statistics_dtype(x.dtype)`.
-    `mask` is the output of `expand_mask`. With a `replica_context` (synchronized BN) it is the
-    count over every replica's batch.
+    can check it at trace time); otherwise a scalar tensor of `statistics_dtype(x.dtype)`,
+    which may be 0 or 1 (see `divisor`). `mask` is the output of `expand_mask`. With a
+    `replica_context` (synchronized BN) it is the count over every replica's batch.
     """
     axes = reduction_axes(x.shape.rank, channel_axes)
     dims = [x.shape[i] for i in axes]
@@ -98,6 +107,13 @@ def element_count(x, channel_axes, mask=None, replica_context=None):
     if replica_context is None:
         return local
     return replica_context.all_reduce(tf.distribute.ReduceOp.SUM, local)
+
+
+def divisor(count):
+    """`element_count` as a divisor: a run-time m of 0 (a fully masked batch) divides as 1, so
+    its statistics and gradient are 0 rather than NaN. Such a batch (any m ≤ 1) outputs β and
+    leaves the moving statistics alone; see BatchNormalization."""
+    return count if isinstance(count, int) else tf.maximum(count, tf.ones_like(count))
 
 
 def _channel_sums(tensors, axes, mask=None, replica_context=None):
@@ -119,7 +135,7 @@ def moments(x, channel_axes, mask=None, replica_context=None):
         def average(*tensors):
             return [tf.reduce_mean(t, axes, keepdims=True) for t in tensors]
     else:
-        count = element_count(x, channel_axes, mask, replica_context)
+        count = divisor(element_count(x, channel_axes, mask, replica_context))
 
         def average(*tensors):
             return [s / count for s in _channel_sums(tensors, axes, mask, replica_context)]
@@ -259,7 +275,7 @@ def _composite_train(x, gamma, beta, channel_axes, epsilon, mask, replica_contex
     x = tf.cast(x, statistics_dtype(x.dtype))
     axes = reduction_axes(x.shape.rank, channel_axes)
     param_shape = tf.shape(gamma)
-    m = element_count(x, channel_axes, mask, replica_context)
+    m = divisor(element_count(x, channel_axes, mask, replica_context))
     weight = 1.0 if mask is None else mask
 
     @tf.custom_gradient

@@ -29,10 +29,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_bn import ops
-from keras_bn.layers import BatchNormalization
-
-_NORMALIZATION_TYPES = (BatchNormalization, keras.layers.BatchNormalization)
+from keras_bn import _bn_layers, ops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +88,7 @@ def recalibrate(model, data, steps=None, progress=True, batch_size=32):
             numpy array is split along its first axis into batches of `batch_size`.
         steps: how many batches to use; None uses them all (required for an infinite
             dataset).
-        progress: show a tqdm progress bar.
+        progress: show a progress bar (rich, on stderr).
         batch_size: batch size for numpy-array data only.
 
     Returns:
@@ -104,7 +101,7 @@ def recalibrate(model, data, steps=None, progress=True, batch_size=32):
     """
     layers = [
         layer for layer in model._flatten_layers(include_self=False)
-        if isinstance(layer, _NORMALIZATION_TYPES)
+        if _bn_layers.is_batch_norm(layer)
     ]
     if not layers:
         raise ValueError(f"Model '{model.name}' has no BatchNormalization layer to recalibrate.")
@@ -190,10 +187,7 @@ class _InputStatistics:
 
 def _batch_moments(layer, inputs, mask):
     x = tf.cast(inputs, ops.statistics_dtype(inputs.dtype))
-    if isinstance(layer, BatchNormalization):
-        channel_axes = layer._channel_axes
-    else:
-        channel_axes = [layer.axis % x.shape.rank]
+    channel_axes = _bn_layers.channel_axes(layer, x.shape.rank)
     if mask is not None:
         mask = ops.expand_mask(mask, x, channel_axes)
     mean, variance = ops.moments(x, channel_axes, mask)
@@ -230,8 +224,7 @@ class _Sums:
 
 
 def _assign(layer, sums):
-    unbiased = isinstance(layer, BatchNormalization)
-    mean, variance = sums.population(unbiased)
+    mean, variance = sums.population(_bn_layers.unbiased_variance(layer))
     old_mean = layer.moving_mean.numpy().astype(np.float64)
     old_variance = layer.moving_variance.numpy().astype(np.float64)
     layer.moving_mean.assign(mean.astype(layer.moving_mean.dtype))
@@ -244,7 +237,7 @@ def _assign(layer, sums):
         layer.num_batches_tracked.assign(sums.batches)
     return LayerChange(
         name=layer.name,
-        convention="unbiased" if unbiased else "biased",
+        convention=_bn_layers.variance_convention(layer),
         old_mean=old_mean, new_mean=layer.moving_mean.numpy().astype(np.float64),
         old_variance=old_variance,
         new_variance=layer.moving_variance.numpy().astype(np.float64),
@@ -318,6 +311,32 @@ def _take(iterable, steps):
 
 
 def _progress_bar(enabled, total):
-    from tqdm import tqdm
+    return _ProgressBar(enabled, total)
 
-    return tqdm(total=total, disable=not enabled, unit="batch", desc="recalibrate")
+
+class _ProgressBar:
+    """A rich progress bar on stderr (rich comes with Keras): "<layer> ━━━ 3/8 0:00:01".
+
+    Where stderr is not a terminal (a log file, CI), rich draws the final state once.
+    """
+
+    def __init__(self, enabled, total):
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+        from rich.progress import TimeElapsedColumn
+
+        self._progress = Progress(
+            TextColumn("recalibrate {task.description}"), BarColumn(), MofNCompleteColumn(),
+            TimeElapsedColumn(), console=Console(stderr=True), disable=not enabled,
+        )
+        self._task = self._progress.add_task("", total=total)
+        self._progress.start()
+
+    def set_description(self, description):
+        self._progress.update(self._task, description=description)
+
+    def update(self, steps):
+        self._progress.advance(self._task, steps)
+
+    def close(self):
+        self._progress.stop()

@@ -26,11 +26,13 @@ def validate_clipping(renorm_clipping, renorm):
             f"renorm_clipping must be None or a dict with keys {list(CLIPPING_KEYS)}; received "
             f"renorm_clipping={renorm_clipping!r}."
         )
+    # The messages contain Keras's phrases ("Received invalid keys", "rmax should be", "dmax
+    # should be non-negative"), so code that matches Keras's errors matches these too.
     unknown = sorted(set(renorm_clipping) - set(CLIPPING_KEYS))
     if unknown:
         raise ValueError(
             f"renorm_clipping has unknown key(s) {unknown}; the keys are {list(CLIPPING_KEYS)}. "
-            f"Received renorm_clipping={renorm_clipping!r}."
+            f"Received invalid keys for `renorm_clipping`: renorm_clipping={renorm_clipping!r}."
         )
     clipping = {}
     for key, value in renorm_clipping.items():
@@ -42,10 +44,14 @@ def validate_clipping(renorm_clipping, renorm):
     rmin, rmax, dmax = (clipping.get(k) for k in ("rmin", "rmax", "dmax"))
     if rmin is not None and rmax is not None and rmax < rmin:
         raise ValueError(
-            f"renorm_clipping needs rmax ≥ rmin; received rmax={rmax}, rmin={rmin}."
+            f"renorm_clipping needs rmax ≥ rmin (rmax should be greater than or equal to "
+            f"rmin); received rmax={rmax}, rmin={rmin}."
         )
     if dmax is not None and dmax < 0:
-        raise ValueError(f"renorm_clipping needs dmax ≥ 0; received dmax={dmax}.")
+        raise ValueError(
+            f"renorm_clipping needs dmax ≥ 0 (dmax should be non-negative); received "
+            f"dmax={dmax}."
+        )
     if clipping and not renorm:
         raise ValueError(
             f"renorm_clipping={renorm_clipping!r} has no effect without renorm=True."

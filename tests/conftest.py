@@ -2,6 +2,10 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+# TensorFlow turns oneDNN on by default only on CPUs with AVX-512; without it, an eager
+# channels_first convolution fails ("Conv2D op currently only supports the NHWC tensor format
+# on the CPU"), and the channels_first fold and export tests could not run.
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
 import tensorflow as tf  # noqa: E402
 

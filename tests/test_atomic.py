@@ -1,9 +1,10 @@
-"""Atomic writes: no partial file on failure, an existing file untouched, clear OSError."""
+"""Atomic writes: no partial file on failure, an existing file untouched, clear OSError, and the
+mode a plain open() would give (not mkstemp's 0o600)."""
 
 import os
+import stat
 
 import keras
-import numpy as np
 import pytest
 
 from keras_bn.export import atomic, export_onnx, export_tflite
@@ -41,20 +42,45 @@ def test_unwritable_path_raises_oserror_naming_it(tmp_path, where):
     assert sorted(os.listdir(tmp_path)) == ["file"]
 
 
-def _two_input_model():
-    a, b = keras.Input((3,)), keras.Input((3,))
-    return keras.Model([a, b], keras.layers.Add()([a, b]))
+@pytest.fixture
+def umask():
+    """Set the process umask for one test, and restore it."""
+    previous = os.umask(0o022)
+    yield os.umask
+    os.umask(previous)
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o077, 0o002], ids=["022", "077", "002"])
+def test_new_file_gets_the_mode_open_would_give(tmp_path, umask, mask):
+    """mkstemp creates 0o600; a plain open(path, "wb") gives 0o666 less the umask."""
+    umask(mask)
+    with open(tmp_path / "plain", "wb"):
+        pass
+    atomic.write_bytes(tmp_path / "atomic", b"data")
+    with atomic.replacing(tmp_path / "replaced") as temporary:
+        with open(temporary, "wb") as file:
+            file.write(b"data")
+    plain = stat.S_IMODE(os.stat(tmp_path / "plain").st_mode)
+    assert plain == 0o666 & ~mask
+    for name in ("atomic", "replaced"):
+        assert stat.S_IMODE(os.stat(tmp_path / name).st_mode) == plain, name
+
+
+def test_replaced_file_keeps_its_mode(tmp_path, umask):
+    umask(0o022)
+    target = tmp_path / "out.bin"
+    target.write_bytes(b"old")
+    os.chmod(target, 0o640)
+    atomic.write_bytes(target, b"new")
+    assert stat.S_IMODE(os.stat(target).st_mode) == 0o640 and target.read_bytes() == b"new"
 
 
 @pytest.mark.parametrize("exporter", [export_tflite, export_onnx])
-def test_failed_export_leaves_the_existing_file_untouched(tmp_path, exporter):
-    target = tmp_path / "model.out"
-    target.write_bytes(b"previous export")
-    with pytest.raises(ValueError, match="Export supports models with one input"):
-        exporter(_two_input_model(), target, fold=False,
-                 probe=[np.zeros((1, 3), "float32")] * 2)
-    assert target.read_bytes() == b"previous export"
-    assert os.listdir(tmp_path) == ["model.out"]
+def test_exported_file_gets_the_umask_mode(tmp_path, umask, exporter):
+    umask(0o027)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    exporter(model, tmp_path / "model.out")
+    assert stat.S_IMODE(os.stat(tmp_path / "model.out").st_mode) == 0o640
 
 
 @pytest.mark.parametrize("exporter", [export_tflite, export_onnx])

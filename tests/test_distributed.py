@@ -1,12 +1,6 @@
 """Synchronized BN on real tf.distribute replicas (logical CPU devices, see conftest.py) and
 across two real worker processes: exactly single-device BN on the global batch."""
 
-import json
-import os
-import socket
-import subprocess
-import sys
-
 import keras
 import numpy as np
 import pytest
@@ -14,10 +8,9 @@ import tensorflow as tf
 from conftest import assert_close
 
 import keras_bn
-from multiworker_worker import build_model
+import multiworker_worker as worker
 
 EPS = 1e-3
-HERE = os.path.dirname(os.path.abspath(__file__))
 # (global input shape, axis)
 LAYOUTS = {"nhwc": ((16, 4, 4, 3), -1), "nchw": ((16, 3, 4, 4), 1), "2d": ((16, 5), -1)}
 
@@ -62,6 +55,23 @@ def _single_device(x, upstream, axis, momentum=0.5):
             "moving_mean": layer.moving_mean, "moving_variance": layer.moving_variance}
 
 
+def _per_replica(strategy, arrays, splits):
+    """Distributed values: replica i gets the next splits[i] rows of every array in
+    `arrays`, as a tuple."""
+    bounds = np.cumsum([0] + list(splits))
+
+    def shard(context):
+        rows = slice(*bounds[context.replica_id_in_sync_group:][:2])
+        return tuple(tf.constant(a[rows]) for a in arrays)
+
+    return strategy.experimental_distribute_values_from_function(shard)
+
+
+def _copies(strategy, variable):
+    """Every replica's copy of a variable, as numpy arrays."""
+    return [np.asarray(c) for c in strategy.experimental_local_results(variable.value)]
+
+
 def _replicated(x, upstream, axis, replicas, synchronized=True, momentum=0.5):
     """One training step of the layer on `replicas` devices, each given its slice of x.
     Returns the replicas' outputs and input gradients concatenated, the weight gradients
@@ -75,12 +85,7 @@ def _replicated(x, upstream, axis, replicas, synchronized=True, momentum=0.5):
         layer.build((per_replica,) + x.shape[1:])
         layer.set_weights(_weights(layer))
 
-    def shard(context):
-        i = context.replica_id_in_sync_group
-        rows = slice(i * per_replica, (i + 1) * per_replica)
-        return tf.constant(x[rows]), tf.constant(upstream[rows])
-
-    inputs = strategy.experimental_distribute_values_from_function(shard)
+    inputs = _per_replica(strategy, (x, upstream), [per_replica] * replicas)
 
     def replica_step(pair):
         xs, us = pair
@@ -92,12 +97,11 @@ def _replicated(x, upstream, axis, replicas, synchronized=True, momentum=0.5):
 
     results = tf.function(lambda d: strategy.run(replica_step, args=(d,)))(inputs)
     local = [strategy.experimental_local_results(r) for r in results]
-    moving = [strategy.experimental_local_results(v.value)
-              for v in (layer.moving_mean, layer.moving_variance)]
     return {
         "y": tf.concat(local[0], 0), "dx": tf.concat(local[1], 0),
         "dgamma": tf.add_n(local[2]), "dbeta": tf.add_n(local[3]),
-        "replica_moving_mean": moving[0], "replica_moving_variance": moving[1],
+        "replica_moving_mean": _copies(strategy, layer.moving_mean),
+        "replica_moving_variance": _copies(strategy, layer.moving_variance),
     }
 
 
@@ -174,14 +178,14 @@ def test_fit_under_mirrored_strategy_matches_single_device():
     x[np.arange(48) % 16 >= 8] += 3.0  # each batch's second half: replica 1's slice
     y = rng.normal(size=(48, 1)).astype("float32")
     keras.utils.set_random_seed(0)
-    reference = build_model(synchronized=False)
+    reference = worker.build_model(synchronized=False)
     initial = reference.get_weights()
     reference.compile(keras.optimizers.SGD(0.1), "mse")
     reference.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
 
     strategy = _strategy(2)
     with strategy.scope():
-        model = build_model(synchronized=True)
+        model = worker.build_model(synchronized=True)
         model.set_weights(initial)
         model.compile(keras.optimizers.SGD(0.1), "mse")
     model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
@@ -193,17 +197,188 @@ def test_fit_under_mirrored_strategy_matches_single_device():
     assert not np.allclose(reference.layers[1].moving_mean, 0.0)
 
 
+# ------------------------------------------------------------- faults: NaN, unequal replicas
+
+
+def _groups(x, splits, synchronized, virtual_batch_size=None, mask=None):
+    """The sample groups whose statistics the moving update averages: the global batch
+    (synchronized), or each replica's rows, or each replica's ghost batches (ghost g of a
+    replica's B rows holds rows g, g + B/v, g + 2B/v, ...); only the rows a mask keeps."""
+    keep = np.ones(len(x), bool) if mask is None else mask
+    if synchronized:
+        return [x[keep]]
+    bounds = np.cumsum([0] + list(splits))
+    rows = [x[a:b][keep[a:b]] for a, b in zip(bounds[:-1], bounds[1:])]
+    if virtual_batch_size is None:
+        return rows
+    return [r[g::len(r) // virtual_batch_size] for r in rows
+            for g in range(len(r) // virtual_batch_size)]
+
+
+def _moving_targets(groups, eps=EPS):
+    """Numpy: what the moving statistics move toward, each an average over the groups
+    weighted by their value counts m: the mean, the unbiased variance (ddof=1) and renorm's
+    √(σ² + ε) (channel-last groups)."""
+    flat = [g.reshape(-1, g.shape[-1]).astype(np.float64) for g in groups]
+    m = np.array([len(f) for f in flat], np.float64)[:, None]
+
+    def weighted(values):
+        return (m * np.stack(values)).sum(0) / m.sum()
+
+    return {
+        "mean": weighted([f.mean(0) for f in flat]),
+        "unbiased": weighted([f.var(0, ddof=1) for f in flat]),
+        "stddev": weighted([np.sqrt(f.var(0) + eps) for f in flat]),
+    }
+
+
+def _train_replicas(strategy, layer, batches, splits, mask=None):
+    """Training-mode calls of `layer`, one per global batch, split over the replicas (with
+    the same mask over the batch axis for every batch, if given)."""
+    def call(arrays):
+        return layer(arrays[0], training=True, mask=arrays[1] if mask is not None else None)
+
+    step = tf.function(lambda d: strategy.run(call, args=(d,)))
+    for x in batches:
+        step(_per_replica(strategy, (x,) if mask is None else (x, mask), splits))
+
+
+def _replica_layer(strategy, input_shape, **kwargs):
+    with strategy.scope():
+        layer = keras_bn.BatchNormalization(**kwargs)
+        layer.build(input_shape)
+    return layer
+
+
+@pytest.mark.parametrize("bad_replica,bad_value", [(0, np.inf), (1, np.nan)])
+@pytest.mark.parametrize("synchronized", [False, True])
+@pytest.mark.parametrize("momentum", [0.5, None])
+def test_non_finite_batch_on_one_replica_updates_no_replica(
+    momentum, synchronized, bad_replica, bad_value
+):
+    """Three global batches, the second with an inf or a NaN in one replica's rows: every
+    replica skips that batch (the counter of momentum=None too) and takes the other two."""
+    strategy = _strategy(2)
+    batches = [_data((8, 3), seed)[0] for seed in range(3)]
+    batches[1][4 * bad_replica + 1, 2] = bad_value
+    layer = _replica_layer(strategy, (4, 3), momentum=momentum, synchronized=synchronized)
+    _train_replicas(strategy, layer, batches, (4, 4))
+
+    mean, variance = np.zeros(3), np.ones(3)
+    for n, x in enumerate((batches[0], batches[2]), start=1):
+        target = _moving_targets(_groups(x, (4, 4), synchronized))
+        keep = (n - 1) / n if momentum is None else momentum
+        mean = keep * mean + (1 - keep) * target["mean"]
+        variance = keep * variance + (1 - keep) * target["unbiased"]
+    for copy in _copies(strategy, layer.moving_mean):
+        assert_close(copy, mean, 1e-6)
+    for copy in _copies(strategy, layer.moving_variance):
+        assert_close(copy, variance, 1e-6)
+    if momentum is None:
+        assert _copies(strategy, layer.num_batches_tracked) == [2, 2]
+
+
+@pytest.mark.parametrize("values,weights,enough,expected", [
+    ([[1.0, 2.0], [3.0, 4.0]], [5, 3], [True, True], [1.75, 2.75]),
+    # A replica with m < 2 (at run time: a fully masked or empty share) weighs 0, NaN or not.
+    ([[1.0, 2.0], [np.nan, 4.0]], [5, 1], [True, False], [1.0, 2.0]),
+    ([[1.0, 2.0], [np.nan, 4.0]], [5, 3], [True, True], None),  # a NaN with m ≥ 2: skip
+    ([[1.0, 2.0], [3.0, 4.0]], [1, 0], [False, False], None),  # nobody has m ≥ 2: skip
+])
+def test_count_weighted_average_across_real_replicas(values, weights, enough, expected):
+    """The pooling function alone, on 2 replicas: every replica gets Σwᵢvᵢ/Σwᵢ over the
+    replicas with m ≥ 2, and the same verdict on whether to update (None: skip)."""
+    strategy = _strategy(2)
+
+    def shard(context):
+        i = context.replica_id_in_sync_group
+        return (tf.constant(values[i], tf.float32), tf.constant(weights[i], tf.float32),
+                tf.constant(enough[i]))
+
+    def pool(args):
+        value, weight, has_enough = args
+        averages, usable = keras_bn.layers._count_weighted_average(
+            tf.distribute.get_replica_context(), [value], weight, has_enough
+        )
+        return averages[0], usable
+
+    averages, usable = tf.function(lambda d: strategy.run(pool, args=(d,)))(
+        strategy.experimental_distribute_values_from_function(shard)
+    )
+    verdicts = [bool(u) for u in strategy.experimental_local_results(usable)]
+    assert verdicts == [expected is not None] * 2
+    if expected is not None:
+        for average in strategy.experimental_local_results(averages):
+            assert_close(average, expected, 1e-7)
+
+
+UNEQUAL = {  # (global batch shape, layer arguments)
+    "2d": ((8, 3), {}),
+    "nhwc": ((8, 2, 2, 3), {}),
+    "cumulative": ((8, 2, 2, 3), {"momentum": None}),
+    "renorm": ((8, 2, 2, 3), {"renorm": True, "renorm_momentum": 0.5}),
+    "ghost": ((8, 2, 2, 3), {"virtual_batch_size": 1}),
+    "masked": ((8, 3), {}),  # m counts the unmasked rows: 3 and 2
+}
+MASK = np.array([1, 0, 1, 1, 0, 1, 0, 1], bool)
+
+
+@pytest.mark.parametrize("case,synchronized", [
+    (case, synchronized) for case in UNEQUAL for synchronized in (False, True)
+    if not (synchronized and "virtual_batch_size" in UNEQUAL[case][1])  # exclusive options
+])
+def test_unequal_replica_batches_weight_the_update_by_count(case, synchronized):
+    """A global batch of 8 split 5/3. Unsynchronized, the moving mean moves toward
+    (5·μ₁ + 3·μ₂)/8, the global batch mean, and the moving variance toward (5·s₁² + 3·s₂²)/8,
+    sᵢ² replica i's unbiased variance (m counts spatial positions too, and only unmasked
+    rows; with ghost batches the average runs over every replica's ghosts). Synchronized,
+    toward the global batch's mean and unbiased variance."""
+    shape, kwargs = UNEQUAL[case]
+    momentum = kwargs.get("momentum", 0.5)
+    strategy = _strategy(2)
+    x = _data(shape, seed=3)[0]
+    mask = MASK if case == "masked" else None
+    layer = _replica_layer(strategy, (None,) + shape[1:], synchronized=synchronized,
+                           **{"momentum": momentum, **kwargs})
+    _train_replicas(strategy, layer, [x], (5, 3), mask)
+
+    target = _moving_targets(
+        _groups(x, (5, 3), synchronized, kwargs.get("virtual_batch_size"), mask)
+    )
+    channels = (x if mask is None else x[mask]).reshape(-1, shape[-1])
+    if "virtual_batch_size" not in kwargs:
+        assert_close(target["mean"], channels.mean(0), 1e-6)  # the global batch mean
+    keep = 0.0 if momentum is None else momentum
+    expected = {"moving_mean": (1 - keep) * target["mean"],
+                "moving_variance": keep + (1 - keep) * target["unbiased"]}
+    if kwargs.get("renorm"):
+        expected.update(renorm_mean=0.5 * target["mean"],
+                        renorm_stddev=0.5 + 0.5 * target["stddev"])
+    for name, value in expected.items():
+        for copy in _copies(strategy, getattr(layer, name)):
+            assert_close(copy, value, 1e-6)
+    if momentum is None:  # once per global step, not once per replica
+        assert _copies(strategy, layer.num_batches_tracked) == [1, 1]
+
+
+def test_fit_with_an_uneven_last_batch_moves_toward_its_global_mean():
+    """Keras fit under 2 replicas: 21 examples in batches of 8 end with a batch of 5, which TF
+    splits unevenly. With momentum=0 the moving mean is that batch's statistic, and the
+    count-weighted rule makes it the batch's global mean, whatever the split."""
+    rng = np.random.default_rng(2)
+    x = rng.normal(2.0, 3.0, size=(21, 3)).astype("float32")
+    x[-2:] += 10.0  # the last batch's replicas differ
+    strategy = _strategy(2)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras_bn.BatchNormalization(momentum=0.0),
+                                  keras.layers.Dense(1)])
+        model.compile(keras.optimizers.SGD(0.0), "mse")
+    model.fit(x, np.zeros((21, 1), "float32"), batch_size=8, shuffle=False, verbose=0)
+    for copy in _copies(strategy, model.layers[0].moving_mean):
+        assert_close(copy, x[16:].mean(0), 1e-6)
+
+
 # --------------------------------------------------------------------------- multi-worker
-
-
-def _free_ports(n):
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 @pytest.mark.slow
@@ -211,34 +386,15 @@ def test_multi_worker_mirrored_strategy_matches_one_process(tmp_path):
     """Two worker processes on 127.0.0.1 train with MultiWorkerMirroredStrategy, each on its
     half of every global batch; their weights and moving statistics equal one process
     training on the global batch."""
-    import multiworker_worker as worker
-
     keras.utils.set_random_seed(0)
     init = tmp_path / "init.npz"
     np.savez(init, *worker.build_model().get_weights())
     reference = worker.train(None, str(init))
 
-    ports = _free_ports(2)
-    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
-    procs = []
-    try:
-        for index in range(2):
-            env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": "",
-                   "TF_CONFIG": json.dumps({"cluster": cluster,
-                                            "task": {"type": "worker", "index": index}})}
-            procs.append(subprocess.Popen(
-                [sys.executable, os.path.join(HERE, "multiworker_worker.py"), str(init),
-                 str(tmp_path / f"worker{index}.npz")],
-                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            ))
-        for proc in procs:
-            out, _ = proc.communicate(timeout=100)
-            assert proc.returncode == 0, out[-3000:]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    worker.run_cluster(
+        [["loop", str(init), str(tmp_path / f"worker{index}.npz")] for index in range(2)],
+        str(tmp_path), "loop", timeout=worker.CLUSTER_TIMEOUT_S,
+    )
     for index in range(2):
         result = np.load(tmp_path / f"worker{index}.npz")
         assert len(result.files) == len(reference)

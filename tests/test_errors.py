@@ -15,7 +15,7 @@ import tensorflow as tf
 from tensorflow.lite.python.convert import ConverterError
 
 import keras_bn
-from keras_bn.export import export_onnx, export_tflite, fold_batch_norms
+from keras_bn.export import VerificationError, export_onnx, export_tflite, fold_batch_norms
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = shutil.which("keras-bn-export", path=os.path.dirname(sys.executable))
@@ -79,6 +79,18 @@ def _non_finite(tmp_path):
     def act():
         y = layer(bad, training=True)
         assert np.isnan(y.numpy()[:, 1]).all()  # the NaN shows in the output
+    return act, _unchanged(layer, before)
+
+
+def _m_at_most_one_at_run_time(tmp_path):
+    layer = keras_bn.BatchNormalization(momentum=None, renorm=True)
+    layer(_x((8, 5, 3)), training=True)  # statistics that are not the initial ones
+    before = _state(layer)
+    step = tf.function(lambda x, mask: layer(x, training=True, mask=mask), jit_compile=True)
+
+    def act():
+        y = step(_x((4, 5, 3), seed=1), np.eye(4, 5, dtype=bool) & False)  # every value masked
+        np.testing.assert_array_equal(y, np.broadcast_to(layer.beta.numpy(), (4, 5, 3)))
     return act, _unchanged(layer, before)
 
 
@@ -158,18 +170,39 @@ def _unwritable(tmp_path):
         _folder_holds(tmp_path, [])
 
 
+def _export_over_a_previous_file(tmp_path, exporter, model, name):
+    """(export `model` over an existing file, check that file and nothing else is there)."""
+    target = tmp_path / name
+    target.write_bytes(b"previous export")
+
+    def check():
+        assert target.read_bytes() == b"previous export"
+        assert os.listdir(tmp_path) == [name]
+    return (lambda: exporter(model, target)), check
+
+
 def _conversion_fails(tmp_path):
     # MatrixDeterminant is not a TFLite builtin: the converter fails after folding.
     model = keras.Sequential([keras.Input((3, 3)),
                               keras.layers.Lambda(lambda t: tf.linalg.det(t)[:, None]),
                               keras.layers.Dense(2), keras_bn.BatchNormalization()])
-    target = tmp_path / "model.tflite"
-    target.write_bytes(b"previous export")
+    return _export_over_a_previous_file(tmp_path, export_tflite, model, "model.tflite")
 
-    def check():
-        assert target.read_bytes() == b"previous export"
-        assert os.listdir(tmp_path) == ["model.tflite"]
-    return (lambda: export_tflite(model, target)), check
+
+def _over_tolerance(tmp_path):
+    # log of a signed value: NaN on part of the probe, which no tolerance accepts.
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3),
+                              keras_bn.BatchNormalization(),
+                              keras.layers.Lambda(lambda t: keras.ops.log(t))])
+    return _export_over_a_previous_file(tmp_path, export_onnx, model, "model.onnx")
+
+
+def _channels_first_tflite(tmp_path):
+    model = keras.Sequential([keras.Input((2, 7)),
+                              keras.layers.Conv1D(4, 3, data_format="channels_first",
+                                                  name="conv"),
+                              keras_bn.BatchNormalization(axis=1)])
+    return _export_over_a_previous_file(tmp_path, export_tflite, model, "model.tflite")
 
 
 def _corrupt_keras(tmp_path):
@@ -189,6 +222,7 @@ ERROR_CASES = [
     ("layer", "m=1 in training", ValueError, r"needs at least 2 values per channel.*m=1",
      _m_equal_one),
     ("layer", "non-finite batch", None, None, _non_finite),
+    ("layer", "m ≤ 1 known only at run time", None, None, _m_at_most_one_at_run_time),
     ("layer", "integer input", TypeError, r"requires floating-point inputs; received dtype int32",
      _integer_input),
     ("layer", "bad momentum", ValueError, r"momentum must be in \[0, 1\); received momentum=1.0",
@@ -205,6 +239,11 @@ ERROR_CASES = [
     ("export", "unwritable path", OSError, r"Cannot write .*missing.*m\.tflite", _unwritable),
     ("export", "conversion failure midway", ConverterError, r"MatrixDeterminant",
      _conversion_fails),
+    ("export", "file over its tolerance", VerificationError,
+     r"differs from the Keras model: output '.*' is off by nan", _over_tolerance),
+    ("export", "channels_first layer TFLite cannot convert", ValueError,
+     r"TFLite cannot convert layer 'conv' \(Conv1D with data_format='channels_first'\)",
+     _channels_first_tflite),
     ("export", "corrupt or truncated .keras", ValueError, r"accessible `\.keras` zip file",
      _corrupt_keras),
 ]
@@ -245,6 +284,9 @@ def _cli_model(tmp_path, case):
         keras.Sequential([keras.Input((3, 3)),
                           keras.layers.Lambda(lambda t: tf.linalg.det(t)[:, None]),
                           keras.layers.Dense(2)]).save(path)
+    elif case == "channels_first layer TFLite cannot convert":
+        keras.Sequential([keras.Input((2, 7)),
+                          keras.layers.Conv1D(4, 3, data_format="channels_first")]).save(path)
     elif case == "corrupt or truncated .keras":
         keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)]).save(path)
         path.write_bytes(path.read_bytes()[:200])
@@ -253,7 +295,9 @@ def _cli_model(tmp_path, case):
     return path
 
 
-CLI_CASES = [name for area, name, *_ in ERROR_CASES if area == "export"]
+# A file over its tolerance exits 1, not 2 (tests/test_cli.py), and also keeps the old file.
+CLI_CASES = [name for area, name, *_ in ERROR_CASES
+             if area == "export" and name != "file over its tolerance"]
 
 
 @pytest.mark.slow

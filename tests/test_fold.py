@@ -1,4 +1,5 @@
-"""keras_bn.export.fold: each fold function against running the host layer, then BN, in numpy.
+"""keras_bn.export.fold: each fold function against running the host layer, then BN, in numpy;
+and fold_batch_norms over every host kind, data format and input size.
 
 The reference is the real Keras host layer followed by inference BN written out in float64
 numpy; the folded weights are loaded into a fresh copy of the host (with a bias) and run on the
@@ -9,8 +10,11 @@ import keras
 import numpy as np
 import pytest
 from conftest import assert_close
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from keras_bn.export import fold
+import keras_bn
+from keras_bn.export import fold, fold_batch_norms
 
 L = keras.layers
 RTOL = 1e-5
@@ -60,9 +64,11 @@ def _channel_axis(layer):
 
 
 def _input(rank, channels, data_format, rng):
-    # Keras 3.15's TF backend misplaces a channels_first conv's bias when the last spatial
-    # output size equals the filter count (6 here), in the host and the reference alike:
-    # these sizes keep clear of that, so the test checks the fold, not that bug.
+    # These tests load folded weights into a Keras host with its own bias. Keras 3.15's TF
+    # backend misplaces a channels_first conv's bias when the last spatial output size equals
+    # the filter count (6 here), in the host and in the reference alike, so these sizes keep
+    # clear of it: they check the fold maths. fold_batch_norms guards that bug (ChannelBias);
+    # test_fold_batch_norms_is_exact_at_every_input_size tests it at the sizes that trigger it.
     spatial = {1: (9,), 2: (7, 5), 3: (8, 3, 10)}[rank] if rank else ()
     shape = (3, channels, *spatial) if data_format == "channels_first" else (3, *spatial, channels)
     return rng.normal(size=shape).astype("float32")
@@ -205,3 +211,95 @@ def test_bad_shapes_and_values_raise_naming_them(call, message):
     with pytest.raises(ValueError) as info:
         call()
     assert message in str(info.value)
+
+
+# --------------------------------------------------------------------------- every input size
+
+# (rank, make(filters, data_format, use_bias), output channels for `filters` and 2 inputs).
+# padding="same", stride 1: every output has the input's spatial size, which the test picks.
+SIZED_HOSTS = {
+    "Dense": (1, lambda c, df, b: L.Dense(c, use_bias=b), lambda c: c),
+    "Conv1D": (1, lambda c, df, b: L.Conv1D(c, 2, padding="same", data_format=df,
+                                            use_bias=b), lambda c: c),
+    "Conv2D": (2, lambda c, df, b: L.Conv2D(c, 2, padding="same", data_format=df,
+                                            use_bias=b), lambda c: c),
+    "Conv3D": (3, lambda c, df, b: L.Conv3D(c, 2, padding="same", data_format=df,
+                                            use_bias=b), lambda c: c),
+    "DepthwiseConv1D": (1, lambda c, df, b: L.DepthwiseConv1D(
+        2, depth_multiplier=c, padding="same", data_format=df, use_bias=b), lambda c: 2 * c),
+    "DepthwiseConv2D": (2, lambda c, df, b: L.DepthwiseConv2D(
+        2, depth_multiplier=c, padding="same", data_format=df, use_bias=b), lambda c: 2 * c),
+    "SeparableConv1D": (1, lambda c, df, b: L.SeparableConv1D(
+        c, 2, padding="same", data_format=df, use_bias=b), lambda c: c),
+    "SeparableConv2D": (2, lambda c, df, b: L.SeparableConv2D(
+        c, 2, padding="same", data_format=df, use_bias=b), lambda c: c),
+    "Conv1DTranspose": (1, lambda c, df, b: L.Conv1DTranspose(
+        c, 2, padding="same", data_format=df, use_bias=b), lambda c: c),
+    "Conv2DTranspose": (2, lambda c, df, b: L.Conv2DTranspose(
+        c, 2, padding="same", data_format=df, use_bias=b), lambda c: c),
+    "Conv3DTranspose": (3, lambda c, df, b: L.Conv3DTranspose(
+        c, 2, padding="same", data_format=df, use_bias=b), lambda c: c),
+}
+IN_CHANNELS = 2
+
+
+@st.composite
+def sized_cases(draw):
+    kind = draw(st.sampled_from(sorted(SIZED_HOSTS)))
+    rank, _, out_channels = SIZED_HOSTS[kind]
+    data_format = "channels_last" if kind == "Dense" else draw(
+        st.sampled_from(["channels_last", "channels_first"]))
+    filters = draw(st.integers(1, 4))
+    spatial = draw(st.lists(st.integers(1, 7), min_size=rank, max_size=rank))
+    if draw(st.booleans()):  # the size Keras's bias guess gets wrong: last dim == channels
+        spatial[-1] = out_channels(filters)
+    return dict(kind=kind, data_format=data_format, filters=filters, spatial=spatial,
+                use_bias=draw(st.booleans()), dynamic=draw(st.booleans()),
+                norm=draw(st.sampled_from([keras_bn.BatchNormalization,
+                                           keras.layers.BatchNormalization])),
+                seed=draw(st.integers(0, 2**31)))
+
+
+def _channels_last_twin(host, x_last):
+    """The host as channels_last with the same weights (Keras kernels do not depend on the
+    data format): an independent computation of the same map, with its bias on the last axis,
+    where Keras's guess is right."""
+    if getattr(host, "data_format", "channels_last") == "channels_last":
+        return host
+    twin = type(host).from_config({**host.get_config(), "data_format": "channels_last",
+                                   "name": host.name + "_twin"})
+    twin(x_last)
+    twin.set_weights(host.get_weights())
+    return twin
+
+
+@settings(max_examples=max(settings().max_examples // 14, 20))
+@given(sized_cases())
+def test_fold_batch_norms_is_exact_at_every_input_size(case):
+    """Folded host then BN against the channels_last twin then BN in numpy: every host kind,
+    both data formats, static or dynamic (None) spatial dims, at every size, including the
+    last spatial dim equal to the channel count (where Keras misplaces a channels_first
+    bias: a folded host that gained a bias was off by up to 85%)."""
+    rank, make, _ = SIZED_HOSTS[case["kind"]]
+    first = case["data_format"] == "channels_first"
+    rng = np.random.default_rng(case["seed"])
+    shape = [IN_CHANNELS, *case["spatial"]] if first else [*case["spatial"], IN_CHANNELS]
+    x = rng.normal(size=(3, *shape)).astype("float32")
+    input_shape = [None if case["dynamic"] and i != (0 if first else rank) else d
+                   for i, d in enumerate(shape)]
+    host = make(case["filters"], case["data_format"], case["use_bias"])
+    bn = case["norm"](axis=1 if first else -1, epsilon=0.01)
+    model = keras.Sequential([keras.Input(input_shape), host, bn])
+    host.set_weights([rng.normal(size=w.shape).astype("float32") for w in host.get_weights()])
+    gamma, beta, mean = (rng.normal(size=bn.moving_mean.shape) for _ in range(3))
+    variance = rng.uniform(0.2, 3.0, size=bn.moving_mean.shape)
+    bn.set_weights([gamma, beta, mean, variance])
+
+    folded, report = fold_batch_norms(model)  # default probe: 8 for every free dim
+    assert len(report.folded) == 1 and not report.kept
+    to_last = (0, *range(2, rank + 2), 1) if first else tuple(range(rank + 2))
+    to_first = (0, rank + 1, *range(1, rank + 1)) if first else tuple(range(rank + 2))
+    x_last = np.transpose(x, to_last)
+    h = np.transpose(np.asarray(_channels_last_twin(host, x_last)(x_last)), to_first)
+    expected = _bn_numpy(h, (gamma, beta, mean, variance, 0.01), 1 if first else -1)
+    assert_close(folded(x), expected, 1e-5)

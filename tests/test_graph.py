@@ -11,7 +11,7 @@ from conftest import assert_close, randomise_batch_norms
 
 import digits
 import keras_bn
-from keras_bn.export import InferenceAffine, fold_batch_norms
+from keras_bn.export import ChannelBias, InferenceAffine, fold_batch_norms
 
 L = keras.layers
 BNS = (keras_bn.BatchNormalization, L.BatchNormalization)
@@ -123,8 +123,10 @@ def test_report_error_is_measured_on_the_probe():
     probe = _x((6, 8, 8, 1), seed=3) * 5
     folded, report = fold_batch_norms(model, probe=probe)
     expected = np.asarray(model(probe, training=False), np.float64)
-    assert report.max_abs_error == np.abs(np.asarray(folded(probe)) - expected).max()
-    assert report.output_scale == np.abs(expected).max()
+    output = model.layers[-1].name
+    assert report.errors == {output: np.abs(np.asarray(folded(probe)) - expected).max()}
+    assert report.output_scales == {output: np.abs(expected).max()}
+    assert report.max_abs_error == report.errors[output]
 
 
 def test_subclassed_model_gets_a_clear_error():
@@ -210,6 +212,13 @@ REFUSALS = {
 }
 
 
+# The kind of each refusal (of the backward fold, the one a reader expects first).
+KINDS = {"activation": "activation", "fan_out": "fan_out", "shared_bn": "shared_bn",
+         "shared_host": "shared_host", "axis": "axis", "lora": "lora", "quantized": "quantized",
+         "no_neighbour": "reads_input", "several_axes": "several_axes",
+         "padded_consumer": "not_a_host"}
+
+
 @pytest.mark.parametrize("case", sorted(REFUSALS))
 def test_refused_fold_is_kept_as_an_exact_affine_with_its_reason(case):
     build, reason = REFUSALS[case]
@@ -219,6 +228,7 @@ def test_refused_fold_is_kept_as_an_exact_affine_with_its_reason(case):
     assert report.folded == []
     assert [k.bn for k in report.kept] == ["bn"]
     assert reason in report.kept[0].reason, report.kept[0].reason
+    assert report.kept[0].kind == KINDS[case]
     assert _bn_layers(folded) == []
     assert sum(isinstance(l, InferenceAffine) for l in folded.layers) == 1
     assert_close(folded(x), model(x, training=False), 1e-6)
@@ -296,3 +306,42 @@ def test_lambda_using_module_globals_folds():
     folded, report = fold_batch_norms(model, probe=x)
     assert len(report.folded) == 1 and not report.kept
     assert_close(folded(x), model(x, training=False), 1e-5)
+
+
+@pytest.mark.parametrize("kind", ["sequential", "functional"])
+def test_folded_channels_first_host_adds_its_bias_on_the_channel_axis(kind, tmp_path):
+    """A folded channels_first host gets its bias from a ChannelBias (an explicit axis, not
+    Keras's guess from the shapes); the folded model saves and loads without custom_objects.
+    A channels_last host keeps its own bias."""
+    layers = [L.Conv2D(4, 3, data_format="channels_first", use_bias=False, name="cf"),
+              L.BatchNormalization(axis=1), L.Permute((2, 3, 1)),
+              L.Conv2D(3, 1, name="cl"), L.BatchNormalization()]
+    if kind == "sequential":
+        model = keras.Sequential([keras.Input((2, 6, 6)), *layers])
+    else:
+        inputs = keras.Input((2, 6, 6))
+        y = inputs
+        for layer in layers:
+            y = layer(y)
+        model = keras.Model(inputs, y)
+    randomise_batch_norms(model)
+    x = _x((3, 2, 6, 6))  # the cf conv's output is 4×4 with 4 filters
+    folded, report = _check_fold(model, x)
+    assert [f.host for f in report.folded] == ["cf", "cl"]
+    biases = [l for l in folded.layers if isinstance(l, ChannelBias)]
+    assert [(b.name, b.channel_axis, b.channels) for b in biases] == [("cf_bias", 1, 4)]
+    assert not folded.get_layer("cf").use_bias and folded.get_layer("cl").use_bias
+    folded.save(tmp_path / "folded.keras")
+    loaded = keras.saving.load_model(tmp_path / "folded.keras")
+    np.testing.assert_array_equal(np.asarray(loaded(x)), np.asarray(folded(x)))
+
+
+@pytest.mark.parametrize("bad", [{"channel_axis": 0}, {"channel_axis": True},
+                                 {"channels": 0}, {"channels": 2.0}])
+def test_channel_bias_arguments_are_validated(bad):
+    arguments = {"channel_axis": 1, "channels": 3, **bad}
+    name, value = next(iter(bad.items()))
+    with pytest.raises(ValueError, match=f"received {name}={value!r}"):
+        ChannelBias(**arguments)
+    layer = ChannelBias(1, 3, name="b")
+    assert ChannelBias.from_config(layer.get_config()).get_config() == layer.get_config()

@@ -150,6 +150,82 @@ def test_wrong_shaped_mask_is_rejected():
         layer(_data((4, 6, 3)), training=True, mask=np.ones((4, 6, 3), bool))
 
 
+@pytest.mark.parametrize("mask_shape", [(4, 1), (1, 6), (1, 1)],
+                         ids=["per-sample", "per-step", "scalar"])
+@pytest.mark.parametrize("jit", [False, True], ids=["graph", "xla"])
+def test_broadcastable_mask_counts_the_broadcast_positions(mask_shape, jit):
+    """A mask whose size-1 dimensions broadcast over the non-channel shape (Keras accepts
+    them): statistics over the broadcast True positions, m counting each of them."""
+    x = _data((4, 6, 3))
+    rng = np.random.default_rng(5)
+    mask = rng.uniform(size=mask_shape) > 0.3
+    mask.flat[0] = True
+    layer = keras_bn.BatchNormalization(momentum=0.0)
+    y = tf.function(lambda x, m: layer(x, training=True, mask=m), jit_compile=jit)(x, mask)
+    kept = x[np.broadcast_to(mask, (4, 6))].astype(np.float64)
+    m = len(kept)
+    mean, var = kept.mean(axis=0), kept.var(axis=0)
+    assert_close(layer.moving_mean, mean, 1e-5)
+    assert_close(layer.moving_variance, var * m / (m - 1), 1e-5)
+    assert_close(y, (x - mean) / np.sqrt(var + EPS), 1e-5)
+
+
+def test_float_mask_counts_non_zero_as_true():
+    """Keras casts masks to bool: a float mask is not a weighting."""
+    x = _data((4, 6, 3))
+    weights = np.random.default_rng(6).choice([0.0, 0.5, 2.0], size=(4, 6)).astype("float32")
+    ours = keras_bn.BatchNormalization(momentum=0.0)
+    ours(x, training=True, mask=weights)
+    reference = keras_bn.BatchNormalization(momentum=0.0)
+    reference(x, training=True, mask=weights != 0)
+    np.testing.assert_array_equal(ours.moving_variance, reference.moving_variance)
+
+
+@pytest.mark.parametrize("mask_shape", [(4, 5), (4,), (4, 6, 1)])
+def test_mask_that_does_not_broadcast_is_rejected(mask_shape):
+    layer = keras_bn.BatchNormalization()
+    with pytest.raises(ValueError, match=r"mask"):
+        layer(_data((4, 6, 3)), training=True, mask=np.ones(mask_shape, bool))
+
+
+def test_synchronized_masked_count_is_global():
+    """Two replicas, one unmasked value each: m = 2 over the global batch, so it normalizes
+    (not β) and matches masked BN on the whole batch; with one value in all, m = 1: β."""
+    from test_distributed import _strategy
+
+    strategy = _strategy(2)
+    x = _data((4, 3, 2))
+    with strategy.scope():
+        layer = keras_bn.BatchNormalization(momentum=0.0, synchronized=True)
+        layer.build((2, 3, 2))
+        _randomize_weights(layer)
+    gamma, beta = layer.gamma.numpy(), layer.beta.numpy()
+
+    def run(mask):
+        def shard(context):
+            rows = slice(2 * context.replica_id_in_sync_group, None)
+            return tf.constant(x[rows][:2]), tf.constant(mask[rows][:2])
+
+        def replica_step(pair):
+            return layer(pair[0], training=True, mask=pair[1])
+
+        inputs = strategy.experimental_distribute_values_from_function(shard)
+        y = tf.function(lambda d: strategy.run(replica_step, args=(d,)))(inputs)
+        return np.concatenate(strategy.experimental_local_results(y))
+
+    two = np.zeros((4, 3), bool)
+    two[0, 1] = two[3, 2] = True  # one value on each replica
+    y, mean, var = numpy_bn_train(x.astype(np.float64), gamma, beta, [2], mask=two[..., None])
+    assert_close(run(two), y, 1e-5)
+    assert_close(layer.moving_variance, var * 2.0, 1e-5)  # m/(m−1) = 2
+    before = [w.numpy().copy() for w in layer.non_trainable_weights]
+    one = np.zeros((4, 3), bool)
+    one[3, 0] = True
+    np.testing.assert_array_equal(run(one), np.broadcast_to(beta, x.shape))
+    for w, b in zip(layer.non_trainable_weights, before):
+        np.testing.assert_array_equal(w, b)
+
+
 # --------------------------------------------------------------------------- Keras parity
 
 
@@ -294,42 +370,75 @@ def test_m_equal_one_static_is_value_error():
     assert layer(_data((1, 3)), training=False).shape == (1, 3)
 
 
-def test_m_equal_one_dynamic_is_invalid_argument_error():
-    layer = keras_bn.BatchNormalization()
-    layer.build((None, 3))
-    step = tf.function(
-        lambda x: layer(x, training=True), input_signature=[tf.TensorSpec([None, 3])]
-    )
-    step(_data((4, 3)))
-    before = [w.numpy() for w in layer.non_trainable_weights]
-    with pytest.raises(tf.errors.InvalidArgumentError, match=r"at least 2 values per channel"):
-        step(_data((1, 3)))
-    for w, b in zip(layer.non_trainable_weights, before):
-        np.testing.assert_array_equal(w, b)
+# Run-time m ≤ 1: (input shape, mask or None). The batch axis is dynamic where traced.
+_AT_MOST_ONE = {
+    "all masked (m=0)": ((3, 5, 4), np.zeros((3, 5), bool)),
+    "one unmasked value (m=1)": ((3, 5, 4), np.arange(15).reshape(3, 5) == 7),
+    "broadcast mask (batch, 1), none kept (m=0)": ((3, 5, 4), np.zeros((3, 1), bool)),
+    "dynamic batch of 1": ((1, 4), None),
+}
+# (case, mode, fused): masks force the composite path; eager shapes are static (ValueError,
+# above), so the dynamic batch of 1 is traced, on the fused kernel and the composite path.
+_AT_MOST_ONE_RUNS = [
+    (case, mode, None) for case in list(_AT_MOST_ONE)[:3] for mode in ("eager", "graph", "xla")
+] + [("dynamic batch of 1", mode, fused) for mode in ("graph", "xla") for fused in (None, False)]
+_STATEFUL = {"plain": {}, "renorm, momentum=None": {"renorm": True, "momentum": None}}
 
 
-def test_m_equal_one_under_xla_outputs_beta_and_keeps_statistics():
-    """XLA drops run-time asserts (documented): the output is β and nothing is updated."""
-    layer = keras_bn.BatchNormalization()
-    layer.build((None, 3))
+@pytest.mark.parametrize("variant", _STATEFUL)
+@pytest.mark.parametrize("case,mode,fused", _AT_MOST_ONE_RUNS,
+                         ids=[f"{c}-{m}-{'auto' if f is None else 'composite'}"
+                              for c, m, f in _AT_MOST_ONE_RUNS])
+def test_run_time_m_at_most_one_outputs_beta_and_updates_nothing(case, mode, fused, variant):
+    """A batch that leaves m ≤ 1 values per channel only at run time: the output is β, the
+    gradients are those of y = β (Σg for β, 0 for x and γ), every statistic and the batch
+    counter are untouched, nothing is NaN, and the next batch trains normally."""
+    shape, mask = _AT_MOST_ONE[case]
+    layer = keras_bn.BatchNormalization(**_STATEFUL[variant])
+    layer.build((None,) + shape[1:])
+    layer._fused = fused
     _randomize_weights(layer)
-    step = tf.function(
-        lambda x: layer(x, training=True),
-        input_signature=[tf.TensorSpec([None, 3])],
-        jit_compile=True,
-    )
-    before = [w.numpy() for w in layer.non_trainable_weights]
-    y = step(_data((1, 3)))
-    assert_close(y, np.broadcast_to(layer.beta.numpy(), (1, 3)), 1e-6)
+    if layer.num_batches_tracked is not None:
+        layer.num_batches_tracked.assign(3)
+    x, upstream = _data(shape), _data(shape, seed=1)
+
+    def step(x, *mask):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x, training=True, mask=mask[0] if mask else None)
+            loss = tf.reduce_sum(y * upstream)
+        return [y] + tape.gradient(loss, [x, layer.gamma, layer.beta])
+
+    inputs = [tf.constant(x)] + ([] if mask is None else [tf.constant(mask)])
+    if mode != "eager":
+        spec = [tf.TensorSpec((None,) + t.shape[1:], t.dtype) for t in inputs]
+        step = tf.function(step, jit_compile=(mode == "xla"), input_signature=spec)
+    before = [w.numpy().copy() for w in layer.non_trainable_weights]
+    y, dx, dgamma, dbeta = step(*inputs)
+    np.testing.assert_array_equal(y, np.broadcast_to(layer.beta.numpy(), shape))
+    np.testing.assert_array_equal(dx, np.zeros(shape))
+    np.testing.assert_array_equal(dgamma, np.zeros(shape[-1]))
+    assert_close(dbeta, upstream.reshape(-1, shape[-1]).sum(axis=0), 1e-6)
     for w, b in zip(layer.non_trainable_weights, before):
-        np.testing.assert_array_equal(w, b)
+        np.testing.assert_array_equal(w, b, err_msg=w.name)
+    # The next, ordinary batch updates as usual.
+    layer(_data((4,) + shape[1:], seed=2), training=True,
+          mask=None if mask is None else np.ones((4,) + shape[1:-1], bool))
+    assert not np.array_equal(layer.moving_mean.numpy(), before[0])
+    if layer.num_batches_tracked is not None:
+        assert int(layer.num_batches_tracked.numpy()) == 4
 
 
-def test_all_masked_batch_is_rejected():
+def test_run_time_m_of_one_under_mixed_float16_outputs_beta():
+    keras.mixed_precision.set_global_policy("mixed_float16")
     layer = keras_bn.BatchNormalization()
-    layer.build((None, 5, 3))
-    with pytest.raises(tf.errors.InvalidArgumentError, match=r"at least 2 values"):
-        layer(_data((2, 5, 3)), training=True, mask=np.eye(2, 5, dtype=bool) & False)
+    layer.build((None, 5, 4))
+    _randomize_weights(layer)
+    step = tf.function(lambda x, m: layer(x, training=True, mask=m), jit_compile=True)
+    y = step(tf.constant(_data((3, 5, 4)), "float16"), tf.zeros((3, 5), tf.bool))
+    assert y.dtype == "float16"
+    np.testing.assert_array_equal(y, np.broadcast_to(layer.beta.numpy().astype("float16"),
+                                                     (3, 5, 4)))
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])

@@ -178,3 +178,16 @@ def test_expand_mask_rejects_wrong_shape():
         ops.expand_mask(tf.ones([4, 6, 5], tf.bool), x, [2])
     with pytest.raises(ValueError, match=r"does not match"):
         ops.expand_mask(tf.ones([4, 7], tf.bool), x, [2])
+    with pytest.raises(ValueError, match=r"rank 2"):  # not aligned from the right
+        ops.expand_mask(tf.ones([6], tf.bool), x, [2])
+
+
+def test_expand_mask_broadcasts_size_one_dimensions():
+    x = tf.zeros([4, 6, 5])
+    per_sample = np.array([[True], [False], [True], [True]])
+    mask = ops.expand_mask(tf.constant(per_sample), x, [2])
+    assert mask.shape == (4, 6, 1)
+    np.testing.assert_array_equal(mask[..., 0], np.broadcast_to(per_sample, (4, 6)))
+    assert float(ops.element_count(x, [2], mask)) == 18.0
+    channels_first = ops.expand_mask(tf.constant([[1.0, 0.0, 2.5]]), tf.zeros([2, 5, 3]), [1])
+    np.testing.assert_array_equal(channels_first, [[[1.0, 0.0, 1.0]]] * 2)

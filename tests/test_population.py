@@ -1,6 +1,10 @@
 """keras_bn.recalibrate: Algorithm 2's population statistics against numpy, layer by layer with
 upstream layers in inference mode; and a measurable gain over the moving average."""
 
+import os
+import re
+import sys
+
 import keras
 import numpy as np
 import pytest
@@ -135,10 +139,26 @@ def test_iterator_and_steps():
         assert_close(b.new_variance, a.new_variance, 1e-6)
 
 
-def test_progress_bar_is_shown(capsys):
+def test_progress_bar_is_rich_and_needs_no_tqdm(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # `import tqdm` now raises ImportError
     model = _two_bn_model(keras_bn.BatchNormalization)
     keras_bn.recalibrate(model, _data((32, 6)), batch_size=16, progress=True)
-    assert "4/4" in capsys.readouterr().err  # 2 layers × 2 batches
+    err = capsys.readouterr().err
+    assert "4/4" in err and "━" in err  # 2 layers × 2 batches, in rich's bar
+    assert "recalibrate bn_2" in err  # the layer being recalibrated
+    keras_bn.recalibrate(model, _data((32, 6)), batch_size=16, progress=False)
+    assert capsys.readouterr().err == ""
+
+
+def test_dependencies_name_rich_not_tqdm():
+    import tomllib  # Python 3.11+, like the CI machine
+
+    with open(os.path.join(os.path.dirname(__file__), "..", "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    requirements = project["dependencies"] + sum(project["optional-dependencies"].values(), [])
+    names = [re.match(r"[A-Za-z0-9_.-]+", r).group(0).lower() for r in requirements]
+    assert "tqdm" not in names
+    assert any(r.startswith("rich") for r in project["dependencies"])
 
 
 def test_errors_name_the_problem():

@@ -1,0 +1,118 @@
+"""The one export pipeline: fold → trace → convert → write a temporary file → run it →
+compare → rename it over the target.
+
+A `Format` (tflite.py, onnx.py) supplies only what differs between file formats: refusing
+layers its converter cannot take, converting the traced model to bytes, validating the
+written file, running it in its runtime and listing its ops. The file is judged before it
+replaces anything: a file over the tolerance raises `VerificationError` and the target path
+keeps what it had (strict=False writes it anyway).
+"""
+
+import math
+import os
+
+from keras_bn.export import atomic, report, trace
+from keras_bn.export.graph import fold_batch_norms
+
+FLOAT32_ATOL = 1e-4
+# A model that computes in float16 or bfloat16 (a mixed-precision policy) rounds to 2^-11 or
+# 2^-8 at every layer, in Keras and in the file alike, but not in the same places.
+HALF_PRECISION_ATOL = 1e-2
+HALF_PRECISION = ("float16", "bfloat16")
+
+
+class Format:
+    """The format-specific steps of an export. Subclasses set `name` and implement the rest."""
+
+    name = ""
+    quantization = None
+
+    def default_atol(self):
+        """The tolerance when the caller gives none, as a fraction of each output's scale."""
+        return FLOAT32_ATOL
+
+    def default_probe(self, sig):
+        """Inputs to verify on when the caller gives none; None for seeded random input."""
+        return None
+
+    def check_model(self, model):
+        """Raise a one-line error for a model the converter is known to get wrong."""
+
+    def convert(self, model, sig):
+        """The file's bytes for `model`, traced with the inputs and outputs of `sig`."""
+        raise NotImplementedError
+
+    def check_file(self, path):
+        """Raise if the written file is not a valid file of its format."""
+
+    def run(self, path, inputs):
+        """{runtime setting: {output name: array}} for a {input name: array} feed."""
+        raise NotImplementedError
+
+    def op_names(self, path):
+        """The name of every op in the file (repeated as often as it occurs)."""
+        raise NotImplementedError
+
+
+def export(model, path, fmt, atol=None, strict=True, fold=True, probe=None, on_stage=None):
+    """Fold `model`, convert it with `fmt`, write it to `path` only if it verifies.
+
+    See export_tflite / export_onnx for the arguments; returns the ExportReport.
+    """
+    atol = default_atol(model, fmt) if atol is None else check_atol(atol)
+    if not isinstance(strict, bool):
+        raise ValueError(f"strict must be True or False; received strict={strict!r}.")
+    sig = trace.signature(model)
+    if probe is not None:
+        inputs = trace.feed(sig, probe)
+    else:
+        inputs = fmt.default_probe(sig) or trace.random_feed(sig)
+    fmt.check_model(model)
+    stage = on_stage or (lambda name: None)
+    if fold:
+        stage("fold")
+    source, fold_report = fold_batch_norms(model, inputs) if fold else (model, None)
+    stage("convert")
+    content = fmt.convert(source, sig)
+    expected = trace.outputs(model, sig, inputs)
+
+    def verify(written):
+        fmt.check_file(written)
+        actual = fmt.run(written, inputs)
+        result = report.ExportReport(
+            format=fmt.name,
+            path=os.path.abspath(path),
+            size_bytes=len(content),
+            errors={
+                name: {setting: report.max_abs_error(outputs.get(name), value)
+                       for setting, outputs in actual.items()}
+                for name, value in expected.items()
+            },
+            output_scales={name: report.scale(value) for name, value in expected.items()},
+            atol=atol,
+            op_histogram=report.histogram(fmt.op_names(written)),
+            quantization=fmt.quantization,
+            fold=fold_report,
+        )
+        if strict and not result.passed:
+            raise report.VerificationError(result)
+        return result
+
+    stage("verify")
+    return atomic.write_bytes(path, content, check=verify)
+
+
+def default_atol(model, fmt):
+    """The format's default tolerance, or HALF_PRECISION_ATOL if larger and any layer of the
+    model computes in a 16-bit float."""
+    if any(layer.compute_dtype in HALF_PRECISION for layer in model._flatten_layers()):
+        return max(fmt.default_atol(), HALF_PRECISION_ATOL)
+    return fmt.default_atol()
+
+
+def check_atol(atol):
+    """`atol` as a float; a ValueError naming it unless it is positive and finite."""
+    if isinstance(atol, bool) or not isinstance(atol, (int, float)) or not (
+            math.isfinite(atol) and atol > 0):
+        raise ValueError(f"atol must be a positive finite number; received atol={atol!r}.")
+    return float(atol)

@@ -1,0 +1,65 @@
+"""The two batch-norm classes keras_bn reads and writes, and what differs between them.
+
+`keras_bn.BatchNormalization` and `keras.layers.BatchNormalization` hold the same four weights
+with the same meaning, except:
+- channel axes: keras_bn takes an int or a list (kept in `_channel_axes` once built); Keras one
+  int axis, which may be negative;
+- γ and β: either class may lack them (`scale=False`, `center=False`), standing for 1 and 0;
+- the variance convention: keras_bn's moving variance is the unbiased m/(m−1)·E_B[σ²_B]
+  (Algorithm 2), Keras's the biased E_B[σ²_B].
+
+Folding (keras_bn.export), `recalibrate` and `convert` all work from this one description.
+"""
+
+import keras
+import numpy as np
+
+from keras_bn import ops
+from keras_bn.layers import BatchNormalization
+
+KERAS_BN = keras.layers.BatchNormalization
+KERAS_BN_BN = BatchNormalization
+BN_TYPES = (KERAS_BN_BN, KERAS_BN)
+
+
+def is_batch_norm(layer):
+    """True for either class (and subclasses; callers that need the exact class check it)."""
+    return isinstance(layer, BN_TYPES)
+
+
+def channel_axes(layer, rank):
+    """The layer's channel axes for an input of `rank`, sorted and non-negative."""
+    if isinstance(layer, KERAS_BN_BN) and layer._channel_axes is not None:
+        return list(layer._channel_axes)
+    axes = [layer.axis] if isinstance(layer.axis, int) else list(layer.axis)
+    return sorted(a % rank for a in axes)
+
+
+def unbiased_variance(layer):
+    """True when the moving variance is the unbiased m/(m−1) estimate (keras_bn), False when it
+    is the biased one (Keras)."""
+    return isinstance(layer, KERAS_BN_BN)
+
+
+def variance_convention(layer):
+    """"unbiased" (keras_bn) or "biased" (keras.layers.BatchNormalization)."""
+    return "unbiased" if unbiased_variance(layer) else "biased"
+
+
+def gamma_beta(layer):
+    """(γ, β) as float64 arrays; 1 and 0 where the layer has no scale or no center."""
+    channels = layer.moving_mean.shape
+    gamma = np.ones(channels) if layer.gamma is None else np.asarray(layer.gamma, np.float64)
+    beta = np.zeros(channels) if layer.beta is None else np.asarray(layer.beta, np.float64)
+    return gamma, beta
+
+
+def inference_affine(layer):
+    """(scale, shift), flat float64: the layer's inference map y = scale·x + shift per channel,
+    with its own epsilon. Either convention's moving variance is the one inference uses."""
+    gamma, beta = gamma_beta(layer)
+    scale, shift = ops.inference_affine(
+        np.asarray(layer.moving_mean, np.float64), np.asarray(layer.moving_variance, np.float64),
+        gamma, beta, float(layer.epsilon),
+    )
+    return np.asarray(scale).ravel(), np.asarray(shift).ravel()

@@ -1,0 +1,125 @@
+"""Keras callbacks for batch normalization: `Recalibrate`.
+
+Why it is needed: `fit` with `keras.optimizers.*(use_ema=True)` copies the EMA weights into the
+model after the last epoch (`optimizer.finalize_variable_values`, which Keras runs just before
+`on_train_end`), but the BN moving statistics still average the activations of the raw weights'
+trajectory. The same holds after any weight averaging and after a large learning-rate drop.
+`Recalibrate` recomputes them from data with `keras_bn.recalibrate`.
+"""
+
+import keras
+
+from keras_bn import _bn_layers
+from keras_bn.population import _Batches, recalibrate
+
+__all__ = ["Recalibrate"]
+
+
+class Recalibrate(keras.callbacks.Callback):
+    """Recalibrate every BN layer's statistics at the end of `fit`, and optionally before
+    each validation run.
+
+    Example, with the EMA weights that `use_ema=True` puts into the model at the end of `fit`:
+
+        model.compile(keras.optimizers.Adam(1e-3, use_ema=True), "mse")
+        model.fit(x, y, epochs=5, validation_data=(x_val, y_val),
+                  callbacks=[keras_bn.callbacks.Recalibrate(x, before_validation=True)])
+
+    - `at_train_end`: in `on_train_end`, which Keras runs after the EMA weights are swapped in,
+      the statistics are set to `keras_bn.recalibrate(model, data)` of the final weights.
+    - `before_validation`: in `on_test_begin` the statistics are recalibrated for the current
+      weights, so the validation metrics `fit` reports are those of precise statistics (Wu &
+      Johnson, "Rethinking 'Batch' in BatchNorm", 2021); in `on_test_end` the training
+      statistics are put back exactly (on every replica under a `tf.distribute` strategy), so
+      training goes on as if the callback were not there. Given to `evaluate(callbacks=...)`,
+      it does the same around that evaluation.
+
+    Callbacks run in list order: put `Recalibrate` after any callback that changes the weights
+    in the same hook, i.e. after `keras.callbacks.SwapEMAWeights` (so validation sees the EMA
+    weights and statistics computed for them) and after `EarlyStopping(restore_best_weights=
+    True)`, which sets the weights, moving statistics included, in `on_train_end`.
+
+    Each recalibration costs one inference pass over `data` per BN layer. `last_report` holds
+    the `RecalibrationReport` of the latest one (None before the first).
+
+    Args:
+        data: the batches to compute the statistics from, as for `keras_bn.recalibrate`: a
+            `tf.data.Dataset` (finite, or with `steps`), a numpy array, or an iterable of
+            batches; `(x, y)` and `(x, y, sample_weight)` elements use `x`. A one-shot iterator
+            (a generator) is read once, here, and kept in memory.
+        batch_size: batch size for numpy-array data.
+        steps: how many batches to use each time; None uses them all.
+        at_train_end: recalibrate in `on_train_end`.
+        before_validation: recalibrate for each validation run, then restore.
+        progress: show `recalibrate`'s progress bar.
+
+    Raises:
+        ValueError: `steps` or `batch_size` is not a positive int, a dataset is infinite
+            without `steps`, a flag is not a bool, or both `at_train_end` and
+            `before_validation` are False (the callback would do nothing).
+    """
+
+    def __init__(self, data, batch_size=32, steps=None, at_train_end=True,
+                 before_validation=False, progress=False):
+        super().__init__()
+        for name, value in (("at_train_end", at_train_end),
+                            ("before_validation", before_validation), ("progress", progress)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be True or False; received {name}={value!r}.")
+        if not (at_train_end or before_validation):
+            raise ValueError(
+                "Recalibrate with at_train_end=False and before_validation=False would do "
+                "nothing; set one of them to True."
+            )
+        # recalibrate's own checks of data, steps and batch_size, run now rather than at the
+        # end of training; its batches (a one-shot iterator read into a list) are kept.
+        self._data = _Batches(data, steps, batch_size)._data
+        self.batch_size = batch_size
+        self.steps = steps
+        self.at_train_end = at_train_end
+        self.before_validation = before_validation
+        self.progress = progress
+        self.last_report = None
+        self._training_statistics = None
+
+    def on_train_end(self, logs=None):
+        if self.at_train_end:
+            self._recalibrate()
+
+    def on_test_begin(self, logs=None):
+        if self.before_validation:
+            self._training_statistics = _Snapshot(self.model)
+            self._recalibrate()
+
+    def on_test_end(self, logs=None):
+        if self._training_statistics is not None:
+            self._training_statistics.restore()
+            self._training_statistics = None
+
+    def _recalibrate(self):
+        self.last_report = recalibrate(
+            self.model, self._data, steps=self.steps, progress=self.progress,
+            batch_size=self.batch_size,
+        )
+
+
+class _Snapshot:
+    """The values of every BN layer's non-trainable variables, per replica.
+
+    Under a `tf.distribute` strategy each replica holds its own copy of a variable; reading
+    the variable would give one (or an aggregate), so each copy is saved and put back itself.
+    """
+
+    def __init__(self, model):
+        strategy = model.distribute_strategy
+        self._saved = [
+            (copy, copy.numpy())
+            for layer in model._flatten_layers(include_self=False)
+            if _bn_layers.is_batch_norm(layer)
+            for variable in layer.non_trainable_variables
+            for copy in strategy.experimental_local_results(variable.value)
+        ]
+
+    def restore(self):
+        for copy, value in self._saved:
+            copy.assign(value)

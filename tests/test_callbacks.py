@@ -1,0 +1,202 @@
+"""keras_bn.callbacks.Recalibrate in real `fit` runs with an EMA optimizer: the final statistics
+are Algorithm 2's for the final (EMA) weights, validation sees precise statistics, and training
+is untouched, on one device and on real MirroredStrategy replicas."""
+
+import contextlib
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import assert_close
+from test_distributed import _strategy
+
+import keras_bn
+from keras_bn.callbacks import Recalibrate
+
+BATCH = 32
+
+
+def _data(n, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(1.0, 2.0, size=(n, 8)).astype("float32")
+    y = (np.sin(x[:, :1]) + x[:, 1:2] ** 2 / 4).astype("float32")
+    return x, y
+
+
+X, Y = _data(192, seed=0)
+X_VAL, Y_VAL = _data(64, seed=1)
+
+
+def _model(strategy=None):
+    """Dense → keras_bn BN → Dense → Keras BN → Dense, with Adam(use_ema=True): a large
+    learning rate and a short EMA, so the EMA weights are far from the raw ones."""
+    keras.utils.set_random_seed(0)
+    with strategy.scope() if strategy else contextlib.nullcontext():
+        model = keras.Sequential([
+            keras.Input((8,)),
+            keras.layers.Dense(16), keras_bn.BatchNormalization(momentum=0.9), keras.layers.ReLU(),
+            keras.layers.Dense(16), keras.layers.BatchNormalization(momentum=0.9),
+            keras.layers.ReLU(), keras.layers.Dense(1),
+        ])
+        model.compile(keras.optimizers.Adam(0.05, use_ema=True, ema_momentum=0.9), "mse",
+                      metrics=["mae"])
+    return model
+
+
+def _bn_layers(model):
+    return [layer for layer in model.layers if "BatchNormalization" in type(layer).__name__]
+
+
+def _statistics(model):
+    return [v.numpy() for layer in _bn_layers(model)
+            for v in (layer.moving_mean, layer.moving_variance)]
+
+
+_COPY = []  # one single-device model serves every check (its evaluate is traced once)
+
+
+def _recalibrated_copy(weights):
+    """A single-device model with `weights`, recalibrated by hand on X."""
+    if not _COPY:
+        _COPY.append(_model())
+    model = _COPY[0]
+    model.set_weights(weights)
+    keras_bn.recalibrate(model, X, batch_size=BATCH, progress=False)
+    return model
+
+
+def _per_replica(model):
+    """Every replica's copy of every non-trainable variable (the BN statistics), as numpy."""
+    strategy = model.distribute_strategy
+    return [[c.numpy() for c in strategy.experimental_local_results(v.value)]
+            for v in model.non_trainable_variables]
+
+
+class _Record(keras.callbacks.Callback):
+    """Records the weights at on_test_begin and every replica's statistics at both ends; and
+    the statistics at on_train_end."""
+
+    def __init__(self):
+        super().__init__()
+        self.weights, self.begin, self.end = [], [], []
+        self.train_end = None
+
+    def on_train_end(self, logs=None):
+        self.train_end = _statistics(self.model)
+
+    def on_test_begin(self, logs=None):
+        self.weights.append(self.model.get_weights())
+        self.begin.append(_per_replica(self.model))
+
+    def on_test_end(self, logs=None):
+        self.end.append(_per_replica(self.model))
+
+
+def _numpy_first_bn_statistics(model):
+    """Algorithm 2 for the first BN (input x·W + b) in float64: batch means averaged, and the
+    within-batch variances pooled with m/(m−1)."""
+    kernel, bias = [w.astype(np.float64) for w in model.layers[0].get_weights()]
+    h = X.astype(np.float64) @ kernel + bias
+    batches = np.split(h, len(h) // BATCH)
+    mean = np.mean([b.mean(axis=0) for b in batches], axis=0)
+    variance = np.sum([b.var(axis=0) * len(b) for b in batches], axis=0) / (len(h) - len(batches))
+    return mean, variance
+
+
+def _assert_validation_saw_recalibrated_statistics(history, before, after, rel):
+    """Each epoch's validation metrics are those of `evaluate` after a manual recalibrate of
+    the weights the validation run began with, and every replica's training statistics are
+    back at its end."""
+    for epoch, weights in enumerate(before.weights):
+        expected = _recalibrated_copy(weights).evaluate(X_VAL, Y_VAL, verbose=0, return_dict=True)
+        for name, value in expected.items():
+            assert history[f"val_{name}"][epoch] == pytest.approx(value, rel=rel)
+        for a, b in zip(before.begin[epoch], after.end[epoch], strict=True):
+            for replica_a, replica_b in zip(a, b, strict=True):
+                np.testing.assert_array_equal(replica_a, replica_b)
+
+
+def test_at_train_end_recalibrates_for_the_ema_weights():
+    model = _model()
+    # Callbacks run in list order: `moving` sees the statistics as they are without Recalibrate.
+    moving, callback = _Record(), Recalibrate(X, batch_size=BATCH)
+    model.fit(X, Y, batch_size=BATCH, epochs=2, verbose=0, callbacks=[moving, callback])
+
+    # Keras put the EMA weights in before on_train_end: the statistics are for those.
+    fresh = _statistics(_recalibrated_copy(model.get_weights()))
+    for ours, expected in zip(_statistics(model), fresh, strict=True):
+        np.testing.assert_allclose(ours, expected, rtol=0, atol=1e-6)
+    mean, variance = _numpy_first_bn_statistics(model)
+    assert_close(model.layers[1].moving_mean, mean, 1e-5)
+    assert_close(model.layers[1].moving_variance, variance, 1e-5)
+    assert [c.name for c in callback.last_report.layers] == [b.name for b in _bn_layers(model)]
+    # Without the callback the moving averages describe other weights.
+    assert max(np.max(np.abs(a - b) / (np.abs(b) + 1))
+               for a, b in zip(moving.train_end, fresh, strict=True)) > 0.05
+
+
+@pytest.mark.slow
+def test_before_validation_sees_recalibrated_statistics_and_leaves_training_bit_identical():
+    runs = []
+    for recalibrate in (False, True):
+        model = _model()
+        before, after = _Record(), _Record()
+        callbacks = [keras.callbacks.SwapEMAWeights()]  # validate with the EMA weights
+        if recalibrate:  # from a generator: read once, used at every validation run
+            batches = (X[i:i + BATCH] for i in range(0, len(X), BATCH))
+            callback = Recalibrate(batches, at_train_end=False, before_validation=True)
+            callbacks += [before, callback, after]
+        history = model.fit(X, Y, batch_size=BATCH, epochs=2, verbose=0, shuffle=True,
+                            validation_data=(X_VAL, Y_VAL), callbacks=callbacks).history
+        runs.append((history, model.variables + model.optimizer.variables))
+    (plain, plain_variables), (history, variables) = runs
+
+    _assert_validation_saw_recalibrated_statistics(history, before, after, rel=1e-6)
+    assert callback.last_report.batches == len(X) // BATCH
+    assert abs(plain["val_loss"][-1] / history["val_loss"][-1] - 1) > 0.05
+    # Training after each validation run went on exactly as without the callback.
+    assert plain["loss"] == history["loss"]
+    for a, b in zip(plain_variables, variables, strict=True):
+        np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.path)
+
+
+@pytest.mark.slow
+def test_works_under_mirrored_strategy():
+    model = _model(_strategy(2))
+    before, after = _Record(), _Record()
+    callbacks = [before, Recalibrate(X, batch_size=BATCH, before_validation=True), after]
+    history = model.fit(X, Y, batch_size=BATCH, epochs=1, verbose=0,
+                        validation_data=(X_VAL, Y_VAL), callbacks=callbacks).history
+    # Metrics reduced across replicas: the same within float32 rounding.
+    _assert_validation_saw_recalibrated_statistics(history, before, after, rel=1e-5)
+    index = next(i for i, v in enumerate(model.non_trainable_variables)
+                 if v is model.layers[4].moving_mean)
+    # Keras BN replicas differ from each other, so each must get its own statistics back.
+    assert not np.array_equal(*before.begin[-1][index])
+
+    fresh = _statistics(_recalibrated_copy(model.get_weights()))
+    statistics = [v for layer in _bn_layers(model)
+                  for v in (layer.moving_mean, layer.moving_variance)]
+    for variable, expected in zip(statistics, fresh, strict=True):
+        for replica in model.distribute_strategy.experimental_local_results(variable.value):
+            np.testing.assert_allclose(replica.numpy(), expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"at_train_end": False}, "would do nothing"),
+    ({"before_validation": 1}, "before_validation=1"),
+    ({"progress": "yes"}, "progress='yes'"),
+    ({"steps": 0}, "steps=0"),
+    ({"batch_size": 0}, "batch_size=0"),
+])
+def test_bad_arguments_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Recalibrate(X, **kwargs)
+
+
+def test_an_infinite_dataset_needs_steps():
+    infinite = tf.data.Dataset.from_tensor_slices(X).batch(BATCH).repeat()
+    with pytest.raises(ValueError, match="infinite"):
+        Recalibrate(infinite)
+    assert Recalibrate(infinite, steps=3).steps == 3

@@ -1,0 +1,279 @@
+"""keras_bn.diagnostics.check_batchnorm: each kind of finding on a model built to show it, with
+its numbers checked against numpy; none on a healthy trained model; nested models and both BN
+classes; the model left exactly as found."""
+
+import os
+import re
+
+import digits
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import randomise_batch_norms
+
+import keras_bn
+from keras_bn.diagnostics import Finding, Findings, check_batchnorm
+from keras_bn.export import fold_batch_norms
+
+
+def _kinds(findings):
+    return [(f.layer, f.kind) for f in findings]
+
+
+def _mlp(name="mlp"):
+    """Dense → keras_bn BN → ReLU → nested [Dense → Keras BN] → Dense; every BN folds."""
+    inner = keras.Sequential([keras.Input((16,)), keras.layers.Dense(16),
+                              keras.layers.BatchNormalization(name="keras_bn_layer")],
+                             name="inner")
+    return keras.Sequential([
+        keras.Input((8,)), keras.layers.Dense(16), keras_bn.BatchNormalization(name="ours"),
+        keras.layers.ReLU(), inner, keras.layers.ReLU(), keras.layers.Dense(3),
+    ], name=name)
+
+
+def _variables(model):
+    return [v.numpy().copy() for v in model.variables]
+
+
+def test_statistics_never_updated_by_a_custom_loop_are_stale():
+    model = _mlp()
+    rng = np.random.default_rng(0)
+    x = rng.normal(2.0, 3.0, size=(64, 8)).astype("float32")
+    y = rng.normal(size=(64, 3)).astype("float32")
+    optimizer = keras.optimizers.SGD(0.01)
+    for start in range(0, 64, 16):  # the mistake: model(x) without training=True
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x[start:start + 16]) - y[start:start + 16]))
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                      model.trainable_variables))
+    expected = [("ours", "stale_statistics"), ("inner/keras_bn_layer", "stale_statistics")]
+    assert _kinds(check_batchnorm(model)) == expected
+    # With data: still one stale finding per layer, and the outputs show it.
+    with_data = check_batchnorm(model, x, batch_size=16)
+    assert _kinds(with_data) == expected + [("mlp", "train_inference_gap")]
+    assert "the BN furthest from its input's statistics is 'ours'" in with_data[-1].message
+    assert "training=True" in check_batchnorm(model)[0].message
+    # The same loop with training=True moves the statistics: no finding.
+    for start in range(0, 64, 16):
+        model(x[start:start + 16], training=True)
+    assert check_batchnorm(model) == []
+
+
+def _numpy_stale_message_parts(layer, inputs, unbiased):
+    """The numbers a stale_statistics message must quote, from numpy: the input's statistics
+    pooled over equal batches (within-batch variances, m/(m−1) for keras_bn)."""
+    m, count = len(inputs[0]), len(inputs)
+    mean = np.mean([b.mean(axis=0) for b in inputs], axis=0)
+    variance = np.sum([b.var(axis=0) * m for b in inputs], axis=0) / (m * count - count * unbiased)
+    eps = layer.epsilon
+    moving_mean, moving_variance = (v.numpy().astype(np.float64)
+                                    for v in (layer.moving_mean, layer.moving_variance))
+    shift = np.abs(moving_mean - mean) / np.sqrt(variance + eps)
+    ratio = (moving_variance + eps) / (variance + eps)
+    parts = [f"variance is {ratio[np.argmax(np.maximum(ratio, 1 / ratio))]:.3g} ×"]
+    if shift.max() > 0.5:
+        parts += [f"moving mean is {shift.max():.3g} standard deviations",
+                  f"{int(np.sum(shift > 0.5))} of {shift.size} channels beyond 0.5"]
+    return parts, moving_mean, moving_variance
+
+
+def test_statistics_far_from_the_data_are_stale_with_numpy_numbers():
+    model = _mlp()
+    rng = np.random.default_rng(1)
+    x = rng.normal(0.0, 1.0, size=(96, 8)).astype("float32")
+    keras_bn.recalibrate(model, x, batch_size=32, progress=False)
+    assert check_batchnorm(model, x, batch_size=32) == []
+    shifted = 3.0 * x + 2.0  # the data the model now sees: another scale and offset
+    findings = check_batchnorm(model, shifted, batch_size=32)
+    stale = {f.layer: f.message for f in findings if f.kind == "stale_statistics"}
+    assert list(stale) == ["ours", "inner/keras_bn_layer"]
+
+    # numpy, in inference mode: Dense → keras_bn BN → ReLU → Dense → Keras BN.
+    w1, b1, w2, b2 = [w.astype(np.float64) for layer in (model.layers[0], model.layers[3].layers[0])
+                      for w in layer.get_weights()]
+    ours, theirs = model.layers[1], model.layers[3].layers[1]
+    h1 = np.split(shifted.astype(np.float64) @ w1 + b1, 3)
+    parts, mean, variance = _numpy_stale_message_parts(ours, h1, unbiased=True)
+    assert all(part in stale["ours"] for part in parts), (parts, stale["ours"])
+    gamma, beta = [w.numpy().astype(np.float64) for w in (ours.gamma, ours.beta)]
+    h2 = [np.maximum(gamma * (h - mean) / np.sqrt(variance + ours.epsilon) + beta, 0) @ w2 + b2
+          for h in h1]
+    parts, _, _ = _numpy_stale_message_parts(theirs, h2, unbiased=False)
+    assert all(part in stale["inner/keras_bn_layer"] for part in parts)
+
+
+def test_small_batches_count_values_per_channel_spatial_positions_included():
+    model = keras.Sequential([
+        keras.Input((4, 4, 2)), keras.layers.Conv2D(4, 3, padding="same"),
+        keras.layers.BatchNormalization(name="conv_bn"), keras.layers.Flatten(),
+        keras.layers.Dense(5), keras_bn.BatchNormalization(name="dense_bn"),
+    ])
+    x = np.random.default_rng(2).normal(size=(44, 4, 4, 2)).astype("float32")
+    keras_bn.recalibrate(model, x, batch_size=8, progress=False)
+    # Batches of 8 (and a last one of 4): the conv BN sees 8·16 = 128 values per channel, the
+    # Dense BN 8.
+    findings = check_batchnorm(model, x, batch_size=8)
+    assert [(f.layer, f.kind) for f in findings if f.kind == "small_batch"] == [
+        ("dense_bn", "small_batch")]
+    assert "m=8 " in findings[0].message
+    # Batches of 16 are enough; the short last batch (12) does not count.
+    assert "small_batch" not in [f.kind for f in check_batchnorm(model, x, batch_size=16)]
+
+
+def test_train_inference_gap_with_numpy_gap():
+    """Batches with very different means (data that was never shuffled): batch statistics
+    centre each batch, the population statistics cannot. The moving statistics are exactly the
+    pooled statistics of the data, so nothing is stale, yet the outputs differ."""
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4),
+                              keras_bn.BatchNormalization(), keras.layers.Dense(2)], name="gap")
+    rng = np.random.default_rng(3)
+    x = np.concatenate([rng.normal(4.0 * b, 1.0, size=(32, 3)) for b in range(4)]).astype(
+        "float32")
+    batches = np.split(x, 4)
+    keras_bn.recalibrate(model, batches, progress=False)
+    findings = check_batchnorm(model, batches)
+    assert _kinds(findings) == [("gap", "train_inference_gap")]
+
+    # numpy: batch-statistics against moving-statistics outputs of Dense → BN → Dense.
+    w1, b1, gamma, beta, mean, var, w2, b2 = [w.astype(np.float64) for w in model.get_weights()]
+    eps = model.layers[1].epsilon
+    difference = spread = 0.0
+    for batch in batches:
+        h = batch.astype(np.float64) @ w1 + b1
+        trained = (gamma * (h - h.mean(0)) / np.sqrt(h.var(0) + eps) + beta) @ w2 + b2
+        inferred = (gamma * (h - mean) / np.sqrt(var + eps) + beta) @ w2 + b2
+        difference += np.sum((trained - inferred) ** 2)
+        spread += np.sum((inferred - inferred.mean(0)) ** 2)
+    gap = np.sqrt(difference / spread)
+    assert f"differ from inference outputs by {gap:.3g} of their spread" in findings[0].message
+    assert gap > 0.5
+    # Shuffled into mixed batches, the same data shows no gap.
+    mixed = rng.permutation(x)
+    keras_bn.recalibrate(model, mixed, batch_size=32, progress=False)
+    assert check_batchnorm(model, mixed, batch_size=32) == []
+
+
+def test_unfoldable_relays_the_folds_reason():
+    inner = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4, activation="relu"),
+                              keras_bn.BatchNormalization(name="after_relu")], name="inner")
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4),
+                              keras.layers.BatchNormalization(name="foldable"), inner])
+    findings = check_batchnorm(randomise_batch_norms(model))
+    assert _kinds(findings) == [("inner/after_relu", "unfoldable")]
+    (kept,) = fold_batch_norms(model)[1].kept
+    assert findings[0].message == f"the fold keeps it: {kept.reason}"
+    assert "relu" in kept.reason
+
+
+class _Block(keras.layers.Layer):
+    """A custom layer holding a BN: the fold copies it whole and never sees the BN."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(4)
+        self.bn = keras_bn.BatchNormalization(name="hidden_bn")
+
+    def call(self, x, training=None):
+        return self.bn(self.dense(x), training=training)
+
+
+class _Subclassed(keras.Model):
+    def __init__(self):
+        super().__init__(name="subclassed")
+        self.dense = keras.layers.Dense(4)
+        self.bn = keras.layers.BatchNormalization(name="sub_bn")
+
+    def call(self, x, training=None):
+        return self.bn(self.dense(x), training=training)
+
+
+def test_unfoldable_where_the_fold_cannot_see_the_bn():
+    model = randomise_batch_norms(keras.Sequential([keras.Input((3,)), _Block(name="block")]))
+    assert _kinds(check_batchnorm(model)) == [("block/hidden_bn", "unfoldable")]
+    assert "custom layer" in check_batchnorm(model)[0].message
+    subclassed = _Subclassed()
+    subclassed(np.zeros((2, 3), "float32"))
+    randomise_batch_norms(subclassed)
+    (finding,) = check_batchnorm(subclassed)
+    assert (finding.layer, finding.kind) == ("sub_bn", "unfoldable")
+    assert "subclassed" in finding.message
+
+
+@pytest.mark.slow
+def test_a_healthy_trained_nested_model_has_no_finding():
+    x_train, y_train, x_test, _ = digits.load()
+    block = keras.Sequential([
+        keras.Input((8, 8, 1)), keras.layers.Conv2D(16, 3, padding="same", use_bias=False),
+        keras.layers.BatchNormalization(momentum=0.9), keras.layers.ReLU(),
+    ], name="block")
+    model = keras.Sequential([
+        keras.Input((8, 8, 1)), block, keras.layers.MaxPooling2D(), keras.layers.Flatten(),
+        keras.layers.Dense(32), keras_bn.BatchNormalization(momentum=0.9), keras.layers.ReLU(),
+        keras.layers.Dropout(0.2), keras.layers.Dense(10, activation="softmax"),
+    ])
+    model.compile("adam", "sparse_categorical_crossentropy")
+    model.fit(x_train, y_train, batch_size=32, epochs=5, verbose=0)
+    before = _variables(model)
+    findings = check_batchnorm(model, x_test, batch_size=32)
+    assert findings == [], str(findings)
+    assert str(findings) == "check_batchnorm: no finding in 2 BN layer(s)."
+    for now, then in zip(_variables(model), before, strict=True):
+        np.testing.assert_array_equal(now, then)  # the training-mode passes were undone
+
+
+def test_str_is_a_table():
+    findings = Findings([Finding("a", "small_batch", "m=2"),
+                         Finding("outer/bn_long_name", "unfoldable", "the fold keeps it")], 3)
+    lines = str(findings).splitlines()
+    assert lines[0] == "check_batchnorm: 2 finding(s) in 3 BN layer(s)."
+    header, rule, *rows = lines[1:]
+    assert header.split() == ["layer", "kind", "message"]
+    kind_column = header.index("kind")
+    message_column = header.index("message")
+    for row, finding in zip(rows, findings, strict=True):
+        assert row[:kind_column].rstrip() == finding.layer
+        assert row[kind_column:message_column].rstrip() == finding.kind
+        assert row[message_column:] == finding.message
+    assert set(rule.replace(" ", "")) == {"-"}
+
+
+def test_errors_name_the_problem():
+    with pytest.raises(ValueError, match="'plain' has no BatchNormalization"):
+        check_batchnorm(keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)], name="plain"))
+    unbuilt = keras.Sequential([keras.layers.Dense(2), keras_bn.BatchNormalization(name="nb")])
+    with pytest.raises(ValueError, match=r"not built.*\['nb'\]|\['nb'\].*not built"):
+        check_batchnorm(unbuilt)
+    with pytest.raises(ValueError, match="steps=0"):
+        check_batchnorm(_mlp(), np.zeros((8, 8), "float32"), steps=0)
+
+
+@pytest.mark.slow
+def test_readme_training_helpers_snippets_run_and_print_the_table_shown(capsys):
+    root = os.path.join(os.path.dirname(__file__), "..")
+    with open(os.path.join(root, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    section = readme[readme.index("## Training helpers"):readme.index("## Errors")]
+    snippets = re.findall(r"```python\n(.*?)```", section, re.S)
+    (table,) = re.findall(r"```text\n(.*?)```", section, re.S)
+    assert len(snippets) == 2
+    outputs = []
+    for snippet in snippets:
+        keras.backend.clear_session()  # layer names count from scratch, as in a new process
+        exec(compile(snippet, "README.md", "exec"), {})
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0].startswith("Recalibrated 1 BN layer(s)")
+    assert outputs[1] == table
+
+
+def test_non_finite_statistics_and_data():
+    model = randomise_batch_norms(_mlp())
+    x = np.random.default_rng(4).normal(size=(64, 8)).astype("float32")
+    model.layers[1].moving_variance.assign(np.full(16, np.nan, "float32"))
+    kinds = _kinds(check_batchnorm(model, x))
+    assert ("ours", "stale_statistics") in kinds
+    assert ("inner/keras_bn_layer", "non_finite") in kinds  # its input is NaN now
+    assert ("mlp", "train_inference_gap") in kinds
+    x[5, 3] = np.inf
+    with pytest.raises(ValueError, match=r"batch 0 of `data` has inf at index \(5, 3\)"):
+        check_batchnorm(model, x)

@@ -1,0 +1,127 @@
+"""`pip install .` without extras gives a working keras_bn.export and keras-bn-export.
+
+Offline: a fresh venv sees, through a .pth file, only the distributions that the core
+dependency list of pyproject.toml pulls in (resolved from this environment's metadata), each
+file linked from this environment; pip then installs the project into it with --no-index. A
+dependency missing from the core list is missing there too, and the export fails.
+"""
+
+import importlib.metadata
+import os
+import shutil
+import subprocess
+import sys
+
+import keras
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Building the project offline needs its build backend in the venv too.
+BUILD_TOOLS = ["setuptools", "wheel"]
+
+
+def _core_requirements():
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        from pip._vendor import tomli as tomllib
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as file:
+        return tomllib.load(file)["project"]["dependencies"]
+
+
+def _closure(requirements):
+    """Every installed distribution that `requirements` need, transitively (markers evaluated,
+    extras followed where a requirement asks for them)."""
+    found, todo = {}, [(r, "") for r in requirements]
+    while todo:
+        text, extra = todo.pop()
+        requirement = Requirement(text)
+        if requirement.marker and not requirement.marker.evaluate({"extra": extra}):
+            continue
+        name = canonicalize_name(requirement.name)
+        wanted = {""} | set(requirement.extras)
+        done = found.get(name, (None, set()))[1]
+        if wanted <= done:
+            continue
+        distribution = importlib.metadata.distribution(requirement.name)
+        found[name] = (distribution, done | wanted)
+        for dependency in distribution.requires or []:
+            todo.extend((dependency, e) for e in wanted - done)
+    return [distribution for distribution, _ in found.values()]
+
+
+def _link_files(distributions, site):
+    """Mirror the distributions' files into `site` as symlinks. Top-level entries owned by one
+    distribution are linked whole (with their compiled .pyc); shared ones file by file."""
+    owners = {}
+    for distribution in importlib.metadata.distributions():
+        for top in {f.parts[0] for f in distribution.files or [] if f.parts[0] != ".."}:
+            owners.setdefault(top, set()).add(canonicalize_name(distribution.metadata["Name"]))
+    for distribution in distributions:
+        for file in distribution.files or []:
+            top = file.parts[0]
+            if top == "..":  # scripts in bin/: pip makes the ones this project needs
+                continue
+            whole = len(owners.get(top, ())) == 1
+            relative = top if whole else str(file)
+            target = os.path.join(site, relative)
+            if os.path.lexists(target):
+                continue
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            os.symlink(distribution.locate_file(relative), target)
+
+
+@pytest.mark.slow
+def test_install_without_extras_runs_the_export_command(tmp_path):
+    distributions = _closure(_core_requirements() + BUILD_TOOLS)
+    names = {canonicalize_name(d.metadata["Name"]) for d in distributions}
+    assert {"tf2onnx", "onnx", "onnxruntime", "ai-edge-litert", "rich"} <= names
+    assert not names & {"scikit-learn", "pytest", "hypothesis", "nbclient", "jax"}
+    site = tmp_path / "deps"
+    _link_files(distributions, site)
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys._base_executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    purelib = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True, capture_output=True, text=True).stdout.strip()
+    with open(os.path.join(purelib, "_keras_bn_test_deps.pth"), "w") as file:
+        file.write(f"{site}\n")
+    source = tmp_path / "source"  # a copy: the build writes egg-info and build/ next to it
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(os.path.join(ROOT, name), source / name)
+    for name in ("keras_bn", "export"):
+        shutil.copytree(os.path.join(ROOT, name), source / name,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    env = {**os.environ, "PIP_NO_INDEX": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+           "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONNOUSERSITE": "1"}
+    env.pop("PYTHONPATH", None)
+    install = subprocess.run(
+        [python, "-m", "pip", "install", "--no-index", "--no-build-isolation", str(source)],
+        capture_output=True, text=True, env=env, timeout=300)
+    assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
+
+    script = venv / "bin" / "keras-bn-export"
+    result = subprocess.run([script, "--help"], capture_output=True, text=True, env=env,
+                            timeout=60)
+    assert result.returncode == 0 and "--tflite" in result.stdout, result.stderr
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, use_bias=False),
+                              keras.layers.BatchNormalization(), keras.layers.Dense(2)])
+    model.save(tmp_path / "m.keras")
+    result = subprocess.run(
+        [script, tmp_path / "m.keras", "--tflite", tmp_path / "m.tflite", "--onnx",
+         tmp_path / "m.onnx"], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert "batch norms: 1 folded" in result.stdout and "verification passed" in result.stdout
+    # The installed copy, not this checkout, and no extra's package.
+    where = subprocess.run(
+        [python, "-c", "import keras_bn.export, importlib.util as u; "
+                       "print(keras_bn.export.__file__, u.find_spec('sklearn'), "
+                       "u.find_spec('pytest'))"],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert where.stdout.split() == [
+        os.path.join(purelib, "keras_bn", "export", "__init__.py"), "None", "None"], where
