@@ -1,7 +1,7 @@
 """Functional batch normalization: moments, the train-mode transform and the inference affine.
 
-Notation (Ioffe & Szegedy 2015; design.md §3). For one channel, over the m elements reduced
-(batch × spatial, or the unmasked ones under a mask):
+Notation (Ioffe & Szegedy 2015; docs/architecture.md, "The maths"). For one channel, over the
+m elements reduced (batch × spatial, or the unmasked ones under a mask):
 
     μ = Σx / m,   σ² = Σ(x − μ)² / m          (biased: this is what normalizes)
     x̂ = (x − μ) / √(σ² + ε),   y = γ·x̂ + β

@@ -8,6 +8,7 @@ browser test is skipped, except under KERAS_BN_REQUIRE_BROWSER=1 (set by .ci/run
 
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -80,10 +81,46 @@ def test_each_example_page_shows_a_rendered_figure(site, browser, notebook):
 def test_api_page_lists_every_public_name(site, browser):
     browser.get((site / "api.html").as_uri())
     anchors = set(browser.execute_script(
-        "return Array.from(document.querySelectorAll('dt[id]')).map(e => e.id);"
+        "return Array.from(document.querySelectorAll('[id]')).map(e => e.id);"
     ))
     expected = {f"keras_bn.{name}" for name in keras_bn.__all__}
     expected |= {f"keras_bn.export.{name}" for name in keras_bn.export.__all__}
     missing = sorted(name for name in expected
                      if name not in anchors and f"module-{name}" not in anchors)
     assert not missing, f"API page lacks {missing}"
+
+
+@pytest.mark.slow
+def test_readme_tour_runs(tmp_path, monkeypatch):
+    """The README's tour trains, recalibrates, folds and writes two verified files."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("\n## A tour\n", 1)[1].split("\n## ", 1)[0]
+    (snippet,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    monkeypatch.chdir(tmp_path)
+    namespace = {}
+    exec(compile(snippet, "README.md", "exec"), namespace)
+    assert [f.host for f in namespace["report"].folded] == ["conv2d"]
+    assert namespace["report"].relative_error < 1e-5
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx", "model.tflite"]
+
+
+def test_readme_fits_on_a_screen_and_links_only_to_files_that_exist():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) <= 200
+    for target in re.findall(r"\]\(([^)#]+)", readme):
+        if "://" not in target:
+            assert (ROOT / target).exists(), target
+
+
+def test_no_file_cites_documents_the_project_lacks():
+    """Code, docs and notebooks cite papers and the project's own pages, never the design
+    notes or seeds that lived outside the repository."""
+    pattern = re.compile(r"shared/|design\.md|reference\.md|seeds/")
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout.split()
+    offenders = [
+        name for name in tracked
+        if name not in ("tests/test_docs.py", "tests/test_notebooks.py") and pathlib.Path(ROOT / name).is_file()
+        and pattern.search((ROOT / name).read_text(encoding="utf-8", errors="ignore"))
+    ]
+    assert not offenders, offenders
