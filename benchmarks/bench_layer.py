@@ -4,7 +4,8 @@ raw kernels, timed interleaved in one run; prints a table of medians.
 Train step = forward, backward (to the input and the weights) and a sum-of-squares loss; the two
 layers also update their moving statistics. The raw baseline for training is TensorFlow's
 FusedBatchNormV3 with its registered gradient (FusedBatchNormGradV3); for inference it is
-`x*a + b` on the same tensor.
+`x*a + b` on the same tensor. A second table checks the keras_bn / Keras BN targets (TARGETS)
+on the same medians.
 
     python benchmarks/bench_layer.py            # full table (a few minutes on 2 cores)
     python benchmarks/bench_layer.py --smoke    # tiny shapes, one repetition: CI's check
@@ -148,6 +149,30 @@ def run(shapes, reps, inner, jit_modes=(False, True)):
     return rows
 
 
+# keras_bn / Keras BN bounds, checked on this run's medians: (target, which rows, bound), the
+# rows chosen by the input's rank, the step and the tf.function mode (both policies).
+TARGETS = [
+    ("XLA train step, 4D and sequence shapes",
+     lambda rank, step, jit: jit == "XLA" and step == "train" and rank >= 3, 0.8),
+    ("XLA train step, 2D", lambda rank, step, jit: jit == "XLA" and step == "train" and rank == 2,
+     1.0),
+    ("XLA inference", lambda rank, step, jit: jit == "XLA" and step == "inference", 1.0),
+]
+
+
+def target_summary(rows, ranks):
+    """A table with one line per target: its worst keras_bn / Keras ratio, met or missed."""
+    lines = ["| target | bound | worst row | keras_bn / Keras | met |", "|---|---|---|---|---|"]
+    for name, covers, bound in TARGETS:
+        ratios = [(t["keras_bn"] / t["keras"], f"{label} {policy}")
+                  for label, policy, step, jit, t in rows if covers(ranks[label], step, jit)]
+        if ratios:
+            ratio, row = max(ratios)
+            lines.append(f"| {name} | ≤ {bound:.2f} | {row} | {ratio:.2f} | "
+                         f"{'yes' if ratio <= bound else 'MISSED'} |")
+    return "\n".join(lines)
+
+
 HEADER = ("| shape | policy | step | tf.function | keras_bn ms | Keras BN ms | raw ms "
           "| keras_bn / Keras | keras_bn / raw |\n|---|---|---|---|---|---|---|---|---|")
 
@@ -168,10 +193,9 @@ def main(argv=None):
     print(f"machine: {machine_description()}")
     print("raw = FusedBatchNormV3 + its gradient (train), x*a+b (inference); medians\n")
     print(HEADER, flush=True)
-    if args.smoke:
-        run(SMOKE_SHAPES, reps=1, inner=1)
-    else:
-        run(SHAPES, reps=args.reps, inner=args.inner)
+    shapes, reps, inner = (SMOKE_SHAPES, 1, 1) if args.smoke else (SHAPES, args.reps, args.inner)
+    rows = run(shapes, reps, inner)
+    print("\n" + target_summary(rows, {label: len(shape) for label, shape, _ in shapes}))
     return 0
 
 

@@ -1,5 +1,7 @@
 """keras_bn.export: fold batch norms into neighbouring layers and write verified TFLite/ONNX files.
 
+In short::
+
     folded, report = fold_batch_norms(model)            # no BN left; report.folded / .kept
     report.int8_risks     # hosts whose channel ranges spread over INT8_SPREAD_THRESHOLD
     export_tflite(model, "model.tflite", quantization="int8", representative_data=x)

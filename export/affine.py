@@ -14,7 +14,24 @@ from keras_bn import ops
 
 @keras.saving.register_keras_serializable(package="keras_bn.export")
 class InferenceAffine(keras.layers.Layer):
-    """Per-channel y = scale·x + shift over `channel_axes` (sorted, non-negative)."""
+    """Per-channel y = scale·x + shift: what a batch norm that cannot be folded becomes.
+
+    `fold_batch_norms` puts one in place of each BN it keeps, with the BN's inference map
+    (scale = γ/√(Var + ε), shift = β − scale·E[x]); converters turn it into one Mul and one
+    Add. It has no training mode and no statistics: `scale` and `shift` are non-trainable
+    weights, computed in float32 (the output is cast to the layer's compute dtype).
+
+    Args:
+        channel_axes: the sorted, non-negative axes the scale and shift run along (the BN's
+            channel axes for the input's rank).
+        channels: the size of each of those axes: the shape of `scale` and `shift`.
+        **kwargs: base layer arguments (`name`, `dtype`, ...).
+
+    Example::
+
+        affine = InferenceAffine([3], [16], name="bn")   # NHWC, 16 channels
+        affine.set_affine(scale, shift)
+    """
 
     def __init__(self, channel_axes, channels, **kwargs):
         super().__init__(**kwargs)
@@ -26,18 +43,50 @@ class InferenceAffine(keras.layers.Layer):
                                      trainable=False)
 
     def call(self, inputs, **_ignored):  # e.g. `training`, passed on from the BN's call
+        """scale·inputs + shift, per channel.
+
+        Args:
+            inputs: a tensor whose `channel_axes` have the sizes `channels`.
+            **_ignored: call arguments of the BN it replaces (`training`, `mask`), unused.
+
+        Returns:
+            A tensor of the input's shape, in the layer's compute dtype.
+        """
         x = keras.ops.cast(inputs, self.scale.dtype)
         y = ops.batch_norm_inference(x, self.scale, self.shift, self.channel_axes)
         return keras.ops.cast(y, self.compute_dtype)
 
     def set_affine(self, scale, shift):
+        """Set the map to y = scale·x + shift.
+
+        Args:
+            scale: per-channel scale, any array with as many entries as `scale` has (it is
+                reshaped to `channels`).
+            shift: per-channel shift, likewise.
+
+        Raises:
+            ValueError: `scale` or `shift` does not have that many entries.
+        """
         self.scale.assign(np.reshape(scale, self.channels))
         self.shift.assign(np.reshape(shift, self.channels))
 
     def compute_output_shape(self, input_shape):
+        """The output shape: `input_shape` itself.
+
+        Args:
+            input_shape: the input's shape.
+
+        Returns:
+            `input_shape`.
+        """
         return input_shape
 
     def get_config(self):
+        """The layer's config, for `from_config` and saving.
+
+        Returns:
+            dict: the base layer's config, `channel_axes` and `channels`.
+        """
         return {**super().get_config(), "channel_axes": self.channel_axes,
                 "channels": self.channels}
 
@@ -52,8 +101,12 @@ class ChannelBias(keras.layers.Layer):
     channels_first; this layer adds it with a reshape that names the axis, so no guess is made.
 
     Args:
-        channel_axis: the (non-negative) axis the bias runs along.
-        channels: the number of channels.
+        channel_axis: the axis the bias runs along, a positive int (axis 0 is the batch).
+        channels: the number of channels, a positive int.
+        **kwargs: base layer arguments (`name`, `dtype`, ...).
+
+    Raises:
+        ValueError: `channel_axis` or `channels` is not a positive int.
     """
 
     def __init__(self, channel_axis, channels, **kwargs):
@@ -71,6 +124,14 @@ class ChannelBias(keras.layers.Layer):
                                     trainable=False)
 
     def call(self, inputs):
+        """inputs + bias along `channel_axis`.
+
+        Args:
+            inputs: a tensor whose `channel_axis` has `channels` entries.
+
+        Returns:
+            A tensor of the input's shape, in the layer's compute dtype.
+        """
         x = keras.ops.cast(inputs, self.bias.dtype)
         shape = [1] * len(inputs.shape)
         shape[self.channel_axis] = self.channels
@@ -79,8 +140,21 @@ class ChannelBias(keras.layers.Layer):
         return keras.ops.cast(y, self.compute_dtype)
 
     def compute_output_shape(self, input_shape):
+        """The output shape: `input_shape` itself.
+
+        Args:
+            input_shape: the input's shape.
+
+        Returns:
+            `input_shape`.
+        """
         return input_shape
 
     def get_config(self):
+        """The layer's config, for `from_config` and saving.
+
+        Returns:
+            dict: the base layer's config, `channel_axis` and `channels`.
+        """
         return {**super().get_config(), "channel_axis": self.channel_axis,
                 "channels": self.channels}

@@ -40,13 +40,15 @@ def _parser():
                         help="inputs (first axis: samples) to calibrate int8 and to verify on: "
                              ".npy for a single-input model, .npz with one array per input "
                              "name otherwise")
-    parser.add_argument("--report", metavar="REPORT.json", help="also write the report as JSON")
+    parser.add_argument("--report", metavar="REPORT.json",
+                        help="also write the report as JSON (a NaN or infinite error as null)")
     parser.add_argument("--no-fold", action="store_true", help="export without folding")
     parser.add_argument("--unsafe", action="store_true",
                         help="load with safe_mode=False (allows Lambda layers' code)")
     parser.add_argument("--atol", type=float, default=None,
                         help="largest error allowed, relative to each output's scale (default "
-                             "per file: 1e-4 float32, 1e-3 float16, 2e-2 dynamic, 5e-2 int8)")
+                             "per file: 1e-4 float32, 1e-3 float16, 2e-2 dynamic, 5e-2 int8; "
+                             "at least 1e-2 for a mixed-precision model)")
     return parser
 
 
@@ -114,6 +116,9 @@ def _export(args, stage):
     from keras_bn.export import (VerificationError, atomic, export_onnx, export_tflite,
                                  fold_batch_norms, pipeline)
 
+    for output in (args.tflite, args.onnx, args.report):
+        if output:
+            atomic.target(output)  # a folder or a device (/dev/stdout): refused before any work
     model = keras.saving.load_model(args.model, compile=False, safe_mode=not args.unsafe)
     data = probe = None
     if args.representative_data:
@@ -144,7 +149,9 @@ def _export(args, stage):
         stage("fold")
         fold_report = fold_batch_norms(model, probe)[1]
 
-    fold_atol = pipeline.FLOAT32_ATOL if args.atol is None else args.atol
+    # The folded model is judged like a float32 file: a mixed-precision one rounds as its
+    # exports do, so it gets their default too.
+    fold_atol = pipeline.default_atol(model) if args.atol is None else args.atol
     summary = {
         "model": os.path.abspath(args.model),
         "fold": None if fold_report is None else fold_report.to_dict(),
@@ -154,8 +161,21 @@ def _export(args, stage):
     summary["passed"] = all(report.passed for report in exports) and (
         fold_report is None or bool(fold_report.relative_error <= fold_atol))
     if args.report:
-        atomic.write_text(args.report, json.dumps(summary, indent=2) + "\n")
+        atomic.write_text(args.report, json.dumps(_finite_json(summary), indent=2,
+                                                  allow_nan=False) + "\n")
     return summary
+
+
+def _finite_json(value):
+    """`value` with every NaN or infinite float as None: JSON has no such numbers (Python's
+    NaN/Infinity tokens are rejected by strict parsers), and `passed` already says it failed."""
+    if isinstance(value, dict):
+        return {key: _finite_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_json(item) for item in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
 
 
 def _human_summary(summary):

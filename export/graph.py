@@ -6,7 +6,10 @@ nested models are folded on their own first and used as opaque layers of the out
 
 Each BN is folded backward into the layer that produces its input when it can be, else forward
 into the layer that consumes its output, else kept as an `InferenceAffine` layer, with the
-reason recorded. The input model is only read: every layer of the result is a copy.
+reason recorded. A BN the fold cannot see into (one inside a custom layer, or a subclass of a
+BN class, whose call may compute something else) is copied as it is and recorded as kept too,
+so every BN of the model is in the report. The input model is only read: every layer of the
+result is a copy.
 
 Keras has no public API for walking a model's graph; this reads the same internals that
 keras.models.clone_model uses (`_nodes_by_depth`, `_run_through_graph`, Sequential's
@@ -25,7 +28,7 @@ from keras_bn.export.affine import ChannelBias, InferenceAffine
 from keras_bn.export.report import ChannelSpread, FoldReport
 
 L = keras.layers
-BN_TYPES = _bn_layers.BN_TYPES
+BN_TYPES = _bn_layers.BN_TYPES  # exact types: a subclass is copied as it is, and kept
 
 # Exact types, not isinstance: a subclass may change what `call` computes.
 CONV = (L.Conv1D, L.Conv2D, L.Conv3D)
@@ -45,7 +48,14 @@ OUTPUT_LAYOUTS.update({t: fold.TRANSPOSE for t in TRANSPOSE})
 
 @dataclasses.dataclass(frozen=True)
 class FoldedBN:
-    """A batch norm folded into `host`, "backward" (host → BN) or "forward" (BN → host)."""
+    """A batch norm that `fold_batch_norms` folded into a neighbouring layer.
+
+    Attributes:
+        bn: the BN layer's path ("inner/bn" for a BN in the nested model "inner").
+        host: the path of the Dense/Conv layer that took it.
+        direction: "backward" (host → BN: the BN scaled the host's output channels) or
+            "forward" (BN → host: the BN scaled the next layer's input channels).
+    """
 
     bn: str
     host: str
@@ -54,8 +64,21 @@ class FoldedBN:
 
 @dataclasses.dataclass(frozen=True)
 class KeptBN:
-    """A batch norm kept as an InferenceAffine layer: `kind` names the refusal (e.g.
-    "activation", "shared_bn"), `reason` says it in words."""
+    """A batch norm that `fold_batch_norms` did not fold.
+
+    It becomes an InferenceAffine layer, except a BN inside a custom layer or a BN subclass,
+    which stays as it is.
+
+    Attributes:
+        bn: the BN layer's path ("inner/bn" for a BN in the nested model "inner"; for a BN
+            inside a custom layer, "layer/…/name").
+        reason: why neither fold applies, in words (the backward reason, then the forward
+            one).
+        kind: the backward refusal, a short code to branch on: "shared_bn", "several_inputs",
+            "several_axes", "reads_input", "not_a_host", "shared_host", "lora", "quantized",
+            "activation", "fan_out", "axis", "inside_layer" (a BN inside a custom layer) or
+            "subclass" (a subclass of a BN class, whose call may add to the normalization).
+    """
 
     bn: str
     reason: str
@@ -83,14 +106,25 @@ def fold_batch_norms(model, probe=None):
 
     Returns:
         (folded_model, FoldReport). BNs that cannot be folded are kept as InferenceAffine
-        layers and listed in `report.kept` with the reason; `report.errors` has the error of
-        each output; `report.channel_spreads` has each folded host's int8 readiness (and
-        `report.int8_risks` those over `INT8_SPREAD_THRESHOLD`).
+        layers (BNs inside custom layers and BN subclasses: as they are) and listed in
+        `report.kept` with the reason, so every BN is in `report.folded` or `report.kept`;
+        `report.errors` has the error of each output; `report.channel_spreads` has each
+        folded host's int8 readiness (and `report.int8_risks` those over
+        `INT8_SPREAD_THRESHOLD`).
 
     Raises:
         TypeError: the model (or a nested one holding a BN) is subclassed, or a layer's
             config does not round-trip.
-        ValueError: the model is not built, or `probe` does not fit its inputs.
+        ValueError: the model is not built, `probe` does not fit its inputs, or a BN to be
+            folded has a non-finite inference scale or shift (NaN or inf statistics
+            or weights).
+
+    Example::
+
+        folded, report = fold_batch_norms(model, x_val[:64])
+        for kept in report.kept:
+            print(kept.bn, kept.kind, kept.reason)
+        assert report.relative_error < 1e-5
     """
     folded_model, folded, kept, spreads = _fold_model(model, prefix="")
     sig = trace.signature(model)
@@ -172,7 +206,7 @@ def _fold_model(model, prefix):
     pending = []
     for node in info.nodes:  # backward folds first: they need the hosts' original kernels
         bn = node.operation
-        if not isinstance(bn, BN_TYPES):
+        if type(bn) not in BN_TYPES:
             continue
         refusal = _refuse_bn(bn, node, info)
         if refusal is None:
@@ -214,7 +248,7 @@ def _fold_model(model, prefix):
             folded.extend(inner_folded)
             kept.extend(inner_kept)
             spreads.extend(inner_spreads)
-        elif isinstance(layer, BN_TYPES):
+        elif type(layer) in BN_TYPES:
             copies[id(layer)] = _affine_copy(layer, node)
         elif not isinstance(layer, L.Layer):  # a stateless op such as `x * 2.0`: reusable
             copies[id(layer)] = layer
@@ -224,6 +258,7 @@ def _fold_model(model, prefix):
                                             name=_unused_name(f"{layer.name}_bias", model),
                                             dtype=layer.dtype_policy)
         else:
+            kept.extend(_unseen_batch_norms(layer, prefix))
             copies[id(layer)] = _copy_layer(layer, use_bias=True if id(layer) in weights else None)
 
     new_model = _rebuild(model, graph, copies, biases, dropped)
@@ -231,14 +266,29 @@ def _fold_model(model, prefix):
     return new_model, folded, kept, spreads
 
 
+def _unseen_batch_norms(layer, prefix):
+    """KeptBN for each BN that `layer`, copied as it is, computes out of the fold's sight."""
+    if _bn_layers.is_batch_norm(layer):  # not an exact BN type (those were handled)
+        base = "keras_bn" if isinstance(layer, _bn_layers.KERAS_BN_BN) else "keras.layers"
+        return [KeptBN(prefix + layer.name, (
+            f"BN layer '{layer.name}' is a {type(layer).__name__}, a subclass of "
+            f"{base}.BatchNormalization whose call may compute something else; it is kept as "
+            f"it is"), "subclass")]
+    return [KeptBN(f"{prefix}{layer.name}/{path}", (
+        f"BN layer '{bn.name}' is inside custom layer '{layer.name}' "
+        f"({type(layer).__name__}), whose call the fold cannot see into; it is kept as it is"),
+        "inside_layer") for path, bn in _bn_layers.batch_norms_inside(layer)]
+
+
 def _refuse_bn(bn, node, info):
     """Why this BN cannot fold in any direction, or None."""
     if info.shared(bn):
         return _Refusal("shared_bn",
                         f"BN layer '{bn.name}' is shared (called {info.calls[id(bn)]} times)")
-    if len(node.input_tensors) != 1:
-        return _Refusal("several_inputs",
-                        f"BN layer '{bn.name}' has {len(node.input_tensors)} inputs")
+    # Only the tensors passed positionally: a mask (a keyword tensor) is ignored by inference BN.
+    inputs = keras.tree.flatten(node.arguments.args)
+    if len(inputs) != 1:
+        return _Refusal("several_inputs", f"BN layer '{bn.name}' has {len(inputs)} inputs")
     if len(_bn_axes(bn, node)) != 1:
         return _Refusal("several_axes", f"BN layer '{bn.name}' normalizes over several "
                                         f"channel axes {_bn_axes(bn, node)}")

@@ -27,7 +27,7 @@ def export_onnx(model, path, opset=17, fold=True, probe=None, atol=None, strict=
         fold: fold the batch norms first (`fold_batch_norms`).
         probe: inputs on which the file is compared with `model`, in any structure
             `model.predict` takes; seeded random by default.
-        atol: the largest error allowed, as a fraction of each output's scale (max |output|
+        atol: the largest error allowed, as a fraction of each output's scale (max abs(output)
             on the probe); default 1e-4, or 1e-2 for a model that computes in float16 or
             bfloat16 (a mixed-precision policy).
         strict: raise VerificationError (and write nothing) when the file is over `atol`;
@@ -44,7 +44,8 @@ def export_onnx(model, path, opset=17, fold=True, probe=None, atol=None, strict=
             file at `path` is unchanged.
         ValueError: a bad argument, a probe that does not fit the model, or a file that
             onnx.checker rejects.
-        OSError: `path` cannot be written.
+        OSError: `path` cannot be written, or is a folder, FIFO or device (refused before
+            converting).
     """
     return pipeline.export(model, path, _ONNX(opset), atol=atol, strict=strict, fold=fold,
                            probe=probe, on_stage=on_stage)
@@ -65,8 +66,8 @@ class _ONNX(pipeline.Format):
         )
         return proto.SerializeToString()
 
-    def check_file(self, path):
-        check(path)
+    def check_file(self, written, target):
+        check(written, name=target)
 
     def run(self, path, inputs):
         return {setting: run(path, inputs, level) for setting, level in SESSION_SETTINGS.items()}
@@ -75,14 +76,15 @@ class _ONNX(pipeline.Format):
         return [node.op_type for node in onnx.load(path).graph.node]
 
 
-def check(path):
-    """onnx.checker.check_model with full shape inference; a ValueError naming `path` if the
-    file is not a valid ONNX model."""
+def check(path, name=None):
+    """onnx.checker.check_model with full shape inference; a ValueError naming `name` (default
+    `path`) if the file is not a valid ONNX model."""
     try:
         onnx.checker.check_model(str(path), full_check=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        raise ValueError(f"{path} is not a valid ONNX model: {first_line}") from error
+        raise ValueError(f"{path if name is None else name} is not a valid ONNX model: "
+                         f"{first_line}") from error
 
 
 def run(path, inputs, level=ort.GraphOptimizationLevel.ORT_ENABLE_ALL):

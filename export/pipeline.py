@@ -42,8 +42,9 @@ class Format:
         """The file's bytes for `model`, traced with the inputs and outputs of `sig`."""
         raise NotImplementedError
 
-    def check_file(self, path):
-        """Raise if the written file is not a valid file of its format."""
+    def check_file(self, written, target):
+        """Raise if the `written` file is not a valid file of its format; the error names
+        `target`, the path the caller gave (the written file is a temporary)."""
 
     def run(self, path, inputs):
         """{runtime setting: {output name: array}} for a {input name: array} feed."""
@@ -62,6 +63,7 @@ def export(model, path, fmt, atol=None, strict=True, fold=True, probe=None, on_s
     atol = default_atol(model, fmt) if atol is None else check_atol(atol)
     if not isinstance(strict, bool):
         raise ValueError(f"strict must be True or False; received strict={strict!r}.")
+    atomic.target(path)  # a folder or a device fails here, not after the conversion
     sig = trace.signature(model)
     if probe is not None:
         inputs = trace.feed(sig, probe)
@@ -77,7 +79,7 @@ def export(model, path, fmt, atol=None, strict=True, fold=True, probe=None, on_s
     expected = trace.outputs(model, sig, inputs)
 
     def verify(written):
-        fmt.check_file(written)
+        fmt.check_file(written, path)
         actual = fmt.run(written, inputs)
         result = report.ExportReport(
             format=fmt.name,
@@ -102,12 +104,14 @@ def export(model, path, fmt, atol=None, strict=True, fold=True, probe=None, on_s
     return atomic.write_bytes(path, content, check=verify)
 
 
-def default_atol(model, fmt):
-    """The format's default tolerance, or HALF_PRECISION_ATOL if larger and any layer of the
-    model computes in a 16-bit float."""
+def default_atol(model, fmt=None):
+    """The format's default tolerance (FLOAT32_ATOL for the folded Keras model itself, when
+    `fmt` is None), or HALF_PRECISION_ATOL if larger and any layer of the model computes in a
+    16-bit float."""
+    atol = FLOAT32_ATOL if fmt is None else fmt.default_atol()
     if any(layer.compute_dtype in HALF_PRECISION for layer in model._flatten_layers()):
-        return max(fmt.default_atol(), HALF_PRECISION_ATOL)
-    return fmt.default_atol()
+        return max(atol, HALF_PRECISION_ATOL)
+    return atol
 
 
 def check_atol(atol):

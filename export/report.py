@@ -11,11 +11,12 @@ import dataclasses
 
 import numpy as np
 
-# int8 readiness. A weight tensor quantized per tensor has one int8 scale, max |w| / 127, so a
-# channel whose largest weight is `spread` times smaller than the tensor's keeps only
-# 127 / spread levels: above 10, under 13 (< 4 bits). On the digits MLP the per-tensor int8 file
-# leaves the int8 tolerance (5e-2) between spreads 6.4 and 12.9; healthy trained hosts have
-# spreads of 2 to 3 (README, "int8 readiness"; benchmarks/bench_int8_spread.py).
+#: int8 readiness: the channel spread (max / min over channels of max abs(w)) above which a
+#: folded host is an int8 risk. A weight tensor quantized per tensor has one int8 scale,
+#: max abs(w) / 127, so a channel whose largest weight is `spread` times smaller than the tensor's
+#: keeps only 127 / spread levels: above 10, under 13 (< 4 bits). On the digits MLP the
+#: per-tensor int8 file leaves the int8 tolerance (5e-2) between spreads 6.4 and 12.9; healthy
+#: trained hosts have spreads of 2 to 3 (benchmarks/bench_int8_spread.py).
 INT8_SPREAD_THRESHOLD = 10.0
 
 
@@ -64,7 +65,7 @@ class ChannelSpread:
     Attributes:
         host: the host's name ("inner/conv" inside a nested model "inner").
         layer: the host's class name.
-        output_spread: max / min over output channels of max |w| per channel, on the folded
+        output_spread: max / min over output channels of max abs(w) per channel, on the folded
             kernel (`fold.channel_spread`: all-zero channels left out, NaN if a weight is
             NaN). For a SeparableConv, its pointwise kernel: the one the fold scales, whose
             last axis is the output channels (the depthwise kernel is left as trained).
@@ -79,17 +80,24 @@ class ChannelSpread:
 
     @property
     def int8_risk(self):
-        """A spread over INT8_SPREAD_THRESHOLD (or NaN): precision lost where the weights are
-        quantized per tensor (one scale for the whole kernel)."""
+        """True when a spread is over INT8_SPREAD_THRESHOLD (or NaN), so that precision is
+        lost where the weights are quantized per tensor (one scale for the whole kernel)."""
         return over_threshold(self.output_spread) or over_threshold(self.input_spread)
 
     @property
     def per_channel_int8_risk(self):
-        """The input spread over the threshold: precision lost even where each output channel
-        has its own scale (TFLite's int8), since that scale spans every input channel."""
+        """True when the input spread is over the threshold (or NaN), so that precision is lost
+        even where each output channel has its own scale (TFLite's int8), since that scale
+        spans every input channel."""
         return over_threshold(self.input_spread)
 
     def to_dict(self):
+        """The fields and both risk flags, as a JSON-ready dict.
+
+        Returns:
+            dict with `host`, `layer`, `output_spread`, `input_spread`, `int8_risk` and
+            `per_channel_int8_risk`.
+        """
         return {**dataclasses.asdict(self), "int8_risk": self.int8_risk,
                 "per_channel_int8_risk": self.per_channel_int8_risk}
 
@@ -101,8 +109,8 @@ class FoldReport:
     Attributes:
         folded: FoldedBN per folded batch norm.
         kept: KeptBN per batch norm kept as an InferenceAffine layer, with the reason.
-        errors: output name → max |folded − original| on the probe.
-        output_scales: output name → max |original output| on the probe.
+        errors: output name → max abs(folded − original) on the probe.
+        output_scales: output name → max abs(original output) on the probe.
         channel_spreads: ChannelSpread per folded host, its int8 readiness; `int8_risks`
             lists those over INT8_SPREAD_THRESHOLD.
     """
@@ -121,6 +129,7 @@ class FoldReport:
 
     @property
     def max_abs_error(self):
+        """The largest absolute error over the outputs (NaN if any is NaN); 0 for none."""
         return worst(self.errors.values())
 
     @property
@@ -137,6 +146,13 @@ class FoldReport:
         return [spread for spread in self.channel_spreads if spread.int8_risk]
 
     def to_dict(self):
+        """The report as a JSON-ready dict: the fields (FoldedBN, KeptBN and ChannelSpread as
+        dicts), `relative_errors`, `relative_error`, `int8_spread_threshold` and `int8_risks`
+        (the names of the hosts at risk).
+
+        Returns:
+            dict, as the CLI's `--report` file holds it under "fold".
+        """
         return {**dataclasses.asdict(self), "relative_errors": self.relative_errors,
                 "relative_error": self.relative_error,
                 "channel_spreads": [spread.to_dict() for spread in self.channel_spreads],
@@ -152,9 +168,9 @@ class ExportReport:
         format: "tflite" or "onnx".
         path: the file's absolute path.
         size_bytes: its size.
-        errors: output name → {runtime setting → max |runtime − Keras|} on the probe
+        errors: output name → {runtime setting → max abs(runtime − Keras)} on the probe
             ("litert"; "ort_disabled" and "ort_enabled" for onnxruntime's optimiser).
-        output_scales: output name → max |Keras output| on the probe.
+        output_scales: output name → max abs(Keras output) on the probe.
         atol: the tolerance, as a fraction of each output's scale.
         op_histogram: op name → count in the file.
         quantization: the TFLite quantization, None for float32.
@@ -179,6 +195,8 @@ class ExportReport:
 
     @property
     def max_abs_error(self):
+        """The largest absolute error over outputs and runtime settings (NaN if any is
+        NaN)."""
         return worst(worst(by_setting.values()) for by_setting in self.errors.values())
 
     @property
@@ -192,6 +210,12 @@ class ExportReport:
         return bool(self.relative_error <= self.atol)
 
     def to_dict(self):
+        """The report as a JSON-ready dict: the fields (`fold` as `FoldReport.to_dict`), plus
+        `max_abs_error`, `relative_errors`, `relative_error` and `passed`.
+
+        Returns:
+            dict, as the CLI's `--report` file lists it under "exports".
+        """
         data = dataclasses.asdict(self)
         data["fold"] = None if self.fold is None else self.fold.to_dict()
         data.update(max_abs_error=self.max_abs_error, relative_errors=self.relative_errors,
@@ -202,8 +226,16 @@ class ExportReport:
 class VerificationError(Exception):
     """A written file differs from the Keras model by more than the tolerance.
 
-    The file was not put at its path (any existing file there is unchanged); `report` is the
-    ExportReport of the rejected file, whose `path` is where it would have gone.
+    Raised by `export_tflite` and `export_onnx` with strict=True. The file was not put at its
+    path (any existing file there is unchanged); the message names the worst output and its
+    error.
+
+    Args:
+        report: the ExportReport of the rejected file.
+
+    Attributes:
+        report: the ExportReport of the rejected file, whose `path` is where it would have
+            gone and whose `errors` say by how much each output missed.
     """
 
     def __init__(self, report):

@@ -53,7 +53,7 @@ def export_tflite(model, path, quantization=None, representative_data=None, fold
         probe: inputs on which the file is compared with `model`, in any structure
             `model.predict` takes; default: the first 64 representative samples, else seeded
             random input.
-        atol: the largest error allowed, as a fraction of each output's scale (max |output|
+        atol: the largest error allowed, as a fraction of each output's scale (max abs(output)
             on the probe); default `DEFAULT_ATOL[quantization]`: 1e-4 for float32, 1e-3 for
             float16, 2e-2 for dynamic, 5e-2 for int8.
         strict: raise VerificationError (and write nothing) when the file is over `atol`;
@@ -72,7 +72,8 @@ def export_tflite(model, path, quantization=None, representative_data=None, fold
             converter cannot take (channels_first 1D/3D and transposed convolutions, 16-bit
             compute dtypes), named.
         ConverterError: the converter failed (e.g. an op that is not a TFLite builtin).
-        OSError: `path` cannot be written.
+        OSError: `path` cannot be written, or is a folder, FIFO or device (refused before
+            converting).
     """
     if quantization not in QUANTIZATIONS:
         raise ValueError(

@@ -3,9 +3,13 @@
 Every exporter and the fold report work on flat {name: array} maps: the runtimes (LiteRT
 signatures, onnxruntime sessions) take and give named tensors, and a report needs one error
 per output name. `Signature` fixes those names once per model:
-- inputs: the key where the model takes a dict, else the Input layer's name;
+- inputs: the key where the model takes a dict, else the Input layer's name (a feed may use
+  these, `Signature.input_keys`, even where the file's name differs);
 - outputs: the key where the model returns a dict, else the name of the layer that produces it
-  (`_1`, `_2` appended where two outputs would share a name).
+  (`_1`, `_2` appended where two outputs would share a name, or an output an input's: a file's
+  tensors need distinct names, and a model may return one of its inputs).
+Either is made converter-safe: characters outside [A-Za-z0-9_.-] become "_", and a leading
+"_" or "-" is dropped (TensorFlow's signatures refuse such argument names).
 
 The converters start from `inference_function`: a tf.function with an explicit signature and
 a dynamic batch dim (TFLite via a SavedModel, tf2onnx's from_function), which avoids the
@@ -28,7 +32,8 @@ UNKNOWN_DIM = 8  # a free non-batch dim in random input
 class Signature:
     """Names, shapes and dtypes of a model's inputs and outputs, in the model's flat order."""
 
-    input_names: tuple
+    input_names: tuple  # converter-safe and unique: the names in the files and in feeds
+    input_keys: tuple  # the model's own name of each input (dict key path, or Input name)
     input_specs: tuple  # tf.TensorSpec per input, batch dim free, named as the input
     output_names: tuple
     _inputs_struct: object  # what the model is called with, with inputs as leaves
@@ -58,28 +63,38 @@ def signature(model):
     outputs = getattr(model, "_outputs_struct", None)
     if outputs is None:
         outputs = model.outputs[0] if len(model.outputs) == 1 else list(model.outputs)
-    input_names = _names(inputs, lambda t: t._keras_history.operation.name)
+    input_keys = _keys(inputs)
+    input_names = _safe_names(input_keys)
     specs = tuple(
         tf.TensorSpec([None, *t.shape[1:]], t.dtype, name=name)
         for name, t in zip(input_names, keras.tree.flatten(inputs))
     )
-    output_names = _names(outputs, lambda t: t._keras_history.operation.name)
-    return Signature(input_names, specs, output_names, inputs)
+    output_names = _safe_names(_keys(outputs), taken=input_names)
+    return Signature(input_names, input_keys, specs, output_names, inputs)
 
 
-def _names(structure, name_of_tensor):
-    """One unique, converter-safe name per leaf: dict keys along its path, else its own name."""
-    names = []
+def _keys(structure):
+    """Each leaf's own name: the dict keys along its path, else its producing layer's name."""
+    keys = []
     for path, tensor in keras.tree.flatten_with_path(structure):
-        keys = [str(p) for p in path if isinstance(p, str)]
-        name = "_".join(keys) if keys else name_of_tensor(tensor)
-        name = re.sub(r"[^A-Za-z0-9_.\-]", "_", name) or "tensor"
+        along = [str(p) for p in path if isinstance(p, str)]
+        keys.append("_".join(along) if along else tensor._keras_history.operation.name)
+    return keys
+
+
+def _safe_names(keys, taken=()):
+    """One unique, converter-safe name per key; none of them in `taken`."""
+    names = list(taken)
+    for key in keys:
+        # TensorFlow's rule for a signature's argument names: [A-Za-z0-9.][A-Za-z0-9_.\-/]*.
+        name = re.sub(r"^[^A-Za-z0-9.]+", "", re.sub(r"[^A-Za-z0-9_.\-]", "_", key))
+        name = name or "tensor"
         unique, count = name, 0
         while unique in names:
             count += 1
             unique = f"{name}_{count}"
         names.append(unique)
-    return tuple(names)
+    return tuple(names[len(taken):])
 
 
 def feed(sig, data, what="probe"):
@@ -87,8 +102,10 @@ def feed(sig, data, what="probe"):
 
     Args:
         sig: the model's Signature.
-        data: one array (single-input models), a list/tuple of arrays in the model's input
-            order, or a dict keyed by input name.
+        data: the model's own input structure (nested lists and dicts as the model takes
+            them), one array (single-input models), a flat list/tuple of arrays in the model's
+            input order, or a flat dict keyed by input name (the model's own keys, or the
+            converter-safe `sig.input_names` where they differ).
         what: the argument's name, for error messages.
 
     Returns:
@@ -96,18 +113,27 @@ def feed(sig, data, what="probe"):
 
     Raises:
         ValueError naming the input when a name is missing or unknown, the count is wrong, the
-        sample counts differ, or a float array is given for an integer input.
+        sample counts differ or are 0, or a float array is given for an integer input.
     """
     names = sig.input_names
-    if isinstance(data, dict) or hasattr(data, "files"):  # dict, or np.load's NpzFile
-        given = set(data.keys())
-        if given != set(names):
+    if isinstance(data, (dict, list, tuple)) and _same_structure(data, sig._inputs_struct):
+        arrays = keras.tree.flatten(data)  # the order of the model's inputs, nested or not
+    elif isinstance(data, dict) or hasattr(data, "files"):  # dict, or np.load's NpzFile
+        aliases = {name: name for name in names}
+        aliases.update(zip(sig.input_keys, names))  # the model's own key first
+        given = {}  # input name → the caller's key
+        for key in data.keys():
+            given.setdefault(aliases.get(key), []).append(key)
+        unknown = sorted(map(str, given.pop(None, [])))
+        missing = [key for key, name in zip(sig.input_keys, names) if name not in given]
+        twice = [keys for keys in given.values() if len(keys) > 1]
+        if unknown or missing or twice:
             raise ValueError(
-                f"{what} has arrays for {sorted(given)}, but the model's inputs are "
-                f"{list(names)} (missing {sorted(set(names) - given)}, unknown "
-                f"{sorted(given - set(names))})."
+                f"{what} has arrays for {sorted(map(str, data.keys()))}, but the model's inputs "
+                f"are {list(sig.input_keys)} (missing {missing}, unknown {unknown}"
+                f"{f', the same input twice {twice}' if twice else ''})."
             )
-        arrays = [data[name] for name in names]
+        arrays = [data[given[name][0]] for name in names]
     elif isinstance(data, (list, tuple)):
         if len(data) != len(names):
             raise ValueError(
@@ -128,7 +154,18 @@ def feed(sig, data, what="probe"):
     counts = {name: len(a) for name, a in result.items()}
     if len(set(counts.values())) > 1:
         raise ValueError(f"{what}'s arrays differ in their number of samples: {counts}.")
+    if 0 in counts.values():  # every comparison on it would pass, having compared nothing
+        raise ValueError(f"{what} has no samples (shapes "
+                         f"{[a.shape for a in result.values()]}): nothing to verify on.")
     return result
+
+
+def _same_structure(data, structure):
+    try:
+        keras.tree.assert_same_structure(data, structure)
+    except (ValueError, TypeError):
+        return False
+    return True
 
 
 def _as_input(name, array, spec, what):

@@ -1,4 +1,17 @@
-"""keras-bn: batch normalization for Keras 3 (TensorFlow backend)."""
+"""keras-bn: batch normalization for Keras 3 (TensorFlow backend).
+
+- `BatchNormalization`: a drop-in for keras.layers.BatchNormalization with a hand-written
+  gradient, unbiased population statistics, synchronized replicas, renorm and ghost batches.
+- `recalibrate`: exact population statistics for every BN layer of a model (Algorithm 2),
+  reported as a `RecalibrationReport` of `LayerChange` entries.
+- `callbacks.Recalibrate`: the same at the end of `fit` and around each validation run.
+- `diagnostics`: `check_batchnorm` for the BN mistakes that raise no error, and measures of
+  gradient explosion, smoothness and internal covariate shift.
+- `convert`: swap Keras's and keras_bn's BN layers in a model, weights kept.
+- `keras_bn.export`: fold BN into Dense/Conv layers and write verified TFLite and ONNX files.
+
+Importing it needs the TensorFlow Keras backend: any other raises ImportError.
+"""
 
 import keras as _keras
 

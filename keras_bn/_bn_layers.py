@@ -27,6 +27,27 @@ def is_batch_norm(layer):
     return isinstance(layer, BN_TYPES)
 
 
+def in_model(model):
+    """Every BN layer of `model` (either class), nested models included, in layer order."""
+    return [layer for layer in model._flatten_layers(include_self=False) if is_batch_norm(layer)]
+
+
+def batch_norms_inside(layer):
+    """[(path, BN layer)] for every batch norm inside `layer` (not `layer` itself), in layer
+    order; a path is "inner/…/name", the names of the layers in between joined by "/"."""
+    found = []
+
+    def walk(parent, prefix):
+        for child in parent._flatten_layers(include_self=False, recursive=False):
+            if is_batch_norm(child):
+                found.append((prefix + child.name, child))
+            else:
+                walk(child, prefix + child.name + "/")
+
+    walk(layer, "")
+    return found
+
+
 def channel_axes(layer, rank):
     """The layer's channel axes for an input of `rank`, sorted and non-negative."""
     if isinstance(layer, KERAS_BN_BN) and layer._channel_axes is not None:

@@ -7,10 +7,12 @@ trajectory. The same holds after any weight averaging and after a large learning
 `Recalibrate` recomputes them from data with `keras_bn.recalibrate`.
 """
 
+import warnings
+
 import keras
 
 from keras_bn import _bn_layers
-from keras_bn.population import _Batches, recalibrate
+from keras_bn.population import _Batches, _recalibrate_layers
 
 __all__ = ["Recalibrate"]
 
@@ -19,7 +21,7 @@ class Recalibrate(keras.callbacks.Callback):
     """Recalibrate every BN layer's statistics at the end of `fit`, and optionally before
     each validation run.
 
-    Example, with the EMA weights that `use_ema=True` puts into the model at the end of `fit`:
+    Example, with the EMA weights that `use_ema=True` puts into the model at the end of `fit`::
 
         model.compile(keras.optimizers.Adam(1e-3, use_ema=True), "mse")
         model.fit(x, y, epochs=5, validation_data=(x_val, y_val),
@@ -34,27 +36,35 @@ class Recalibrate(keras.callbacks.Callback):
       training goes on as if the callback were not there. Given to `evaluate(callbacks=...)`,
       it does the same around that evaluation.
 
+    Only the BN layers that train are recalibrated: a frozen one (`trainable=False`, e.g. a
+    pretrained backbone during fine-tuning) normalized with its moving statistics all through
+    `fit`, and the layers after it were trained for them, so they are kept.
+
     Callbacks run in list order: put `Recalibrate` after any callback that changes the weights
     in the same hook, i.e. after `keras.callbacks.SwapEMAWeights` (so validation sees the EMA
     weights and statistics computed for them) and after `EarlyStopping(restore_best_weights=
     True)`, which sets the weights, moving statistics included, in `on_train_end`.
+
+    If `fit` stops with an exception during a validation run (e.g. KeyboardInterrupt), Keras
+    runs no further callback, so the model keeps the statistics recalibrated for that run.
 
     Each recalibration costs one inference pass over `data` per BN layer. `last_report` holds
     the `RecalibrationReport` of the latest one (None before the first).
 
     Args:
         data: the batches to compute the statistics from, as for `keras_bn.recalibrate`: a
-            `tf.data.Dataset` (finite, or with `steps`), a numpy array, or an iterable of
-            batches; `(x, y)` and `(x, y, sample_weight)` elements use `x`. A one-shot iterator
+            `tf.data.Dataset` (finite, or with `steps`), a numpy array or a dict of them (named
+            inputs), or an iterable of batches; `(x, y)` and `(x, y, sample_weight)` elements use `x`. A one-shot iterator
             (a generator) is read once, here, and kept in memory.
-        batch_size: batch size for numpy-array data.
+        batch_size: batch size for numpy-array (or dict of arrays) data.
         steps: how many batches to use each time; None uses them all.
         at_train_end: recalibrate in `on_train_end`.
         before_validation: recalibrate for each validation run, then restore.
         progress: show `recalibrate`'s progress bar.
 
     Raises:
-        ValueError: `steps` or `batch_size` is not a positive int, a dataset is infinite
+        ValueError: `steps` is not a positive int (nor None), `batch_size` is not a positive
+            int while `data` is a numpy array, a dataset is infinite
             without `steps`, a flag is not a bool, or both `at_train_end` and
             `before_validation` are False (the callback would do nothing).
     """
@@ -81,26 +91,71 @@ class Recalibrate(keras.callbacks.Callback):
         self.progress = progress
         self.last_report = None
         self._training_statistics = None
+        self._validation_runs = 0
+
+    def on_train_begin(self, logs=None):
+        """Start counting validation runs (for the warning when a fit has none).
+
+        Args:
+            logs: Keras's logs dict (unused).
+        """
+        self._validation_runs = 0
 
     def on_train_end(self, logs=None):
+        """Recalibrate for the final weights, if `at_train_end`; the report goes to
+        `last_report`.
+
+        Args:
+            logs: Keras's logs dict (unused).
+
+        Raises:
+            ValueError: `data` gives no batch, no batch with 2 values per channel for some
+                layer, or a different number of batches on another pass (see `keras_bn.recalibrate`).
+        """
         if self.at_train_end:
             self._recalibrate()
+        elif self._validation_runs == 0:
+            warnings.warn(
+                "Recalibrate(before_validation=True, at_train_end=False) did nothing: this fit "
+                "ran no validation (give fit validation_data or validation_split).",
+                stacklevel=2,
+            )
 
     def on_test_begin(self, logs=None):
+        """If `before_validation`: save the BN statistics (every replica's copy), then
+        recalibrate them for the current weights.
+
+        Args:
+            logs: Keras's logs dict (unused).
+
+        Raises:
+            ValueError: as `on_train_end`.
+        """
+        self._validation_runs += 1
         if self.before_validation:
             self._training_statistics = _Snapshot(self.model)
             self._recalibrate()
 
     def on_test_end(self, logs=None):
+        """Put back the statistics that `on_test_begin` saved, exactly, so training goes on
+        as if the evaluation had not recalibrated them.
+
+        Args:
+            logs: Keras's logs dict (unused).
+        """
         if self._training_statistics is not None:
             self._training_statistics.restore()
             self._training_statistics = None
 
     def _recalibrate(self):
-        self.last_report = recalibrate(
-            self.model, self._data, steps=self.steps, progress=self.progress,
-            batch_size=self.batch_size,
-        )
+        # Only the BNs that train: a frozen one (trainable=False) normalized with its moving
+        # statistics all through fit, and the layers after it were trained for them.
+        layers = [layer for layer in _bn_layers.in_model(self.model) if layer.trainable]
+        if layers:
+            self.last_report = _recalibrate_layers(
+                self.model, layers, _Batches(self._data, self.steps, self.batch_size),
+                self.progress,
+            )
 
 
 class _Snapshot:
@@ -114,8 +169,7 @@ class _Snapshot:
         strategy = model.distribute_strategy
         self._saved = [
             (copy, copy.numpy())
-            for layer in model._flatten_layers(include_self=False)
-            if _bn_layers.is_batch_norm(layer)
+            for layer in _bn_layers.in_model(model)
             for variable in layer.non_trainable_variables
             for copy in strategy.experimental_local_results(variable.value)
         ]

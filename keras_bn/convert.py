@@ -6,6 +6,15 @@ and every weight is carried over as it is, in particular the moving variance: Ke
 biased E_B[σ²_B] and keras_bn the unbiased m/(m−1)·E_B[σ²_B]. Inference outputs are therefore
 the same before and after; only training afterwards continues the average in the new layer's
 convention (or run keras_bn.recalibrate to recompute it in that convention).
+
+Only the layer classes themselves are converted, never subclasses, and only through Sequential
+and Functional models: a BN inside a subclassed model or a custom layer's own code is an error,
+not a silent skip.
+
+Example::
+
+    ours = keras_bn.convert.from_keras(keras.applications.ResNet50(weights=None))
+    back = keras_bn.convert.to_keras(ours)
 """
 
 import inspect
@@ -15,16 +24,53 @@ import keras
 from keras_bn._bn_layers import KERAS_BN as _KERAS_BN
 from keras_bn._bn_layers import KERAS_BN_BN as BatchNormalization
 
+__all__ = ["from_keras", "to_keras"]
+
 _BASE_ARGUMENTS = set(inspect.signature(keras.layers.Layer.__init__).parameters)
 
 
 def from_keras(model):
-    """A clone of `model` with every keras.layers.BatchNormalization a keras_bn one."""
+    """A clone of `model` with every keras.layers.BatchNormalization a keras_bn one.
+
+    Every argument and weight is copied as it is, so inference outputs are unchanged; the
+    moving variance, Keras's biased E_B[σ²_B], is then read as keras_bn's unbiased estimate
+    (run `keras_bn.recalibrate` to recompute it in that convention).
+
+    Args:
+        model: a built Sequential or Functional Keras model (nested ones included).
+
+    Returns:
+        The clone, whose BN layers are all keras_bn.BatchNormalization; `model` is left
+        untouched.
+
+    Raises:
+        ValueError: the model is not built or is subclassed; a layer subclasses
+            keras.layers.BatchNormalization (only the class itself is converted); a layer
+            other than a Sequential or Functional model holds a BN in its own code.
+    """
     return _swap(model, _KERAS_BN, BatchNormalization)
 
 
 def to_keras(model):
-    """A clone of `model` with every keras_bn.BatchNormalization a keras.layers one."""
+    """A clone of `model` with every keras_bn.BatchNormalization a keras.layers one.
+
+    Every argument and weight is copied as it is, so inference outputs are unchanged; the
+    moving variance, keras_bn's unbiased m/(m−1)·E_B[σ²_B], is then read as Keras's biased
+    estimate.
+
+    Args:
+        model: a built Sequential or Functional Keras model (nested ones included).
+
+    Returns:
+        The clone, whose BN layers are all keras.layers.BatchNormalization; `model` is left
+        untouched.
+
+    Raises:
+        ValueError: the model is not built or is subclassed; a layer subclasses
+            keras_bn.BatchNormalization; a layer other than a Sequential or Functional model
+            holds a BN in its own code; or a BN uses what Keras's BN cannot express:
+            `momentum=None`, several channel axes, or a `virtual_batch_size`.
+    """
     return _swap(model, BatchNormalization, _KERAS_BN)
 
 

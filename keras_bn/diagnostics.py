@@ -2,7 +2,7 @@
 
 - `check_batchnorm`: the common BN mistakes that raise no error (statistics that never moved,
   "good in training, bad at inference", batches too small, BNs the fold must keep), as a
-  list of `Finding`s.
+  list of `Finding` objects.
 - `gradient_norms_by_layer`: squared gradient norm at each layer's kernel (Yang et al. 2019).
 - `explosion_rate`: the per-layer growth λ fitted to those norms.
 - `landscape_along_gradient`: loss variation, gradient predictiveness and effective
@@ -42,9 +42,33 @@ __all__ = [
 def gradient_norms_by_layer(model, x, y, loss, training=True):
     """Squared norm ‖∂L/∂W‖² of the loss gradient at each layer's kernel W.
 
-    Returns a dict {layer name: float}, in `model.layers` order (input side first).
     The kernel rather than the pre-activation: it is what an optimizer sees, and in a BN network
-    the layer inputs have a fixed scale, so both grow at the same per-layer rate.
+    the layer inputs have a fixed scale, so both grow at the same per-layer rate. The model is
+    left as it was (a training-mode pass would move BN's statistics; they are put back).
+
+    Args:
+        model: a built Keras model whose `model.layers` include layers with a kernel.
+        x: an input batch.
+        y: its targets.
+        loss: a Keras loss: a name ("mse"), a `keras.losses.Loss` or a function
+            `loss(y_true, y_pred)`; its mean over the batch is differentiated.
+        training: the `training` flag of the forward passes; True (the default) makes BN
+            layers use batch statistics, as in a training step.
+
+    Returns:
+        dict: {layer name → float}, in `model.layers` order (input side first), for the
+        layers that own a `kernel`.
+
+    Raises:
+        ValueError: no entry of `model.layers` has a kernel, or the loss does not depend on
+            some kernel.
+
+    Example:
+        Gradient explosion in a deep BN network (Yang et al., "A Mean Field Theory of Batch
+        Normalization", 2019)::
+
+            norms = keras_bn.diagnostics.gradient_norms_by_layer(model, x, y, "mse")
+            rate = keras_bn.diagnostics.explosion_rate(norms, first=1, last=-1)
     """
     layers = _kernel_layers(model)
     with _restored(model):
@@ -55,9 +79,23 @@ def gradient_norms_by_layer(model, x, y, loss, training=True):
 def explosion_rate(squared_norms, first=0, last=None):
     """The per-layer growth λ of squared gradient norms going backwards (output to input).
 
-    `squared_norms` is a sequence (or the dict from `gradient_norms_by_layer`) ordered from the
-    input side; λ = exp(−slope) of the least-squares line through log(norm) against depth,
-    fitted over entries [first, last) so that the boundary layers can be left out.
+    λ = exp(−slope) of the least-squares line through log(norm) against depth, fitted over
+    the entries [first, last), so that the boundary layers can be left out. λ > 1: the norms
+    grow towards the input.
+
+    Args:
+        squared_norms: a sequence of squared norms ordered from the input side, or the dict
+            that `gradient_norms_by_layer` returns.
+        first: index of the first entry fitted.
+        last: index one past the last entry fitted (negative counts from the end); None for
+            the end.
+
+    Returns:
+        λ, a float.
+
+    Raises:
+        ValueError: fewer than 2 entries in [first, last), or one that is not positive and
+            finite.
     """
     if isinstance(squared_norms, dict):
         squared_norms = list(squared_norms.values())
@@ -73,13 +111,32 @@ def explosion_rate(squared_norms, first=0, last=None):
 def landscape_along_gradient(model, x, y, loss, step_sizes, training=True):
     """Probe the loss landscape at the current weights θ along the step −η∇L(θ).
 
-    For each η in `step_sizes` (Santurkar et al. 2018, Fig. 4):
-    - `losses[k]` = L(θ − η_k∇L(θ));
-    - `gradient_changes[k]` = ‖∇L(θ) − ∇L(θ − η_k∇L(θ))‖.
-    Summaries: `loss_variation` = max − min of the losses (L(θ) included);
-    `gradient_predictiveness` = max − min of the gradient changes;
-    `beta_smoothness` = max_k gradient_changes[k] / ‖η_k∇L(θ)‖, the effective β-smoothness.
-    Gradients are over all trainable variables. The weights are restored afterwards.
+    Santurkar et al., "How Does Batch Normalization Help Optimization?" (2018), Fig. 4.
+    Gradients are over all trainable variables. The model's variables are restored afterwards.
+
+    Args:
+        model: a built Keras model; every trainable variable takes the step.
+        x: the input batch the loss and gradients are taken on.
+        y: the targets of `x`.
+        loss: a Keras loss: a name ("mse"), a `keras.losses.Loss` or a function
+            `loss(y_true, y_pred)`; its mean over the batch is differentiated.
+        step_sizes: the step sizes η_k to probe.
+        training: the `training` flag of the forward passes; True (the default) makes BN
+            layers use batch statistics, as in a training step.
+
+    Returns:
+        dict: the step sizes and what was measured at each, under the keys below.
+
+        - `step_sizes`: the η_k, as a float64 array;
+        - `losses`: L(θ − η_k∇L(θ)) per η_k;
+        - `gradient_changes`: ‖∇L(θ) − ∇L(θ − η_k∇L(θ))‖ per η_k;
+        - `loss_variation`: max − min of the losses, L(θ) included;
+        - `gradient_predictiveness`: max − min of the gradient changes;
+        - `beta_smoothness`: max_k gradient_changes[k] / ‖η_k∇L(θ)‖, the effective
+          β-smoothness.
+
+    Raises:
+        ValueError: the loss does not depend on some trainable variable.
     """
     step_sizes = np.asarray(step_sizes, dtype=np.float64)
     variables = model.trainable_variables
@@ -111,10 +168,28 @@ def internal_covariate_shift(model, x, y, loss, optimizer, training=True):
 
     G_i is the gradient at layer i's kernel at the current weights; G′_i is the same gradient
     after `optimizer` has updated every trainable variable of the layers before i (layer i and
-    later keep their current values). Returns a dict with `layers` (names), `l2_difference`
-    (‖G_i − G′_i‖) and `cosine` (cos(G_i, G′_i)) as arrays. The model's weights and the
-    optimizer's state are restored afterwards; an optimizer not yet built is built for the
-    model's trainable variables.
+    later keep their current values). The model's variables and the optimizer's state are
+    restored afterwards; an optimizer not yet built is built for the model's trainable
+    variables.
+
+    Args:
+        model: a built Keras model whose `model.layers` include layers with a kernel
+            (G_i is taken at each).
+        x: the input batch of the step and of the gradients.
+        y: the targets of `x`.
+        loss: a Keras loss: a name ("mse"), a `keras.losses.Loss` or a function
+            `loss(y_true, y_pred)`; its mean over the batch is differentiated.
+        optimizer: a `keras.optimizers.Optimizer` that takes the step.
+        training: the `training` flag of the forward passes; True (the default) makes BN
+            layers use batch statistics, as in a training step.
+
+    Returns:
+        dict: `layers` (the names of the layers with a kernel, in `model.layers` order),
+        `l2_difference` (‖G_i − G′_i‖) and `cosine` (cos(G_i, G′_i)), both arrays.
+
+    Raises:
+        ValueError: no entry of `model.layers` has a kernel, or the loss does not depend on
+            some trainable variable.
     """
     layers = _kernel_layers(model)
     variables = model.trainable_variables
@@ -210,7 +285,8 @@ class Finding:
     Attributes:
         layer: the BN layer's path, e.g. "backbone/batch_normalization_3" for a BN in the nested
             model "backbone" (the model's own name for `train_inference_gap`).
-        kind: one of `KINDS`.
+        kind: one of `KINDS`: "stale_statistics", "non_finite", "small_batch",
+            "train_inference_gap", "unfoldable" (see `check_batchnorm`).
         message: what was measured, against which threshold, and what to do.
     """
 
@@ -220,11 +296,14 @@ class Finding:
 
 
 class Findings(list):
-    """The list of `Finding`s that `check_batchnorm` returns; `str()` of it is a table.
+    """The list of `Finding` objects that `check_batchnorm` returns; `str()` of it is a table.
 
     Args:
-        findings: the `Finding`s, in order.
+        findings: the `Finding` objects, in order.
         layers_checked: how many BN layers were checked (for the table's first line).
+
+    Attributes:
+        layers_checked: how many BN layers were checked.
     """
 
     def __init__(self, findings=(), layers_checked=0):
@@ -256,10 +335,12 @@ def check_batchnorm(model, data=None, *, batch_size=32, steps=None):
       `training=True`), or not finite; or, on `data`, the moving mean is more than
       `STALE_MEAN_SHIFT` = 0.5 standard deviations from the mean of the layer's input in some
       channel, or the moving variance is more than `STALE_VARIANCE_RATIO` = 2 times larger or
-      smaller than the input's variance (both + epsilon). The input is what the layer gets at inference (upstream BNs use
-      their moving statistics); its mean and variance are pooled over the batches of `data` in
-      the layer's own convention (within-batch variances, m/(m−1) for keras_bn), which is what
-      the moving average estimates.
+      smaller than the input's variance (both + epsilon). The input is what the layer gets at
+      inference (upstream BNs use their moving statistics); its mean and variance are pooled
+      over the batches of `data` in the layer's own convention (within-batch variances,
+      m/(m−1) for keras_bn), which is what the moving average estimates. For a frozen BN
+      (trainable=False) the message says so rather than advise recalibrating: the layers after
+      it are trained for its statistics.
     - `non_finite`: on `data` (itself finite), the layer's input is NaN or inf: an upstream
       weight or statistic is not finite.
     - `small_batch`: the batches of `data` give a layer fewer than `MIN_VALUES_PER_CHANNEL` =
@@ -269,7 +350,9 @@ def check_batchnorm(model, data=None, *, batch_size=32, steps=None):
     - `train_inference_gap`: on `data`, the model's outputs with every BN in training mode
       (batch statistics; the other layers, Dropout included, infer) differ from its inference
       outputs by more than `GAP_THRESHOLD` = 0.5, measured as the RMS difference over the RMS
-      spread of the inference outputs around their batch mean (all outputs pooled). Batch noise
+      spread of the inference outputs around their batch mean (all outputs pooled; a batch
+      that leaves some BN m ≤ 1 values, e.g. a last batch of one sample, is left out: it has
+      no batch statistics, and BN outputs β for it). Batch noise
       alone gives some gap (more for Dense→BN, whose m is the batch size, than after a
       convolution); the threshold sits above it for healthy models. Reported once, for the
       model; the message names the BN whose statistics are furthest from its input's.
@@ -283,10 +366,10 @@ def check_batchnorm(model, data=None, *, batch_size=32, steps=None):
     Args:
         model: a built Keras model (Sequential, Functional, subclassed, nested).
         data: optional batches, as for `keras_bn.recalibrate`: a `tf.data.Dataset` (finite,
-            or with `steps`), a numpy array (split into batches of `batch_size`), or an iterable
-            of batches; `(x, y)` and `(x, y, sample_weight)` elements use `x`. Give batches of
+            or with `steps`), a numpy array or a dict of them (named inputs; split into batches
+            of `batch_size`), or an iterable of batches; `(x, y)` and `(x, y, sample_weight)` elements use `x`. Give batches of
             the size you train with: the small-batch and gap checks depend on it.
-        batch_size: batch size for numpy-array data.
+        batch_size: batch size for numpy-array (or dict of arrays) data.
         steps: how many batches of `data` to use; None uses them all.
 
     Returns:
@@ -299,8 +382,7 @@ def check_batchnorm(model, data=None, *, batch_size=32, steps=None):
             `steps`, `data` gives no batch, or a BN layer is called twice in one forward pass
             (shared).
     """
-    layers = [layer for layer in model._flatten_layers(include_self=False)
-              if _bn_layers.is_batch_norm(layer)]
+    layers = _bn_layers.in_model(model)
     if not layers:
         raise ValueError(f"Model '{model.name}' has no BatchNormalization layer to check.")
     unbuilt = [layer.name for layer in layers if not layer.built]
@@ -328,24 +410,27 @@ def _stale_without_data(layer):
         return ("moving mean or variance is not finite (NaN or inf): training diverged or the "
                 "statistics were overwritten; run keras_bn.recalibrate")
     if _at_initial_values(layer):
+        if not layer.trainable:
+            return "moving mean and variance are still their initial values" + _FROZEN
         return ("moving mean and variance are still their initial values: the layer never ran "
                 "in training mode (a custom loop must call model(x, training=True)); or run "
                 "keras_bn.recalibrate")
     return None
 
 
+# The advice for a frozen BN: recalibrating it, the advice for the others, would change the
+# function the layers after it were trained with.
+_FROZEN = (": the layer is frozen (trainable=False), so fit never updates them, and the layers "
+           "after it are trained for these values (recalibrating it would change the trained "
+           "model); unfreeze it, or load the statistics it was trained with, if that is not "
+           "intended")
+
+
 def _bn_paths(model):
     """{id(BN layer): "outer/inner/name"}, the naming of the fold's report."""
     paths = {}
-
-    def walk(layer, prefix):
-        for child in layer._flatten_layers(include_self=False, recursive=False):
-            if _bn_layers.is_batch_norm(child):
-                paths.setdefault(id(child), prefix + child.name)
-            else:
-                walk(child, prefix + child.name + "/")
-
-    walk(model, "")
+    for path, layer in _bn_layers.batch_norms_inside(model):
+        paths.setdefault(id(layer), path)
     return paths
 
 
@@ -385,11 +470,14 @@ def _data_findings(model, layers, paths, batches, skip):
                 trained = _flat(train(x))
             finally:
                 training_statistics.restore()
+            degenerate = False  # some BN got m ≤ 1: no batch statistics, it output β
             for index, (mean, variance, count) in recorded.items():
                 count = float(count)
                 counts[index].append(count)
-                if count >= 2:  # a batch of one value has no variance (a last batch of 1)
-                    sums[index].add(mean.numpy(), variance.numpy(), count)
+                sums[index].add(mean.numpy(), variance.numpy(), count)  # skips m ≤ 1
+                degenerate = degenerate or count < 2
+            if degenerate:  # its training-mode outputs are the guard's, not batch statistics
+                continue
             for a, b in zip(trained, inferred):
                 difference += float(np.sum(np.square(a - b)))
                 spread += float(np.sum(np.square(b - b.mean(axis=0))))
@@ -483,7 +571,8 @@ def _distance_from_data(layer, mean, variance):
     distance = max(float(shift.max()), float(np.log(fold.max())))
     if not problems:
         return distance, None
-    advice = ": keep training in training mode, or run keras_bn.recalibrate"
+    advice = (": keep training in training mode, or run keras_bn.recalibrate" if layer.trainable
+              else _FROZEN)
     return distance, "; ".join(problems) + advice
 
 

@@ -14,13 +14,13 @@ from keras_bn import renorm as renormalization
 class BatchNormalization(keras.layers.Layer):
     """Batch normalization with a hand-written gradient and unbiased population statistics.
 
-    For each channel, over the m values reduced (batch × spatial, unmasked only under a mask):
+    For each channel, over the m values reduced (batch × spatial, unmasked only under a mask)::
 
         training:   y = γ·(x − μ_B)/√(σ²_B + ε) + β,   μ_B = mean(x),  σ²_B = mean((x − μ_B)²)
         inference:  y = γ·(x − E[x])/√(Var[x] + ε) + β = a·x + b
 
     The population estimates follow Ioffe & Szegedy's Algorithm 2, Var[x] = m/(m−1)·E_B[σ²_B],
-    as exponential moving averages (momentum is the weight on the old value, as in Keras):
+    as exponential moving averages (momentum is the weight on the old value, as in Keras)::
 
         moving_mean     ← momentum·moving_mean     + (1 − momentum)·μ_B
         moving_variance ← momentum·moving_variance + (1 − momentum)·m/(m−1)·σ²_B
@@ -32,6 +32,7 @@ class BatchNormalization(keras.layers.Layer):
     (`trainable=False`) always normalizes with its moving statistics and never updates them.
 
     Guards:
+
     - m ≤ 1 in training cannot estimate a variance. Known when traced (a static batch of 1)
       it raises a ValueError. Known only at run time (a mask that leaves at most one value, a
       dynamic batch of 1) the output is β for that batch, as in Keras, and the moving
@@ -43,12 +44,17 @@ class BatchNormalization(keras.layers.Layer):
     the layer's compute dtype, so `mixed_float16` and `mixed_bfloat16` keep float32 variables.
 
     Beyond Keras's BN (each adds weights only when it is on, after the four above):
+
     - `momentum=None`: the moving statistics are the plain average over the (finite) batches
       seen, as in PyTorch; the count is the int64 weight `num_batches_tracked`.
-    - `renorm=True`: batch renormalization (Ioffe 2017), with Keras's arguments and weights
-      (`moving_stddev`, `renorm_mean`, `renorm_stddev`); see keras_bn/renorm.py. Inference
-      and the moving statistics are as without it.
-    - `virtual_batch_size=v`: ghost batches with tf-keras's semantics; see keras_bn/ghost.py.
+    - `renorm=True`: batch renormalization (Ioffe, "Batch Renormalization", 2017), with
+      Keras's arguments and weights (`moving_stddev`, `renorm_mean`, `renorm_stddev`).
+      Inference and the moving statistics are as without it.
+    - `virtual_batch_size=v`: ghost batches with tf-keras's semantics: a batch of v·G samples
+      is viewed as (v, G, ...), ghost g holding samples g, g+G, g+2G, ..., and each ghost is
+      normalized with its own statistics.
+
+    The layer is called as `layer(inputs, training=None, mask=None)`; see `call`.
 
     Args:
         axis: int, or list/tuple of ints: the channel axis or axes, kept; every other axis is
@@ -58,10 +64,14 @@ class BatchNormalization(keras.layers.Layer):
         epsilon: positive float added to the variance.
         center: if True, add the learned offset `beta`.
         scale: if True, multiply by the learned scale `gamma`.
-        beta_initializer, gamma_initializer, moving_mean_initializer,
-        moving_variance_initializer: initializers of the four weights.
-        beta_regularizer, gamma_regularizer: optional regularizers.
-        beta_constraint, gamma_constraint: optional constraints.
+        beta_initializer: initializer of `beta`.
+        gamma_initializer: initializer of `gamma`.
+        moving_mean_initializer: initializer of `moving_mean`.
+        moving_variance_initializer: initializer of `moving_variance`.
+        beta_regularizer: optional regularizer of `beta`.
+        gamma_regularizer: optional regularizer of `gamma`.
+        beta_constraint: optional constraint on `beta`.
+        gamma_constraint: optional constraint on `gamma`.
         renorm: if True, use batch renormalization in training.
         renorm_clipping: None or a dict with optional keys "rmax", "rmin", "dmax" clipping r
             to [rmin, rmax] and d to [−dmax, dmax] (defaults inf, 0, inf); needs renorm.
@@ -77,12 +87,35 @@ class BatchNormalization(keras.layers.Layer):
             and a non-finite statistic on any replica skips the update on all of them.
         **kwargs: base layer arguments (`name`, `dtype`, `trainable`, ...).
 
-    Call arguments:
-        inputs: floating tensor.
-        training: Python bool; training mode uses the batch statistics.
-        mask: optional boolean tensor with the input's shape less its channel axes, or any
-            shape of that rank that broadcasts to it (size-1 dimensions); only the True
-            (non-zero) positions enter the statistics (all positions are normalized).
+    Raises:
+        ValueError: at construction, a `momentum`, `renorm_momentum`, `epsilon`,
+            `renorm_clipping` or `virtual_batch_size` out of its range, `renorm` or
+            `synchronized` not a bool, `renorm_clipping` without `renorm`, or
+            `synchronized=True` with `virtual_batch_size`; when built, an `axis` out of range,
+            named twice or covering every axis, a channel axis of unknown size, or
+            `virtual_batch_size` with axis 0 as a channel axis; when called in training, a
+            static batch with m ≤ 1 values per channel, a mask that does not fit the input, a
+            mask with `virtual_batch_size`, or a static batch size that `virtual_batch_size`
+            does not divide. An unknown initializer, regularizer or constraint name raises
+            Keras's own error.
+        TypeError: `axis` is not an int or a non-empty list/tuple of ints; or the input is
+            not a floating-point tensor.
+        tf.errors.InvalidArgumentError: a batch size known only at run time that
+            `virtual_batch_size` does not divide.
+
+    Example:
+        A convolution without bias (BN's β replaces it), then BN over the channels::
+
+            model = keras.Sequential([
+                keras.Input((8, 8, 3)),
+                keras.layers.Conv2D(16, 3, use_bias=False),
+                keras_bn.BatchNormalization(momentum=0.9),
+                keras.layers.ReLU(),
+            ])
+            model.compile("adam", "mse")
+
+        Under `tf.distribute.MirroredStrategy`, `synchronized=True` normalizes with the
+        statistics of the global batch.
     """
 
     def __init__(
@@ -149,6 +182,17 @@ class BatchNormalization(keras.layers.Layer):
         self._fused = None
 
     def build(self, input_shape):
+        """Create the weights for inputs of `input_shape`: `gamma` and `beta` (when `scale`
+        and `center`), `moving_mean`, `moving_variance`, then the optional ones.
+
+        Args:
+            input_shape: the input's shape; its channel axes must have known sizes.
+
+        Raises:
+            ValueError: `axis` is out of range for this rank, names an axis twice, or covers
+                every axis; a channel axis has unknown size; or `virtual_batch_size` is set
+                and axis 0 is a channel axis.
+        """
         rank = len(input_shape)
         self._channel_axes = _channel_axes(self.axis, input_shape)
         ghost.check_channel_axes(self.virtual_batch_size, self._channel_axes)
@@ -191,6 +235,26 @@ class BatchNormalization(keras.layers.Layer):
         self.input_spec = keras.layers.InputSpec(ndim=rank, axes=dims)
 
     def call(self, inputs, training=None, mask=None):
+        """Normalize `inputs`: with the batch's statistics in training (updating the moving
+        ones), else with the moving statistics.
+
+        Args:
+            inputs: floating tensor.
+            training: Python bool or None; true (and the layer trainable) uses the batch
+                statistics and updates the moving ones.
+            mask: optional boolean tensor with the input's shape less its channel axes, or any
+                shape of that rank that broadcasts to it (size-1 dimensions); only the True
+                (non-zero) positions enter the statistics (all positions are normalized).
+
+        Returns:
+            The normalized tensor, of the input's shape, in the layer's compute dtype.
+
+        Raises:
+            TypeError: `inputs` is not floating-point.
+            ValueError: in training, a static batch with m ≤ 1 values per channel, a mask
+                that does not fit the input, or a `virtual_batch_size` that the static batch
+                size is not a multiple of (or a mask with it).
+        """
         if not inputs.dtype.is_floating:
             raise TypeError(
                 f"BatchNormalization requires floating-point inputs; received dtype "
@@ -355,9 +419,22 @@ class BatchNormalization(keras.layers.Layer):
         ))
 
     def compute_output_shape(self, input_shape):
+        """The output shape: `input_shape` itself.
+
+        Args:
+            input_shape: the input's shape.
+
+        Returns:
+            `input_shape`.
+        """
         return input_shape
 
     def get_config(self):
+        """The layer's config: every constructor argument, for `from_config` and saving.
+
+        Returns:
+            A dict with the base layer's config and every argument of `__init__`.
+        """
         return {
             **super().get_config(),
             "axis": self.axis,

@@ -27,6 +27,8 @@ weights do.
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_util
 
+from keras_bn import xla
+
 
 def reduction_axes(rank, channel_axes):
     """The axes a batch norm reduces over: every axis that is not a channel axis."""
@@ -118,8 +120,15 @@ def divisor(count):
 
 def _channel_sums(tensors, axes, mask=None, replica_context=None):
     """Per-channel sums over the reduced axes (of the unmasked elements), added up across
-    replicas in one batched all-reduce when a replica context is given."""
-    sums = [tf.reduce_sum(t if mask is None else mask * t, axes, keepdims=True) for t in tensors]
+    replicas in one batched all-reduce when a replica context is given.
+
+    Masked-out elements are selected away, not multiplied by 0: padding may hold NaN or inf
+    (0·NaN = NaN), and must not reach the statistics (as in Keras, which selects too).
+    """
+    if mask is not None:
+        keep = mask > 0
+        tensors = [tf.where(keep, t, tf.zeros_like(t)) for t in tensors]
+    sums = [tf.reduce_sum(t, axes, keepdims=True) for t in tensors]
     if replica_context is not None:
         sums = replica_context.all_reduce(tf.distribute.ReduceOp.SUM, sums)
     return sums
@@ -164,8 +173,8 @@ def fused_data_format(x, channel_axes, epsilon, mask=None):
     of x (one channel axis, last or second; no mask; a 16/32-bit float), else None.
 
     Never under XLA: XLA lowers the kernel's training mode to E[x²] − E[x]², whose float32
-    variance was off by a factor of thousands at a mean of 1e3 and std of 1e-2 (TF 2.21). The
-    composite path compiles to a comparable fused loop there.
+    variance was off by a factor of thousands at a mean of 1e3 and std of 1e-2 (TF 2.21). Under
+    XLA, `train_path` picks keras_bn/xla.py's arrangement on CPU, the composite path elsewhere.
     """
     if (
         _in_xla_context()
@@ -192,17 +201,48 @@ def _fused_view(x, data_format):
     return tf.reshape(x, [tf.shape(x)[0], x.shape[1], -1, 1])  # (N, C, ...) -> (N, C, R, 1)
 
 
+def train_path(x, channel_axes, epsilon, mask=None, fused=None, replica_context=None):
+    """Which implementation `batch_norm_train` runs: "fused", "xla_cpu" or "composite".
+
+    "fused" where `fused_data_format` allows (never under XLA); "xla_cpu" under XLA on a CPU
+    (see keras_bn/xla.py; its arrangement is tuned to XLA:CPU's fusion rules, so other devices
+    keep the composite path until measured there) without a mask or synchronized replicas, when
+    x has a reduced axis other than its last; "composite" everywhere else. `fused=False` always
+    gives "composite"; `fused=True` raises where "fused" does not apply.
+    """
+    if fused is not False and replica_context is None:
+        if fused_data_format(x, channel_axes, epsilon, mask) is not None:
+            return "fused"
+        if (
+            fused is None
+            and mask is None
+            and xla.group_axis(x.shape, channel_axes) is not None
+            and _in_xla_context()
+            and xla.runs_on_cpu()
+        ):
+            return "xla_cpu"
+    if fused:
+        raise ValueError(
+            f"The fused batch-norm kernel does not apply here: input shape {x.shape}, dtype "
+            f"{x.dtype.name}, channel axes {list(channel_axes)}, epsilon {epsilon}, "
+            f"mask {'given' if mask is not None else 'none'}, XLA {_in_xla_context()}, "
+            f"synchronized {replica_context is not None}."
+        )
+    return "composite"
+
+
 def batch_norm_train(
     x, gamma, beta, channel_axes, epsilon, mask=None, fused=None, replica_context=None
 ):
     """Train-mode batch normalization with a hand-written gradient.
 
-    Two implementations of the same maths. Where the layout allows (see `fused_data_format`)
-    the forward pass is TensorFlow's FusedBatchNormV3 kernel and the backward pass its
-    FusedBatchNormGradV3, fed the saved reserve spaces; that is 2-3× faster than composite
-    ops. Everywhere else (masks, several channel axes, float64, other layouts) the composite
-    path below computes the moments two-pass and the closed-form gradient of the module
-    docstring.
+    Three implementations of the same maths, chosen by `train_path`. Where the layout allows
+    (see `fused_data_format`) the forward pass is TensorFlow's FusedBatchNormV3 kernel and the
+    backward pass its FusedBatchNormGradV3, fed the saved reserve spaces; that is 2-3× faster
+    than composite ops. Under XLA on a CPU, `xla.batch_norm_train` arranges the same sums so
+    that XLA fuses them (3 reads of x per train step). Everywhere else (masks, synchronized
+    replicas, other devices under XLA, other layouts) the composite path below computes the
+    moments two-pass and the closed-form gradient of the module docstring.
 
     Args:
         x: floating tensor. float16/bfloat16 statistics are computed in float32.
@@ -211,7 +251,7 @@ def batch_norm_train(
         channel_axes: sorted non-negative axes that are not reduced.
         epsilon: added to the variance.
         mask: optional output of `expand_mask`; masked-out elements do not enter μ or σ².
-        fused: None picks the fused kernel where it applies; False forces the composite path;
+        fused: None picks the implementation (`train_path`); False forces the composite path;
             True requires the fused kernel (ValueError where it does not apply).
         replica_context: synchronized BN. The statistics, m, and the backward pass's Σg and
             Σg·x̂ are all-reduced over the replicas, so each replica's y and ∂l/∂x are its slice
@@ -220,22 +260,18 @@ def batch_norm_train(
 
     Returns:
         (y, mean, variance): the normalized output (x's dtype on the fused path, the
-        statistics dtype on the composite one) and the batch's per-channel mean and biased
+        statistics dtype on the others) and the batch's per-channel mean and biased
         variance, shaped like gamma and carrying no gradient.
+
+    Raises:
+        ValueError: `fused=True` where the fused kernel does not apply.
     """
-    data_format = (
-        None if fused is False or replica_context is not None
-        else fused_data_format(x, channel_axes, epsilon, mask)
-    )
-    if fused and data_format is None:
-        raise ValueError(
-            f"The fused batch-norm kernel does not apply here: input shape {x.shape}, dtype "
-            f"{x.dtype.name}, channel axes {list(channel_axes)}, epsilon {epsilon}, "
-            f"mask {'given' if mask is not None else 'none'}, XLA {_in_xla_context()}, "
-            f"synchronized {replica_context is not None}."
-        )
-    if data_format is not None:
+    path = train_path(x, channel_axes, epsilon, mask, fused, replica_context)
+    if path == "fused":
+        data_format = fused_data_format(x, channel_axes, epsilon, mask)
         return _fused_train(x, gamma, beta, channel_axes, epsilon, data_format)
+    if path == "xla_cpu":
+        return xla.batch_norm_train(x, gamma, beta, channel_axes, epsilon)
     return _composite_train(x, gamma, beta, channel_axes, epsilon, mask, replica_context)
 
 

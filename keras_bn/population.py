@@ -34,7 +34,20 @@ from keras_bn import _bn_layers, ops
 
 @dataclasses.dataclass(frozen=True)
 class LayerChange:
-    """One layer's statistics before and after recalibration (float64 arrays, per channel)."""
+    """One layer's statistics before and after recalibration (float64 arrays, per channel).
+
+    Attributes:
+        name: the BN layer's name.
+        convention: "unbiased" for `keras_bn.BatchNormalization` (m/(m−1)·E_B[σ²_B]), "biased"
+            for `keras.layers.BatchNormalization` (E_B[σ²_B]).
+        old_mean: `moving_mean` before.
+        new_mean: `moving_mean` after.
+        old_variance: `moving_variance` before.
+        new_variance: `moving_variance` after.
+        batches_used: the batches whose statistics entered; fewer than the report's `batches`
+            where some left this layer m ≤ 1 values per channel (skipped, as training skips
+            them).
+    """
 
     name: str
     convention: str  # "unbiased" (keras_bn) or "biased" (keras.layers.BatchNormalization)
@@ -42,21 +55,32 @@ class LayerChange:
     new_mean: np.ndarray
     old_variance: np.ndarray
     new_variance: np.ndarray
+    batches_used: int = None
 
     @property
     def mean_change(self):
-        """new − old moving mean, per channel."""
+        """new − old moving mean, per channel (float64 array)."""
         return self.new_mean - self.old_mean
 
     @property
     def variance_change(self):
-        """new − old moving variance, per channel."""
+        """new − old moving variance, per channel (float64 array)."""
         return self.new_variance - self.old_variance
 
 
 @dataclasses.dataclass(frozen=True)
 class RecalibrationReport:
-    """What `recalibrate` changed: one `LayerChange` per BN layer, in the order recalibrated."""
+    """What `recalibrate` changed: one `LayerChange` per BN layer, in the order recalibrated.
+
+    `str()` of it is a table: per layer, its convention and the largest change of mean and
+    variance over its channels.
+
+    Attributes:
+        layers: tuple of `LayerChange`, in the order the forward pass calls the layers.
+        batches: how many batches each layer's statistics were computed from.
+        not_called: names of the BN layers the forward pass never reached; they are left as
+            they were.
+    """
 
     layers: tuple
     batches: int
@@ -73,6 +97,10 @@ class RecalibrationReport:
                 f"{np.abs(change.mean_change).max():>12.4g} "
                 f"{np.abs(change.variance_change).max():>12.4g}"
             )
+        skipped = {c.name: self.batches - c.batches_used for c in self.layers
+                   if c.batches_used is not None and c.batches_used < self.batches}
+        if skipped:
+            lines.append(f"Batches skipped (m ≤ 1 values per channel), per layer: {skipped}")
         if self.not_called:
             lines.append(f"Not called by the forward pass (unchanged): {list(self.not_called)}")
         return "\n".join(lines)
@@ -81,31 +109,60 @@ class RecalibrationReport:
 def recalibrate(model, data, steps=None, progress=True, batch_size=32):
     """Set every BN layer of `model` (nested models included) to Algorithm 2's statistics.
 
+    Ioffe & Szegedy's Algorithm 2 sets the inference statistics from the mini-batches B (m_B
+    values per channel each, μ_B and σ²_B their mean and biased variance), each weighted by
+    its count so that a short last batch or a mask counts for what it holds::
+
+        E[x] = Σ m_B·μ_B / Σ m_B
+        Var[x] = Σ m_B·σ²_B / Σ (m_B − 1)     keras_bn.BatchNormalization (unbiased)
+        Var[x] = Σ m_B·σ²_B / Σ m_B           keras.layers.BatchNormalization (biased)
+
+    The layers are recalibrated one at a time in the order the forward pass calls them, with
+    every pass in inference mode, so each layer's statistics describe the input it gets at
+    inference (upstream layers already use their new statistics). This costs one pass over
+    `data` per BN layer.
+    Only `moving_mean` and `moving_variance` change (and the bookkeeping that follows them:
+    `moving_stddev` = √(moving_variance + ε) for renorm layers, the batch counter for
+    `momentum=None`); trainable weights are untouched. A batch that gives a layer at most one value per channel
+    (a last batch of one sample, a mask leaving one token) has no variance and is skipped for
+    that layer, as training skips it; `LayerChange.batches_used` counts the rest. The layers
+    are recalibrated whether or not they are trainable.
+
     Args:
         model: a built Keras model (Sequential, Functional, subclassed, nested).
-        data: a `tf.data.Dataset`, a numpy array, or an iterable of batches. Elements may be
-            `x`, or `(x, y)` / `(x, y, sample_weight)` tuples, of which only `x` is used. A
-            numpy array is split along its first axis into batches of `batch_size`.
+        data: a `tf.data.Dataset`, a numpy array, a dict of numpy arrays (a model with named
+            inputs), or an iterable of batches. Elements may be `x`, or `(x, y)` /
+            `(x, y, sample_weight)` tuples, of which only `x` is used. An array, or each array
+            of a dict, is split along its first axis into batches of `batch_size`.
         steps: how many batches to use; None uses them all (required for an infinite
             dataset).
         progress: show a progress bar (rich, on stderr).
-        batch_size: batch size for numpy-array data only.
+        batch_size: batch size for numpy-array (or dict of arrays) data only.
 
     Returns:
         A `RecalibrationReport` with the change in mean and variance of each layer.
 
-    Only `moving_mean` and `moving_variance` change (and the bookkeeping that follows them:
-    `moving_stddev` = √(moving_variance + ε) for renorm layers, the batch counter for
-    `momentum=None`); trainable weights are untouched. Every batch needs at least 2 values per
-    channel. The layers are recalibrated whether or not they are trainable.
+    Raises:
+        ValueError: the model has no BN layer; `steps` or `batch_size` is not a positive int;
+            the dataset is infinite and `steps` is None; the arrays of a dict differ in
+            length; `data` gives no batch, or no batch with 2 values per channel for some
+            layer, or a different number of batches on another pass; or a BN layer is called more than once per forward pass (shared).
+
+    Example:
+        After training with weight averaging, or to replace the moving averages::
+
+            report = keras_bn.recalibrate(model, x_train, batch_size=64)
+            print(report)   # per layer: max |Δmean|, max |Δvar|
     """
-    layers = [
-        layer for layer in model._flatten_layers(include_self=False)
-        if _bn_layers.is_batch_norm(layer)
-    ]
+    layers = _bn_layers.in_model(model)
     if not layers:
         raise ValueError(f"Model '{model.name}' has no BatchNormalization layer to recalibrate.")
-    batches = _Batches(data, steps, batch_size)
+    return _recalibrate_layers(model, layers, _Batches(data, steps, batch_size), progress)
+
+
+def _recalibrate_layers(model, layers, batches, progress):
+    """`recalibrate` for the BN `layers` of `model` only, over `_Batches`; the other BN layers
+    keep their statistics (and normalize with them while the chosen ones are gathered)."""
     with _InputStatistics(layers) as statistics:
         forward = tf.function(
             lambda x: statistics.collect(lambda: model(x, training=False)),
@@ -123,7 +180,13 @@ def recalibrate(model, data, steps=None, progress=True, batch_size=32):
                 for x in batches:
                     sums.add(*[t.numpy() for t in forward(x)[index]])
                     bar.update(1)
-                batches.check_count(sums.batches)
+                batches.check_count(sums.batches + sums.skipped)
+                if not sums.batches:
+                    raise ValueError(
+                        f"recalibrate: no batch of `data` gives layer '{layer.name}' at least 2 "
+                        f"values per channel (m ≤ 1 in all {sums.skipped} batches), which "
+                        f"Algorithm 2 needs to estimate a batch variance. Use larger batches."
+                    )
                 changes.append(_assign(layer, sums))
         finally:
             bar.close()
@@ -197,10 +260,12 @@ def _batch_moments(layer, inputs, mask):
 
 
 class _Sums:
-    """Running float64 sums over batches: Σm, Σm·μ, Σm·σ² and the batch count."""
+    """Running float64 sums over batches: Σm, Σm·μ, Σm·σ² and the batch count; a batch with
+    m ≤ 1 (no variance) is only counted as skipped."""
 
     def __init__(self):
         self.batches = 0
+        self.skipped = 0
         self.count = 0.0
         self.weighted_mean = 0.0
         self.weighted_variance = 0.0
@@ -208,10 +273,8 @@ class _Sums:
     def add(self, mean, variance, count):
         count = float(count)
         if count < 2:
-            raise ValueError(
-                f"recalibrate: a batch gives m={count:g} values per channel; Algorithm 2 needs "
-                f"at least 2 to estimate a batch variance. Use larger batches."
-            )
+            self.skipped += 1
+            return
         self.batches += 1
         self.count += count
         self.weighted_mean = self.weighted_mean + count * mean.astype(np.float64)
@@ -241,6 +304,7 @@ def _assign(layer, sums):
         old_mean=old_mean, new_mean=layer.moving_mean.numpy().astype(np.float64),
         old_variance=old_variance,
         new_variance=layer.moving_variance.numpy().astype(np.float64),
+        batches_used=sums.batches,
     )
 
 
@@ -255,12 +319,12 @@ class _Batches:
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int)
                                   or steps < 1):
             raise ValueError(f"steps must be a positive int or None; received steps={steps!r}.")
-        if isinstance(data, np.ndarray):
+        if isinstance(data, (np.ndarray, dict)):
             if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
                 raise ValueError(
                     f"batch_size must be a positive int; received batch_size={batch_size!r}."
                 )
-            data = [data[i:i + batch_size] for i in range(0, len(data), batch_size)]
+            data = _split(data, batch_size)
         elif isinstance(data, tf.data.Dataset):
             if steps is None and data.cardinality() == tf.data.INFINITE_CARDINALITY:
                 raise ValueError("recalibrate: the dataset is infinite; pass steps=.")
@@ -289,6 +353,23 @@ class _Batches:
                 f"recalibrate: `data` gave {batches} batches on one pass and {self._observed} on "
                 f"another; it must give the same batches on every pass (one pass per BN layer)."
             )
+
+
+def _split(data, batch_size):
+    """An array, or a dict of arrays (a model's named inputs, as `fit` takes them), as a list
+    of batches of `batch_size` along the first axis."""
+    if isinstance(data, np.ndarray):
+        return [data[i:i + batch_size] for i in range(0, len(data), batch_size)]
+    arrays = {name: np.asarray(value) for name, value in data.items()}
+    lengths = {name: len(array) for name, array in arrays.items()}
+    if not arrays or len(set(lengths.values())) != 1:
+        raise ValueError(
+            f"`data` as a dict needs arrays of one length (samples) per input name; received "
+            f"lengths {lengths}."
+        )
+    total = next(iter(lengths.values()))
+    return [{name: array[i:i + batch_size] for name, array in arrays.items()}
+            for i in range(0, total, batch_size)]
 
 
 def _known_length(data, steps):

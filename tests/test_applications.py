@@ -4,7 +4,7 @@ completely, and their TFLite and ONNX files match the unfolded Keras model."""
 import keras
 import numpy as np
 import pytest
-from conftest import randomise_batch_norms
+from helpers import randomise_batch_norms
 
 import digits
 import keras_bn

@@ -90,3 +90,48 @@ def test_export_to_an_unwritable_path_raises_oserror(tmp_path, exporter):
     with pytest.raises(OSError, match=str(target)):
         exporter(model, target)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_symlink_is_written_through_and_stays_a_link(tmp_path, umask):
+    """As with open(path, "wb"): the file the link points to gets the new bytes (keeping its
+    mode), and the link stays; a dangling link creates its target."""
+    umask(0o022)
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / "v1.bin").write_bytes(b"old")
+    os.chmod(store / "v1.bin", 0o604)
+    (tmp_path / "latest.bin").symlink_to(store / "v1.bin")
+    atomic.write_bytes(tmp_path / "latest.bin", b"new")
+    assert (tmp_path / "latest.bin").is_symlink()
+    assert (store / "v1.bin").read_bytes() == b"new"
+    assert stat.S_IMODE(os.stat(store / "v1.bin").st_mode) == 0o604
+    assert sorted(os.listdir(tmp_path)) == ["latest.bin", "store"]
+    assert os.listdir(store) == ["v1.bin"]
+
+    (tmp_path / "next.bin").symlink_to(store / "v2.bin")
+    atomic.write_bytes(tmp_path / "next.bin", b"v2")
+    assert (tmp_path / "next.bin").is_symlink() and (store / "v2.bin").read_bytes() == b"v2"
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link_to_fifo", "folder"])
+def test_a_target_that_is_not_a_regular_file_is_refused_and_kept(tmp_path, kind):
+    """A FIFO or a device (e.g. /dev/stdout, a link to a pipe) would be replaced by a regular
+    file, and a folder fails only at the rename: each is refused up front, naming the path."""
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "link_to_fifo").symlink_to(tmp_path / "fifo")
+    (tmp_path / "folder").mkdir()
+    target = tmp_path / kind
+    with pytest.raises(OSError, match=f"Cannot write {target}: it is a"):
+        atomic.write_bytes(target, b"data")
+    assert stat.S_ISFIFO(os.stat(tmp_path / "fifo").st_mode)
+    assert (tmp_path / "link_to_fifo").is_symlink() and (tmp_path / "folder").is_dir()
+    assert sorted(os.listdir(tmp_path)) == ["fifo", "folder", "link_to_fifo"]
+
+
+@pytest.mark.parametrize("exporter", [export_tflite, export_onnx])
+def test_export_to_a_folder_is_refused_before_converting(tmp_path, exporter):
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    stages = []
+    with pytest.raises(IsADirectoryError, match=f"Cannot write {tmp_path}: it is a folder"):
+        exporter(model, tmp_path, on_stage=stages.append)
+    assert stages == [] and os.listdir(tmp_path) == []

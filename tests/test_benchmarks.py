@@ -23,18 +23,22 @@ def _run(script):
 def test_bench_layer_smoke():
     out = _run("bench_layer.py")
     assert out.startswith("machine: ")
-    rows = [line for line in out.splitlines() if line.startswith("| ") and "ms" not in line
-            and "---" not in line]
+    table, targets = out.split("| target |")
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "ms" not in line]
     # 4 shapes x 2 policies x (train, inference) x (graph, XLA)
     assert len(rows) == 32
     assert all(len(row.split("|")) == 11 for row in rows)
+    # XLA train on 4D and sequence shapes, XLA train in 2D, XLA inference: met or missed
+    verdicts = [line.split("|")[-2].strip() for line in targets.splitlines()[2:]]
+    assert len(verdicts) == 3 and set(verdicts) <= {"yes", "MISSED"}
 
 
 @pytest.mark.slow
 def test_bench_model_smoke():
     out = _run("bench_model.py")
     assert out.startswith("machine: ")
-    assert "| small ResNet |" in out
+    assert "| small ResNet | graph |" in out and "| small ResNet | XLA |" in out
+    assert "target: under XLA, BN's share of the step" in out
 
 
 @pytest.mark.slow

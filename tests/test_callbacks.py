@@ -8,8 +8,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import assert_close
-from test_distributed import _strategy
+from helpers import assert_close, mirrored_strategy
 
 import keras_bn
 from keras_bn.callbacks import Recalibrate
@@ -163,7 +162,7 @@ def test_before_validation_sees_recalibrated_statistics_and_leaves_training_bit_
 
 @pytest.mark.slow
 def test_works_under_mirrored_strategy():
-    model = _model(_strategy(2))
+    model = _model(mirrored_strategy(2))
     before, after = _Record(), _Record()
     callbacks = [before, Recalibrate(X, batch_size=BATCH, before_validation=True), after]
     history = model.fit(X, Y, batch_size=BATCH, epochs=1, verbose=0,
@@ -200,3 +199,63 @@ def test_an_infinite_dataset_needs_steps():
     with pytest.raises(ValueError, match="infinite"):
         Recalibrate(infinite)
     assert Recalibrate(infinite, steps=3).steps == 3
+
+
+def test_frozen_bn_layers_keep_the_statistics_they_were_trained_with():
+    """Fine-tuning with a frozen BN (trainable=False): it normalized with its moving statistics
+    all through `fit`, and the layers after it were trained for them, so the callback leaves
+    them alone, at the end and for validation. The trainable BN after it gets Algorithm 2's
+    statistics of its input as the frozen BN shapes it (numpy, float64)."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((8,)),
+        keras.layers.Dense(16), keras_bn.BatchNormalization(), keras.layers.Dense(16),
+        keras.layers.BatchNormalization(), keras.layers.Dense(1),
+    ])
+    frozen, trained = model.layers[1], model.layers[3]
+    rng = np.random.default_rng(3)  # "pretrained" statistics, far from those of X
+    frozen.moving_mean.assign(rng.normal(size=16).astype("float32"))
+    frozen.moving_variance.assign(rng.uniform(0.1, 0.5, size=16).astype("float32"))
+    frozen.trainable = False
+    pretrained = [v.numpy() for v in frozen.non_trainable_variables]
+    model.compile(keras.optimizers.Adam(0.05, use_ema=True, ema_momentum=0.9), "mse")
+
+    class FrozenAtValidation(keras.callbacks.Callback):
+        def on_test_begin(self, logs=None):
+            for v, p in zip(frozen.non_trainable_variables, pretrained, strict=True):
+                np.testing.assert_array_equal(v.numpy(), p, err_msg=v.path)
+
+    callback = Recalibrate(X, batch_size=BATCH, before_validation=True)
+    model.fit(X, Y, batch_size=BATCH, epochs=1, verbose=0, validation_data=(X_VAL, Y_VAL),
+              callbacks=[callback, FrozenAtValidation()])
+
+    for v, p in zip(frozen.non_trainable_variables, pretrained, strict=True):
+        np.testing.assert_array_equal(v.numpy(), p, err_msg=v.path)
+    assert [c.name for c in callback.last_report.layers] == [trained.name]
+    w1, b1, gamma, beta, mean, variance, w2, b2 = [
+        w.astype(np.float64) for w in model.get_weights()[:8]]
+    h = ((X @ w1 + b1) - mean) / np.sqrt(variance + frozen.epsilon) * gamma + beta
+    batches = np.split(h @ w2 + b2, len(X) // BATCH)
+    assert_close(trained.moving_mean, np.mean([b.mean(axis=0) for b in batches], axis=0), 1e-5)
+    assert_close(trained.moving_variance, np.mean([b.var(axis=0) for b in batches], axis=0), 1e-5)
+
+
+def test_before_validation_alone_warns_when_fit_runs_no_validation():
+    """The constructor refuses a callback that would do nothing; a fit without validation data
+    makes before_validation=True, at_train_end=False do nothing too, so it says so."""
+    callback = Recalibrate(X, batch_size=BATCH, at_train_end=False, before_validation=True)
+    with pytest.warns(UserWarning, match="ran no validation"):
+        _model().fit(X[:BATCH], Y[:BATCH], batch_size=BATCH, epochs=1, verbose=0,
+                     callbacks=[callback])
+    assert callback.last_report is None
+
+
+def test_a_last_batch_of_one_sample_does_not_crash_fit():
+    """fit trains on BATCH + 1 samples (its last batch of one outputs β, issue 17's rule); the
+    callback's recalibration at the end skips that batch too instead of raising in fit."""
+    model = _model()
+    callback = Recalibrate(X[:BATCH + 1], batch_size=BATCH)
+    model.fit(X[:BATCH + 1], Y[:BATCH + 1], batch_size=BATCH, epochs=1, verbose=0,
+              callbacks=[callback])
+    assert callback.last_report.batches == 2
+    assert [c.batches_used for c in callback.last_report.layers] == [1, 1]

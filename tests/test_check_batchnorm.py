@@ -10,7 +10,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import randomise_batch_norms
+from helpers import randomise_batch_norms
 
 import keras_bn
 from keras_bn.diagnostics import Finding, Findings, check_batchnorm
@@ -148,6 +148,10 @@ def test_train_inference_gap_with_numpy_gap():
     gap = np.sqrt(difference / spread)
     assert f"differ from inference outputs by {gap:.3g} of their spread" in findings[0].message
     assert gap > 0.5
+    # A last batch of one sample has no batch statistics (in training mode BN outputs β for
+    # it): it does not enter the gap, which stays the numpy gap of the full batches.
+    (with_one,) = check_batchnorm(model, batches + [x[:1]])
+    assert f"differ from inference outputs by {gap:.3g} of their spread" in with_one.message
     # Shuffled into mixed batches, the same data shows no gap.
     mixed = rng.permutation(x)
     keras_bn.recalibrate(model, mixed, batch_size=32, progress=False)
@@ -277,3 +281,23 @@ def test_non_finite_statistics_and_data():
     x[5, 3] = np.inf
     with pytest.raises(ValueError, match=r"batch 0 of `data` has inf at index \(5, 3\)"):
         check_batchnorm(model, x)
+
+
+def test_a_frozen_bn_is_not_sent_to_recalibrate():
+    """A frozen BN (fine-tuning) normalizes with its statistics in fit, and the layers after it
+    are trained for them: its stale_statistics findings say so instead of advising
+    keras_bn.recalibrate (which would change the trained model)."""
+    model = _mlp()
+    x = np.random.default_rng(4).normal(2.0, 3.0, size=(64, 8)).astype("float32")
+    for layer in (model.layers[1], model.get_layer("inner").layers[1]):
+        layer.trainable = False
+    for findings in (check_batchnorm(model), check_batchnorm(model, x)):
+        stale = [f for f in findings if f.kind == "stale_statistics"]
+        assert [f.layer for f in stale] == ["ours", "inner/keras_bn_layer"]
+        for finding in stale:
+            assert "frozen (trainable=False)" in finding.message, finding.message
+            assert "run keras_bn.recalibrate" not in finding.message
+    model.get_layer("ours").moving_mean.assign(np.full(16, 5.0, "float32"))  # not initial
+    (stale,) = [f for f in check_batchnorm(model, x) if f.layer == "ours"]
+    assert "standard deviations from its input's mean" in stale.message
+    assert "frozen (trainable=False)" in stale.message

@@ -2,26 +2,14 @@
 
 import json
 import os
-import shutil
-import subprocess
-import sys
 import zipfile
 
 import keras
 import numpy as np
 import pytest
-from conftest import randomise_batch_norms
+from helpers import randomise_batch_norms, run_cli
 
 import digits
-
-SCRIPT = shutil.which("keras-bn-export", path=os.path.dirname(sys.executable))
-
-
-def _cli(*args):
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    return subprocess.run([SCRIPT, *map(str, args)], capture_output=True, text=True, env=env,
-                          timeout=300)
-
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
@@ -32,7 +20,7 @@ def saved(tmp_path_factory):
 
 
 def test_success_writes_both_files_and_the_json_report(saved, tmp_path):
-    result = _cli(saved / "cnn.keras", "--tflite", tmp_path / "m.tflite", "--onnx",
+    result = run_cli(saved / "cnn.keras", "--tflite", tmp_path / "m.tflite", "--onnx",
                   tmp_path / "m.onnx", "--report", tmp_path / "r.json")
     assert result.returncode == 0, result.stderr
     assert "batch norms: 3 folded, 0 kept" in result.stdout
@@ -54,7 +42,7 @@ def test_success_writes_both_files_and_the_json_report(saved, tmp_path):
 
 
 def test_int8_passes_its_default_tolerance(saved, tmp_path):
-    result = _cli(saved / "cnn.keras", "--tflite", tmp_path / "q.tflite", "--quantize", "int8",
+    result = run_cli(saved / "cnn.keras", "--tflite", tmp_path / "q.tflite", "--quantize", "int8",
                   "--representative-data", saved / "x.npy", "--report", tmp_path / "r.json")
     assert result.returncode == 0, result.stderr
     (export,) = json.loads((tmp_path / "r.json").read_text())["exports"]
@@ -64,7 +52,7 @@ def test_int8_passes_its_default_tolerance(saved, tmp_path):
 def test_error_over_tolerance_exits_1_keeps_the_old_file_and_still_reports(saved, tmp_path):
     target = tmp_path / "q.tflite"
     target.write_bytes(b"previous export")
-    result = _cli(saved / "cnn.keras", "--tflite", target, "--quantize", "int8",
+    result = run_cli(saved / "cnn.keras", "--tflite", target, "--quantize", "int8",
                   "--representative-data", saved / "x.npy", "--atol", "1e-6",
                   "--report", tmp_path / "r.json")
     assert result.returncode == 1, result.stderr
@@ -93,7 +81,7 @@ def test_several_inputs_from_an_npz_with_one_array_per_input(tmp_path):
     features = rng.normal(size=(80, 6)).astype("float32")
     np.savez(tmp_path / "x.npz", features=features, ids=rng.integers(0, 5, (80, 3)))
     # The .npz is the probe here (int8 calibration from a dict: tests/test_export.py).
-    result = _cli(tmp_path / "m.keras", "--tflite", tmp_path / "m.tflite",
+    result = run_cli(tmp_path / "m.keras", "--tflite", tmp_path / "m.tflite",
                   "--onnx", tmp_path / "m.onnx", "--representative-data", tmp_path / "x.npz",
                   "--report", tmp_path / "r.json")
     assert result.returncode == 0, result.stdout + result.stderr
@@ -103,7 +91,7 @@ def test_several_inputs_from_an_npz_with_one_array_per_input(tmp_path):
         assert set(export["relative_errors"]) == {"label", "score"} and export["passed"]
 
     np.savez(tmp_path / "bad.npz", features=features)
-    result = _cli(tmp_path / "m.keras", "--onnx", tmp_path / "bad.onnx",
+    result = run_cli(tmp_path / "m.keras", "--onnx", tmp_path / "bad.onnx",
                   "--representative-data", tmp_path / "bad.npz")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "missing ['ids']" in result.stderr.strip().splitlines()[-1]
@@ -119,7 +107,7 @@ def test_corrupt_model_exits_2_in_one_line_without_output(saved, tmp_path, corru
     else:
         with zipfile.ZipFile(bad, "w") as archive:
             archive.writestr("config.json", "{not json")
-    result = _cli(bad, "--tflite", tmp_path / "out.tflite", "--report", tmp_path / "r.json")
+    result = run_cli(bad, "--tflite", tmp_path / "out.tflite", "--report", tmp_path / "r.json")
     assert result.returncode == 2
     assert "Traceback" not in result.stderr + result.stdout
     errors = [l for l in result.stderr.splitlines() if l.startswith("keras-bn-export: error:")]
@@ -136,22 +124,73 @@ def test_lambda_layer_loads_only_with_unsafe(tmp_path):
                               keras.layers.BatchNormalization(),
                               keras.layers.Lambda(lambda x: x * 2.0)])
     model.save(tmp_path / "lambda.keras")
-    safe = _cli(tmp_path / "lambda.keras", "--onnx", tmp_path / "m.onnx")
+    safe = run_cli(tmp_path / "lambda.keras", "--onnx", tmp_path / "m.onnx")
     assert safe.returncode == 2 and "Traceback" not in safe.stderr
     assert "safe_mode" in safe.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "m.onnx").exists()
-    unsafe = _cli(tmp_path / "lambda.keras", "--onnx", tmp_path / "m.onnx", "--unsafe")
+    unsafe = run_cli(tmp_path / "lambda.keras", "--onnx", tmp_path / "m.onnx", "--unsafe")
     assert unsafe.returncode == 0, unsafe.stderr
     assert "batch norms: 1 folded, 0 kept" in unsafe.stdout and (tmp_path / "m.onnx").exists()
 
 
 def test_bad_usage_exits_2_in_one_line(tmp_path):
-    result = _cli(tmp_path / "missing.keras", "--onnx", tmp_path / "m.onnx")
+    result = run_cli(tmp_path / "missing.keras", "--onnx", tmp_path / "m.onnx")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
         f"keras-bn-export: error: cannot read model file {tmp_path / 'missing.keras'}: "
         "no such file"
     )
-    result = _cli(tmp_path / "m.keras", "--quantize", "int4")
+    result = run_cli(tmp_path / "m.keras", "--quantize", "int4")
     assert result.returncode == 2
     assert "argument --quantize: invalid choice: 'int4'" in result.stderr.splitlines()[-1]
+
+
+def test_mixed_precision_model_is_judged_at_its_default_tolerance(tmp_path):
+    """The folded mixed-precision model rounds to float16 as its ONNX file does: it gets the
+    same 1e-2 default (with 1e-4 the CLI exited 1, "FAILED", yet wrote the file)."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        inputs = keras.Input((6, 6, 3))
+        y = keras.layers.Conv2D(6, 3, padding="same", use_bias=False)(inputs)
+        y = keras.layers.ReLU()(keras.layers.BatchNormalization()(y))
+        y = keras.layers.Dense(4)(keras.layers.Flatten()(y))
+        y = keras.layers.BatchNormalization()(y)
+        outputs = keras.layers.Activation("linear", dtype="float32")(y)
+        model = randomise_batch_norms(keras.Model(inputs, outputs))
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    model.save(tmp_path / "mixed.keras")
+    result = _cli(tmp_path / "mixed.keras", "--onnx", tmp_path / "m.onnx",
+                  "--report", tmp_path / "r.json")
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["fold"]["relative_error"] > 1e-4  # 16-bit rounding, over the float32 default
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert report["fold_atol"] == report["exports"][0]["atol"] == 1e-2 and report["passed"]
+    assert (tmp_path / "m.onnx").exists() and "verification passed" in result.stdout
+
+
+def test_report_is_strict_json_when_an_output_is_nan(tmp_path):
+    """A NaN error is written as null (Python's json writes the token NaN, which strict JSON
+    parsers reject); the report still says the file failed."""
+    inputs = keras.Input((4,))
+    hidden = keras.layers.BatchNormalization()(keras.layers.Dense(4)(inputs))
+    head = keras.layers.Dense(2, name="nan_head")
+    model = keras.Model(inputs, [keras.layers.Dense(2, name="fine")(hidden), head(hidden)])
+    kernel, bias = head.get_weights()
+    kernel[0, 0] = np.nan
+    head.set_weights([kernel, bias])
+    model.save(tmp_path / "nan.keras")
+    result = _cli(tmp_path / "nan.keras", "--onnx", tmp_path / "m.onnx",
+                  "--report", tmp_path / "r.json")
+    assert result.returncode == 1, result.stdout + result.stderr
+
+    def reject(token):
+        raise ValueError(f"not JSON: {token}")
+
+    report = json.loads((tmp_path / "r.json").read_text(), parse_constant=reject)
+    (export,) = report["exports"]
+    assert export["relative_errors"] == {"fine": export["relative_errors"]["fine"],
+                                         "nan_head": None}
+    assert export["relative_error"] is None and not export["passed"] and not report["passed"]
+    assert report["fold"]["errors"]["nan_head"] is None
+    assert not (tmp_path / "m.onnx").exists()

@@ -4,7 +4,7 @@ MobileNetV2; configs and weights carried exactly; the original untouched."""
 import keras
 import numpy as np
 import pytest
-from conftest import assert_close
+from helpers import assert_close
 
 import keras_bn
 from keras_bn import convert

@@ -3,7 +3,7 @@
 import keras
 import numpy as np
 import pytest
-from conftest import assert_close
+from helpers import assert_close
 
 import keras_bn
 from keras_bn import diagnostics

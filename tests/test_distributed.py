@@ -5,7 +5,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import assert_close
+from helpers import assert_close, mirrored_strategy
 
 import keras_bn
 import multiworker_worker as worker
@@ -13,27 +13,6 @@ import multiworker_worker as worker
 EPS = 1e-3
 # (global input shape, axis)
 LAYOUTS = {"nhwc": ((16, 4, 4, 3), -1), "nchw": ((16, 3, 4, 4), 1), "2d": ((16, 5), -1)}
-
-
-def _devices(n):
-    return [f"/cpu:{i}" for i in range(n)]
-
-
-_STRATEGIES = {}
-
-
-def _strategy(replicas):
-    """A MirroredStrategy over `replicas` logical CPUs, one per size for the whole process.
-
-    TF numbers collective groups from 1 in every MirroredStrategy, so strategies of two sizes
-    in one process collide ("joining a group with size 4, but that group has size 2"); a key
-    base of its own per size keeps their groups apart.
-    """
-    if replicas not in _STRATEGIES:
-        cls = type(f"MirroredStrategy{replicas}", (tf.distribute.MirroredStrategy,),
-                   {"_collective_key_base": 1000 * replicas})
-        _STRATEGIES[replicas] = cls(_devices(replicas))
-    return _STRATEGIES[replicas]
 
 
 def _weights(layer, seed=1):
@@ -76,7 +55,7 @@ def _replicated(x, upstream, axis, replicas, synchronized=True, momentum=0.5):
     """One training step of the layer on `replicas` devices, each given its slice of x.
     Returns the replicas' outputs and input gradients concatenated, the weight gradients
     summed (what the optimizer's all-reduce does) and every replica's moving statistics."""
-    strategy = _strategy(replicas)
+    strategy = mirrored_strategy(replicas)
     per_replica = len(x) // replicas
     with strategy.scope():
         layer = keras_bn.BatchNormalization(
@@ -183,7 +162,7 @@ def test_fit_under_mirrored_strategy_matches_single_device():
     reference.compile(keras.optimizers.SGD(0.1), "mse")
     reference.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
 
-    strategy = _strategy(2)
+    strategy = mirrored_strategy(2)
     with strategy.scope():
         model = worker.build_model(synchronized=True)
         model.set_weights(initial)
@@ -258,7 +237,7 @@ def test_non_finite_batch_on_one_replica_updates_no_replica(
 ):
     """Three global batches, the second with an inf or a NaN in one replica's rows: every
     replica skips that batch (the counter of momentum=None too) and takes the other two."""
-    strategy = _strategy(2)
+    strategy = mirrored_strategy(2)
     batches = [_data((8, 3), seed)[0] for seed in range(3)]
     batches[1][4 * bad_replica + 1, 2] = bad_value
     layer = _replica_layer(strategy, (4, 3), momentum=momentum, synchronized=synchronized)
@@ -288,7 +267,7 @@ def test_non_finite_batch_on_one_replica_updates_no_replica(
 def test_count_weighted_average_across_real_replicas(values, weights, enough, expected):
     """The pooling function alone, on 2 replicas: every replica gets Σwᵢvᵢ/Σwᵢ over the
     replicas with m ≥ 2, and the same verdict on whether to update (None: skip)."""
-    strategy = _strategy(2)
+    strategy = mirrored_strategy(2)
 
     def shard(context):
         i = context.replica_id_in_sync_group
@@ -335,7 +314,7 @@ def test_unequal_replica_batches_weight_the_update_by_count(case, synchronized):
     toward the global batch's mean and unbiased variance."""
     shape, kwargs = UNEQUAL[case]
     momentum = kwargs.get("momentum", 0.5)
-    strategy = _strategy(2)
+    strategy = mirrored_strategy(2)
     x = _data(shape, seed=3)[0]
     mask = MASK if case == "masked" else None
     layer = _replica_layer(strategy, (None,) + shape[1:], synchronized=synchronized,
@@ -368,7 +347,7 @@ def test_fit_with_an_uneven_last_batch_moves_toward_its_global_mean():
     rng = np.random.default_rng(2)
     x = rng.normal(2.0, 3.0, size=(21, 3)).astype("float32")
     x[-2:] += 10.0  # the last batch's replicas differ
-    strategy = _strategy(2)
+    strategy = mirrored_strategy(2)
     with strategy.scope():
         model = keras.Sequential([keras.Input((3,)), keras_bn.BatchNormalization(momentum=0.0),
                                   keras.layers.Dense(1)])

@@ -4,21 +4,19 @@ test checks that the two agree."""
 
 import os
 import re
-import shutil
-import subprocess
-import sys
+import stat
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers import run_cli
 from tensorflow.lite.python.convert import ConverterError
 
 import keras_bn
 from keras_bn.export import VerificationError, export_onnx, export_tflite, fold_batch_norms
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = shutil.which("keras-bn-export", path=os.path.dirname(sys.executable))
 
 
 def _x(shape, seed=0):
@@ -170,6 +168,19 @@ def _unwritable(tmp_path):
         _folder_holds(tmp_path, [])
 
 
+def _not_a_file(tmp_path):
+    """A FIFO stands for a device such as /dev/stdout: a file renamed over it would replace it."""
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3),
+                              keras_bn.BatchNormalization()])
+    os.mkfifo(tmp_path / "pipe")
+
+    def check():
+        assert os.listdir(tmp_path) == ["pipe"]
+        assert stat.S_ISFIFO(os.stat(tmp_path / "pipe").st_mode)
+
+    return (lambda: export_onnx(model, tmp_path / "pipe")), check
+
+
 def _export_over_a_previous_file(tmp_path, exporter, model, name):
     """(export `model` over an existing file, check that file and nothing else is there)."""
     target = tmp_path / name
@@ -237,6 +248,8 @@ ERROR_CASES = [
      r"Cannot copy layer '.*' \(_Unconfigurable\) from its config", _custom_layer),
     ("export", "Lambda layer under safe mode", ValueError, r"safe_mode", _lambda_safe_mode),
     ("export", "unwritable path", OSError, r"Cannot write .*missing.*m\.tflite", _unwritable),
+    ("export", "path is a folder, FIFO or device", OSError,
+     r"Cannot write .*pipe: it is a FIFO, socket or device, not a regular file", _not_a_file),
     ("export", "conversion failure midway", ConverterError, r"MatrixDeterminant",
      _conversion_fails),
     ("export", "file over its tolerance", VerificationError,
@@ -262,12 +275,6 @@ def test_bad_input(area, name, error, message, setup, tmp_path):
 
 
 # --------------------------------------------------------------------------- the CLI
-
-
-def _cli(*args):
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    return subprocess.run([SCRIPT, *map(str, args)], capture_output=True, text=True, env=env,
-                          timeout=300)
 
 
 def _cli_model(tmp_path, case):
@@ -310,8 +317,10 @@ def test_cli_exits_2_in_one_line(case, tmp_path):
     target.write_bytes(b"previous export")
     if case == "unwritable path":
         target = tmp_path / "missing" / "model.tflite"
+    if case == "path is a folder, FIFO or device":
+        target = out
     extra = ["--unsafe"] if case == "conversion failure midway" else []
-    result = _cli(model, "--tflite", target, *extra)
+    result = run_cli(model, "--tflite", target, *extra)
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Traceback" not in result.stdout + result.stderr
     errors = [line for line in result.stderr.splitlines()

@@ -8,7 +8,7 @@ import keras
 import numpy as np
 import onnx
 import pytest
-from conftest import assert_close, randomise_batch_norms
+from helpers import assert_close, randomise_batch_norms
 
 import digits
 import keras_bn
@@ -330,3 +330,87 @@ def test_probe_that_does_not_fit_the_inputs_is_named(tmp_path):
     with pytest.raises(ValueError, match="one array, but the model has 2 inputs"):
         fold_batch_norms(model, data["features"])
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("fmt", sorted(EXPORTERS))
+def test_an_output_named_like_an_input_gets_its_own_name(fmt, tmp_path):
+    """A model that also returns its inputs (or a dict output keyed like an input): a file's
+    output names must differ from its input names (tf2onnx failed "graph input 'ids' not
+    exist")."""
+    features = keras.Input((6,), name="features")
+    ids = keras.Input((3,), dtype="int32", name="ids")
+    h = L.BatchNormalization()(L.Dense(4, use_bias=False)(features))
+    model = randomise_batch_norms(keras.Model([features, ids], {"ids": h, "echo": ids}))
+    data = _multi_io_data(8)
+    report = EXPORTERS[fmt](model, tmp_path / f"m.{fmt}", probe=data)
+    assert list(report.errors) == ["echo", "ids_1"] and report.passed
+    actual = RUNNERS[fmt](tmp_path / f"m.{fmt}", data)
+    np.testing.assert_array_equal(actual["echo"], data["ids"])
+    assert_close(actual["ids_1"], model(data, training=False)["ids"], 1e-4)
+
+
+def test_onnx_file_the_checker_rejects_is_named_by_its_target_path(tmp_path):
+    """bfloat16 has no ONNX Conv: the checker's error names the path the caller gave, not the
+    temporary file (gone by then)."""
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")  # conftest restores float32
+    model = keras.Sequential([keras.Input((6, 6, 2)), L.Conv2D(3, 3)])
+    target = tmp_path / "m.onnx"
+    with pytest.raises(ValueError, match=f"^{target} is not a valid ONNX model: .*bfloat16"):
+        export_onnx(model, target)
+    assert os.listdir(tmp_path) == []
+
+
+def test_input_keys_tensorflow_cannot_name_an_argument_are_renamed(tmp_path):
+    """A signature argument must start with a letter, digit or '.': dict keys "_private" and
+    "-offset" failed the TFLite export ("non-flat/non-unique argument names"). The files name
+    them "private" and "offset"; a probe still takes the model's own keys."""
+    private, offset = keras.Input((4,), name="_private"), keras.Input((4,), name="-offset")
+    h = L.BatchNormalization()(L.Dense(4)(private))
+    model = randomise_batch_norms(keras.Model({"_private": private, "-offset": offset},
+                                              L.Add()([h, offset])))
+    rng = np.random.default_rng(0)
+    data = {"_private": rng.normal(size=(8, 4)).astype("float32"),
+            "-offset": rng.normal(size=(8, 4)).astype("float32")}
+    # The probe is keyed as model.predict takes it: by the model's own keys.
+    report = export_tflite(model, tmp_path / "m.tflite", probe=data)
+    assert report.passed
+    actual = tflite_export.run(tmp_path / "m.tflite", {"private": data["_private"],
+                                                       "offset": data["-offset"]})
+    assert_close(next(iter(actual.values())), model(data, training=False), 1e-4)
+    with pytest.raises(ValueError, match=r"inputs are \['-offset', '_private'\] \(missing "
+                                         r"\['-offset'\], unknown \['offzet'\]"):
+        fold_batch_norms(model, {"_private": data["_private"], "offzet": data["-offset"]})
+
+
+@pytest.mark.parametrize("fmt", sorted(EXPORTERS))
+def test_a_probe_without_samples_is_refused(fmt, tmp_path):
+    """Zero samples compare nothing: the file "passed" even at atol=1e-30."""
+    model = randomise_batch_norms(keras.Sequential([keras.Input((4,)), L.Dense(3),
+                                                    keras_bn.BatchNormalization()]))
+    empty = np.zeros((0, 4), "float32")
+    with pytest.raises(ValueError, match=r"probe has no samples \(shapes \[\(0, 4\)\]\)"):
+        EXPORTERS[fmt](model, tmp_path / "m.out", probe=empty, atol=1e-30)
+    with pytest.raises(ValueError, match="representative_data has no samples"):
+        export_tflite(model, tmp_path / "m.out", representative_data=empty)
+    with pytest.raises(ValueError, match="probe has no samples"):
+        fold_batch_norms(model, empty)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("nesting", ["dict", "list"])
+def test_a_probe_in_the_models_own_nested_structure(nesting, tmp_path):
+    """model.predict takes {"x": …, "meta": {"a": …, "b": …}} (or [x, [a, b]]) for a model built
+    on that structure; the probe was refused ("unknown ['meta']", "2 arrays … 3 inputs")."""
+    x, a, b = (keras.Input((n,), name=name) for n, name in ((4, "x"), (2, "a"), (3, "b")))
+    h = L.BatchNormalization()(L.Dense(4)(L.Concatenate()([x, a, b])))
+    rng = np.random.default_rng(0)
+    xs, as_, bs = (rng.normal(size=(5, n)).astype("float32") for n in (4, 2, 3))
+    if nesting == "dict":
+        inputs, probe = {"x": x, "meta": {"a": a, "b": b}}, {"x": xs, "meta": {"a": as_, "b": bs}}
+    else:
+        inputs, probe = [x, [a, b]], [xs, [as_, bs]]
+    model = randomise_batch_norms(keras.Model(inputs, h))
+    folded, report = fold_batch_norms(model, probe)
+    assert report.relative_error <= 1e-5
+    assert_close(folded(probe), model(probe, training=False), 1e-5)
+    assert export_onnx(model, tmp_path / "m.onnx", probe=probe).passed

@@ -8,9 +8,7 @@ import time
 import keras
 import numpy as np
 import pytest
-from conftest import assert_close
-
-from test_distributed import _strategy
+from helpers import assert_close, mirrored_strategy
 
 import multiworker_worker as worker
 
@@ -50,7 +48,7 @@ def _uninterrupted_and_killed(tmp_path, init, attempts=3):
             with worker.Cluster(args, str(tmp_path), f"faulty{attempt}") as cluster:
                 if reference is None:
                     reference = worker.train_with_backup(
-                        _strategy(2), str(init),
+                        mirrored_strategy(2), str(init),
                         str(tmp_path / "reference_backup"), str(tmp_path / "reference.progress"),
                     )
                 logs = [tmp_path / f"faulty{index}.progress" for index in range(2)]

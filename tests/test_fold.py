@@ -9,7 +9,7 @@ same random data.
 import keras
 import numpy as np
 import pytest
-from conftest import assert_close
+from helpers import BACKWARD_HOSTS, assert_close, fold_input
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -53,7 +53,7 @@ def _with_bias(layer, x):
 def _built_host(make, rank, data_format, use_bias, rng):
     """(host layer with random weights, its random input x, its channel axis)."""
     host = make(data_format, use_bias)
-    x = _input(rank, 4, data_format, rng)
+    x = fold_input(rank, 4, data_format, rng)
     host(x)
     _randomise(host, rng)
     return host, x, _channel_axis(host)
@@ -61,17 +61,6 @@ def _built_host(make, rank, data_format, use_bias, rng):
 
 def _channel_axis(layer):
     return 1 if getattr(layer, "data_format", "channels_last") == "channels_first" else -1
-
-
-def _input(rank, channels, data_format, rng):
-    # These tests load folded weights into a Keras host with its own bias. Keras 3.15's TF
-    # backend misplaces a channels_first conv's bias when the last spatial output size equals
-    # the filter count (6 here), in the host and in the reference alike, so these sizes keep
-    # clear of it: they check the fold maths. fold_batch_norms guards that bug (ChannelBias);
-    # test_fold_batch_norms_is_exact_at_every_input_size tests it at the sizes that trigger it.
-    spatial = {1: (9,), 2: (7, 5), 3: (8, 3, 10)}[rank] if rank else ()
-    shape = (3, channels, *spatial) if data_format == "channels_first" else (3, *spatial, channels)
-    return rng.normal(size=shape).astype("float32")
 
 
 BIAS = [True, False]
@@ -85,43 +74,6 @@ def _cases(hosts):
         for data_format in (["channels_last"] if kind == "Dense" else
                             ["channels_last", "channels_first"])
     ]
-
-BACKWARD_HOSTS = {
-    "Dense": (lambda df, b: L.Dense(6, use_bias=b), 0, fold.fold_dense),
-    "Conv1D": (lambda df, b: L.Conv1D(6, 3, padding="same", data_format=df, use_bias=b),
-               1, fold.fold_conv),
-    "Conv1D_groups": (lambda df, b: L.Conv1D(6, 3, groups=2, data_format=df, use_bias=b),
-                      1, fold.fold_conv),
-    "Conv2D": (lambda df, b: L.Conv2D(6, 3, strides=2, data_format=df, use_bias=b),
-               2, fold.fold_conv),
-    "Conv2D_groups": (lambda df, b: L.Conv2D(6, 3, padding="same", groups=2, data_format=df,
-                                             use_bias=b), 2, fold.fold_conv),
-    "Conv3D": (lambda df, b: L.Conv3D(6, 2, data_format=df, use_bias=b), 3, fold.fold_conv),
-    "Conv3D_groups": (lambda df, b: L.Conv3D(6, 2, groups=2, data_format=df, use_bias=b),
-                      3, fold.fold_conv),
-    "DepthwiseConv1D_m1": (lambda df, b: L.DepthwiseConv1D(3, data_format=df, use_bias=b),
-                           1, fold.fold_depthwise),
-    "DepthwiseConv1D_m3": (lambda df, b: L.DepthwiseConv1D(3, depth_multiplier=3,
-                                                           data_format=df, use_bias=b),
-                           1, fold.fold_depthwise),
-    "DepthwiseConv2D_m1": (lambda df, b: L.DepthwiseConv2D(3, padding="same", data_format=df,
-                                                           use_bias=b), 2, fold.fold_depthwise),
-    "DepthwiseConv2D_m3": (lambda df, b: L.DepthwiseConv2D(3, depth_multiplier=3,
-                                                           data_format=df, use_bias=b),
-                           2, fold.fold_depthwise),
-    "SeparableConv1D": (lambda df, b: L.SeparableConv1D(6, 3, depth_multiplier=2,
-                                                        data_format=df, use_bias=b),
-                        1, fold.fold_separable),
-    "SeparableConv2D": (lambda df, b: L.SeparableConv2D(6, 3, depth_multiplier=2,
-                                                        padding="same", data_format=df,
-                                                        use_bias=b), 2, fold.fold_separable),
-    "Conv1DTranspose": (lambda df, b: L.Conv1DTranspose(6, 3, strides=2, data_format=df,
-                                                        use_bias=b), 1, fold.fold_conv_transpose),
-    "Conv2DTranspose": (lambda df, b: L.Conv2DTranspose(6, 3, padding="same", data_format=df,
-                                                        use_bias=b), 2, fold.fold_conv_transpose),
-    "Conv3DTranspose": (lambda df, b: L.Conv3DTranspose(6, 2, strides=2, data_format=df,
-                                                        use_bias=b), 3, fold.fold_conv_transpose),
-}
 
 
 @pytest.mark.parametrize("use_bias", BIAS)

@@ -5,7 +5,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import assert_close
+from helpers import assert_close
 
 import keras_bn
 from keras_bn import ops

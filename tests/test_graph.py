@@ -7,7 +7,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import assert_close, randomise_batch_norms
+from helpers import assert_close, randomise_batch_norms
 
 import digits
 import keras_bn
@@ -345,3 +345,68 @@ def test_channel_bias_arguments_are_validated(bad):
         ChannelBias(**arguments)
     layer = ChannelBias(1, 3, name="b")
     assert ChannelBias.from_config(layer.get_config()).get_config() == layer.get_config()
+
+
+class _BlockWithBNs(L.Layer):
+    """A custom layer (not a model) computing Dense → BN, and a nested custom layer with
+    another BN: the fold copies it whole."""
+
+    def __init__(self, inner=True, **kwargs):
+        super().__init__(**kwargs)
+        self.inner = inner
+        self.dense = L.Dense(4)
+        self.bn = keras_bn.BatchNormalization(name="hidden_bn")
+        self.deeper = _BlockWithBNs(inner=False, name="deeper") if inner else None
+
+    def call(self, x, training=None):
+        y = self.bn(self.dense(x), training=training)
+        return y if self.deeper is None else self.deeper(y, training=training)
+
+    def get_config(self):
+        return {**super().get_config(), "inner": self.inner}
+
+
+class _ReluBN(keras_bn.BatchNormalization):
+    """A BN subclass whose call is not the BN's: folding it as a BN would drop the ReLU."""
+
+    def call(self, inputs, training=None, **kwargs):
+        return keras.ops.relu(super().call(inputs, training=training, **kwargs))
+
+
+def test_every_bn_is_accounted_for_bns_the_fold_cannot_see_into_are_kept():
+    """A BN inside a custom layer, and a BN subclass, are kept as they are, and named in
+    report.kept with the reason; the folded model still matches the original."""
+    inputs = keras.Input((3,))
+    y = _BlockWithBNs(name="block")(inputs)
+    y = L.Dense(4, name="host")(y)
+    y = _ReluBN(name="relu_bn")(y)
+    y = L.Dense(2, name="host2")(y)
+    outputs = L.BatchNormalization(name="plain")(y)
+    model = randomise_batch_norms(keras.Model(inputs, outputs))
+    folded, report = _check_fold(model, _x((5, 3)))
+    assert [(f.bn, f.host) for f in report.folded] == [("plain", "host2")]
+    kept = {k.bn: k for k in report.kept}
+    assert set(kept) == {"block/hidden_bn", "block/deeper/hidden_bn", "relu_bn"}
+    assert kept["block/hidden_bn"].kind == "inside_layer"
+    assert "custom layer 'block' (_BlockWithBNs)" in kept["block/hidden_bn"].reason
+    assert kept["relu_bn"].kind == "subclass"
+    assert "_ReluBN" in kept["relu_bn"].reason
+    assert isinstance(folded.get_layer("relu_bn"), _ReluBN)
+    assert len(report.folded) + len(report.kept) == len(_bn_layers(model))
+
+
+def test_bn_under_a_mask_folds_and_the_mask_still_reaches_later_layers():
+    """Inference BN ignores its mask: a BN after a masking Embedding folds (it was kept as
+    "has 2 inputs", counting the mask), and the pooling after it still averages only the
+    unmasked steps."""
+    ids = keras.Input((5,), dtype="int32")
+    y = L.Embedding(10, 4, mask_zero=True)(ids)
+    y = L.BatchNormalization(name="forward_bn")(y)
+    y = L.Dense(4, name="host")(y)
+    y = keras_bn.BatchNormalization(name="backward_bn")(y)
+    model = randomise_batch_norms(keras.Model(ids, L.GlobalAveragePooling1D()(y)))
+    probe = np.array([[1, 2, 0, 0, 0], [3, 0, 0, 0, 0], [4, 5, 6, 7, 9]])
+    folded, report = _check_fold(model, probe)
+    assert {(f.bn, f.host, f.direction) for f in report.folded} == {
+        ("forward_bn", "host", "forward"), ("backward_bn", "host", "backward")}
+    assert report.kept == [] and _bn_layers(folded) == []

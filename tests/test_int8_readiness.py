@@ -16,10 +16,10 @@ import keras
 import numpy as np
 import pytest
 from ai_edge_litert.interpreter import Interpreter
+from helpers import run_cli
 
 import digits
 import keras_bn
-from test_cli import _cli
 from keras_bn.export import INT8_SPREAD_THRESHOLD, ChannelSpread, export_tflite, fold
 from keras_bn.export import fold_batch_norms
 
@@ -218,7 +218,7 @@ def test_cli_shows_the_scaled_channel_and_its_int8_file_is_worse(tmp_path):
 
     errors = {}
     for name in ("healthy", "scaled"):
-        result = _cli(tmp_path / f"{name}.keras", "--tflite", tmp_path / f"{name}.tflite",
+        result = run_cli(tmp_path / f"{name}.keras", "--tflite", tmp_path / f"{name}.tflite",
                       "--quantize", "int8", "--representative-data", tmp_path / "x.npy",
                       "--report", tmp_path / f"{name}.json")
         report = json.loads((tmp_path / f"{name}.json").read_text())

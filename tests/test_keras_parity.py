@@ -28,7 +28,7 @@ import keras
 import numpy as np
 import pytest
 from absl.testing import parameterized
-from conftest import assert_close
+from helpers import assert_close
 from keras.src import layers as keras_layers
 from keras.src import testing
 from keras.src.losses import MeanSquaredError

@@ -10,7 +10,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import assert_close, numpy_bn_train
+from helpers import assert_close, mirrored_strategy, numpy_bn_train
 
 import keras_bn
 
@@ -117,6 +117,31 @@ def test_masked_moving_statistics_count_unmasked_elements():
     assert_close(y, (x - mean) / np.sqrt(var + EPS), 1e-5)
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf], ids=["nan", "inf"])
+@pytest.mark.parametrize("mode", ["eager", "graph", "xla"])
+def test_non_finite_masked_out_values_do_not_enter_the_statistics(bad, mode):
+    """Padding may hold anything (NaN, inf): as in Keras, which selects the unmasked values
+    rather than multiplying by the mask (0·NaN = NaN), only they enter the statistics, so the
+    moving statistics update and the unmasked outputs are finite, on the numpy values."""
+    x = _data((4, 6, 3))
+    mask = np.random.default_rng(7).uniform(size=(4, 1)) > 0.4  # broadcast over time
+    mask[0] = True
+    padded = x.copy()
+    padded[~np.broadcast_to(mask, (4, 6))] = bad
+    layer = keras_bn.BatchNormalization(momentum=0.0)
+    step = lambda x, m: layer(x, training=True, mask=m)  # noqa: E731
+    if mode != "eager":
+        step = tf.function(step, jit_compile=(mode == "xla"))
+    y = np.asarray(step(tf.constant(padded), tf.constant(mask)))
+    kept = x[np.broadcast_to(mask, (4, 6))].astype(np.float64)
+    m = kept.shape[0]
+    mean, var = kept.mean(axis=0), kept.var(axis=0)
+    assert_close(layer.moving_mean, mean, 1e-5)
+    assert_close(layer.moving_variance, var * m / (m - 1), 1e-5)
+    unmasked = np.broadcast_to(mask, (4, 6))
+    assert_close(y[unmasked], ((x - mean) / np.sqrt(var + EPS))[unmasked], 1e-5)
+
+
 def test_channels_first_mask():
     """axis=1 with a mask over (batch, time): the mask has the input's shape less axis 1."""
     x = _data((4, 3, 6))  # (batch, channels, time)
@@ -191,9 +216,7 @@ def test_mask_that_does_not_broadcast_is_rejected(mask_shape):
 def test_synchronized_masked_count_is_global():
     """Two replicas, one unmasked value each: m = 2 over the global batch, so it normalizes
     (not β) and matches masked BN on the whole batch; with one value in all, m = 1: β."""
-    from test_distributed import _strategy
-
-    strategy = _strategy(2)
+    strategy = mirrored_strategy(2)
     x = _data((4, 3, 2))
     with strategy.scope():
         layer = keras_bn.BatchNormalization(momentum=0.0, synchronized=True)

@@ -4,7 +4,7 @@ reference written here, and finite differences."""
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import assert_close, broadcast_shape, numpy_bn_train, tf_reference_bn
+from helpers import assert_close, broadcast_shape, numpy_bn_train, tf_reference_bn
 
 from keras_bn import ops
 

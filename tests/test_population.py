@@ -9,7 +9,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import assert_close
+from helpers import assert_close
 
 import keras_bn
 
@@ -103,6 +103,52 @@ def test_unequal_batches_are_pooled_by_count():
     assert_close(bn.moving_variance, var, 1e-6)
 
 
+def test_batches_with_at_most_one_value_per_channel_are_skipped():
+    """As in training, where such a batch outputs β and moves no statistic: a last batch of
+    one sample, or a mask that leaves one token, has no variance and is left out (it used to
+    raise, which crashed `fit` at its end through the Recalibrate callback)."""
+    inputs = keras.Input((3,))
+    bn = keras_bn.BatchNormalization()
+    model = keras.Model(inputs, bn(inputs))
+    x = _data((9, 3))
+    report = keras_bn.recalibrate(model, x, batch_size=4, progress=False)  # 4, 4 and 1
+    assert report.batches == 3 and report.layers[0].batches_used == 2
+    parts = np.split(x[:8].astype(np.float64), 2)
+    assert_close(bn.moving_mean, np.mean([p.mean(axis=0) for p in parts], axis=0), 1e-6)
+    assert_close(bn.moving_variance, np.mean([p.var(axis=0) for p in parts], axis=0) * 4 / 3,
+                 1e-6)
+
+    tokens = np.array([[3, 5, 2, 0], [4, 1, 0, 0], [2, 0, 0, 0], [0, 0, 0, 0]])
+    token_inputs = keras.Input((4,), dtype="int32")
+    embedding = keras.layers.Embedding(8, 3, mask_zero=True)
+    masked_bn = keras_bn.BatchNormalization()
+    masked = keras.Model(token_inputs, masked_bn(embedding(token_inputs)))
+    keras_bn.recalibrate(masked, [tokens[:2], tokens[2:]], progress=False)  # 5 tokens, 1
+    vectors = embedding(tokens[:2]).numpy().astype(np.float64)[tokens[:2] != 0]
+    assert_close(masked_bn.moving_mean, vectors.mean(axis=0), 1e-5)
+    assert_close(masked_bn.moving_variance, vectors.var(axis=0, ddof=1), 1e-5)
+
+
+def test_named_inputs_as_a_dict_of_arrays():
+    """A model with named inputs takes `data` as `fit` does, a dict of arrays, split into
+    batches like an array (a dict was iterated as its keys and failed inside Keras)."""
+    a, b = keras.Input((2,), name="a"), keras.Input((3,), name="b")
+    bn = keras_bn.BatchNormalization()
+    model = keras.Model({"a": a, "b": b}, bn(keras.layers.Concatenate()([a, b])))
+    data = {"a": _data((40, 2)), "b": _data((40, 3), seed=1)}
+    report = keras_bn.recalibrate(model, data, batch_size=16, progress=False)
+    assert report.batches == 3  # 16, 16 and 8
+    parts = np.split(np.concatenate([data["a"], data["b"]], axis=1).astype(np.float64), [16, 32])
+    m = np.array([len(p) for p in parts], dtype=np.float64)
+    assert_close(bn.moving_mean, sum(len(p) * p.mean(axis=0) for p in parts) / m.sum(), 1e-6)
+    assert_close(bn.moving_variance, sum(len(p) * p.var(axis=0) for p in parts) / (m - 1).sum(),
+                 1e-6)
+    findings = keras_bn.diagnostics.check_batchnorm(model, data, batch_size=16)
+    assert [f.kind for f in findings] == ["unfoldable"]  # it feeds the model output
+    with pytest.raises(ValueError, match=r"one length .* lengths \{'a': 40, 'b': 39\}"):
+        keras_bn.recalibrate(model, {"a": data["a"], "b": data["b"][:39]}, progress=False)
+
+
 def test_nested_models_dataset_and_conv_layout():
     """A keras_bn BN inside a nested Sequential, channels-first conv features, (x, y) dataset."""
     inner = keras.Sequential([
@@ -169,9 +215,10 @@ def test_errors_name_the_problem():
     model = keras.Model(inputs, shared(shared(inputs)))
     with pytest.raises(ValueError, match="called more than once"):
         keras_bn.recalibrate(model, _data((8, 3)), progress=False)
-    model = keras.Model(inputs, keras_bn.BatchNormalization()(inputs))
-    with pytest.raises(ValueError, match="m=1"):
-        keras_bn.recalibrate(model, _data((9, 3)), batch_size=4, progress=False)
+    model = keras.Model(inputs, keras_bn.BatchNormalization(name="bn")(inputs))
+    with pytest.raises(ValueError, match=r"no batch of `data` gives layer 'bn' at least 2 "
+                                         r"values per channel \(m ≤ 1 in all 3 batches\)"):
+        keras_bn.recalibrate(model, _data((3, 3)), batch_size=1, progress=False)
     with pytest.raises(ValueError, match="steps=0"):
         keras_bn.recalibrate(model, _data((8, 3)), steps=0)
     with pytest.raises(ValueError, match="infinite"):

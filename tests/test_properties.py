@@ -1,17 +1,19 @@
 """Property-based tests (hypothesis) of keras_bn.BatchNormalization over ranks 2–5, axis
 choices (negative, list, channels_first), float16/bfloat16/float32/float64, center/scale,
-masks and batch sizes from 2. Profiles live in conftest.py ("ci" by default, "thorough")."""
+masks and batch sizes from 2, eager and under XLA (jit_compile, where keras_bn/xla.py's path
+runs on CPU). Profiles live in conftest.py ("ci" by default, "thorough")."""
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
-from conftest import assert_close, numpy_bn_train, randomise_batch_norms, tf_reference_bn
+from helpers import (BACKWARD_HOSTS, assert_close, fold_input, numpy_bn_train,
+                     randomise_batch_norms, tf_reference_bn)
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_fold import BACKWARD_HOSTS
-from test_fold import _input as fold_input
 
 import keras_bn
+from keras_bn import ops, xla
 from keras_bn.export import fold_batch_norms
 
 EPS = 1e-3
@@ -26,7 +28,9 @@ GRADIENT_TOL = {"float16": 2e-2, "bfloat16": 1e-1, "float32": 1e-4, "float64": 1
 @st.composite
 def bn_cases(draw):
     rank = draw(st.integers(2, 5))
-    shape = [draw(st.integers(2, 5))] + [draw(st.integers(1, 4)) for _ in range(rank - 1)]
+    # keras_bn/xla.py splits batches of 4, 8 and 16 into its GROUPS evenly and pads the others.
+    batch = draw(st.sampled_from([2, 3, 4, 5, 8, 16]))
+    shape = [batch] + [draw(st.integers(1, 4)) for _ in range(rank - 1)]
     kind = draw(st.sampled_from(["last", "negative", "channels_first", "list"]))
     if kind == "last":
         axis = rank - 1
@@ -81,8 +85,29 @@ def _expanded_mask(mask, shape, channel_axes):
     return mask
 
 
+def _runner(fn, jit):
+    """`fn` itself (eager), or `fn` compiled with XLA."""
+    return tf.function(fn, jit_compile=True) if jit else fn
+
+
+# Each XLA example compiles its own function, tens of times the cost of an eager example: a
+# twentieth of the profile's examples (35 per property in "ci", 350 in "thorough").
+XLA_EXAMPLES = max(settings().max_examples // 20, 10)
+
+
 @given(bn_cases())
 def test_forward_and_inference_match_numpy(case):
+    _check_forward_and_inference(case, jit=False)
+
+
+@pytest.mark.slow
+@settings(max_examples=XLA_EXAMPLES)
+@given(bn_cases())
+def test_forward_and_inference_match_numpy_under_xla(case):
+    _check_forward_and_inference(case, jit=True)
+
+
+def _check_forward_and_inference(case, jit):
     layer, x, mask, _ = _setup(case)
     x64 = tf.cast(x, tf.float64).numpy()
     gamma, beta = _params(layer, case["channel_axes"], case["shape"])
@@ -90,7 +115,15 @@ def test_forward_and_inference_match_numpy(case):
         x64, gamma, beta, case["channel_axes"], EPS,
         _expanded_mask(mask, case["shape"], case["channel_axes"]),
     )
-    y = layer(x, training=True, mask=mask)
+    paths = []
+
+    def train(x):
+        paths.append(ops.train_path(x, case["channel_axes"], EPS, mask=mask))
+        return layer(x, training=True, mask=mask)
+
+    y = _runner(train, jit)(x)
+    if jit:  # axis 0 is always reduced here, so only a mask keeps the composite path
+        assert paths == ["composite" if case["masked"] else "xla_cpu"]
     assert y.dtype == x.dtype
     assert_close(tf.cast(y, tf.float64), expected, FORWARD_TOL[case["dtype"]])
 
@@ -99,20 +132,35 @@ def test_forward_and_inference_match_numpy(case):
     mean, var = (v.numpy().astype(np.float64).reshape(bshape)
                  for v in (layer.moving_mean, layer.moving_variance))
     inference = gamma.reshape(bshape) * (x64 - mean) / np.sqrt(var + EPS) + beta.reshape(bshape)
-    assert_close(tf.cast(layer(x, training=False), tf.float64), inference,
-                 FORWARD_TOL[case["dtype"]])
+    inferred = _runner(lambda x: layer(x, training=False), jit)(x)
+    assert_close(tf.cast(inferred, tf.float64), inference, FORWARD_TOL[case["dtype"]])
 
 
 @given(bn_cases())
 def test_custom_gradient_matches_autodiff_of_reference(case):
+    _check_gradients(case, jit=False)
+
+
+@pytest.mark.slow
+@settings(max_examples=XLA_EXAMPLES)
+@given(bn_cases())
+def test_custom_gradient_matches_autodiff_of_reference_under_xla(case):
+    _check_gradients(case, jit=True)
+
+
+def _check_gradients(case, jit):
     layer, x, mask, rng = _setup(case)
     upstream = tf.constant(rng.normal(size=case["shape"]), tf.float64)
     gamma, beta = _params(layer, case["channel_axes"], case["shape"])
-    with tf.GradientTape() as tape:
-        tape.watch(x)
-        y = layer(x, training=True, mask=mask)
-        loss = tf.reduce_sum(tf.cast(y, tf.float64) * upstream)
-    got = tape.gradient(loss, [x] + layer.trainable_weights)
+
+    def gradients(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x, training=True, mask=mask)
+            loss = tf.reduce_sum(tf.cast(y, tf.float64) * upstream)
+        return tape.gradient(loss, [x] + layer.trainable_weights)
+
+    got = _runner(gradients, jit)(x)
 
     x64 = tf.cast(x, tf.float64)
     ref_params = [tf.constant(gamma), tf.constant(beta)]
@@ -146,14 +194,26 @@ def test_custom_gradient_matches_autodiff_of_reference(case):
 
 @given(bn_cases())
 def test_moving_statistics_follow_unbiased_recurrence(case):
+    _check_moving_statistics(case, jit=False)
+
+
+@pytest.mark.slow
+@settings(max_examples=XLA_EXAMPLES)
+@given(bn_cases())
+def test_moving_statistics_follow_unbiased_recurrence_under_xla(case):
+    _check_moving_statistics(case, jit=True)
+
+
+def _check_moving_statistics(case, jit):
     layer, x, mask, rng = _setup(case)
+    train = _runner(lambda x: layer(x, training=True, mask=mask), jit)
     mean = layer.moving_mean.numpy().astype(np.float64)
     var = layer.moving_variance.numpy().astype(np.float64)
     momentum = case["momentum"]
     full_mask = _expanded_mask(mask, case["shape"], case["channel_axes"])
     for step in range(2):
         batch = x if step == 0 else tf.cast(rng.normal(1.0, 2.0, case["shape"]), x.dtype)
-        layer(batch, training=True, mask=mask)
+        train(batch)
         x64 = tf.cast(batch, tf.float64).numpy()
         _, batch_mean, batch_var = numpy_bn_train(
             x64, np.ones_like(mean), np.zeros_like(mean), case["channel_axes"], EPS, full_mask
@@ -171,7 +231,7 @@ def test_moving_statistics_follow_unbiased_recurrence(case):
 
 def test_strategy_covers_the_space():
     """The generator reaches every kind of case (hypothesis would silently narrow if not)."""
-    seen = {"dtype": set(), "rank": set(), "kind": set(), "masked": set()}
+    seen = {"dtype": set(), "rank": set(), "kind": set(), "masked": set(), "grouped": set()}
 
     @given(bn_cases())
     def collect(case):
@@ -179,12 +239,14 @@ def test_strategy_covers_the_space():
         seen["rank"].add(len(case["shape"]))
         seen["kind"].add(type(case["axis"]).__name__ + str(case["axis"] == 1))
         seen["masked"].add(case["masked"])
+        seen["grouped"].add(case["shape"][0] % xla.GROUPS == 0)
 
     collect()
     assert seen["dtype"] == set(POLICY)
     assert seen["rank"] == {2, 3, 4, 5}
     assert {"listFalse", "intTrue", "intFalse"} <= seen["kind"]
     assert seen["masked"] == {True, False}
+    assert seen["grouped"] == {True, False}  # XLA's grouped sums, split evenly and padded
     keras.mixed_precision.set_global_policy("float32")
 
 

@@ -6,7 +6,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import assert_close, assert_xla_step_matches_eager, fit_under_mixed_float16
+from helpers import assert_close, assert_xla_step_matches_eager, fit_under_mixed_float16
 
 import keras_bn
 

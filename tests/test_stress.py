@@ -5,7 +5,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import assert_close, numpy_bn_train
+from helpers import assert_close, numpy_bn_train
 
 import keras_bn
 

@@ -1,0 +1,166 @@
+"""Train-mode batch normalization written for XLA on CPU.
+
+The maths is the composite path's (see keras_bn/ops.py); only the arrangement differs, because
+XLA:CPU (TensorFlow 2.21) never fuses a reduction with the expression it sums: every Σf(x) writes
+f(x) out and reads it back. Three arrangements avoid that, and the train step then reads x three
+times (forward sums; backward Σg and Σg·x̂; ∂l/∂x), the floor for a backward that needs two
+global sums before ∂l/∂x:
+
+- A sum over the reduced axes starts as a tree of adds over `GROUPS` equal slices of one reduced
+  axis (not the minor one). That is elementwise work, which XLA fuses with the summand; a small
+  reduce_sum finishes the partials, 1/GROUPS of the size.
+- Both sums of a pass come from one read: the two summands are stacked on a new leading axis of
+  size 2 with tf.where. (A concat would not fuse; a new minor axis of size 2 fuses but breaks
+  the vectorised loop over x's minor axis: 0-30% slower on bench_layer.py's shapes.)
+- The summands are computed per slice, from slices of x, each used twice. Computed once for the
+  whole tensor, a summand feeds 2·GROUPS consumers, and XLA writes out a producer with more than
+  15 (measured at GROUPS = 8).
+- Only per-channel values are saved; the backward recomputes x̂ from x.
+
+The moments are shifted sums about K, one sample of each channel (Chan, Golub & LeVeque 1983):
+with t = x − K, μ = K + Σt/m and σ² = Σt²/m − (Σt/m)². The second form cancels when K is far from
+the data, so when (μ − K)² > RECENTRE_RATIO·σ² for any channel the pass is redone with K = μ,
+which makes it the corrected two-pass algorithm. Outputs are computed as ((x − K) − Δμ)·inv with
+Δμ = Σt/m, never with a large mean folded into an offset.
+"""
+
+import tensorflow as tf
+from tensorflow.python.eager import context
+
+from keras_bn import ops
+
+# Slices added elementwise before the reduce_sum: the partials are 1/GROUPS of x. 4 was as
+# fast as 8 or faster on every shape of benchmarks/bench_layer.py (0-20%, interleaved runs),
+# with a smaller program to compile; 2 was slower.
+GROUPS = 4
+# Redo the moments about the mean when (μ − K)² exceeds this multiple of σ², that is when K
+# lies more than 8σ from the mean; below it the shifted sums lose at most ~65× their rounding.
+RECENTRE_RATIO = 64.0
+
+
+def runs_on_cpu():
+    """Whether the graph being traced runs on a CPU: the innermost device scope's type, or,
+    with no scope (TensorFlow's default placement), whether no GPU or TPU is visible."""
+    scope = context.context().device_name
+    if not tf.executing_eagerly():
+        scope = tf.no_op().device or scope  # a scope inside the traced function comes first
+    device_type = tf.DeviceSpec.from_string(scope).device_type
+    if device_type:
+        return device_type == "CPU"
+    return not (tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("TPU"))
+
+
+def group_axis(shape, channel_axes):
+    """The axis the sums are grouped along, or None when there is none: a reduced axis other
+    than the minor one (slicing that would break XLA's vectorised loops); the first whose
+    static size GROUPS divides, else the first (then padded, see `_paired_sums`)."""
+    rank = len(shape)
+    candidates = [a for a in ops.reduction_axes(rank, channel_axes) if a != rank - 1]
+    for a in candidates:
+        if shape[a] is not None and shape[a] % GROUPS == 0:
+            return a
+    return candidates[0] if candidates else None
+
+
+def batch_norm_train(x, gamma, beta, channel_axes, epsilon):
+    """Train-mode BN with the contract of `ops.batch_norm_train` (no mask, one device).
+
+    Args:
+        x: floating tensor with a reduced axis other than its last (see `group_axis`).
+        gamma, beta: per-channel scale and offset in `ops.statistics_dtype(x.dtype)`.
+        channel_axes: sorted non-negative axes that are not reduced.
+        epsilon: added to the variance.
+
+    Returns:
+        (y, mean, variance): the output in the statistics dtype, and the per-channel mean and
+        biased variance shaped like gamma, carrying no gradient.
+    """
+    x = tf.cast(x, ops.statistics_dtype(x.dtype))
+    rank = x.shape.rank
+    reduced = ops.reduction_axes(rank, channel_axes)
+    axis = group_axis(x.shape, channel_axes)
+    m = ops.element_count(x, channel_axes)
+    param_shape = tf.shape(gamma)
+
+    def sums(summands, *tensors):
+        return _paired_sums(summands, tensors, axis, reduced)
+
+    @tf.custom_gradient
+    def _normalize(x, gamma, beta):
+        shift, offset, variance = _shifted_moments(x, _first_sample(x, reduced), m, sums)
+        shift, offset, variance = tf.cond(
+            tf.reduce_any(tf.square(offset) > RECENTRE_RATIO * variance),
+            lambda: _shifted_moments(x, shift + offset, m, sums),
+            lambda: (shift, offset, variance),
+        )
+        inv = tf.math.rsqrt(variance + epsilon)
+        gamma_b = tf.reshape(gamma, tf.shape(shift))  # shift has the per-channel shape
+        y = ((x - shift) - offset) * (inv * gamma_b) + tf.reshape(beta, tf.shape(shift))
+
+        def grad(dy, *_unused_statistic_grads):
+            def normalized(x):
+                return ((x - shift) - offset) * inv
+
+            sum_dy, sum_dy_xhat = sums(lambda dy, x: (dy, dy * normalized(x)), dy, x)
+            dx = (gamma_b * inv) * (dy - (sum_dy + normalized(x) * sum_dy_xhat) / m)
+            return dx, tf.reshape(sum_dy_xhat, param_shape), tf.reshape(sum_dy, param_shape)
+
+        mean = tf.reshape(shift + offset, param_shape)
+        return (y, mean, tf.reshape(variance, param_shape)), grad
+
+    y, mean, variance = _normalize(x, gamma, beta)
+    return y, tf.stop_gradient(mean), tf.stop_gradient(variance)
+
+
+def _first_sample(x, reduced):
+    """K: each channel's value at index 0 of every reduced axis, per-channel shaped. A batch
+    known only at run time may be empty: it is padded by one, so that the shift is then 0 and
+    the statistics NaN (so the layer leaves its moving statistics alone), as on the other paths.
+    """
+    rank = x.shape.rank
+    if any(x.shape[a] is None for a in reduced):
+        x = tf.pad(x, [[0, 1] if a in reduced else [0, 0] for a in range(rank)])
+    return tf.slice(x, [0] * rank, [1 if a in reduced else -1 for a in range(rank)])
+
+
+def _shifted_moments(x, shift, m, sums):
+    """(K, Δμ, σ²) from one read of x: Δμ = Σ(x − K)/m, σ² = Σ(x − K)²/m − Δμ²."""
+    def summands(x):
+        t = x - shift
+        return t, tf.square(t)
+
+    sum_t, sum_t2 = sums(summands, x)
+    offset = sum_t / m
+    return shift, offset, tf.maximum(sum_t2 / m - tf.square(offset), 0.0)
+
+
+def _paired_sums(summands, tensors, axis, reduced):
+    """Per-channel sums, over `reduced` and kept broadcastable, of the two tensors that
+    `summands` computes from `tensors` (of one shape), arranged so that XLA:CPU computes both in
+    one fused read (see the module docstring): `summands` runs on each of GROUPS slices of the
+    tensors along `axis`.
+    """
+    size = tensors[0].shape[axis]
+    padded = size is None or size % GROUPS != 0
+    if padded:  # zeros up to a multiple of GROUPS, weighted out of both sums below
+        size = tf.shape(tensors[0])[axis]
+        paddings = [[0, 0]] * tensors[0].shape.rank
+        paddings[axis] = [0, (-size) % GROUPS]
+        tensors = [tf.pad(t, paddings) for t in tensors]
+        index_shape = [-1 if a == axis else 1 for a in range(tensors[0].shape.rank)]
+        valid = tf.split(
+            tf.reshape(tf.range(tf.shape(tensors[0])[axis]) < size, index_shape), GROUPS, axis
+        )
+    slices = [tf.split(t, GROUPS, axis) for t in tensors]
+    first_of_pair = tf.reshape(tf.constant([True, False]), [2] + [1] * tensors[0].shape.rank)
+    parts = []
+    for group in range(GROUPS):
+        first, second = summands(*(s[group] for s in slices))
+        if padded:
+            first, second = (tf.where(valid[group], t, 0.0) for t in (first, second))
+        # The pair on a new leading axis: one read gives both, and x's minor axis stays minor.
+        parts.append(tf.where(first_of_pair, first[None], second[None]))
+    while len(parts) > 1:  # a balanced tree of elementwise adds: log2(GROUPS) levels
+        parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
+    total = tf.reduce_sum(parts[0], [a + 1 for a in reduced], keepdims=True)
+    return total[0], total[1]
