@@ -48,7 +48,7 @@ notebooks: $(STAMP)
 		$(PY) -m pytest tests/test_notebooks.py $(PYTEST_ARGS)
 
 bench: $(STAMP)
-	$(PY) benchmarks/bench_layer.py
+	$(PY) benchmarks/bench_layer.py --json benchmarks/results/bench_layer.json
 	$(PY) benchmarks/bench_model.py
 	$(PY) benchmarks/bench_sync.py
 
