@@ -68,8 +68,11 @@ def _rendered_images(driver):
     )
 
 
-@pytest.mark.slow
+# The site takes minutes to build: every test that uses it is in one xdist group, which
+# `make test` (--dist loadgroup) runs on one worker, so it is built once.
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+@pytest.mark.slow
+@pytest.mark.xdist_group("docs_site")
 def test_each_example_page_shows_a_rendered_figure(site, browser, notebook):
     page = site / "examples" / f"{notebook.stem}.html"
     assert page.is_file(), f"no page for {notebook.name}"
@@ -78,6 +81,16 @@ def test_each_example_page_shows_a_rendered_figure(site, browser, notebook):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("docs_site")
+def test_performance_page_shows_the_ratio_plot(site, browser):
+    browser.get((site / "guide" / "performance.html").as_uri())
+    assert _rendered_images(browser), "the Performance page shows no rendered plot"
+    text = browser.find_element("tag name", "main").text
+    assert "keras_bn / Keras" in text and "Run: python benchmarks/bench_layer.py" in text
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("docs_site")
 def test_api_page_lists_every_public_name(site, browser):
     browser.get((site / "api.html").as_uri())
     anchors = set(browser.execute_script(
