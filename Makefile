@@ -2,19 +2,19 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-PYTEST_ARGS ?= -n 2
+PYTEST_ARGS ?= -n 2 --dist loadgroup
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
 DEMO := artifacts/demo
 EXPORT := $(VENV)/bin/keras-bn-export
 
-.PHONY: demo test bench bench-export notebooks clean
+.PHONY: demo test docs bench bench-export notebooks clean
 
 $(PY):
 	python3 -m venv $(VENV)
 
 $(STAMP): $(PY) pyproject.toml
-	$(PY) -m pip install --quiet -e '.[examples,dev]'
+	$(PY) -m pip install --quiet -e '.[examples,dev,docs]'
 	touch $(STAMP)
 
 # Train, save, fold, export (.tflite float32 and int8, .onnx), verify, report: into $(DEMO)/.
@@ -35,13 +35,20 @@ bench-export: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# The documentation site, into $(DOCS)/html. Executes every notebook (full size unless
+# KERAS_BN_SMALL=1; cached per size in $(DOCS)); any warning fails the build.
+DOCS := build/docs
+docs: $(STAMP)
+	$(PY) -m sphinx -W --keep-going -b html docs $(DOCS)/html
+	@echo "Open $(DOCS)/html/index.html"
+
 # The example notebooks at full size; executed copies, with outputs, go to build/notebooks.
 notebooks: $(STAMP)
 	KERAS_BN_SMALL=0 KERAS_BN_CELL_TIMEOUT=7200 KERAS_BN_EXECUTED_DIR=build/notebooks \
 		$(PY) -m pytest tests/test_notebooks.py $(PYTEST_ARGS)
 
 bench: $(STAMP)
-	$(PY) benchmarks/bench_layer.py
+	$(PY) benchmarks/bench_layer.py --json benchmarks/results/bench_layer.json
 	$(PY) benchmarks/bench_model.py
 	$(PY) benchmarks/bench_sync.py
 

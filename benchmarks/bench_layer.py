@@ -9,12 +9,17 @@ on the same medians.
 
     python benchmarks/bench_layer.py            # full table (a few minutes on 2 cores)
     python benchmarks/bench_layer.py --smoke    # tiny shapes, one repetition: CI's check
+    python benchmarks/bench_layer.py --json benchmarks/results/bench_layer.json
+                                                # also the rows as JSON (the docs' plot reads it)
 """
 
 import argparse
+import datetime
+import json
 import os
 import platform
 import statistics
+import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -160,16 +165,25 @@ TARGETS = [
 ]
 
 
-def target_summary(rows, ranks):
-    """A table with one line per target: its worst keras_bn / Keras ratio, met or missed."""
-    lines = ["| target | bound | worst row | keras_bn / Keras | met |", "|---|---|---|---|---|"]
+def target_results(rows, ranks):
+    """One dict per target: its bound, its worst row and keras_bn / Keras ratio, and met."""
+    results = []
     for name, covers, bound in TARGETS:
         ratios = [(t["keras_bn"] / t["keras"], f"{label} {policy}")
                   for label, policy, step, jit, t in rows if covers(ranks[label], step, jit)]
         if ratios:
             ratio, row = max(ratios)
-            lines.append(f"| {name} | ≤ {bound:.2f} | {row} | {ratio:.2f} | "
-                         f"{'yes' if ratio <= bound else 'MISSED'} |")
+            results.append({"target": name, "bound": bound, "worst_row": row,
+                            "ratio": round(ratio, 4), "met": ratio <= bound})
+    return results
+
+
+def target_summary(rows, ranks):
+    """A table with one line per target: its worst keras_bn / Keras ratio, met or missed."""
+    lines = ["| target | bound | worst row | keras_bn / Keras | met |", "|---|---|---|---|---|"]
+    for r in target_results(rows, ranks):
+        lines.append(f"| {r['target']} | ≤ {r['bound']:.2f} | {r['worst_row']} | {r['ratio']:.2f} | "
+                     f"{'yes' if r['met'] else 'MISSED'} |")
     return "\n".join(lines)
 
 
@@ -184,18 +198,43 @@ def _format_row(row):
             f"{t['keras_bn'] / t['keras']:.2f} | {t['keras_bn'] / t['raw']:.2f} |")
 
 
+def write_json(path, rows, ranks, started, argv):
+    """The run's rows (medians in ms), machine, command and UTC times as JSON at `path`,
+    written to a temporary file first so that an interrupted run leaves the old file."""
+    record = {
+        "command": "python benchmarks/bench_layer.py " + " ".join(argv),
+        "machine": machine_description(),
+        "started_utc": started,
+        "finished_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
+        "rows": [{"shape": label, "policy": policy, "step": mode, "tf_function": jit,
+                  **{f"{name}_ms": round(t[name] * 1e3, 4) for name in t}}
+                 for label, policy, mode, jit, t in rows],
+        "targets": target_results(rows, ranks),
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f, indent=1)
+        f.write("\n")
+    os.replace(path + ".tmp", path)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, one repetition")
     parser.add_argument("--reps", type=int, default=15, help="timed samples per contender")
     parser.add_argument("--inner", type=int, default=3, help="calls per sample")
+    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
     args = parser.parse_args(argv)
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes")
     print(f"machine: {machine_description()}")
     print("raw = FusedBatchNormV3 + its gradient (train), x*a+b (inference); medians\n")
     print(HEADER, flush=True)
     shapes, reps, inner = (SMOKE_SHAPES, 1, 1) if args.smoke else (SHAPES, args.reps, args.inner)
     rows = run(shapes, reps, inner)
-    print("\n" + target_summary(rows, {label: len(shape) for label, shape, _ in shapes}))
+    ranks = {label: len(shape) for label, shape, _ in shapes}
+    print("\n" + target_summary(rows, ranks))
+    if args.json:
+        write_json(args.json, rows, ranks, started, argv if argv is not None else sys.argv[1:])
     return 0
 
 

@@ -12,8 +12,23 @@ import tensorflow as tf
 from keras_bn import ops
 
 
+class _PerChannelMap(keras.layers.Layer):
+    """A map applied channel by channel: the output has the input's shape."""
+
+    def compute_output_shape(self, input_shape):
+        """The output shape: `input_shape` itself.
+
+        Args:
+            input_shape: the input's shape.
+
+        Returns:
+            `input_shape`.
+        """
+        return input_shape
+
+
 @keras.saving.register_keras_serializable(package="keras_bn.export")
-class InferenceAffine(keras.layers.Layer):
+class InferenceAffine(_PerChannelMap):
     """Per-channel y = scale·x + shift: what a batch norm that cannot be folded becomes.
 
     `fold_batch_norms` puts one in place of each BN it keeps, with the BN's inference map
@@ -70,17 +85,6 @@ class InferenceAffine(keras.layers.Layer):
         self.scale.assign(np.reshape(scale, self.channels))
         self.shift.assign(np.reshape(shift, self.channels))
 
-    def compute_output_shape(self, input_shape):
-        """The output shape: `input_shape` itself.
-
-        Args:
-            input_shape: the input's shape.
-
-        Returns:
-            `input_shape`.
-        """
-        return input_shape
-
     def get_config(self):
         """The layer's config, for `from_config` and saving.
 
@@ -92,7 +96,7 @@ class InferenceAffine(keras.layers.Layer):
 
 
 @keras.saving.register_keras_serializable(package="keras_bn.export")
-class ChannelBias(keras.layers.Layer):
+class ChannelBias(_PerChannelMap):
     """y = x + bias on one explicit channel axis: the bias of a folded channels_first host.
 
     Keras 3.15's TensorFlow `ops.add` guesses a bias's axis from the shapes, and puts a
@@ -138,17 +142,6 @@ class ChannelBias(keras.layers.Layer):
         # tf.add, not keras.ops.add: the latter is where the axis is guessed.
         y = tf.add(x, tf.reshape(self.bias, shape))
         return keras.ops.cast(y, self.compute_dtype)
-
-    def compute_output_shape(self, input_shape):
-        """The output shape: `input_shape` itself.
-
-        Args:
-            input_shape: the input's shape.
-
-        Returns:
-            `input_shape`.
-        """
-        return input_shape
 
     def get_config(self):
         """The layer's config, for `from_config` and saving.

@@ -202,3 +202,10 @@ def run_cli(*args):
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
     return subprocess.run([CLI_SCRIPT, *map(str, args)], capture_output=True, text=True,
                           env=env, timeout=300)
+
+
+def docs_page(name):
+    """The text of a page of the documentation site, e.g. "guide/errors.md"."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "docs", name), encoding="utf-8") as f:
+        return f.read()

@@ -1,6 +1,7 @@
 """The benchmark scripts run (tiny shapes, one repetition) and print complete tables.
 Timings are never asserted: CI machines are too noisy for that."""
 
+import json
 import os
 import subprocess
 import sys
@@ -10,9 +11,9 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(script):
+def _run(script, *extra):
     result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", script), "--smoke"],
+        [sys.executable, os.path.join(ROOT, "benchmarks", script), "--smoke", *extra],
         capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -20,8 +21,8 @@ def _run(script):
 
 
 @pytest.mark.slow
-def test_bench_layer_smoke():
-    out = _run("bench_layer.py")
+def test_bench_layer_smoke(tmp_path):
+    out = _run("bench_layer.py", "--json", str(tmp_path / "layer.json"))
     assert out.startswith("machine: ")
     table, targets = out.split("| target |")
     rows = [line for line in table.splitlines() if line.startswith("| ") and "ms" not in line]
@@ -31,6 +32,17 @@ def test_bench_layer_smoke():
     # XLA train on 4D and sequence shapes, XLA train in 2D, XLA inference: met or missed
     verdicts = [line.split("|")[-2].strip() for line in targets.splitlines()[2:]]
     assert len(verdicts) == 3 and set(verdicts) <= {"yes", "MISSED"}
+    # The JSON holds the printed rows (the docs' Performance page plots from it).
+    record = json.loads((tmp_path / "layer.json").read_text())
+    assert record["command"].endswith("--smoke --json " + str(tmp_path / "layer.json"))
+    assert len(record["rows"]) == 32
+    for row, line in zip(record["rows"], rows):
+        cells = [c.strip() for c in line.split("|")[1:-1]]
+        assert cells[:4] == [row["shape"], row["policy"], row["step"], row["tf_function"]]
+        assert float(cells[4]) == pytest.approx(row["keras_bn_ms"], abs=0.006)
+        assert float(cells[5]) == pytest.approx(row["keras_ms"], abs=0.006)
+    assert [t["met"] for t in record["targets"]] == [v == "yes" for v in verdicts]
+    assert not list(tmp_path.glob("*.tmp"))
 
 
 @pytest.mark.slow

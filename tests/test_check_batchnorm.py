@@ -10,7 +10,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import randomise_batch_norms
+from helpers import docs_page, randomise_batch_norms
 
 import keras_bn
 from keras_bn.diagnostics import Finding, Findings, check_batchnorm
@@ -253,18 +253,15 @@ def test_errors_name_the_problem():
 
 
 @pytest.mark.slow
-def test_readme_training_helpers_snippets_run_and_print_the_table_shown(capsys):
-    root = os.path.join(os.path.dirname(__file__), "..")
-    with open(os.path.join(root, "README.md"), encoding="utf-8") as f:
-        readme = f.read()
-    section = readme[readme.index("## Training helpers"):readme.index("## Errors")]
+def test_docs_training_helpers_snippets_run_and_print_the_table_shown(capsys):
+    section = docs_page("guide/training-helpers.md")
     snippets = re.findall(r"```python\n(.*?)```", section, re.S)
     (table,) = re.findall(r"```text\n(.*?)```", section, re.S)
     assert len(snippets) == 2
     outputs = []
     for snippet in snippets:
         keras.backend.clear_session()  # layer names count from scratch, as in a new process
-        exec(compile(snippet, "README.md", "exec"), {})
+        exec(compile(snippet, "docs/guide/training-helpers.md", "exec"), {})
         outputs.append(capsys.readouterr().out)
     assert outputs[0].startswith("Recalibrated 1 BN layer(s)")
     assert outputs[1] == table

@@ -1,5 +1,5 @@
 """The bad-input matrix: each case's exception type and message, and proof that nothing is
-lost (weights, statistics, existing files). README.md's "Errors" section is this table; the last
+lost (weights, statistics, existing files). The docs page guide/errors.md is this table; the last
 test checks that the two agree."""
 
 import os
@@ -10,7 +10,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import run_cli
+from helpers import docs_page, run_cli
 from tensorflow.lite.python.convert import ConverterError
 
 import keras_bn
@@ -330,12 +330,11 @@ def test_cli_exits_2_in_one_line(case, tmp_path):
     assert os.listdir(out) == ["model.tflite"]
 
 
-# --------------------------------------------------------------------------- README
+# --------------------------------------------------------------------------- docs page
 
 
-def test_readme_errors_section_is_this_table():
-    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-    section = readme.split("\n## Errors\n", 1)[1].split("\n## ", 1)[0]
+def test_docs_errors_page_is_this_table():
+    section = docs_page("guide/errors.md")
     rows = [[cell.strip() for cell in line.strip("|").split("|")]
             for line in section.splitlines() if line.startswith("| ")][1:]
     documented = [(r[0], r[1], r[2].strip("`")) for r in rows if r[0] in ("layer", "export")]

@@ -16,7 +16,7 @@ import keras
 import numpy as np
 import pytest
 from ai_edge_litert.interpreter import Interpreter
-from helpers import run_cli
+from helpers import docs_page, run_cli
 
 import digits
 import keras_bn
@@ -243,20 +243,20 @@ def test_cli_shows_the_scaled_channel_and_its_int8_file_is_worse(tmp_path):
     # The same function, measured in LiteRT: the scaled model's int8 file is far worse. TFLite
     # scales the hidden weights per channel, so the loss comes from the activation channel
     # that is 1000x larger too (one int8 scale per activation tensor) and the head's row
-    # that is 1000x smaller; a per-tensor runtime loses the hidden weights as well (README).
+    # that is 1000x smaller; a per-tensor runtime loses the hidden weights as well (docs/guide/export.md).
     assert errors["scaled"] > 5 * errors["healthy"], errors
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_readme_snippet_runs_and_flags_the_scaled_host(capsys):
-    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-    section = readme[readme.index("#### int8 readiness"):]
+def test_docs_snippet_runs_and_flags_the_scaled_host(capsys):
+    page = docs_page("guide/export.md")
+    section = page[page.index("## int8 readiness"):]
     start = section.index("```python\n") + len("```python\n")
     snippet = section[start:section.index("\n```", start)]
     namespace = {}
-    exec(compile(snippet, "README.md", "exec"), namespace)
+    exec(compile(snippet, "docs/guide/export.md", "exec"), namespace)
     assert [spread.host for spread in namespace["report"].int8_risks] == ["dense"]
     assert "['dense'] 10.0" in capsys.readouterr().out
 

@@ -28,7 +28,7 @@ import keras
 import numpy as np
 import pytest
 from absl.testing import parameterized
-from helpers import assert_close
+from helpers import assert_close, docs_page
 from keras.src import layers as keras_layers
 from keras.src import testing
 from keras.src.losses import MeanSquaredError
@@ -438,10 +438,8 @@ def test_every_variant_of_a_rewritten_test_is_rewritten():
             assert theirs == ours, (module_name, test)
 
 
-def test_differences_are_the_readme_parity_section():
-    readme = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md"),
-                  encoding="utf-8").read()
-    section = readme.split("\n## Keras parity\n", 1)[1].split("\n## ", 1)[0]
+def test_differences_are_the_docs_parity_page():
+    section = docs_page("guide/parity.md")
     for _, test in DIFFERENCES:
         assert f"`{test}`" in section, test
     for module in NOT_RUN:

@@ -1,0 +1,72 @@
+"""Sphinx configuration for the keras-bn documentation site (`make docs`).
+
+Sphinx with MyST-NB, autodoc/napoleon and the PyData theme: the maintained stack of the NumPy /
+SciPy world. MyST-NB executes the example notebooks during the build, in a kernel of the Python
+that runs Sphinx, at the sizes KERAS_BN_SMALL selects (full by default), and caches the results
+per size, so a rebuild re-executes only the notebooks that changed.
+"""
+
+import json
+import os
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+BUILD = pathlib.Path(os.environ.get("KERAS_BN_DOCS_BUILD", ROOT / "build" / "docs"))
+SMALL = os.environ.get("KERAS_BN_SMALL", "0") == "1"
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ["KERAS_BN_SMALL"] = "1" if SMALL else "0"  # the notebooks' kernels inherit it
+os.environ.setdefault("MPLBACKEND", "Agg")
+
+
+def _kernel_for_this_python():
+    """A 'python3' kernelspec that launches sys.executable, searched before any other."""
+    spec_dir = BUILD / "kernels" / "python3"
+    spec_dir.mkdir(parents=True, exist_ok=True)
+    (spec_dir / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "keras-bn (docs)",
+        "language": "python",
+    }))
+    os.environ["JUPYTER_PATH"] = str(BUILD)
+
+
+_kernel_for_this_python()
+
+project = "keras-bn"
+author = "the keras-bn developers"
+copyright = "2026, the keras-bn developers"
+
+extensions = [
+    "myst_nb",
+    "sphinx.ext.autodoc",
+    "sphinx.ext.napoleon",
+    "sphinx.ext.mathjax",
+]
+exclude_patterns = ["_build", "**.ipynb_checkpoints"]
+myst_enable_extensions = ["dollarmath", "colon_fence"]
+myst_heading_anchors = 3
+
+# Notebooks: executed at build time; any failing cell (an assert of a claim included) fails it.
+nb_execution_mode = "cache"
+nb_execution_cache_path = str(BUILD / ("jupyter_cache_small" if SMALL else "jupyter_cache_full"))
+nb_execution_timeout = int(os.environ.get("KERAS_BN_CELL_TIMEOUT", "7200"))
+nb_execution_raise_on_error = True
+nb_execution_show_tb = True
+nb_merge_streams = True
+
+autodoc_member_order = "bysource"
+autodoc_typehints = "none"
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+
+html_theme = "pydata_sphinx_theme"
+html_title = "keras-bn"
+html_static_path = []
+html_theme_options = {
+    "navigation_with_keys": False,
+    "show_toc_level": 2,
+}
+nitpicky = False

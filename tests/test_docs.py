@@ -1,0 +1,139 @@
+"""The documentation site: it builds with warnings as errors, and a real headless Chromium shows a
+rendered figure on every example page and every public name on the API page.
+
+The build executes the notebooks at CI size (KERAS_BN_SMALL=1). Chromium and ChromeDriver are
+Debian's (`chromium`, `chromium-driver`), which .ci/run installs; where they are missing the
+browser test is skipped, except under KERAS_BN_REQUIRE_BROWSER=1 (set by .ci/run), where it fails.
+"""
+
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import keras_bn
+import keras_bn.export
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "examples").glob("*.ipynb"))
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMEDRIVER = shutil.which("chromedriver")
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    """The site, built once for this module by `sphinx-build -W` (as `make docs` does)."""
+    out = tmp_path_factory.mktemp("site")
+    env = {**os.environ, "KERAS_BN_SMALL": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-b", "html", "-q",
+         str(ROOT / "docs"), str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800,
+    )
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not (CHROMIUM and CHROMEDRIVER):
+        message = "Debian's chromium and chromium-driver are not installed"
+        if os.environ.get("KERAS_BN_REQUIRE_BROWSER") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                 "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    driver.set_page_load_timeout(60)
+    yield driver
+    driver.quit()
+
+
+def _rendered_images(driver):
+    """Images in the page's main content that the browser decoded (naturalWidth > 0)."""
+    return driver.execute_script(
+        "return Array.from(document.querySelectorAll('main img, article img'))"
+        ".filter(i => i.complete && i.naturalWidth > 0).map(i => i.src);"
+    )
+
+
+# The site takes minutes to build: every test that uses it is in one xdist group, which
+# `make test` (--dist loadgroup) runs on one worker, so it is built once.
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+@pytest.mark.slow
+@pytest.mark.xdist_group("docs_site")
+def test_each_example_page_shows_a_rendered_figure(site, browser, notebook):
+    page = site / "examples" / f"{notebook.stem}.html"
+    assert page.is_file(), f"no page for {notebook.name}"
+    browser.get(page.as_uri())
+    assert _rendered_images(browser), f"{page.name} shows no rendered figure"
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("docs_site")
+def test_performance_page_shows_the_ratio_plot(site, browser):
+    browser.get((site / "guide" / "performance.html").as_uri())
+    assert _rendered_images(browser), "the Performance page shows no rendered plot"
+    text = browser.find_element("tag name", "main").text
+    assert "keras_bn / Keras" in text and "Run: python benchmarks/bench_layer.py" in text
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("docs_site")
+def test_api_page_lists_every_public_name(site, browser):
+    browser.get((site / "api.html").as_uri())
+    anchors = set(browser.execute_script(
+        "return Array.from(document.querySelectorAll('[id]')).map(e => e.id);"
+    ))
+    expected = {f"keras_bn.{name}" for name in keras_bn.__all__}
+    expected |= {f"keras_bn.export.{name}" for name in keras_bn.export.__all__}
+    missing = sorted(name for name in expected
+                     if name not in anchors and f"module-{name}" not in anchors)
+    assert not missing, f"API page lacks {missing}"
+
+
+@pytest.mark.slow
+def test_readme_tour_runs(tmp_path, monkeypatch):
+    """The README's tour trains, recalibrates, folds and writes two verified files."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("\n## A tour\n", 1)[1].split("\n## ", 1)[0]
+    (snippet,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    monkeypatch.chdir(tmp_path)
+    namespace = {}
+    exec(compile(snippet, "README.md", "exec"), namespace)
+    assert [f.host for f in namespace["report"].folded] == ["conv2d"]
+    assert namespace["report"].relative_error < 1e-5
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx", "model.tflite"]
+
+
+def test_readme_fits_on_a_screen_and_links_only_to_files_that_exist():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) <= 200
+    for target in re.findall(r"\]\(([^)#]+)", readme):
+        if "://" not in target:
+            assert (ROOT / target).exists(), target
+
+
+def test_no_file_cites_documents_the_project_lacks():
+    """Code, docs and notebooks cite papers and the project's own pages, never the design
+    notes or seeds that lived outside the repository."""
+    pattern = re.compile(r"shared/|design\.md|reference\.md|seeds/")
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout.split()
+    offenders = [
+        name for name in tracked
+        if name not in ("tests/test_docs.py", "tests/test_notebooks.py") and pathlib.Path(ROOT / name).is_file()
+        and pattern.search((ROOT / name).read_text(encoding="utf-8", errors="ignore"))
+    ]
+    assert not offenders, offenders
