@@ -17,10 +17,11 @@ global sums before ∂l/∂x:
   15 (measured at GROUPS = 8).
 - Only per-channel values are saved; the backward recomputes x̂ from x.
 
-The moments are shifted sums about K, one sample of each channel (Chan, Golub & LeVeque 1983):
-with t = x − K, μ = K + Σt/m and σ² = Σt²/m − (Σt/m)². The second form cancels when K is far from
-the data, so when (μ − K)² > RECENTRE_RATIO·σ² for any channel the pass is redone with K = μ,
-which makes it the corrected two-pass algorithm. Outputs are computed as ((x − K) − Δμ)·inv with
+The moments are shifted sums about K, each channel's mean over a few samples (Chan, Golub &
+LeVeque 1983): with t = x − K, μ = K + Σt/m and σ² = Σt²/m − (Σt/m)². The second form loses
+a factor of about 1 + (μ − K)²/σ² of float32 rounding, so when (μ − K)² > RECENTRE_RATIO·σ² in
+any channel, or σ² is not finite (Σt² overflowed), the pass is redone with K = μ, which makes it
+the corrected two-pass algorithm. Outputs are computed as ((x − K) − Δμ)·inv with
 Δμ = Σt/m, never with a large mean folded into an offset.
 """
 
@@ -34,8 +35,12 @@ from keras_bn import ops
 # with a smaller program to compile; 2 was slower.
 GROUPS = 4
 # Redo the moments about the mean when (μ − K)² exceeds this multiple of σ², that is when K
-# lies more than 8σ from the mean; below it the shifted sums lose at most ~65× their rounding.
-RECENTRE_RATIO = 64.0
+# lies more than 3σ from the mean; below it the shifted sums lose at most ~10× their rounding
+# (a variance within ~5e-6 in float32). At 64 (8σ) a first sample 6-8σ out cost up to 2.6e-5.
+RECENTRE_RATIO = 9.0
+# K is the mean of up to this many samples along the first reduced axis: a single sample is
+# often several σ out (and would trigger the second pass); a mean of 8 rarely is.
+SHIFT_SAMPLES = 8
 
 
 def runs_on_cpu():
@@ -87,9 +92,10 @@ def batch_norm_train(x, gamma, beta, channel_axes, epsilon):
 
     @tf.custom_gradient
     def _normalize(x, gamma, beta):
-        shift, offset, variance = _shifted_moments(x, _first_sample(x, reduced), m, sums)
+        shift, offset, variance = _shifted_moments(x, _shift_estimate(x, reduced), m, sums)
         shift, offset, variance = tf.cond(
-            tf.reduce_any(tf.square(offset) > RECENTRE_RATIO * variance),
+            tf.reduce_any((tf.square(offset) > RECENTRE_RATIO * variance)
+                          | ~tf.math.is_finite(variance)),
             lambda: _shifted_moments(x, shift + offset, m, sums),
             lambda: (shift, offset, variance),
         )
@@ -112,15 +118,20 @@ def batch_norm_train(x, gamma, beta, channel_axes, epsilon):
     return y, tf.stop_gradient(mean), tf.stop_gradient(variance)
 
 
-def _first_sample(x, reduced):
-    """K: each channel's value at index 0 of every reduced axis, per-channel shaped. A batch
-    known only at run time may be empty: it is padded by one, so that the shift is then 0 and
-    the statistics NaN (so the layer leaves its moving statistics alone), as on the other paths.
+def _shift_estimate(x, reduced):
+    """K: each channel's mean over the first SHIFT_SAMPLES positions of the first reduced axis
+    (index 0 of the others), per-channel shaped. A batch known only at run time may be empty:
+    it is padded by one, so that the shift is then 0 and the statistics NaN (so the layer leaves
+    its moving statistics alone), as on the other paths.
     """
     rank = x.shape.rank
+    first = reduced[0]
+    # At least 1: the pad below is then what an empty batch's shift is taken from.
+    samples = tf.clip_by_value(tf.shape(x)[first], 1, SHIFT_SAMPLES)
     if any(x.shape[a] is None for a in reduced):
         x = tf.pad(x, [[0, 1] if a in reduced else [0, 0] for a in range(rank)])
-    return tf.slice(x, [0] * rank, [1 if a in reduced else -1 for a in range(rank)])
+    size = [samples if a == first else 1 if a in reduced else -1 for a in range(rank)]
+    return tf.reduce_mean(tf.slice(x, [0] * rank, tf.stack(size)), axis=reduced, keepdims=True)
 
 
 def _shifted_moments(x, shift, m, sums):
