@@ -18,7 +18,8 @@ SMALL = os.environ.get("KERAS_BN_SMALL", "0") == "1"
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ["KERAS_BN_SMALL"] = "1" if SMALL else "0"  # the notebooks' kernels inherit it
-os.environ.setdefault("MPLBACKEND", "Agg")
+# No MPLBACKEND: the kernels keep matplotlib-inline, so plt.show() puts a figure in the page.
+os.environ.pop("MPLBACKEND", None)
 
 
 def _kernel_for_this_python():

@@ -38,7 +38,8 @@ def kernel_for_this_python(tmp_path, monkeypatch):
     (spec_dir / "kernel.json").write_text(json.dumps(spec))
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path))
     monkeypatch.setenv("KERAS_BN_SMALL", os.environ.get("KERAS_BN_SMALL", "1"))
-    monkeypatch.setenv("MPLBACKEND", "Agg")
+    # The inline backend (not Agg): plt.show() then leaves the figure in the executed copy.
+    monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
     return "python3"
 
 
