@@ -131,7 +131,9 @@ def _shift_estimate(x, reduced):
     if any(x.shape[a] is None for a in reduced):
         x = tf.pad(x, [[0, 1] if a in reduced else [0, 0] for a in range(rank)])
     size = [samples if a == first else 1 if a in reduced else -1 for a in range(rank)]
-    return tf.reduce_mean(tf.slice(x, [0] * rank, tf.stack(size)), axis=reduced, keepdims=True)
+    head = tf.slice(x, [0] * rank, tf.stack(size))
+    # Each term divided before the sum, which then cannot overflow where the values do not.
+    return tf.reduce_sum(head / tf.cast(samples, x.dtype), axis=reduced, keepdims=True)
 
 
 def _shifted_moments(x, shift, m, sums):

@@ -186,6 +186,21 @@ def test_squares_that_overflow_are_recentred_not_skipped():
     assert_close(layer.moving_variance, variance * 8 / 7, 1e-5)
 
 
+def test_a_shift_from_values_near_the_float32_limit_does_not_overflow():
+    """K, a mean of up to 8 samples, is summed from terms already divided by their count: a
+    channel at 1e38 (8 of them sum past float32's 3.4e38) keeps K finite, and normalizes."""
+    x = np.full((16, 2), 1e38, np.float32)
+    x[:, 1] = np.arange(16)
+    layer = _layer(x.shape, -1, momentum=0.0)
+    layer.set_weights([np.ones(2), np.zeros(2), np.zeros(2), np.ones(2)])
+    (y, _, _, _), paths = _train_steps(layer, [x], tf.ones(x.shape), jit=True)
+    assert paths == {"xla_cpu"}
+    expected, variance = _normalized64(x, 1e-3)
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-6)
+    assert_close(layer.moving_mean, [1e38, 7.5], 1e-6)
+    assert_close(layer.moving_variance, variance * 16 / 15, 1e-5)
+
+
 def test_shifted_sums_need_the_recentring_guard():
     """The failure the guard exists for, shown on the pieces: with K 1000σ away from the data,
     Σ(x − K)²/m − Δμ² loses the variance; one recentred pass recovers it."""
