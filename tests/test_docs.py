@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 
+import keras
 import pytest
 
 import keras_bn
@@ -110,6 +111,7 @@ def test_readme_tour_runs(tmp_path, monkeypatch):
     section = readme.split("\n## A tour\n", 1)[1].split("\n## ", 1)[0]
     (snippet,) = re.findall(r"```python\n(.*?)```", section, re.S)
     monkeypatch.chdir(tmp_path)
+    keras.backend.clear_session()  # layer names count from scratch, as in a new process
     namespace = {}
     exec(compile(snippet, "README.md", "exec"), namespace)
     assert [f.host for f in namespace["report"].folded] == ["conv2d"]
