@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
 import keras
 import pytest
@@ -29,7 +30,10 @@ CHROMEDRIVER = shutil.which("chromedriver")
 def site(tmp_path_factory):
     """The site, built once for this module by `sphinx-build -W` (as `make docs` does)."""
     out = tmp_path_factory.mktemp("site")
-    env = {**os.environ, "KERAS_BN_SMALL": "1"}
+    # Its own notebook cache and kernelspec, not build/docs: nothing is shared with a
+    # `make docs` (or another build) running at the same time.
+    env = {**os.environ, "KERAS_BN_SMALL": "1",
+           "KERAS_BN_DOCS_BUILD": str(tmp_path_factory.mktemp("docs_build"))}
     result = subprocess.run(
         [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-b", "html", "-q",
          str(ROOT / "docs"), str(out)],
@@ -61,12 +65,18 @@ def browser():
     driver.quit()
 
 
-def _rendered_images(driver):
-    """Images in the page's main content that the browser decoded (naturalWidth > 0)."""
-    return driver.execute_script(
-        "return Array.from(document.querySelectorAll('main img, article img'))"
-        ".filter(i => i.complete && i.naturalWidth > 0).map(i => i.src);"
-    )
+def _rendered_images(driver, wait_s=10.0):
+    """Images in the page's main content that the browser decoded (naturalWidth > 0), waiting
+    up to `wait_s` for the first one (decoding can finish after the load event)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        images = driver.execute_script(
+            "return Array.from(document.querySelectorAll('main img, article img'))"
+            ".filter(i => i.complete && i.naturalWidth > 0).map(i => i.src);"
+        )
+        if images or time.monotonic() > deadline:
+            return images
+        time.sleep(0.25)
 
 
 # The site takes minutes to build: every test that uses it is in one xdist group, which
