@@ -22,11 +22,7 @@ import statistics
 import sys
 import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-# oneDNN's CPU kernels, as tests/conftest.py sets them. TensorFlow turns them on by itself only
-# on CPUs that report AVX-512 VNNI or AMX; this project's machines hide those flags, and
-# without oneDNN the NCHW fused kernel is ~4x slower. Every contender runs under the same one.
-os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
+import _tf_env  # noqa: E402,F401  (before TensorFlow: its environment)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402

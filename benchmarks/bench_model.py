@@ -20,10 +20,7 @@ import subprocess
 import sys
 import time
 
-# oneDNN's CPU kernels, as tests/conftest.py sets them. TensorFlow turns them on by itself only
-# on CPUs that report AVX-512 VNNI or AMX; this project's machines hide those flags, and
-# without oneDNN the NCHW fused kernel is ~4x slower. Every contender runs under the same one.
-os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
+import _tf_env  # noqa: F401  (its environment, inherited by the workers)
 
 # "none" is the same network with every BN replaced by an identity: the floor that shows how much
 # of a step BN takes at all, and so the best ratio any BN could reach.
