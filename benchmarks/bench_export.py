@@ -21,13 +21,13 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import onnxruntime as ort  # noqa: E402
-from ai_edge_litert.interpreter import Interpreter  # noqa: E402
+import keras
+import numpy as np
+import onnxruntime as ort
+from ai_edge_litert.interpreter import Interpreter
 
-import keras_bn  # noqa: E402
-from keras_bn.export import export_onnx, export_tflite, fold_batch_norms  # noqa: E402
+import keras_bn
+from keras_bn.export import export_onnx, export_tflite, fold_batch_norms
 
 L = keras.layers
 
@@ -42,11 +42,13 @@ def convnet(size, width, with_bn):
         return keras_bn.BatchNormalization()(x) if with_bn else x
 
     inputs = keras.Input((size, size, 3))
-    x = L.ReLU(6.0)(norm(L.Conv2D(width, 3, strides=2, padding="same", use_bias=not with_bn)(
-        inputs)))
+    x = L.ReLU(6.0)(
+        norm(L.Conv2D(width, 3, strides=2, padding="same", use_bias=not with_bn)(inputs))
+    )
     for filters, stride in [(2 * width, 1), (2 * width, 2), (4 * width, 1), (4 * width, 2)]:
-        x = L.ReLU(6.0)(norm(L.DepthwiseConv2D(3, strides=stride, padding="same",
-                                               use_bias=not with_bn)(x)))
+        x = L.ReLU(6.0)(
+            norm(L.DepthwiseConv2D(3, strides=stride, padding="same", use_bias=not with_bn)(x))
+        )
         x = L.ReLU(6.0)(norm(L.Conv2D(filters, 1, use_bias=not with_bn)(x)))
     x = L.GlobalAveragePooling2D()(x)
     x = L.ReLU()(norm(L.Dense(4 * width, use_bias=not with_bn)(x)))
@@ -72,8 +74,14 @@ def randomise(model, seed=0):
             layer.bias.assign(rng.normal(0, 0.1, layer.bias.shape).astype("float32"))
         if isinstance(layer, keras_bn.BatchNormalization):
             n = layer.moving_mean.shape
-            layer.set_weights([rng.uniform(0.5, 1.5, n), rng.normal(0, 0.2, n),
-                               rng.normal(0, 0.2, n), rng.uniform(0.5, 1.5, n)])
+            layer.set_weights(
+                [
+                    rng.uniform(0.5, 1.5, n),
+                    rng.normal(0, 0.2, n),
+                    rng.normal(0, 0.2, n),
+                    rng.uniform(0.5, 1.5, n),
+                ]
+            )
     return model
 
 
@@ -109,8 +117,11 @@ VARIANTS = ("unfolded", "folded", "no BN")
 
 def export_variants(name, with_bn_model, floor_model, folder):
     """{variant: {"tflite": path, "onnx": path}}, each file verified by its exporter."""
-    sources = {"unfolded": (with_bn_model, False), "folded": (with_bn_model, True),
-               "no BN": (floor_model, False)}
+    sources = {
+        "unfolded": (with_bn_model, False),
+        "folded": (with_bn_model, True),
+        "no BN": (floor_model, False),
+    }
     files = {}
     for variant, (model, fold) in sources.items():
         stem = os.path.join(folder, f"{name}_{variant.replace(' ', '_')}")
@@ -143,8 +154,11 @@ def time_interleaved(files, x, rounds, warmup, seed=0):
 
 
 def fold_time(size, repeats):
-    model = randomise(keras.applications.ResNet50(
-        input_shape=(size, size, 3), weights=None, classifier_activation=None))
+    model = randomise(
+        keras.applications.ResNet50(
+            input_shape=(size, size, 3), weights=None, classifier_activation=None
+        )
+    )
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -171,10 +185,11 @@ def main(argv=None):
     rounds, warmup = (1, 0) if args.smoke else (args.rounds, 20)
     keras.utils.set_random_seed(0)
     cases = {
-        "convnet": (lambda bn: convnet(16 if args.smoke else 96, 4 if args.smoke else 32, bn),
-                    (1, 16 if args.smoke else 96, 16 if args.smoke else 96, 3)),
-        "mlp 4x(Dense->BN)": (lambda bn: mlp(16, 8 if args.smoke else 256, bn),
-                              (32, 16)),
+        "convnet": (
+            lambda bn: convnet(16 if args.smoke else 96, 4 if args.smoke else 32, bn),
+            (1, 16 if args.smoke else 96, 16 if args.smoke else 96, 3),
+        ),
+        "mlp 4x(Dense->BN)": (lambda bn: mlp(16, 8 if args.smoke else 256, bn), (32, 16)),
     }
     print(f"# bench_export — {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC")
     print(f"# machine: {machine()}")
@@ -186,8 +201,9 @@ def main(argv=None):
     print("|" + "---|" * len(header))
     with tempfile.TemporaryDirectory() as folder:
         for name, (build, shape) in cases.items():
-            files = export_variants(name.split()[0], randomise(build(True)),
-                                    randomise(build(False)), folder)
+            files = export_variants(
+                name.split()[0], randomise(build(True)), randomise(build(False)), folder
+            )
             x = np.random.default_rng(0).normal(size=shape).astype("float32")
             for setting, m in time_interleaved(files, x, rounds, warmup).items():
                 cells = [f"{m[v] * 1e3:.3f}" for v in VARIANTS]

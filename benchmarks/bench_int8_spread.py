@@ -26,11 +26,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 
-import numpy as np  # noqa: E402
+import numpy as np
+from bench_export import machine
 
-import digits  # noqa: E402
-from bench_export import machine  # noqa: E402
-from keras_bn.export import fold_batch_norms, tflite, trace  # noqa: E402
+import digits
+from keras_bn.export import fold_batch_norms, tflite, trace
 
 CHANNEL = 5
 
@@ -72,8 +72,10 @@ def main(argv=None):
         "dynamic per tensor": _PerTensor("dynamic", None),
     }
     print(f"# machine: {machine()}")
-    print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; keras "
-          f"test accuracy {np.mean(model.predict(x_test, verbose=0).argmax(-1) == y_test):.3f}")
+    print(
+        f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; keras "
+        f"test accuracy {np.mean(model.predict(x_test, verbose=0).argmax(-1) == y_test):.3f}"
+    )
     print("| s | spread | " + " | ".join(formats) + " |")
     print("|---|---|" + "---|" * len(formats))
     for s in scales:
@@ -81,8 +83,12 @@ def main(argv=None):
         digits.scale_hidden_channel(model, CHANNEL, float(s))
         _, report = fold_batch_norms(model, x_train[:64])
         (spread,) = report.channel_spreads
-        cells = [f"{error:.3g} ({accuracy:.3f})" for error, accuracy in
-                 (litert_error(model, fmt, x_test, y_test) for fmt in formats.values())]
+        cells = [
+            f"{error:.3g} ({accuracy:.3f})"
+            for error, accuracy in (
+                litert_error(model, fmt, x_test, y_test) for fmt in formats.values()
+            )
+        ]
         print(f"| {s} | {spread.output_spread:.1f} | " + " | ".join(cells) + " |", flush=True)
     print("error of the output scale (test accuracy)")
     return 0

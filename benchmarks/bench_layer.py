@@ -22,13 +22,12 @@ import statistics
 import sys
 import time
 
-import _tf_env  # noqa: E402,F401  (before TensorFlow: its environment)
+import _tf_env  # noqa: F401  (before TensorFlow: its environment)
+import keras
+import numpy as np
+import tensorflow as tf
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-
-import keras_bn  # noqa: E402
+import keras_bn
 
 # name, shape, axis
 SHAPES = [
@@ -57,9 +56,11 @@ def machine_description():
     except OSError:
         pass
     onednn = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "unset")
-    return (f"{model}, {os.cpu_count()} cores; TensorFlow {tf.__version__}, "
-            f"Keras {keras.__version__}, Python {platform.python_version()}; "
-            f"TF_ENABLE_ONEDNN_OPTS={onednn}")
+    return (
+        f"{model}, {os.cpu_count()} cores; TensorFlow {tf.__version__}, "
+        f"Keras {keras.__version__}, Python {platform.python_version()}; "
+        f"TF_ENABLE_ONEDNN_OPTS={onednn}"
+    )
 
 
 def _layer_train_step(layer, upstream_dtype):
@@ -69,6 +70,7 @@ def _layer_train_step(layer, upstream_dtype):
             y = layer(x, training=True)
             loss = tf.reduce_sum(tf.square(tf.cast(y, upstream_dtype)))
         return tape.gradient(loss, [x] + layer.trainable_weights)
+
     return step
 
 
@@ -92,6 +94,7 @@ def _raw_fused_train_step(shape, axis, channels):
             )
             loss = tf.reduce_sum(tf.square(tf.cast(y, tf.float32)))
         return tape.gradient(loss, [x, scale, offset])
+
     return step
 
 
@@ -148,8 +151,10 @@ def run(shapes, reps, inner, jit_modes=(False, True)):
             x = tf.constant(np.random.default_rng(0).normal(1.0, 2.0, shape), compute)
             for mode in ("train", "inference"):
                 for jit in jit_modes:
-                    functions = {name: tf.function(f, jit_compile=jit)
-                                 for name, f in contenders(shape, axis, policy, mode).items()}
+                    functions = {
+                        name: tf.function(f, jit_compile=jit)
+                        for name, f in contenders(shape, axis, policy, mode).items()
+                    }
                     t = time_row(functions, x, reps, inner)
                     rows.append((label, policy, mode, "XLA" if jit else "graph", t))
                     print(_format_row(rows[-1]), flush=True)
@@ -159,10 +164,16 @@ def run(shapes, reps, inner, jit_modes=(False, True)):
 # keras_bn / Keras BN bounds, checked on this run's medians: (target, which rows, bound), the
 # rows chosen by the input's rank, the step and the tf.function mode (both policies).
 TARGETS = [
-    ("XLA train step, 4D and sequence shapes",
-     lambda rank, step, jit: jit == "XLA" and step == "train" and rank >= 3, 0.8),
-    ("XLA train step, 2D", lambda rank, step, jit: jit == "XLA" and step == "train" and rank == 2,
-     1.0),
+    (
+        "XLA train step, 4D and sequence shapes",
+        lambda rank, step, jit: jit == "XLA" and step == "train" and rank >= 3,
+        0.8,
+    ),
+    (
+        "XLA train step, 2D",
+        lambda rank, step, jit: jit == "XLA" and step == "train" and rank == 2,
+        1.0,
+    ),
     ("XLA inference", lambda rank, step, jit: jit == "XLA" and step == "inference", 1.0),
 ]
 
@@ -171,12 +182,22 @@ def target_results(rows, ranks):
     """One dict per target: its bound, its worst row and keras_bn / Keras ratio, and met."""
     results = []
     for name, covers, bound in TARGETS:
-        ratios = [(t["keras_bn"] / t["keras"], f"{label} {policy}")
-                  for label, policy, step, jit, t in rows if covers(ranks[label], step, jit)]
+        ratios = [
+            (t["keras_bn"] / t["keras"], f"{label} {policy}")
+            for label, policy, step, jit, t in rows
+            if covers(ranks[label], step, jit)
+        ]
         if ratios:
             ratio, row = max(ratios)
-            results.append({"target": name, "bound": bound, "worst_row": row,
-                            "ratio": round(ratio, 4), "met": ratio <= bound})
+            results.append(
+                {
+                    "target": name,
+                    "bound": bound,
+                    "worst_row": row,
+                    "ratio": round(ratio, 4),
+                    "met": ratio <= bound,
+                }
+            )
     return results
 
 
@@ -184,20 +205,26 @@ def target_summary(rows, ranks):
     """A table with one line per target: its worst keras_bn / Keras ratio, met or missed."""
     lines = ["| target | bound | worst row | keras_bn / Keras | met |", "|---|---|---|---|---|"]
     for r in target_results(rows, ranks):
-        lines.append(f"| {r['target']} | ≤ {r['bound']:.2f} | {r['worst_row']} | {r['ratio']:.2f} | "
-                     f"{'yes' if r['met'] else 'MISSED'} |")
+        lines.append(
+            f"| {r['target']} | ≤ {r['bound']:.2f} | {r['worst_row']} | {r['ratio']:.2f} | "
+            f"{'yes' if r['met'] else 'MISSED'} |"
+        )
     return "\n".join(lines)
 
 
-HEADER = ("| shape | policy | step | tf.function | keras_bn ms | Keras BN ms | raw ms "
-          "| keras_bn / Keras | keras_bn / raw |\n|---|---|---|---|---|---|---|---|---|")
+HEADER = (
+    "| shape | policy | step | tf.function | keras_bn ms | Keras BN ms | raw ms "
+    "| keras_bn / Keras | keras_bn / raw |\n|---|---|---|---|---|---|---|---|---|"
+)
 
 
 def _format_row(row):
     label, policy, mode, jit, t = row
-    return (f"| {label} | {policy} | {mode} | {jit} | {t['keras_bn'] * 1e3:.2f} | "
-            f"{t['keras'] * 1e3:.2f} | {t['raw'] * 1e3:.2f} | "
-            f"{t['keras_bn'] / t['keras']:.2f} | {t['keras_bn'] / t['raw']:.2f} |")
+    return (
+        f"| {label} | {policy} | {mode} | {jit} | {t['keras_bn'] * 1e3:.2f} | "
+        f"{t['keras'] * 1e3:.2f} | {t['raw'] * 1e3:.2f} | "
+        f"{t['keras_bn'] / t['keras']:.2f} | {t['keras_bn'] / t['raw']:.2f} |"
+    )
 
 
 def write_json(path, rows, ranks, started, argv):
@@ -208,9 +235,16 @@ def write_json(path, rows, ranks, started, argv):
         "machine": machine_description(),
         "started_utc": started,
         "finished_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
-        "rows": [{"shape": label, "policy": policy, "step": mode, "tf_function": jit,
-                  **{f"{name}_ms": round(t[name] * 1e3, 4) for name in t}}
-                 for label, policy, mode, jit, t in rows],
+        "rows": [
+            {
+                "shape": label,
+                "policy": policy,
+                "step": mode,
+                "tf_function": jit,
+                **{f"{name}_ms": round(t[name] * 1e3, 4) for name in t},
+            }
+            for label, policy, mode, jit, t in rows
+        ],
         "targets": target_results(rows, ranks),
     }
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -57,13 +57,18 @@ def worker(variant, jit, image, batch, steps):
 
     import keras_bn
 
-    norm = {"keras_bn": keras_bn.BatchNormalization,
-            "keras": keras.layers.BatchNormalization,
-            "none": keras.layers.Identity}[variant]
+    norm = {
+        "keras_bn": keras_bn.BatchNormalization,
+        "keras": keras.layers.BatchNormalization,
+        "none": keras.layers.Identity,
+    }[variant]
     keras.utils.set_random_seed(0)
     model = build_resnet(norm, image=image)
-    model.compile(keras.optimizers.SGD(0.01), keras.losses.SparseCategoricalCrossentropy(
-        from_logits=True), jit_compile=jit)
+    model.compile(
+        keras.optimizers.SGD(0.01),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=jit,
+    )
     rng = np.random.default_rng(0)
     x = rng.normal(size=(batch, image, image, 3)).astype("float32")
     y = rng.integers(0, 10, size=(batch,))
@@ -85,15 +90,30 @@ def run(rounds, image, batch, steps):
     for _ in range(rounds):
         for variant, jit in cases:
             out = subprocess.run(
-                [sys.executable, __file__, "--worker", variant, "--image", str(image),
-                 "--batch", str(batch), "--steps", str(steps)] + (["--jit"] if jit else []),
-                check=True, capture_output=True, text=True,
+                [
+                    sys.executable,
+                    __file__,
+                    "--worker",
+                    variant,
+                    "--image",
+                    str(image),
+                    "--batch",
+                    str(batch),
+                    "--steps",
+                    str(steps),
+                ]
+                + (["--jit"] if jit else []),
+                check=True,
+                capture_output=True,
+                text=True,
             ).stdout
             record = json.loads(out.strip().splitlines()[-1])
             results[variant, jit]["times"] += record["times"]
             results[variant, jit]["peak"].append(record["peak_rss_mb"])
-    return {case: (statistics.median(r["times"]), statistics.median(r["peak"]))
-            for case, r in results.items()}
+    return {
+        case: (statistics.median(r["times"]), statistics.median(r["peak"]))
+        for case, r in results.items()
+    }
 
 
 HEADER = (
@@ -120,12 +140,15 @@ def share_ratio(results, jit):
 
 def format_row(results, jit):
     (ours_t, ours_m), (theirs_t, theirs_m), (none_t, none_m) = (
-        results[variant, jit] for variant in VARIANTS)
+        results[variant, jit] for variant in VARIANTS
+    )
     ours_share, theirs_share = bn_shares(results, jit)
-    return (f"| small ResNet | {'XLA' if jit else 'graph'} | {ours_t * 1e3:.1f} | "
-            f"{theirs_t * 1e3:.1f} | {none_t * 1e3:.1f} | {ours_t / theirs_t:.2f} | "
-            f"{ours_share:.0%} | {theirs_share:.0%} | {ours_share / theirs_share:.2f} | "
-            f"{ours_m:.0f} | {theirs_m:.0f} | {none_m:.0f} |")
+    return (
+        f"| small ResNet | {'XLA' if jit else 'graph'} | {ours_t * 1e3:.1f} | "
+        f"{theirs_t * 1e3:.1f} | {none_t * 1e3:.1f} | {ours_t / theirs_t:.2f} | "
+        f"{ours_share:.0%} | {theirs_share:.0%} | {ours_share / theirs_share:.2f} | "
+        f"{ours_m:.0f} | {theirs_m:.0f} | {none_m:.0f} |"
+    )
 
 
 def main(argv=None):
@@ -147,15 +170,19 @@ def main(argv=None):
     from bench_layer import machine_description
 
     print(f"machine: {machine_description()}")
-    print(f"small ResNet, {args.image}x{args.image}x3, batch {args.batch}, "
-          f"{args.rounds} rounds x {args.steps} steps; medians\n")
+    print(
+        f"small ResNet, {args.image}x{args.image}x3, batch {args.batch}, "
+        f"{args.rounds} rounds x {args.steps} steps; medians\n"
+    )
     results = run(args.rounds, args.image, args.batch, args.steps)
     print(HEADER)
     for jit in (False, True):
         print(format_row(results, jit))
     share = share_ratio(results, jit=True)
-    print(f"\ntarget: under XLA, BN's share of the step with keras_bn / with Keras BN = "
-          f"{share:.2f} (≤ {SHARE_TARGET}: {'met' if share <= SHARE_TARGET else 'MISSED'})")
+    print(
+        f"\ntarget: under XLA, BN's share of the step with keras_bn / with Keras BN = "
+        f"{share:.2f} (≤ {SHARE_TARGET}: {'met' if share <= SHARE_TARGET else 'MISSED'})"
+    )
     return 0
 
 

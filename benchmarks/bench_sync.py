@@ -11,9 +11,8 @@ import statistics
 import sys
 import time
 
-import _tf_env  # noqa: E402,F401  (before TensorFlow: its environment)
-
-import tensorflow as tf  # noqa: E402
+import _tf_env  # noqa: F401  (before TensorFlow: its environment)
+import tensorflow as tf
 
 # Before anything initialises TensorFlow's devices.
 _cpu = tf.config.list_physical_devices("CPU")[0]
@@ -54,8 +53,10 @@ def main(argv=None):
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     print(f"machine: {machine_description()}")
     print("2 logical CPU replicas (MirroredStrategy); global batch split in two; medians\n")
-    print("| global shape | synchronized=False ms | synchronized=True ms | overhead |\n"
-          "|---|---|---|---|")
+    print(
+        "| global shape | synchronized=False ms | synchronized=True ms | overhead |\n"
+        "|---|---|---|---|"
+    )
     for label, shape, axis in shapes:
         x = np.random.default_rng(0).normal(1.0, 2.0, shape).astype("float32")
         dist = strategy.experimental_distribute_dataset(
@@ -65,14 +66,16 @@ def main(argv=None):
         steps = {s: train_step(strategy, shape, axis, s) for s in (False, True)}
         for step in steps.values():  # trace and warm up
             for _ in range(2):
-                tf.nest.map_structure(lambda t: t.numpy(),
-                                      strategy.experimental_local_results(step(batch)))
+                tf.nest.map_structure(
+                    lambda t: t.numpy(), strategy.experimental_local_results(step(batch))
+                )
         samples = {s: [] for s in steps}
         for _ in range(reps):
             for s, step in steps.items():
                 start = time.perf_counter()
-                tf.nest.map_structure(lambda t: t.numpy(),
-                                      strategy.experimental_local_results(step(batch)))
+                tf.nest.map_structure(
+                    lambda t: t.numpy(), strategy.experimental_local_results(step(batch))
+                )
                 samples[s].append(time.perf_counter() - start)
         off, on = (statistics.median(samples[s]) for s in (False, True))
         print(f"| {label} | {off * 1e3:.2f} | {on * 1e3:.2f} | {on / off:.2f}x |", flush=True)

@@ -26,11 +26,15 @@ def _kernel_for_this_python():
     """A 'python3' kernelspec that launches sys.executable, searched before any other."""
     spec_dir = BUILD / "kernels" / "python3"
     spec_dir.mkdir(parents=True, exist_ok=True)
-    (spec_dir / "kernel.json").write_text(json.dumps({
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": "keras-bn (docs)",
-        "language": "python",
-    }))
+    (spec_dir / "kernel.json").write_text(
+        json.dumps(
+            {
+                "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+                "display_name": "keras-bn (docs)",
+                "language": "python",
+            }
+        )
+    )
     os.environ["JUPYTER_PATH"] = str(BUILD)
 
 

@@ -89,15 +89,18 @@ def train_mlp(epochs=5, seed=0):
     with Adam; returns (model, x_train)."""
     keras.utils.set_random_seed(seed)
     x_train, y_train, _, _ = load(seed=seed, flat=True)
-    model = keras.Sequential([
-        keras.Input((64,)),
-        keras.layers.Dense(32, use_bias=False, name="hidden"),
-        keras_bn.BatchNormalization(momentum=0.9),
-        keras.layers.ReLU(),
-        keras.layers.Dense(10, name="head"),
-    ])
-    model.compile(keras.optimizers.Adam(3e-3),
-                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model = keras.Sequential(
+        [
+            keras.Input((64,)),
+            keras.layers.Dense(32, use_bias=False, name="hidden"),
+            keras_bn.BatchNormalization(momentum=0.9),
+            keras.layers.ReLU(),
+            keras.layers.Dense(10, name="head"),
+        ]
+    )
+    model.compile(
+        keras.optimizers.Adam(3e-3), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
     model.fit(x_train, y_train, epochs=epochs, batch_size=64, verbose=0)
     return model, x_train
 
@@ -132,10 +135,16 @@ def main(argv=None):
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--jit-compile", action="store_true")
     parser.add_argument("--save", metavar="MODEL.keras", help="save the trained model here")
-    parser.add_argument("--save-inputs", metavar="X.npy",
-                        help="save the training inputs here (int8 calibration data)")
-    parser.add_argument("--score-tflite", metavar="MODEL.tflite",
-                        help="only print the test accuracy of this exported model")
+    parser.add_argument(
+        "--save-inputs",
+        metavar="X.npy",
+        help="save the training inputs here (int8 calibration data)",
+    )
+    parser.add_argument(
+        "--score-tflite",
+        metavar="MODEL.tflite",
+        help="only print the test accuracy of this exported model",
+    )
     args = parser.parse_args(argv)
     if args.score_tflite:
         accuracy = tflite_accuracy(args.score_tflite)

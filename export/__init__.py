@@ -16,8 +16,13 @@ it had). Models may have several inputs and outputs; the reports have one error 
 from keras_bn.export.affine import ChannelBias, InferenceAffine
 from keras_bn.export.graph import FoldedBN, KeptBN, fold_batch_norms
 from keras_bn.export.onnx import export_onnx
-from keras_bn.export.report import (INT8_SPREAD_THRESHOLD, ChannelSpread, ExportReport,
-                                    FoldReport, VerificationError)
+from keras_bn.export.report import (
+    INT8_SPREAD_THRESHOLD,
+    ChannelSpread,
+    ExportReport,
+    FoldReport,
+    VerificationError,
+)
 from keras_bn.export.tflite import export_tflite
 
 __all__ = [

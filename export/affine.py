@@ -52,10 +52,12 @@ class InferenceAffine(_PerChannelMap):
         super().__init__(**kwargs)
         self.channel_axes = [int(a) for a in channel_axes]
         self.channels = [int(c) for c in channels]
-        self.scale = self.add_weight(shape=self.channels, name="scale", initializer="ones",
-                                     trainable=False)
-        self.shift = self.add_weight(shape=self.channels, name="shift", initializer="zeros",
-                                     trainable=False)
+        self.scale = self.add_weight(
+            shape=self.channels, name="scale", initializer="ones", trainable=False
+        )
+        self.shift = self.add_weight(
+            shape=self.channels, name="shift", initializer="zeros", trainable=False
+        )
 
     def call(self, inputs, **_ignored):  # e.g. `training`, passed on from the BN's call
         """scale·inputs + shift, per channel.
@@ -91,8 +93,11 @@ class InferenceAffine(_PerChannelMap):
         Returns:
             dict: the base layer's config, `channel_axes` and `channels`.
         """
-        return {**super().get_config(), "channel_axes": self.channel_axes,
-                "channels": self.channels}
+        return {
+            **super().get_config(),
+            "channel_axes": self.channel_axes,
+            "channels": self.channels,
+        }
 
 
 @keras.saving.register_keras_serializable(package="keras_bn.export")
@@ -124,8 +129,9 @@ class ChannelBias(_PerChannelMap):
             raise ValueError(f"channels must be a positive int; received channels={channels!r}.")
         self.channel_axis = channel_axis
         self.channels = channels
-        self.bias = self.add_weight(shape=(channels,), name="bias", initializer="zeros",
-                                    trainable=False)
+        self.bias = self.add_weight(
+            shape=(channels,), name="bias", initializer="zeros", trainable=False
+        )
 
     def call(self, inputs):
         """inputs + bias along `channel_axis`.
@@ -149,5 +155,8 @@ class ChannelBias(_PerChannelMap):
         Returns:
             dict: the base layer's config, `channel_axis` and `channels`.
         """
-        return {**super().get_config(), "channel_axis": self.channel_axis,
-                "channels": self.channels}
+        return {
+            **super().get_config(),
+            "channel_axis": self.channel_axis,
+            "channels": self.channels,
+        }

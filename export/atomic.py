@@ -60,9 +60,12 @@ def target(path):
     if stat.S_ISDIR(mode):
         raise IsADirectoryError(errno.EISDIR, f"Cannot write {path}: it is a folder", path)
     if not stat.S_ISREG(mode):
-        raise OSError(errno.EINVAL, f"Cannot write {path}: it is a FIFO, socket or device, not "
-                                    f"a regular file (a file renamed over it would replace it)",
-                      path)
+        raise OSError(
+            errno.EINVAL,
+            f"Cannot write {path}: it is a FIFO, socket or device, not "
+            f"a regular file (a file renamed over it would replace it)",
+            path,
+        )
     return os.path.realpath(path)
 
 

@@ -34,21 +34,37 @@ def _parser():
     parser.add_argument("model", metavar="MODEL.keras", help="a saved Keras model")
     parser.add_argument("--tflite", metavar="OUT", help="write a .tflite file here")
     parser.add_argument("--onnx", metavar="OUT", help="write an .onnx file here")
-    parser.add_argument("--quantize", choices=["float16", "dynamic", "int8"],
-                        help="TFLite quantization (int8 needs --representative-data)")
-    parser.add_argument("--representative-data", metavar="X.npy|X.npz",
-                        help="inputs (first axis: samples) to calibrate int8 and to verify on: "
-                             ".npy for a single-input model, .npz with one array per input "
-                             "name otherwise")
-    parser.add_argument("--report", metavar="REPORT.json",
-                        help="also write the report as JSON (a NaN or infinite error as null)")
+    parser.add_argument(
+        "--quantize",
+        choices=["float16", "dynamic", "int8"],
+        help="TFLite quantization (int8 needs --representative-data)",
+    )
+    parser.add_argument(
+        "--representative-data",
+        metavar="X.npy|X.npz",
+        help="inputs (first axis: samples) to calibrate int8 and to verify on: "
+        ".npy for a single-input model, .npz with one array per input "
+        "name otherwise",
+    )
+    parser.add_argument(
+        "--report",
+        metavar="REPORT.json",
+        help="also write the report as JSON (a NaN or infinite error as null)",
+    )
     parser.add_argument("--no-fold", action="store_true", help="export without folding")
-    parser.add_argument("--unsafe", action="store_true",
-                        help="load with safe_mode=False (allows Lambda layers' code)")
-    parser.add_argument("--atol", type=float, default=None,
-                        help="largest error allowed, relative to each output's scale (default "
-                             "per file: 1e-4 float32, 1e-3 float16, 2e-2 dynamic, 5e-2 int8; "
-                             "at least 1e-2 for a mixed-precision model)")
+    parser.add_argument(
+        "--unsafe",
+        action="store_true",
+        help="load with safe_mode=False (allows Lambda layers' code)",
+    )
+    parser.add_argument(
+        "--atol",
+        type=float,
+        default=None,
+        help="largest error allowed, relative to each output's scale (default "
+        "per file: 1e-4 float32, 1e-3 float16, 2e-2 dynamic, 5e-2 int8; "
+        "at least 1e-2 for a mixed-precision model)",
+    )
     return parser
 
 
@@ -92,8 +108,13 @@ def _run(args):
     from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    progress = Progress(SpinnerColumn(), TextColumn("{task.description}"),
-                        TimeElapsedColumn(), console=Console(stderr=True), transient=False)
+    progress = Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=False,
+    )
     with progress:
         current = {}
 
@@ -113,8 +134,14 @@ def _export(args, stage):
     import numpy as np
 
     import keras_bn  # noqa: F401  (registers keras_bn>BatchNormalization for loading)
-    from keras_bn.export import (VerificationError, atomic, export_onnx, export_tflite,
-                                 fold_batch_norms, pipeline)
+    from keras_bn.export import (
+        VerificationError,
+        atomic,
+        export_onnx,
+        export_tflite,
+        fold_batch_norms,
+        pipeline,
+    )
 
     for output in (args.tflite, args.onnx, args.report):
         if output:
@@ -125,17 +152,42 @@ def _export(args, stage):
         data = np.load(args.representative_data, allow_pickle=False)
         if hasattr(data, "files"):  # .npz: one array per input name
             data = {name: data[name] for name in data.files}
-        probe = ({name: array[:PROBE_SAMPLES] for name, array in data.items()}
-                 if isinstance(data, dict) else data[:PROBE_SAMPLES])
+        probe = (
+            {name: array[:PROBE_SAMPLES] for name, array in data.items()}
+            if isinstance(data, dict)
+            else data[:PROBE_SAMPLES]
+        )
     exporters = []
     if args.tflite:
-        exporters.append(("tflite", lambda on_stage: export_tflite(
-            model, args.tflite, quantization=args.quantize, representative_data=data,
-            fold=not args.no_fold, probe=probe, atol=args.atol, on_stage=on_stage)))
+        exporters.append(
+            (
+                "tflite",
+                lambda on_stage: export_tflite(
+                    model,
+                    args.tflite,
+                    quantization=args.quantize,
+                    representative_data=data,
+                    fold=not args.no_fold,
+                    probe=probe,
+                    atol=args.atol,
+                    on_stage=on_stage,
+                ),
+            )
+        )
     if args.onnx:
-        exporters.append(("onnx", lambda on_stage: export_onnx(
-            model, args.onnx, fold=not args.no_fold, probe=probe, atol=args.atol,
-            on_stage=on_stage)))
+        exporters.append(
+            (
+                "onnx",
+                lambda on_stage: export_onnx(
+                    model,
+                    args.onnx,
+                    fold=not args.no_fold,
+                    probe=probe,
+                    atol=args.atol,
+                    on_stage=on_stage,
+                ),
+            )
+        )
     exports = []
     for name, exporter in exporters:
         try:
@@ -159,10 +211,12 @@ def _export(args, stage):
         "exports": [report.to_dict() for report in exports],
     }
     summary["passed"] = all(report.passed for report in exports) and (
-        fold_report is None or bool(fold_report.relative_error <= fold_atol))
+        fold_report is None or bool(fold_report.relative_error <= fold_atol)
+    )
     if args.report:
-        atomic.write_text(args.report, json.dumps(_finite_json(summary), indent=2,
-                                                  allow_nan=False) + "\n")
+        atomic.write_text(
+            args.report, json.dumps(_finite_json(summary), indent=2, allow_nan=False) + "\n"
+        )
     return summary
 
 
@@ -184,26 +238,32 @@ def _human_summary(summary):
     if fold is None:
         lines.append("batch norms: not folded (--no-fold)")
     else:
-        lines.append(f"batch norms: {len(fold['folded'])} folded, {len(fold['kept'])} kept; "
-                     f"folded model error {fold['relative_error']:.2e} of output scale")
+        lines.append(
+            f"batch norms: {len(fold['folded'])} folded, {len(fold['kept'])} kept; "
+            f"folded model error {fold['relative_error']:.2e} of output scale"
+        )
         lines += [f"  folded {f['bn']} -> {f['host']} ({f['direction']})" for f in fold["folded"]]
         lines += [f"  kept   {k['bn']}: {k['reason']}" for k in fold["kept"]]
         lines += _int8_readiness(fold)
     for report in summary["exports"]:
         quantization = report["quantization"] or "float32"
         ops = ", ".join(f"{name}×{count}" for name, count in report["op_histogram"].items())
-        lines.append(f"{report['format']} ({quantization}): {report['path']}, "
-                     f"{report['size_bytes']:,} bytes")
+        lines.append(
+            f"{report['format']} ({quantization}): {report['path']}, {report['size_bytes']:,} bytes"
+        )
         for output, relative in report["relative_errors"].items():
             settings = ", ".join(f"{k} {v:.2e}" for k, v in report["errors"][output].items())
-            lines.append(f"  output {output}: error {relative:.2e} of its scale "
-                         f"(max abs: {settings})")
+            lines.append(
+                f"  output {output}: error {relative:.2e} of its scale (max abs: {settings})"
+            )
         lines.append(f"  ops: {ops}")
         if report["passed"]:
             lines.append(f"  passed (tolerance {report['atol']:g} of output scale)")
         else:
-            lines.append(f"  FAILED (tolerance {report['atol']:g} of output scale): not "
-                         f"written; any existing file at the path is unchanged")
+            lines.append(
+                f"  FAILED (tolerance {report['atol']:g} of output scale): not "
+                f"written; any existing file at the path is unchanged"
+            )
     verdict = "passed" if summary["passed"] else "FAILED"
     lines.append(f"verification {verdict}")
     return "\n".join(lines)
@@ -217,19 +277,29 @@ def _int8_readiness(fold):
         return []
     risks = [spread for spread in spreads if spread["int8_risk"]]
     if not risks:
-        largest = max(value for spread in spreads
-                      for value in (spread["output_spread"], spread["input_spread"])
-                      if value is not None)
-        return [f"int8 readiness: every folded host's channel ranges are within {threshold:g}x "
-                f"(largest spread {largest:.3g}x)"]
-    lines = [f"int8 risk: {len(risks)} folded host(s) with channel ranges over {threshold:g}x "
-             f"apart lose precision where int8 weights are quantized per tensor"]
+        largest = max(
+            value
+            for spread in spreads
+            for value in (spread["output_spread"], spread["input_spread"])
+            if value is not None
+        )
+        return [
+            f"int8 readiness: every folded host's channel ranges are within {threshold:g}x "
+            f"(largest spread {largest:.3g}x)"
+        ]
+    lines = [
+        f"int8 risk: {len(risks)} folded host(s) with channel ranges over {threshold:g}x "
+        f"apart lose precision where int8 weights are quantized per tensor"
+    ]
     for spread in risks:
         parts = [_apart("output", spread["output_spread"])]
         if spread["input_spread"] is not None:
             parts.append(_apart("input", spread["input_spread"]))
-        where = ("per-channel int8 too (TFLite's)" if spread["per_channel_int8_risk"] else
-                 "per-tensor int8 only (TFLite's int8 is per channel)")
+        where = (
+            "per-channel int8 too (TFLite's)"
+            if spread["per_channel_int8_risk"]
+            else "per-tensor int8 only (TFLite's int8 is per channel)"
+        )
         lines.append(f"  {spread['host']} ({spread['layer']}): {', '.join(parts)}: {where}")
     return lines
 

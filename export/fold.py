@@ -212,4 +212,3 @@ def channel_spread(ranges):
     if np.isinf(largest):
         return float("inf")
     return float(largest / smallest)
-

@@ -232,8 +232,12 @@ def _fold_model(model, prefix):
         elif all(k.bn != prefix + bn.name for k in kept):  # a shared BN is reported once
             kept.append(KeptBN(prefix + bn.name, forward_refusal.message, forward_refusal.kind))
 
-    spreads = [_channel_spread(prefix + hosts[key].name, hosts[key], weights[key][0][-1],
-                               key in forward_hosts) for key in weights]
+    spreads = [
+        _channel_spread(
+            prefix + hosts[key].name, hosts[key], weights[key][0][-1], key in forward_hosts
+        )
+        for key in weights
+    ]
     copies, refolded = {}, set()
     biases = {}  # ChannelBias after each folded channels_first host, by id(original host)
     for node in info.nodes:
@@ -242,7 +246,8 @@ def _fold_model(model, prefix):
             continue
         if isinstance(layer, keras.Model) and (_has_graph(layer) or _contains_bn(layer)):
             inner, inner_folded, inner_kept, inner_spreads = _fold_model(
-                layer, prefix + layer.name + "/")
+                layer, prefix + layer.name + "/"
+            )
             copies[id(layer)] = inner
             refolded.add(id(layer))
             folded.extend(inner_folded)
@@ -254,9 +259,12 @@ def _fold_model(model, prefix):
             copies[id(layer)] = layer
         elif id(layer) in weights and _channels_first(layer):
             copies[id(layer)] = _copy_layer(layer, use_bias=False)
-            biases[id(layer)] = ChannelBias(1, len(weights[id(layer)][1]),
-                                            name=_unused_name(f"{layer.name}_bias", model),
-                                            dtype=layer.dtype_policy)
+            biases[id(layer)] = ChannelBias(
+                1,
+                len(weights[id(layer)][1]),
+                name=_unused_name(f"{layer.name}_bias", model),
+                dtype=layer.dtype_policy,
+            )
         else:
             kept.extend(_unseen_batch_norms(layer, prefix))
             copies[id(layer)] = _copy_layer(layer, use_bias=True if id(layer) in weights else None)
@@ -270,28 +278,45 @@ def _unseen_batch_norms(layer, prefix):
     """KeptBN for each BN that `layer`, copied as it is, computes out of the fold's sight."""
     if _bn_layers.is_batch_norm(layer):  # not an exact BN type (those were handled)
         base = "keras_bn" if isinstance(layer, _bn_layers.KERAS_BN_BN) else "keras.layers"
-        return [KeptBN(prefix + layer.name, (
-            f"BN layer '{layer.name}' is a {type(layer).__name__}, a subclass of "
-            f"{base}.BatchNormalization whose call may compute something else; it is kept as "
-            f"it is"), "subclass")]
-    return [KeptBN(f"{prefix}{layer.name}/{path}", (
-        f"BN layer '{bn.name}' is inside custom layer '{layer.name}' "
-        f"({type(layer).__name__}), whose call the fold cannot see into; it is kept as it is"),
-        "inside_layer") for path, bn in _bn_layers.batch_norms_inside(layer)]
+        return [
+            KeptBN(
+                prefix + layer.name,
+                (
+                    f"BN layer '{layer.name}' is a {type(layer).__name__}, a subclass of "
+                    f"{base}.BatchNormalization whose call may compute something else; it is kept as "
+                    f"it is"
+                ),
+                "subclass",
+            )
+        ]
+    return [
+        KeptBN(
+            f"{prefix}{layer.name}/{path}",
+            (
+                f"BN layer '{bn.name}' is inside custom layer '{layer.name}' "
+                f"({type(layer).__name__}), whose call the fold cannot see into; it is kept as it is"
+            ),
+            "inside_layer",
+        )
+        for path, bn in _bn_layers.batch_norms_inside(layer)
+    ]
 
 
 def _refuse_bn(bn, node, info):
     """Why this BN cannot fold in any direction, or None."""
     if info.shared(bn):
-        return _Refusal("shared_bn",
-                        f"BN layer '{bn.name}' is shared (called {info.calls[id(bn)]} times)")
+        return _Refusal(
+            "shared_bn", f"BN layer '{bn.name}' is shared (called {info.calls[id(bn)]} times)"
+        )
     # Only the tensors passed positionally: a mask (a keyword tensor) is ignored by inference BN.
     inputs = keras.tree.flatten(node.arguments.args)
     if len(inputs) != 1:
         return _Refusal("several_inputs", f"BN layer '{bn.name}' has {len(inputs)} inputs")
     if len(_bn_axes(bn, node)) != 1:
-        return _Refusal("several_axes", f"BN layer '{bn.name}' normalizes over several "
-                                        f"channel axes {_bn_axes(bn, node)}")
+        return _Refusal(
+            "several_axes",
+            f"BN layer '{bn.name}' normalizes over several channel axes {_bn_axes(bn, node)}",
+        )
     return None
 
 
@@ -300,23 +325,33 @@ def _refuse_backward(bn, node, host, info):
     if host is None:
         return _Refusal("reads_input", f"BN layer '{bn.name}' reads a model input directly")
     if type(host) not in BACKWARD_FOLDS:
-        return _Refusal("not_a_host", f"BN layer '{bn.name}' follows '{host.name}', a "
-                                      f"{type(host).__name__}, which is not a Dense or "
-                                      f"convolution")
+        return _Refusal(
+            "not_a_host",
+            f"BN layer '{bn.name}' follows '{host.name}', a "
+            f"{type(host).__name__}, which is not a Dense or "
+            f"convolution",
+        )
     refusal = _refuse_host(host, info)
     if refusal:
         return refusal
     if _activation(host) != "linear":
-        return _Refusal("activation", f"host '{host.name}' has the non-linear activation "
-                                      f"'{_activation(host)}' between its linear part and "
-                                      f"the BN")
+        return _Refusal(
+            "activation",
+            f"host '{host.name}' has the non-linear activation "
+            f"'{_activation(host)}' between its linear part and "
+            f"the BN",
+        )
     if info.fan_out(node.input_tensors[0]) > 1:
-        return _Refusal("fan_out",
-                        f"host '{host.name}' output also feeds other layers or a model output")
+        return _Refusal(
+            "fan_out", f"host '{host.name}' output also feeds other layers or a model output"
+        )
     rank = len(node.input_tensors[0].shape)
     if _bn_axes(bn, node) != [_channel_axis(host, rank)]:
-        return _Refusal("axis", f"BN axis {_bn_axes(bn, node)} is not the channel axis "
-                                f"{_channel_axis(host, rank)} of host '{host.name}'")
+        return _Refusal(
+            "axis",
+            f"BN axis {_bn_axes(bn, node)} is not the channel axis "
+            f"{_channel_axis(host, rank)} of host '{host.name}'",
+        )
     return None
 
 
@@ -333,19 +368,22 @@ def _forward_target(bn, node, info, backward_refusal):
         why = "its output feeds several layers or a model output"
     elif type(consumers[0].operation) not in FORWARD_HOSTS:
         consumer = consumers[0].operation
-        why = (f"the next layer '{consumer.name}' is a {type(consumer).__name__}, not a Dense "
-               f"or Conv1D/2D/3D")
+        why = (
+            f"the next layer '{consumer.name}' is a {type(consumer).__name__}, not a Dense "
+            f"or Conv1D/2D/3D"
+        )
     else:
         consumer = consumers[0].operation
         rank = len(output.shape)
         refusal = _refuse_host(consumer, info)
         why = refusal.message if refusal else None
         if why is None and getattr(consumer, "padding", "valid") != "valid":
-            why = (f"the next layer '{consumer.name}' pads its input (padding="
-                   f"'{consumer.padding}'), so a forward fold would not be exact")
+            why = (
+                f"the next layer '{consumer.name}' pads its input (padding="
+                f"'{consumer.padding}'), so a forward fold would not be exact"
+            )
         if why is None and _bn_axes(bn, node) != [_channel_axis(consumer, rank)]:
-            why = (f"BN axis {_bn_axes(bn, node)} is not the input channel axis of "
-                   f"'{consumer.name}'")
+            why = f"BN axis {_bn_axes(bn, node)} is not the input channel axis of '{consumer.name}'"
         if why is None:
             return consumer, None
     return None, _Refusal(backward_refusal.kind, f"{backward_refusal.message}; forward: {why}")
@@ -353,13 +391,15 @@ def _forward_target(bn, node, info, backward_refusal):
 
 def _refuse_host(layer, info):
     if info.shared(layer):
-        return _Refusal("shared_host",
-                        f"host '{layer.name}' is shared (called {info.calls[id(layer)]} times)")
+        return _Refusal(
+            "shared_host", f"host '{layer.name}' is shared (called {info.calls[id(layer)]} times)"
+        )
     if getattr(layer, "lora_enabled", False):
         return _Refusal("lora", f"host '{layer.name}' is LoRA-enabled")
     if getattr(layer, "quantization_mode", None):
-        return _Refusal("quantized",
-                        f"host '{layer.name}' is quantized ({layer.quantization_mode})")
+        return _Refusal(
+            "quantized", f"host '{layer.name}' is quantized ({layer.quantization_mode})"
+        )
     return None
 
 
@@ -382,7 +422,7 @@ def _host_weights(host, weights):
     values = host.get_weights()
     kernel_index = 1 if type(host) in SEPARABLE else 0
     bias = values[-1] if host.use_bias else None
-    return values[:kernel_index + 1], bias
+    return values[: kernel_index + 1], bias
 
 
 def _fold_backward(bn, host, weights):
@@ -393,8 +433,9 @@ def _fold_backward(bn, host, weights):
 
 def _fold_forward(bn, node, consumer, weights):
     kernels, bias = _host_weights(consumer, weights)
-    kernel, bias = fold.fold_forward(kernels[-1], bias, *_bn_layers.inference_affine(bn),
-                                     groups=getattr(consumer, "groups", 1))
+    kernel, bias = fold.fold_forward(
+        kernels[-1], bias, *_bn_layers.inference_affine(bn), groups=getattr(consumer, "groups", 1)
+    )
     weights[id(consumer)] = (kernels[:-1] + [kernel], bias)
 
 
@@ -405,8 +446,9 @@ def _channel_spread(name, host, kernel, forward):
     if forward:
         input_ranges = fold.input_channel_ranges(kernel, getattr(host, "groups", 1))
         input_spread = fold.channel_spread(input_ranges)
-    return ChannelSpread(name, type(host).__name__, fold.channel_spread(output_ranges),
-                         input_spread)
+    return ChannelSpread(
+        name, type(host).__name__, fold.channel_spread(output_ranges), input_spread
+    )
 
 
 def _channels_first(layer):
@@ -433,8 +475,14 @@ def _copy_layer(layer, use_bias=None):
     if type(layer) is L.Lambda:
         # From its config a Lambda's function would be re-created from bytecode, without the
         # module globals it uses (e.g. `tf`); the live function object is what it computes.
-        return L.Lambda(layer.function, output_shape=layer._output_shape, mask=layer.mask,
-                        arguments=layer.arguments, name=layer.name, dtype=layer.dtype_policy)
+        return L.Lambda(
+            layer.function,
+            output_shape=layer._output_shape,
+            mask=layer.mask,
+            arguments=layer.arguments,
+            name=layer.name,
+            dtype=layer.dtype_policy,
+        )
     config = layer.get_config()
     if use_bias is not None:
         config["use_bias"] = use_bias
@@ -445,8 +493,7 @@ def _copy_layer(layer, use_bias=None):
             return layer.__class__.from_config(config)
     except Exception as error:  # a custom layer whose config does not round-trip
         raise TypeError(
-            f"Cannot copy layer '{layer.name}' ({type(layer).__name__}) from its config: "
-            f"{error}"
+            f"Cannot copy layer '{layer.name}' ({type(layer).__name__}) from its config: {error}"
         ) from error
 
 
@@ -463,11 +510,13 @@ def _rebuild(model, graph, copies, biases, dropped):
                 layers.append(copies[id(layer)])
                 layers.extend([biases[id(layer)]] if id(layer) in biases else [])
         return keras.Sequential(
-            [keras.Input(batch_shape=model.inputs[0].shape, dtype=model.inputs[0].dtype),
-             *layers], name=model.name,
+            [keras.Input(batch_shape=model.inputs[0].shape, dtype=model.inputs[0].dtype), *layers],
+            name=model.name,
         )
-    inputs = [keras.Input(batch_shape=x.shape, dtype=x.dtype,
-                          name=x._keras_history.operation.name) for x in graph.inputs]
+    inputs = [
+        keras.Input(batch_shape=x.shape, dtype=x.dtype, name=x._keras_history.operation.name)
+        for x in graph.inputs
+    ]
 
     def operation_fn(operation):
         if id(operation) in dropped:

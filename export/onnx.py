@@ -14,8 +14,9 @@ SESSION_SETTINGS = {
 }
 
 
-def export_onnx(model, path, opset=17, fold=True, probe=None, atol=None, strict=True,
-                on_stage=None):
+def export_onnx(
+    model, path, opset=17, fold=True, probe=None, atol=None, strict=True, on_stage=None
+):
     """Write `model` as an .onnx file at `path`, once it matches the Keras model in onnxruntime.
 
     Args:
@@ -47,8 +48,16 @@ def export_onnx(model, path, opset=17, fold=True, probe=None, atol=None, strict=
         OSError: `path` cannot be written, or is a folder, FIFO or device (refused before
             converting).
     """
-    return pipeline.export(model, path, _ONNX(opset), atol=atol, strict=strict, fold=fold,
-                           probe=probe, on_stage=on_stage)
+    return pipeline.export(
+        model,
+        path,
+        _ONNX(opset),
+        atol=atol,
+        strict=strict,
+        fold=fold,
+        probe=probe,
+        on_stage=on_stage,
+    )
 
 
 class _ONNX(pipeline.Format):
@@ -83,8 +92,9 @@ def check(path, name=None):
         onnx.checker.check_model(str(path), full_check=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        raise ValueError(f"{path if name is None else name} is not a valid ONNX model: "
-                         f"{first_line}") from error
+        raise ValueError(
+            f"{path if name is None else name} is not a valid ONNX model: {first_line}"
+        ) from error
 
 
 def run(path, inputs, level=ort.GraphOptimizationLevel.ORT_ENABLE_ALL):
@@ -107,13 +117,18 @@ def run(path, inputs, level=ort.GraphOptimizationLevel.ORT_ENABLE_ALL):
             raise ValueError(f"{path} has the inputs {names}: give a dict keyed by them.")
         inputs = {names[0]: inputs}
     types = {i.name: i.type for i in session.get_inputs()}
-    feed = {name: np.asarray(inputs[name], _ORT_TYPES.get(types[name], None)) for name in names}
+    feed = {name: np.asarray(inputs[name], _ORT_TYPES.get(types[name])) for name in names}
     outputs = session.run(None, feed)
     return dict(zip([o.name for o in session.get_outputs()], outputs))
 
 
 _ORT_TYPES = {
-    "tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
-    "tensor(int32)": np.int32, "tensor(int64)": np.int64, "tensor(bool)": np.bool_,
-    "tensor(int8)": np.int8, "tensor(uint8)": np.uint8,
+    "tensor(float)": np.float32,
+    "tensor(double)": np.float64,
+    "tensor(float16)": np.float16,
+    "tensor(int32)": np.int32,
+    "tensor(int64)": np.int64,
+    "tensor(bool)": np.bool_,
+    "tensor(int8)": np.int8,
+    "tensor(uint8)": np.uint8,
 }

@@ -86,8 +86,10 @@ def export(model, path, fmt, atol=None, strict=True, fold=True, probe=None, on_s
             path=os.path.abspath(path),
             size_bytes=len(content),
             errors={
-                name: {setting: report.max_abs_error(outputs.get(name), value)
-                       for setting, outputs in actual.items()}
+                name: {
+                    setting: report.max_abs_error(outputs.get(name), value)
+                    for setting, outputs in actual.items()
+                }
                 for name, value in expected.items()
             },
             output_scales={name: report.scale(value) for name, value in expected.items()},
@@ -116,7 +118,10 @@ def default_atol(model, fmt=None):
 
 def check_atol(atol):
     """`atol` as a float; a ValueError naming it unless it is positive and finite."""
-    if isinstance(atol, bool) or not isinstance(atol, (int, float)) or not (
-            math.isfinite(atol) and atol > 0):
+    if (
+        isinstance(atol, bool)
+        or not isinstance(atol, (int, float))
+        or not (math.isfinite(atol) and atol > 0)
+    ):
         raise ValueError(f"atol must be a positive finite number; received atol={atol!r}.")
     return float(atol)

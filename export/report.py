@@ -98,8 +98,11 @@ class ChannelSpread:
             dict with `host`, `layer`, `output_spread`, `input_spread`, `int8_risk` and
             `per_channel_int8_risk`.
         """
-        return {**dataclasses.asdict(self), "int8_risk": self.int8_risk,
-                "per_channel_int8_risk": self.per_channel_int8_risk}
+        return {
+            **dataclasses.asdict(self),
+            "int8_risk": self.int8_risk,
+            "per_channel_int8_risk": self.per_channel_int8_risk,
+        }
 
 
 @dataclasses.dataclass
@@ -124,8 +127,9 @@ class FoldReport:
     @property
     def relative_errors(self):
         """output name → error / that output's scale."""
-        return {name: relative(error, self.output_scales[name])
-                for name, error in self.errors.items()}
+        return {
+            name: relative(error, self.output_scales[name]) for name, error in self.errors.items()
+        }
 
     @property
     def max_abs_error(self):
@@ -153,11 +157,14 @@ class FoldReport:
         Returns:
             dict, as the CLI's `--report` file holds it under "fold".
         """
-        return {**dataclasses.asdict(self), "relative_errors": self.relative_errors,
-                "relative_error": self.relative_error,
-                "channel_spreads": [spread.to_dict() for spread in self.channel_spreads],
-                "int8_spread_threshold": INT8_SPREAD_THRESHOLD,
-                "int8_risks": [spread.host for spread in self.int8_risks]}
+        return {
+            **dataclasses.asdict(self),
+            "relative_errors": self.relative_errors,
+            "relative_error": self.relative_error,
+            "channel_spreads": [spread.to_dict() for spread in self.channel_spreads],
+            "int8_spread_threshold": INT8_SPREAD_THRESHOLD,
+            "int8_risks": [spread.host for spread in self.int8_risks],
+        }
 
 
 @dataclasses.dataclass
@@ -190,8 +197,10 @@ class ExportReport:
     @property
     def relative_errors(self):
         """output name → its worst error over the runtime settings / its scale."""
-        return {name: relative(worst(by_setting.values()), self.output_scales[name])
-                for name, by_setting in self.errors.items()}
+        return {
+            name: relative(worst(by_setting.values()), self.output_scales[name])
+            for name, by_setting in self.errors.items()
+        }
 
     @property
     def max_abs_error(self):
@@ -218,8 +227,12 @@ class ExportReport:
         """
         data = dataclasses.asdict(self)
         data["fold"] = None if self.fold is None else self.fold.to_dict()
-        data.update(max_abs_error=self.max_abs_error, relative_errors=self.relative_errors,
-                    relative_error=self.relative_error, passed=self.passed)
+        data.update(
+            max_abs_error=self.max_abs_error,
+            relative_errors=self.relative_errors,
+            relative_error=self.relative_error,
+            passed=self.passed,
+        )
         return data
 
 
@@ -240,8 +253,10 @@ class VerificationError(Exception):
 
     def __init__(self, report):
         self.report = report
-        worst_name = max(report.relative_errors,
-                         key=lambda n: np.nan_to_num(report.relative_errors[n], nan=np.inf))
+        worst_name = max(
+            report.relative_errors,
+            key=lambda n: np.nan_to_num(report.relative_errors[n], nan=np.inf),
+        )
         super().__init__(
             f"The {report.format} file for {report.path} differs from the Keras model: output "
             f"'{worst_name}' is off by {report.relative_errors[worst_name]:.3g} of its scale, "

@@ -31,13 +31,27 @@ L = keras.layers
 # channels_first layers the TFLite converter cannot take (TF 2.21): it fails with a long MLIR
 # error, or (a bias-free Conv1D) writes a file whose output has the wrong shape.
 CHANNELS_FIRST_UNCONVERTIBLE = (
-    L.Conv1D, L.Conv3D, L.DepthwiseConv1D, L.SeparableConv1D,
-    L.Conv1DTranspose, L.Conv2DTranspose, L.Conv3DTranspose,
+    L.Conv1D,
+    L.Conv3D,
+    L.DepthwiseConv1D,
+    L.SeparableConv1D,
+    L.Conv1DTranspose,
+    L.Conv2DTranspose,
+    L.Conv3DTranspose,
 )
 
 
-def export_tflite(model, path, quantization=None, representative_data=None, fold=True,
-                  probe=None, atol=None, strict=True, on_stage=None):
+def export_tflite(
+    model,
+    path,
+    quantization=None,
+    representative_data=None,
+    fold=True,
+    probe=None,
+    atol=None,
+    strict=True,
+    on_stage=None,
+):
     """Write `model` as a .tflite file at `path`, once it matches the Keras model in LiteRT.
 
     Args:
@@ -76,16 +90,22 @@ def export_tflite(model, path, quantization=None, representative_data=None, fold
             converting).
     """
     if quantization not in QUANTIZATIONS:
-        raise ValueError(
-            f"quantization must be one of {QUANTIZATIONS}; received {quantization!r}."
-        )
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}; received {quantization!r}.")
     if quantization == "int8" and representative_data is None:
         raise ValueError(
             'quantization="int8" (full integer) needs representative_data to calibrate '
             "the activation ranges."
         )
-    return pipeline.export(model, path, _TFLite(quantization, representative_data), atol=atol,
-                           strict=strict, fold=fold, probe=probe, on_stage=on_stage)
+    return pipeline.export(
+        model,
+        path,
+        _TFLite(quantization, representative_data),
+        atol=atol,
+        strict=strict,
+        fold=fold,
+        probe=probe,
+        on_stage=on_stage,
+    )
 
 
 class _TFLite(pipeline.Format):
@@ -110,15 +130,18 @@ class _TFLite(pipeline.Format):
     def check_model(self, model):
         for layer in model._flatten_layers(include_self=False):
             if layer.compute_dtype in pipeline.HALF_PRECISION and not isinstance(
-                    layer, L.InputLayer):
+                layer, L.InputLayer
+            ):
                 raise ValueError(
                     f"TFLite cannot convert layer '{layer.name}', which computes in "
                     f"{layer.compute_dtype} (a mixed-precision policy): its TensorFlow ops have "
                     f"no TFLite builtin. Rebuild the model under the float32 policy (and use "
                     f'quantization="float16" for a half-size file), or export it to ONNX.'
                 )
-            if (type(layer) in CHANNELS_FIRST_UNCONVERTIBLE
-                    and layer.data_format == "channels_first"):
+            if (
+                type(layer) in CHANNELS_FIRST_UNCONVERTIBLE
+                and layer.data_format == "channels_first"
+            ):
                 raise ValueError(
                     f"TFLite cannot convert layer '{layer.name}' ({type(layer).__name__} with "
                     f"data_format='channels_first'): the converter fails on it. Build the "
@@ -130,8 +153,11 @@ class _TFLite(pipeline.Format):
         archive = keras.export.ExportArchive()
         archive.track(model)
         archive.add_endpoint(SIGNATURE, function.python_function, list(sig.input_specs))
-        with tempfile.TemporaryDirectory() as folder, \
-                contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+        with (
+            tempfile.TemporaryDirectory() as folder,
+            contextlib.redirect_stdout(io.StringIO()),
+            warnings.catch_warnings(),
+        ):
             # TF warns that int8 calibration got float input statistics, which is what we ask
             # for (float input and output).
             warnings.filterwarnings("ignore", message="Statistics for quantized inputs")
@@ -153,7 +179,7 @@ class _TFLite(pipeline.Format):
 
             def calibration():
                 for i in range(count):
-                    yield {name: array[i:i + 1] for name, array in samples.items()}
+                    yield {name: array[i : i + 1] for name, array in samples.items()}
 
             converter.representative_dataset = calibration
             converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
@@ -163,8 +189,10 @@ class _TFLite(pipeline.Format):
 
     def op_names(self, path):
         # Without the default delegate: partitions would show up as DELEGATE.
-        plain = Interpreter(model_path=path, experimental_op_resolver_type=(
-            OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES))
+        plain = Interpreter(
+            model_path=path,
+            experimental_op_resolver_type=(OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES),
+        )
         return [op["op_name"] for op in plain._get_ops_details()]
 
 

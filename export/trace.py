@@ -41,7 +41,8 @@ class Signature:
     def pack(self, feed):
         """The model's own input structure from a {name: array} feed."""
         return keras.tree.pack_sequence_as(
-            self._inputs_struct, [feed[name] for name in self.input_names])
+            self._inputs_struct, [feed[name] for name in self.input_names]
+        )
 
 
 def signature(model):
@@ -94,7 +95,7 @@ def _safe_names(keys, taken=()):
             count += 1
             unique = f"{name}_{count}"
         names.append(unique)
-    return tuple(names[len(taken):])
+    return tuple(names[len(taken) :])
 
 
 def feed(sig, data, what="probe"):
@@ -155,8 +156,10 @@ def feed(sig, data, what="probe"):
     if len(set(counts.values())) > 1:
         raise ValueError(f"{what}'s arrays differ in their number of samples: {counts}.")
     if 0 in counts.values():  # every comparison on it would pass, having compared nothing
-        raise ValueError(f"{what} has no samples (shapes "
-                         f"{[a.shape for a in result.values()]}): nothing to verify on.")
+        raise ValueError(
+            f"{what} has no samples (shapes "
+            f"{[a.shape for a in result.values()]}): nothing to verify on."
+        )
     return result
 
 
@@ -178,7 +181,8 @@ def _as_input(name, array, spec, what):
         )
     expected = spec.shape[1:]
     if len(array.shape) - 1 != len(expected) or any(
-            d is not None and d != a for d, a in zip(expected, array.shape[1:])):
+        d is not None and d != a for d, a in zip(expected, array.shape[1:])
+    ):
         raise ValueError(
             f"{what} for input '{name}' has shape {array.shape}, but the input takes "
             f"(batch, {', '.join('None' if d is None else str(d) for d in expected)})."

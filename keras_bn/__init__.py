@@ -21,9 +21,9 @@ if _keras.backend.backend() != "tensorflow":
         f"{_keras.backend.backend()!r}. Set KERAS_BACKEND=tensorflow before importing keras."
     )
 
-from keras_bn import callbacks, convert, diagnostics  # noqa: E402
-from keras_bn.layers import BatchNormalization  # noqa: E402
-from keras_bn.population import (  # noqa: E402
+from keras_bn import callbacks, convert, diagnostics
+from keras_bn.layers import BatchNormalization
+from keras_bn.population import (
     LayerChange,
     RecalibrationReport,
     recalibrate,

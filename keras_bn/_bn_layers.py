@@ -63,7 +63,7 @@ def unbiased_variance(layer):
 
 
 def variance_convention(layer):
-    """"unbiased" (keras_bn) or "biased" (keras.layers.BatchNormalization)."""
+    """ "unbiased" (keras_bn) or "biased" (keras.layers.BatchNormalization)."""
     return "unbiased" if unbiased_variance(layer) else "biased"
 
 
@@ -80,7 +80,10 @@ def inference_affine(layer):
     with its own epsilon. Either convention's moving variance is the one inference uses."""
     gamma, beta = gamma_beta(layer)
     scale, shift = ops.inference_affine(
-        np.asarray(layer.moving_mean, np.float64), np.asarray(layer.moving_variance, np.float64),
-        gamma, beta, float(layer.epsilon),
+        np.asarray(layer.moving_mean, np.float64),
+        np.asarray(layer.moving_variance, np.float64),
+        gamma,
+        beta,
+        float(layer.epsilon),
     )
     return np.asarray(scale).ravel(), np.asarray(shift).ravel()

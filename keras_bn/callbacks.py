@@ -69,11 +69,21 @@ class Recalibrate(keras.callbacks.Callback):
             `before_validation` are False (the callback would do nothing).
     """
 
-    def __init__(self, data, batch_size=32, steps=None, at_train_end=True,
-                 before_validation=False, progress=False):
+    def __init__(
+        self,
+        data,
+        batch_size=32,
+        steps=None,
+        at_train_end=True,
+        before_validation=False,
+        progress=False,
+    ):
         super().__init__()
-        for name, value in (("at_train_end", at_train_end),
-                            ("before_validation", before_validation), ("progress", progress)):
+        for name, value in (
+            ("at_train_end", at_train_end),
+            ("before_validation", before_validation),
+            ("progress", progress),
+        ):
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be True or False; received {name}={value!r}.")
         if not (at_train_end or before_validation):
@@ -153,7 +163,9 @@ class Recalibrate(keras.callbacks.Callback):
         layers = [layer for layer in _bn_layers.in_model(self.model) if layer.trainable]
         if layers:
             self.last_report = _recalibrate_layers(
-                self.model, layers, _Batches(self._data, self.steps, self.batch_size),
+                self.model,
+                layers,
+                _Batches(self._data, self.steps, self.batch_size),
                 self.progress,
             )
 

@@ -90,8 +90,10 @@ def _check_keras_can_take(config):
 
 def _swap(model, source, target):
     if not model.built:
-        raise ValueError(f"Model '{model.name}' is not built; build it (or give it an Input) "
-                         f"so its weights can be copied.")
+        raise ValueError(
+            f"Model '{model.name}' is not built; build it (or give it an Input) "
+            f"so its weights can be copied."
+        )
     pairs = []
 
     def clone_layer(layer):
@@ -106,8 +108,11 @@ def _swap(model, source, target):
                     f"Layer '{layer.name}' is a subclass of {source.__name__} "
                     f"({type(layer).__name__}); only the class itself is converted."
                 )
-            hidden = [sub.name for sub in layer._flatten_layers(include_self=False)
-                      if isinstance(sub, source)]
+            hidden = [
+                sub.name
+                for sub in layer._flatten_layers(include_self=False)
+                if isinstance(sub, source)
+            ]
             if hidden:
                 raise ValueError(
                     f"Layer '{layer.name}' ({type(layer).__name__}) holds BatchNormalization "

@@ -23,19 +23,19 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_bn import _bn_layers
 from keras_bn.callbacks import _Snapshot
 from keras_bn.layers import BatchNormalization
-from keras_bn import _bn_layers
 from keras_bn.population import _Batches, _InputStatistics, _Sums
 
 __all__ = [
     "Finding",
     "Findings",
     "check_batchnorm",
-    "gradient_norms_by_layer",
     "explosion_rate",
-    "landscape_along_gradient",
+    "gradient_norms_by_layer",
     "internal_covariate_shift",
+    "landscape_along_gradient",
 ]
 
 
@@ -389,8 +389,12 @@ def check_batchnorm(model, data=None, *, batch_size=32, steps=None):
     if unbuilt:
         raise ValueError(f"check_batchnorm needs a built model; layers {unbuilt} are not built.")
     paths = _bn_paths(model)
-    findings = [Finding(paths[id(layer)], "stale_statistics", message)
-                for layer in layers for message in [_stale_without_data(layer)] if message]
+    findings = [
+        Finding(paths[id(layer)], "stale_statistics", message)
+        for layer in layers
+        for message in [_stale_without_data(layer)]
+        if message
+    ]
     probe = None
     if data is not None:
         batches = _Batches(data, steps, batch_size)
@@ -407,23 +411,29 @@ def _stale_without_data(layer):
     """The stale_statistics message that needs no data, or None."""
     statistics = [v.numpy() for v in (layer.moving_mean, layer.moving_variance)]
     if not all(np.all(np.isfinite(s)) for s in statistics):
-        return ("moving mean or variance is not finite (NaN or inf): training diverged or the "
-                "statistics were overwritten; run keras_bn.recalibrate")
+        return (
+            "moving mean or variance is not finite (NaN or inf): training diverged or the "
+            "statistics were overwritten; run keras_bn.recalibrate"
+        )
     if _at_initial_values(layer):
         if not layer.trainable:
             return "moving mean and variance are still their initial values" + _FROZEN
-        return ("moving mean and variance are still their initial values: the layer never ran "
-                "in training mode (a custom loop must call model(x, training=True)); or run "
-                "keras_bn.recalibrate")
+        return (
+            "moving mean and variance are still their initial values: the layer never ran "
+            "in training mode (a custom loop must call model(x, training=True)); or run "
+            "keras_bn.recalibrate"
+        )
     return None
 
 
 # The advice for a frozen BN: recalibrating it, the advice for the others, would change the
 # function the layers after it were trained with.
-_FROZEN = (": the layer is frozen (trainable=False), so fit never updates them, and the layers "
-           "after it are trained for these values (recalibrating it would change the trained "
-           "model); unfreeze it, or load the statistics it was trained with, if that is not "
-           "intended")
+_FROZEN = (
+    ": the layer is frozen (trainable=False), so fit never updates them, and the layers "
+    "after it are trained for these values (recalibrating it would change the trained "
+    "model); unfreeze it, or load the statistics it was trained with, if that is not "
+    "intended"
+)
 
 
 def _bn_paths(model):
@@ -436,11 +446,14 @@ def _bn_paths(model):
 
 def _at_initial_values(layer):
     """Both statistics equal their (deterministic) initializers' values exactly."""
-    pairs = ((layer.moving_mean, layer.moving_mean_initializer),
-             (layer.moving_variance, layer.moving_variance_initializer))
+    pairs = (
+        (layer.moving_mean, layer.moving_mean_initializer),
+        (layer.moving_variance, layer.moving_variance_initializer),
+    )
     for variable, initializer in pairs:
-        first, second = (np.asarray(initializer(variable.shape, dtype=variable.dtype))
-                         for _ in range(2))
+        first, second = (
+            np.asarray(initializer(variable.shape, dtype=variable.dtype)) for _ in range(2)
+        )
         if not np.array_equal(first, second) or not np.array_equal(variable.numpy(), first):
             return False
     return True
@@ -455,6 +468,7 @@ def _data_findings(model, layers, paths, batches, skip):
     # Inner wrapper: records each BN's input and forces inference while collecting. Outer
     # wrapper: forces training mode (batch statistics) in BN layers only, for the other pass.
     with _InputStatistics(layers) as statistics, _TrainingModeBN(layers):
+
         def infer_and_record(x):
             outputs = []
             recorded = statistics.collect(lambda: outputs.append(model(x, training=False)))
@@ -486,35 +500,66 @@ def _data_findings(model, layers, paths, batches, skip):
         layer, path = layers[index], paths[id(layers[index])]
         typical = float(np.median(counts[index]))
         if typical < MIN_VALUES_PER_CHANNEL:
-            findings.append(Finding(path, "small_batch", (
-                f"the batches of `data` give it m={typical:g} values per channel (median over "
-                f"batches; batch × spatial positions), fewer than {MIN_VALUES_PER_CHANNEL}: batch "
-                "statistics that noisy hurt training; use larger batches or renorm=True")))
+            findings.append(
+                Finding(
+                    path,
+                    "small_batch",
+                    (
+                        f"the batches of `data` give it m={typical:g} values per channel (median over "
+                        f"batches; batch × spatial positions), fewer than {MIN_VALUES_PER_CHANNEL}: batch "
+                        "statistics that noisy hurt training; use larger batches or renorm=True"
+                    ),
+                )
+            )
         if sums[index].batches == 0:
             continue
         mean, variance = sums[index].population(unbiased=isinstance(layer, BatchNormalization))
         if not (np.all(np.isfinite(mean)) and np.all(np.isfinite(variance))):
-            findings.append(Finding(path, "non_finite", (
-                "its input is not finite on `data` (NaN or inf) although `data` is: an upstream "
-                "weight or statistic is not finite")))
+            findings.append(
+                Finding(
+                    path,
+                    "non_finite",
+                    (
+                        "its input is not finite on `data` (NaN or inf) although `data` is: an upstream "
+                        "weight or statistic is not finite"
+                    ),
+                )
+            )
             continue
         distance, message = _distance_from_data(layer, mean, variance)
         furthest = max(furthest, (distance, path), key=lambda pair: pair[0])
         if message and path not in skip:
             findings.append(Finding(path, "stale_statistics", message))
     if not np.isfinite(difference + spread):
-        findings.append(Finding(model.name, "train_inference_gap", (
-            "on `data`, the outputs with batch statistics or with the moving statistics are not "
-            "finite (NaN or inf): check the findings above")))
+        findings.append(
+            Finding(
+                model.name,
+                "train_inference_gap",
+                (
+                    "on `data`, the outputs with batch statistics or with the moving statistics are not "
+                    "finite (NaN or inf): check the findings above"
+                ),
+            )
+        )
         return findings
     gap = np.sqrt(difference / spread) if spread > 0 else (0.0 if difference == 0 else np.inf)
     if gap > GAP_THRESHOLD:
-        where = f"; the BN furthest from its input's statistics is '{furthest[1]}'" \
-            if furthest[1] else ""
-        findings.append(Finding(model.name, "train_inference_gap", (
-            f"on `data`, outputs with batch statistics differ from inference outputs by "
-            f"{gap:.3g} of their spread (threshold {GAP_THRESHOLD}){where}: train with larger "
-            "or shuffled batches, or check the findings above")))
+        where = (
+            f"; the BN furthest from its input's statistics is '{furthest[1]}'"
+            if furthest[1]
+            else ""
+        )
+        findings.append(
+            Finding(
+                model.name,
+                "train_inference_gap",
+                (
+                    f"on `data`, outputs with batch statistics differ from inference outputs by "
+                    f"{gap:.3g} of their spread (threshold {GAP_THRESHOLD}){where}: train with larger "
+                    "or shuffled batches, or check the findings above"
+                ),
+            )
+        )
     return findings
 
 
@@ -539,8 +584,10 @@ def _check_finite(x, number):
         array = np.asarray(array)
         if np.issubdtype(array.dtype, np.floating) and not np.all(np.isfinite(array)):
             where = tuple(int(i) for i in np.argwhere(~np.isfinite(array))[0])
-            raise ValueError(f"check_batchnorm: batch {number} of `data` has {array[where]} at "
-                             f"index {where}; the checks need finite data.")
+            raise ValueError(
+                f"check_batchnorm: batch {number} of `data` has {array[where]} at "
+                f"index {where}; the checks need finite data."
+            )
 
 
 def _distance_from_data(layer, mean, variance):
@@ -555,11 +602,20 @@ def _distance_from_data(layer, mean, variance):
     fold = np.maximum(ratio, 1 / ratio)
     limit = STALE_VARIANCE_RATIO
     checks = (  # (score per channel, value shown, threshold, what, the channels counted)
-        (shift, shift, STALE_MEAN_SHIFT,
-         "moving mean is {:.3g} standard deviations from its input's mean",
-         f"beyond {STALE_MEAN_SHIFT}"),
-        (fold, ratio, limit, "moving variance is {:.3g} × its input's variance",
-         f"outside [1/{limit:g}, {limit:g}]"),
+        (
+            shift,
+            shift,
+            STALE_MEAN_SHIFT,
+            "moving mean is {:.3g} standard deviations from its input's mean",
+            f"beyond {STALE_MEAN_SHIFT}",
+        ),
+        (
+            fold,
+            ratio,
+            limit,
+            "moving variance is {:.3g} × its input's variance",
+            f"outside [1/{limit:g}, {limit:g}]",
+        ),
     )
     problems = []
     for score, shown, threshold, what, counted in checks:
@@ -567,12 +623,16 @@ def _distance_from_data(layer, mean, variance):
             worst = int(score.argmax())
             problems.append(
                 f"{what.format(shown[worst])} on `data` (channel {worst}; "
-                f"{int(np.sum(score > threshold))} of {score.size} channels {counted})")
+                f"{int(np.sum(score > threshold))} of {score.size} channels {counted})"
+            )
     distance = max(float(shift.max()), float(np.log(fold.max())))
     if not problems:
         return distance, None
-    advice = (": keep training in training mode, or run keras_bn.recalibrate" if layer.trainable
-              else _FROZEN)
+    advice = (
+        ": keep training in training mode, or run keras_bn.recalibrate"
+        if layer.trainable
+        else _FROZEN
+    )
     return distance, "; ".join(problems) + advice
 
 
@@ -583,8 +643,10 @@ def _unfoldable(model, layers, paths, probe):
     try:
         _, report = fold_batch_norms(model, probe)
     except (TypeError, ValueError) as error:  # no layer graph (subclassed); NaN statistics
-        return [Finding(paths[id(layer)], "unfoldable", f"the fold fails on the model: {error}")
-                for layer in layers]
+        return [
+            Finding(paths[id(layer)], "unfoldable", f"the fold fails on the model: {error}")
+            for layer in layers
+        ]
     kept = {k.bn: k.reason for k in report.kept}
     folded = {f.bn for f in report.folded}
     findings = []
@@ -593,7 +655,14 @@ def _unfoldable(model, layers, paths, probe):
         if path in kept:
             findings.append(Finding(path, "unfoldable", f"the fold keeps it: {kept[path]}"))
         elif path not in folded:
-            findings.append(Finding(path, "unfoldable", (
-                "the fold leaves it as it is: it is inside a layer whose graph the fold does not "
-                "read (a custom layer)")))
+            findings.append(
+                Finding(
+                    path,
+                    "unfoldable",
+                    (
+                        "the fold leaves it as it is: it is inside a layer whose graph the fold does not "
+                        "read (a custom layer)"
+                    ),
+                )
+            )
     return findings

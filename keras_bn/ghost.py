@@ -12,8 +12,11 @@ import tensorflow as tf
 def validate_virtual_batch_size(virtual_batch_size):
     if virtual_batch_size is None:
         return None
-    if (isinstance(virtual_batch_size, bool) or not isinstance(virtual_batch_size, int)
-            or virtual_batch_size <= 0):
+    if (
+        isinstance(virtual_batch_size, bool)
+        or not isinstance(virtual_batch_size, int)
+        or virtual_batch_size <= 0
+    ):
         raise ValueError(
             f"virtual_batch_size must be None or a positive int; received "
             f"virtual_batch_size={virtual_batch_size!r}."

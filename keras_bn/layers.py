@@ -211,25 +211,41 @@ class BatchNormalization(keras.layers.Layer):
         shape = tuple(dims.values())
         if self.scale:
             self.gamma = self.add_weight(
-                shape=shape, name="gamma", initializer=self.gamma_initializer,
-                regularizer=self.gamma_regularizer, constraint=self.gamma_constraint,
-                trainable=True, autocast=False,
+                shape=shape,
+                name="gamma",
+                initializer=self.gamma_initializer,
+                regularizer=self.gamma_regularizer,
+                constraint=self.gamma_constraint,
+                trainable=True,
+                autocast=False,
             )
         if self.center:
             self.beta = self.add_weight(
-                shape=shape, name="beta", initializer=self.beta_initializer,
-                regularizer=self.beta_regularizer, constraint=self.beta_constraint,
-                trainable=True, autocast=False,
+                shape=shape,
+                name="beta",
+                initializer=self.beta_initializer,
+                regularizer=self.beta_regularizer,
+                constraint=self.beta_constraint,
+                trainable=True,
+                autocast=False,
             )
         # "mean" aggregation keeps the moving statistics identical on every replica under
         # tf.distribute (Keras's "none" lets each replica's copy drift apart).
         self.moving_mean = self.add_weight(
-            shape=shape, name="moving_mean", initializer=self.moving_mean_initializer,
-            trainable=False, autocast=False, aggregation="mean",
+            shape=shape,
+            name="moving_mean",
+            initializer=self.moving_mean_initializer,
+            trainable=False,
+            autocast=False,
+            aggregation="mean",
         )
         self.moving_variance = self.add_weight(
-            shape=shape, name="moving_variance", initializer=self.moving_variance_initializer,
-            trainable=False, autocast=False, aggregation="mean",
+            shape=shape,
+            name="moving_variance",
+            initializer=self.moving_variance_initializer,
+            trainable=False,
+            autocast=False,
+            aggregation="mean",
         )
         self._build_optional_state(shape)
         self.input_spec = keras.layers.InputSpec(ndim=rank, axes=dims)
@@ -269,8 +285,13 @@ class BatchNormalization(keras.layers.Layer):
             self._update_moving_statistics(inputs, mean, variance, count)
         else:
             y = ops.batch_norm_eval(
-                inputs, tf.cast(self.moving_mean, dtype), tf.cast(self.moving_variance, dtype),
-                gamma, beta, self._channel_axes, self.epsilon,
+                inputs,
+                tf.cast(self.moving_mean, dtype),
+                tf.cast(self.moving_variance, dtype),
+                gamma,
+                beta,
+                self._channel_axes,
+                self.epsilon,
             )
         return tf.cast(y, self.compute_dtype)
 
@@ -286,14 +307,27 @@ class BatchNormalization(keras.layers.Layer):
                 ("renorm_mean", self.moving_mean_initializer),
                 ("renorm_stddev", stddev_initializer),
             ):
-                setattr(self, name, self.add_weight(
-                    shape=shape, name=name, initializer=initializer, trainable=False,
-                    autocast=False, aggregation="mean",
-                ))
+                setattr(
+                    self,
+                    name,
+                    self.add_weight(
+                        shape=shape,
+                        name=name,
+                        initializer=initializer,
+                        trainable=False,
+                        autocast=False,
+                        aggregation="mean",
+                    ),
+                )
         if self.momentum is None:
             self.num_batches_tracked = self.add_weight(
-                shape=(), name="num_batches_tracked", initializer="zeros", dtype="int64",
-                trainable=False, autocast=False, aggregation="only_first_replica",
+                shape=(),
+                name="num_batches_tracked",
+                initializer="zeros",
+                dtype="int64",
+                trainable=False,
+                autocast=False,
+                aggregation="only_first_replica",
             )
 
     def _normalize_batch(self, inputs, gamma, beta, mask):
@@ -308,7 +342,13 @@ class BatchNormalization(keras.layers.Layer):
         gamma = self._zero_unless_enough(gamma, batch, count)
         if not (self.renorm or self.virtual_batch_size):
             y, mean, variance = ops.batch_norm_train(
-                batch, gamma, beta, channel_axes, self.epsilon, mask, fused=self._fused,
+                batch,
+                gamma,
+                beta,
+                channel_axes,
+                self.epsilon,
+                mask,
+                fused=self._fused,
                 replica_context=replicas,
             )
             return y, mean, variance, count
@@ -316,8 +356,14 @@ class BatchNormalization(keras.layers.Layer):
         # (renorm's r and d are constants there).
         param_shape = tf.gather(tf.shape(batch), channel_axes)
         x_hat, mean, variance = ops.batch_norm_train(
-            batch, tf.ones(param_shape, gamma.dtype), tf.zeros(param_shape, gamma.dtype),
-            channel_axes, self.epsilon, mask, fused=self._fused, replica_context=replicas,
+            batch,
+            tf.ones(param_shape, gamma.dtype),
+            tf.zeros(param_shape, gamma.dtype),
+            channel_axes,
+            self.epsilon,
+            mask,
+            fused=self._fused,
+            replica_context=replicas,
         )
         if self.virtual_batch_size is not None:
             mean, variance = ghost.average(mean), ghost.average(variance)
@@ -325,8 +371,12 @@ class BatchNormalization(keras.layers.Layer):
         scale, offset = gamma, beta
         if self.renorm:
             r, d = renormalization.corrections(
-                mean, variance, tf.cast(self.renorm_mean, mean.dtype),
-                tf.cast(self.renorm_stddev, mean.dtype), self.epsilon, self.renorm_clipping,
+                mean,
+                variance,
+                tf.cast(self.renorm_mean, mean.dtype),
+                tf.cast(self.renorm_stddev, mean.dtype),
+                self.epsilon,
+                self.renorm_clipping,
             )
             scale, offset = gamma * r, beta + gamma * d
         y = ops.batch_norm_inference(tf.cast(x_hat, gamma.dtype), scale, offset, channel_axes)
@@ -402,8 +452,10 @@ class BatchNormalization(keras.layers.Layer):
         context = None if self.synchronized else _several_replicas()
         if context is None:
             return batch, _usable(batch, enough)
-        weight = count if self.virtual_batch_size is None else ops.element_count(
-            inputs, self._channel_axes
+        weight = (
+            count
+            if self.virtual_batch_size is None
+            else ops.element_count(inputs, self._channel_axes)
         )
         return _count_weighted_average(context, batch, weight, enough)
 
@@ -414,9 +466,9 @@ class BatchNormalization(keras.layers.Layer):
         for moving, batch_value in ((self.renorm_mean, mean), (self.renorm_stddev, stddev)):
             _average_into(moving, batch_value, self.renorm_momentum, usable)
         # Only for a usable batch: a skipped one leaves every weight as it was.
-        self.moving_stddev.assign(tf.where(
-            usable, tf.sqrt(self.moving_variance + self.epsilon), self.moving_stddev
-        ))
+        self.moving_stddev.assign(
+            tf.where(usable, tf.sqrt(self.moving_variance + self.epsilon), self.moving_stddev)
+        )
 
     def compute_output_shape(self, input_shape):
         """The output shape: `input_shape` itself.
@@ -445,15 +497,12 @@ class BatchNormalization(keras.layers.Layer):
             "beta_initializer": initializers.serialize(self.beta_initializer),
             "gamma_initializer": initializers.serialize(self.gamma_initializer),
             "moving_mean_initializer": initializers.serialize(self.moving_mean_initializer),
-            "moving_variance_initializer": initializers.serialize(
-                self.moving_variance_initializer
-            ),
+            "moving_variance_initializer": initializers.serialize(self.moving_variance_initializer),
             "beta_regularizer": regularizers.serialize(self.beta_regularizer),
             "gamma_regularizer": regularizers.serialize(self.gamma_regularizer),
             "beta_constraint": constraints.serialize(self.beta_constraint),
             "gamma_constraint": constraints.serialize(self.gamma_constraint),
             "synchronized": self.synchronized,
-
             "renorm": self.renorm,
             "renorm_clipping": self.renorm_clipping,
             "renorm_momentum": self.renorm_momentum,
@@ -488,9 +537,7 @@ def _channel_axes(axis, input_shape):
             )
     normalized = sorted(a % rank for a in requested)
     if len(set(normalized)) != len(normalized):
-        raise ValueError(
-            f"axis={axis} names the same axis twice for an input of rank {rank}."
-        )
+        raise ValueError(f"axis={axis} names the same axis twice for an input of rank {rank}.")
     return normalized
 
 
@@ -554,6 +601,7 @@ def _average_into(moving, value, momentum, usable):
 
 def _sqrt_of(initializer):
     """An initializer giving the square root of `initializer`'s values (Keras's moving_stddev)."""
+
     def initialize(shape, dtype=None):
         return tf.sqrt(initializer(shape, dtype=dtype))
 

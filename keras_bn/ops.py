@@ -141,6 +141,7 @@ def moments(x, channel_axes, mask=None, replica_context=None):
     """
     axes = reduction_axes(x.shape.rank, channel_axes)
     if mask is None and replica_context is None:
+
         def average(*tensors):
             return [tf.reduce_mean(t, axes, keepdims=True) for t in tensors]
     else:
@@ -148,6 +149,7 @@ def moments(x, channel_axes, mask=None, replica_context=None):
 
         def average(*tensors):
             return [s / count for s in _channel_sums(tensors, axes, mask, replica_context)]
+
     (shift,) = average(x)
     centered = x - shift
     residual, mean_square = average(centered, tf.square(centered))  # residual: pass 1's error
@@ -169,7 +171,7 @@ def _in_xla_context():
 
 
 def fused_data_format(x, channel_axes, epsilon, mask=None):
-    """"NHWC" or "NCHW" when FusedBatchNormV3 can compute this batch norm exactly on a 4D view
+    """ "NHWC" or "NCHW" when FusedBatchNormV3 can compute this batch norm exactly on a 4D view
     of x (one channel axis, last or second; no mask; a 16/32-bit float), else None.
 
     Never under XLA: XLA lowers the kernel's training mode to E[x²] − E[x]², whose float32
@@ -281,15 +283,28 @@ def _fused_train(x, gamma, beta, channel_axes, epsilon, data_format):
     @tf.custom_gradient
     def _normalize(x4, gamma, beta):
         y, mean, unbiased_variance, saved_1, saved_2, saved_3 = tf.raw_ops.FusedBatchNormV3(
-            x=x4, scale=gamma, offset=beta, mean=empty, variance=empty, epsilon=epsilon,
-            exponential_avg_factor=1.0, data_format=data_format, is_training=True,
+            x=x4,
+            scale=gamma,
+            offset=beta,
+            mean=empty,
+            variance=empty,
+            epsilon=epsilon,
+            exponential_avg_factor=1.0,
+            data_format=data_format,
+            is_training=True,
         )
 
         def grad(dy, *_unused_statistic_grads):
             dx, dgamma, dbeta, _, _ = tf.raw_ops.FusedBatchNormGradV3(
-                y_backprop=dy, x=x4, scale=gamma, reserve_space_1=saved_1,
-                reserve_space_2=saved_2, reserve_space_3=saved_3, epsilon=epsilon,
-                data_format=data_format, is_training=True,
+                y_backprop=dy,
+                x=x4,
+                scale=gamma,
+                reserve_space_1=saved_1,
+                reserve_space_2=saved_2,
+                reserve_space_3=saved_3,
+                epsilon=epsilon,
+                data_format=data_format,
+                is_training=True,
             )
             return dx, dgamma, dbeta
 
@@ -362,8 +377,15 @@ def batch_norm_eval(x, mean, variance, gamma, beta, channel_axes, epsilon):
     """
     if fused_data_format(x, channel_axes, epsilon) == "NHWC":
         y = tf.raw_ops.FusedBatchNormV3(
-            x=_fused_view(x, "NHWC"), scale=gamma, offset=beta, mean=mean, variance=variance,
-            epsilon=epsilon, exponential_avg_factor=1.0, data_format="NHWC", is_training=False,
+            x=_fused_view(x, "NHWC"),
+            scale=gamma,
+            offset=beta,
+            mean=mean,
+            variance=variance,
+            epsilon=epsilon,
+            exponential_avg_factor=1.0,
+            data_format="NHWC",
+            is_training=False,
         )[0]
         return tf.reshape(y, tf.shape(x))
     a, b = inference_affine(mean, variance, gamma, beta, epsilon)

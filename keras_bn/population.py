@@ -97,8 +97,11 @@ class RecalibrationReport:
                 f"{np.abs(change.mean_change).max():>12.4g} "
                 f"{np.abs(change.variance_change).max():>12.4g}"
             )
-        skipped = {c.name: self.batches - c.batches_used for c in self.layers
-                   if c.batches_used is not None and c.batches_used < self.batches}
+        skipped = {
+            c.name: self.batches - c.batches_used
+            for c in self.layers
+            if c.batches_used is not None and c.batches_used < self.batches
+        }
         if skipped:
             lines.append(f"Batches skipped (m ≤ 1 values per channel), per layer: {skipped}")
         if self.not_called:
@@ -301,7 +304,8 @@ def _assign(layer, sums):
     return LayerChange(
         name=layer.name,
         convention=_bn_layers.variance_convention(layer),
-        old_mean=old_mean, new_mean=layer.moving_mean.numpy().astype(np.float64),
+        old_mean=old_mean,
+        new_mean=layer.moving_mean.numpy().astype(np.float64),
         old_variance=old_variance,
         new_variance=layer.moving_variance.numpy().astype(np.float64),
         batches_used=sums.batches,
@@ -316,8 +320,9 @@ class _Batches:
     """
 
     def __init__(self, data, steps, batch_size):
-        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int)
-                                  or steps < 1):
+        if steps is not None and (
+            isinstance(steps, bool) or not isinstance(steps, int) or steps < 1
+        ):
             raise ValueError(f"steps must be a positive int or None; received steps={steps!r}.")
         if isinstance(data, (np.ndarray, dict)):
             if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -359,7 +364,7 @@ def _split(data, batch_size):
     """An array, or a dict of arrays (a model's named inputs, as `fit` takes them), as a list
     of batches of `batch_size` along the first axis."""
     if isinstance(data, np.ndarray):
-        return [data[i:i + batch_size] for i in range(0, len(data), batch_size)]
+        return [data[i : i + batch_size] for i in range(0, len(data), batch_size)]
     arrays = {name: np.asarray(value) for name, value in data.items()}
     lengths = {name: len(array) for name, array in arrays.items()}
     if not arrays or len(set(lengths.values())) != 1:
@@ -368,8 +373,10 @@ def _split(data, batch_size):
             f"lengths {lengths}."
         )
     total = next(iter(lengths.values()))
-    return [{name: array[i:i + batch_size] for name, array in arrays.items()}
-            for i in range(0, total, batch_size)]
+    return [
+        {name: array[i : i + batch_size] for name, array in arrays.items()}
+        for i in range(0, total, batch_size)
+    ]
 
 
 def _known_length(data, steps):
@@ -403,12 +410,21 @@ class _ProgressBar:
 
     def __init__(self, enabled, total):
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-        from rich.progress import TimeElapsedColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
 
         self._progress = Progress(
-            TextColumn("recalibrate {task.description}"), BarColumn(), MofNCompleteColumn(),
-            TimeElapsedColumn(), console=Console(stderr=True), disable=not enabled,
+            TextColumn("recalibrate {task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=Console(stderr=True),
+            disable=not enabled,
         )
         self._task = self._progress.add_task("", total=total)
         self._progress.start()

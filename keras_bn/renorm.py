@@ -37,9 +37,7 @@ def validate_clipping(renorm_clipping, renorm):
     clipping = {}
     for key, value in renorm_clipping.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-            raise ValueError(
-                f"renorm_clipping[{key!r}] must be a number; received {value!r}."
-            )
+            raise ValueError(f"renorm_clipping[{key!r}] must be a number; received {value!r}.")
         clipping[key] = float(value)
     rmin, rmax, dmax = (clipping.get(k) for k in ("rmin", "rmax", "dmax"))
     if rmin is not None and rmax is not None and rmax < rmin:
@@ -49,13 +47,10 @@ def validate_clipping(renorm_clipping, renorm):
         )
     if dmax is not None and dmax < 0:
         raise ValueError(
-            f"renorm_clipping needs dmax ≥ 0 (dmax should be non-negative); received "
-            f"dmax={dmax}."
+            f"renorm_clipping needs dmax ≥ 0 (dmax should be non-negative); received dmax={dmax}."
         )
     if clipping and not renorm:
-        raise ValueError(
-            f"renorm_clipping={renorm_clipping!r} has no effect without renorm=True."
-        )
+        raise ValueError(f"renorm_clipping={renorm_clipping!r} has no effect without renorm=True.")
     return clipping
 
 

@@ -94,8 +94,9 @@ def batch_norm_train(x, gamma, beta, channel_axes, epsilon):
     def _normalize(x, gamma, beta):
         shift, offset, variance = _shifted_moments(x, _shift_estimate(x, reduced), m, sums)
         shift, offset, variance = tf.cond(
-            tf.reduce_any((tf.square(offset) > RECENTRE_RATIO * variance)
-                          | ~tf.math.is_finite(variance)),
+            tf.reduce_any(
+                (tf.square(offset) > RECENTRE_RATIO * variance) | ~tf.math.is_finite(variance)
+            ),
             lambda: _shifted_moments(x, shift + offset, m, sums),
             lambda: (shift, offset, variance),
         )
@@ -138,6 +139,7 @@ def _shift_estimate(x, reduced):
 
 def _shifted_moments(x, shift, m, sums):
     """(K, Δμ, σ²) from one read of x: Δμ = Σ(x − K)/m, σ² = Σ(x − K)²/m − Δμ²."""
+
     def summands(x):
         t = x - shift
         return t, tf.square(t)

@@ -11,7 +11,7 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 # on the CPU"), and the channels_first fold and export tests could not run.
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
-import tensorflow as tf  # noqa: E402
+import tensorflow as tf
 
 # Four logical CPU devices, for the tf.distribute tests' real MirroredStrategy replicas. This
 # must run before TensorFlow initialises its devices; ops without a device scope still run on
@@ -27,8 +27,12 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 # HYPOTHESIS_PROFILE=thorough runs ten times more.
 for _name, _examples in (("ci", 700), ("thorough", 7000)):
     settings.register_profile(
-        _name, max_examples=_examples, deadline=None, derandomize=(_name == "ci"),
-        database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+        _name,
+        max_examples=_examples,
+        deadline=None,
+        derandomize=(_name == "ci"),
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 

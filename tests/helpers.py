@@ -70,8 +70,10 @@ def randomise_batch_norms(model, seed=0):
             continue
         n = layer.moving_mean.shape
         values = {
-            "gamma": rng.uniform(0.5, 1.5, n), "beta": rng.normal(0, 0.2, n),
-            "moving_mean": rng.normal(0, 0.2, n), "moving_variance": rng.uniform(0.5, 1.5, n),
+            "gamma": rng.uniform(0.5, 1.5, n),
+            "beta": rng.normal(0, 0.2, n),
+            "moving_mean": rng.normal(0, 0.2, n),
+            "moving_variance": rng.uniform(0.5, 1.5, n),
         }
         for name, value in values.items():
             variable = getattr(layer, name)
@@ -108,8 +110,9 @@ def fit_under_mixed_float16(bn):
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(64, 6)), rng.normal(size=(64, 1))
     keras.mixed_precision.set_global_policy("mixed_float16")
-    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8), bn(),
-                              keras.layers.Dense(1)])
+    model = keras.Sequential(
+        [keras.Input((6,)), keras.layers.Dense(8), bn(), keras.layers.Dense(1)]
+    )
     model.compile(keras.optimizers.SGD(0.01), "mse", jit_compile=True)
     history = model.fit(x, y, batch_size=16, epochs=2, verbose=0)
     assert np.isfinite(history.history["loss"]).all()
@@ -134,8 +137,11 @@ def mirrored_strategy(replicas):
     base of its own per size keeps their groups apart.
     """
     if replicas not in _STRATEGIES:
-        cls = type(f"MirroredStrategy{replicas}", (tf.distribute.MirroredStrategy,),
-                   {"_collective_key_base": 1000 * replicas})
+        cls = type(
+            f"MirroredStrategy{replicas}",
+            (tf.distribute.MirroredStrategy,),
+            {"_collective_key_base": 1000 * replicas},
+        )
         _STRATEGIES[replicas] = cls(_devices(replicas))
     return _STRATEGIES[replicas]
 
@@ -143,39 +149,79 @@ def mirrored_strategy(replicas):
 # Host layers for a backward fold: kind → (make(data_format, use_bias), spatial rank, fold).
 BACKWARD_HOSTS = {
     "Dense": (lambda df, b: L.Dense(6, use_bias=b), 0, fold.fold_dense),
-    "Conv1D": (lambda df, b: L.Conv1D(6, 3, padding="same", data_format=df, use_bias=b),
-               1, fold.fold_conv),
-    "Conv1D_groups": (lambda df, b: L.Conv1D(6, 3, groups=2, data_format=df, use_bias=b),
-                      1, fold.fold_conv),
-    "Conv2D": (lambda df, b: L.Conv2D(6, 3, strides=2, data_format=df, use_bias=b),
-               2, fold.fold_conv),
-    "Conv2D_groups": (lambda df, b: L.Conv2D(6, 3, padding="same", groups=2, data_format=df,
-                                             use_bias=b), 2, fold.fold_conv),
+    "Conv1D": (
+        lambda df, b: L.Conv1D(6, 3, padding="same", data_format=df, use_bias=b),
+        1,
+        fold.fold_conv,
+    ),
+    "Conv1D_groups": (
+        lambda df, b: L.Conv1D(6, 3, groups=2, data_format=df, use_bias=b),
+        1,
+        fold.fold_conv,
+    ),
+    "Conv2D": (
+        lambda df, b: L.Conv2D(6, 3, strides=2, data_format=df, use_bias=b),
+        2,
+        fold.fold_conv,
+    ),
+    "Conv2D_groups": (
+        lambda df, b: L.Conv2D(6, 3, padding="same", groups=2, data_format=df, use_bias=b),
+        2,
+        fold.fold_conv,
+    ),
     "Conv3D": (lambda df, b: L.Conv3D(6, 2, data_format=df, use_bias=b), 3, fold.fold_conv),
-    "Conv3D_groups": (lambda df, b: L.Conv3D(6, 2, groups=2, data_format=df, use_bias=b),
-                      3, fold.fold_conv),
-    "DepthwiseConv1D_m1": (lambda df, b: L.DepthwiseConv1D(3, data_format=df, use_bias=b),
-                           1, fold.fold_depthwise),
-    "DepthwiseConv1D_m3": (lambda df, b: L.DepthwiseConv1D(3, depth_multiplier=3,
-                                                           data_format=df, use_bias=b),
-                           1, fold.fold_depthwise),
-    "DepthwiseConv2D_m1": (lambda df, b: L.DepthwiseConv2D(3, padding="same", data_format=df,
-                                                           use_bias=b), 2, fold.fold_depthwise),
-    "DepthwiseConv2D_m3": (lambda df, b: L.DepthwiseConv2D(3, depth_multiplier=3,
-                                                           data_format=df, use_bias=b),
-                           2, fold.fold_depthwise),
-    "SeparableConv1D": (lambda df, b: L.SeparableConv1D(6, 3, depth_multiplier=2,
-                                                        data_format=df, use_bias=b),
-                        1, fold.fold_separable),
-    "SeparableConv2D": (lambda df, b: L.SeparableConv2D(6, 3, depth_multiplier=2,
-                                                        padding="same", data_format=df,
-                                                        use_bias=b), 2, fold.fold_separable),
-    "Conv1DTranspose": (lambda df, b: L.Conv1DTranspose(6, 3, strides=2, data_format=df,
-                                                        use_bias=b), 1, fold.fold_conv_transpose),
-    "Conv2DTranspose": (lambda df, b: L.Conv2DTranspose(6, 3, padding="same", data_format=df,
-                                                        use_bias=b), 2, fold.fold_conv_transpose),
-    "Conv3DTranspose": (lambda df, b: L.Conv3DTranspose(6, 2, strides=2, data_format=df,
-                                                        use_bias=b), 3, fold.fold_conv_transpose),
+    "Conv3D_groups": (
+        lambda df, b: L.Conv3D(6, 2, groups=2, data_format=df, use_bias=b),
+        3,
+        fold.fold_conv,
+    ),
+    "DepthwiseConv1D_m1": (
+        lambda df, b: L.DepthwiseConv1D(3, data_format=df, use_bias=b),
+        1,
+        fold.fold_depthwise,
+    ),
+    "DepthwiseConv1D_m3": (
+        lambda df, b: L.DepthwiseConv1D(3, depth_multiplier=3, data_format=df, use_bias=b),
+        1,
+        fold.fold_depthwise,
+    ),
+    "DepthwiseConv2D_m1": (
+        lambda df, b: L.DepthwiseConv2D(3, padding="same", data_format=df, use_bias=b),
+        2,
+        fold.fold_depthwise,
+    ),
+    "DepthwiseConv2D_m3": (
+        lambda df, b: L.DepthwiseConv2D(3, depth_multiplier=3, data_format=df, use_bias=b),
+        2,
+        fold.fold_depthwise,
+    ),
+    "SeparableConv1D": (
+        lambda df, b: L.SeparableConv1D(6, 3, depth_multiplier=2, data_format=df, use_bias=b),
+        1,
+        fold.fold_separable,
+    ),
+    "SeparableConv2D": (
+        lambda df, b: L.SeparableConv2D(
+            6, 3, depth_multiplier=2, padding="same", data_format=df, use_bias=b
+        ),
+        2,
+        fold.fold_separable,
+    ),
+    "Conv1DTranspose": (
+        lambda df, b: L.Conv1DTranspose(6, 3, strides=2, data_format=df, use_bias=b),
+        1,
+        fold.fold_conv_transpose,
+    ),
+    "Conv2DTranspose": (
+        lambda df, b: L.Conv2DTranspose(6, 3, padding="same", data_format=df, use_bias=b),
+        2,
+        fold.fold_conv_transpose,
+    ),
+    "Conv3DTranspose": (
+        lambda df, b: L.Conv3DTranspose(6, 2, strides=2, data_format=df, use_bias=b),
+        3,
+        fold.fold_conv_transpose,
+    ),
 }
 
 
@@ -200,8 +246,9 @@ def run_cli(*args):
     """Run the installed keras-bn-export console script with `args` (paths allowed);
     returns the subprocess.CompletedProcess (text stdout and stderr)."""
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    return subprocess.run([CLI_SCRIPT, *map(str, args)], capture_output=True, text=True,
-                          env=env, timeout=300)
+    return subprocess.run(
+        [CLI_SCRIPT, *map(str, args)], capture_output=True, text=True, env=env, timeout=300
+    )
 
 
 def docs_page(name):

@@ -41,19 +41,25 @@ FIT_STEPS = 6  # global batches per epoch
 def build_model(synchronized=True, cumulative=False):
     """Dense → BN(momentum=0.5) → ReLU → Dense(1); `cumulative` adds a Dense → BN with
     momentum=None (so num_batches_tracked) → ReLU block before the last Dense."""
-    cumulative_block = [
-        keras.layers.Dense(4, use_bias=False),
-        keras_bn.BatchNormalization(momentum=None, synchronized=synchronized),
-        keras.layers.ReLU(),
-    ] if cumulative else []
-    return keras.Sequential([
-        keras.Input((6,)),
-        keras.layers.Dense(8, use_bias=False),
-        keras_bn.BatchNormalization(momentum=0.5, synchronized=synchronized),
-        keras.layers.ReLU(),
-        *cumulative_block,
-        keras.layers.Dense(1),
-    ])
+    cumulative_block = (
+        [
+            keras.layers.Dense(4, use_bias=False),
+            keras_bn.BatchNormalization(momentum=None, synchronized=synchronized),
+            keras.layers.ReLU(),
+        ]
+        if cumulative
+        else []
+    )
+    return keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(8, use_bias=False),
+            keras_bn.BatchNormalization(momentum=0.5, synchronized=synchronized),
+            keras.layers.ReLU(),
+            *cumulative_block,
+            keras.layers.Dense(1),
+        ]
+    )
 
 
 def load_weights(model, path):
@@ -66,13 +72,14 @@ def batches(steps=STEPS, seed=7):
     rng = np.random.default_rng(seed)
     for _ in range(steps):
         x = rng.normal(size=(GLOBAL_BATCH, 6)).astype("float32")
-        x[GLOBAL_BATCH // 2:] += 3.0  # the two workers see different distributions
+        x[GLOBAL_BATCH // 2 :] += 3.0  # the two workers see different distributions
         yield x, rng.normal(size=(GLOBAL_BATCH, 1)).astype("float32")
 
 
 def training_step(strategy, model, optimizer):
     """A tf.function taking one SGD step on a global batch (x, y); replica i trains on the
     i-th contiguous slice of it. strategy None means one process, no strategy."""
+
     def replica_step(x, y):
         with tf.GradientTape() as tape:
             # Sum over this replica's examples / global batch: the replicas' gradients add up
@@ -89,7 +96,7 @@ def training_step(strategy, model, optimizer):
 
         def shard(context):
             i = context.replica_id_in_sync_group
-            return x[i * per:(i + 1) * per], y[i * per:(i + 1) * per]
+            return x[i * per : (i + 1) * per], y[i * per : (i + 1) * per]
 
         return strategy.run(
             replica_step, args=strategy.experimental_distribute_values_from_function(shard)
@@ -118,8 +125,15 @@ def wait_to_be_killed():
     time.sleep(3600)
 
 
-def train_with_backup(strategy, init_path, backup_dir, log_path, stop_at=None,
-                      stop=wait_to_be_killed, save_freq="epoch"):
+def train_with_backup(
+    strategy,
+    init_path,
+    backup_dir,
+    log_path,
+    stop_at=None,
+    stop=wait_to_be_killed,
+    save_freq="epoch",
+):
     """FIT_EPOCHS epochs of FIT_STEPS global batches with
     BackupAndRestore(backup_dir, save_freq), resuming from its backup if there is one. After
     each batch it appends "epoch batch" to log_path; after batch `stop_at` (epoch, batch) it
@@ -139,8 +153,10 @@ def train_with_backup(strategy, init_path, backup_dir, log_path, stop_at=None,
         model.optimizer.build(model.trainable_variables)  # as fit does, in the scope
     step = training_step(strategy, model, model.optimizer)
     callbacks = keras.callbacks.CallbackList(
-        [keras.callbacks.BackupAndRestore(backup_dir, save_freq=save_freq),
-         _Progress(log_path, stop_at, stop)],
+        [
+            keras.callbacks.BackupAndRestore(backup_dir, save_freq=save_freq),
+            _Progress(log_path, stop_at, stop),
+        ],
         model=model,
     )
     callbacks.on_train_begin()  # restores the backup; fit starts from the epoch it sets:
@@ -195,22 +211,32 @@ class Cluster:
 
     def __init__(self, worker_args, log_dir, name):
         self.worker_args, self.name = worker_args, name
-        self.logs = [os.path.join(log_dir, f"{name}-worker{i}.log")
-                     for i in range(len(worker_args))]
+        self.logs = [
+            os.path.join(log_dir, f"{name}-worker{i}.log") for i in range(len(worker_args))
+        ]
         self.procs = []
 
     def __enter__(self):
         cluster = {"worker": [f"127.0.0.1:{p}" for p in _free_ports(len(self.worker_args))]}
         for index, (args, log) in enumerate(zip(self.worker_args, self.logs)):
-            env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": "",
-                   "TF_CONFIG": json.dumps({"cluster": cluster,
-                                            "task": {"type": "worker", "index": index}}),
-                   _PARENT: str(os.getpid())}
+            env = {
+                **os.environ,
+                "TF_CPP_MIN_LOG_LEVEL": "2",
+                "CUDA_VISIBLE_DEVICES": "",
+                "TF_CONFIG": json.dumps(
+                    {"cluster": cluster, "task": {"type": "worker", "index": index}}
+                ),
+                _PARENT: str(os.getpid()),
+            }
             with open(log, "w") as out:
-                self.procs.append(subprocess.Popen(
-                    [sys.executable, os.path.abspath(__file__), *args],
-                    env=env, stdout=out, stderr=subprocess.STDOUT,
-                ))
+                self.procs.append(
+                    subprocess.Popen(
+                        [sys.executable, os.path.abspath(__file__), *args],
+                        env=env,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
         return self
 
     def __exit__(self, *exc):
@@ -305,8 +331,7 @@ def main():
     if args.mode == "loop":
         weights = train(strategy, args.init)
     else:
-        weights = train_with_backup(strategy, args.init, args.backup_dir, args.log,
-                                    args.hang_at)
+        weights = train_with_backup(strategy, args.init, args.backup_dir, args.log, args.hang_at)
     _save(weights, args.out)
 
 

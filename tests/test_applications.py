@@ -4,10 +4,10 @@ completely, and their TFLite and ONNX files match the unfolded Keras model."""
 import keras
 import numpy as np
 import pytest
-from helpers import randomise_batch_norms
 
 import digits
 import keras_bn
+from helpers import randomise_batch_norms
 from keras_bn.export import export_onnx, export_tflite, fold_batch_norms
 
 RTOL = 1e-4
@@ -15,9 +15,11 @@ BNS = (keras_bn.BatchNormalization, keras.layers.BatchNormalization)
 
 APPLICATIONS = {
     "MobileNetV2": lambda: keras.applications.MobileNetV2(
-        input_shape=(96, 96, 3), alpha=0.35, weights=None, classifier_activation=None),
+        input_shape=(96, 96, 3), alpha=0.35, weights=None, classifier_activation=None
+    ),
     "ResNet50": lambda: keras.applications.ResNet50(
-        input_shape=(64, 64, 3), weights=None, classifier_activation=None),
+        input_shape=(64, 64, 3), weights=None, classifier_activation=None
+    ),
 }
 
 

@@ -57,9 +57,8 @@ def test_new_file_gets_the_mode_open_would_give(tmp_path, umask, mask):
     with open(tmp_path / "plain", "wb"):
         pass
     atomic.write_bytes(tmp_path / "atomic", b"data")
-    with atomic.replacing(tmp_path / "replaced") as temporary:
-        with open(temporary, "wb") as file:
-            file.write(b"data")
+    with atomic.replacing(tmp_path / "replaced") as temporary, open(temporary, "wb") as file:
+        file.write(b"data")
     plain = stat.S_IMODE(os.stat(tmp_path / "plain").st_mode)
     assert plain == 0o666 & ~mask
     for name in ("atomic", "replaced"):

@@ -8,8 +8,9 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_expo
 
 
 def test_bench_export_smoke():
-    result = subprocess.run([sys.executable, SCRIPT, "--smoke"], capture_output=True,
-                            text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, SCRIPT, "--smoke"], capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     rows = [l for l in result.stdout.splitlines() if l.startswith("| ") and "ms" not in l]
     assert len(rows) == 1 + 2 * 3  # header + 2 models × 3 runtime settings

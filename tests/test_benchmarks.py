@@ -14,7 +14,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _run(script, *extra):
     result = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", script), "--smoke", *extra],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout

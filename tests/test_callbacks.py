@@ -8,9 +8,9 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import assert_close, mirrored_strategy
 
 import keras_bn
+from helpers import assert_close, mirrored_strategy
 from keras_bn.callbacks import Recalibrate
 
 BATCH = 32
@@ -32,14 +32,21 @@ def _model(strategy=None):
     learning rate and a short EMA, so the EMA weights are far from the raw ones."""
     keras.utils.set_random_seed(0)
     with strategy.scope() if strategy else contextlib.nullcontext():
-        model = keras.Sequential([
-            keras.Input((8,)),
-            keras.layers.Dense(16), keras_bn.BatchNormalization(momentum=0.9), keras.layers.ReLU(),
-            keras.layers.Dense(16), keras.layers.BatchNormalization(momentum=0.9),
-            keras.layers.ReLU(), keras.layers.Dense(1),
-        ])
-        model.compile(keras.optimizers.Adam(0.05, use_ema=True, ema_momentum=0.9), "mse",
-                      metrics=["mae"])
+        model = keras.Sequential(
+            [
+                keras.Input((8,)),
+                keras.layers.Dense(16),
+                keras_bn.BatchNormalization(momentum=0.9),
+                keras.layers.ReLU(),
+                keras.layers.Dense(16),
+                keras.layers.BatchNormalization(momentum=0.9),
+                keras.layers.ReLU(),
+                keras.layers.Dense(1),
+            ]
+        )
+        model.compile(
+            keras.optimizers.Adam(0.05, use_ema=True, ema_momentum=0.9), "mse", metrics=["mae"]
+        )
     return model
 
 
@@ -48,8 +55,9 @@ def _bn_layers(model):
 
 
 def _statistics(model):
-    return [v.numpy() for layer in _bn_layers(model)
-            for v in (layer.moving_mean, layer.moving_variance)]
+    return [
+        v.numpy() for layer in _bn_layers(model) for v in (layer.moving_mean, layer.moving_variance)
+    ]
 
 
 _COPY = []  # one single-device model serves every check (its evaluate is traced once)
@@ -68,8 +76,10 @@ def _recalibrated_copy(weights):
 def _per_replica(model):
     """Every replica's copy of every non-trainable variable (the BN statistics), as numpy."""
     strategy = model.distribute_strategy
-    return [[c.numpy() for c in strategy.experimental_local_results(v.value)]
-            for v in model.non_trainable_variables]
+    return [
+        [c.numpy() for c in strategy.experimental_local_results(v.value)]
+        for v in model.non_trainable_variables
+    ]
 
 
 class _Record(keras.callbacks.Callback):
@@ -131,8 +141,13 @@ def test_at_train_end_recalibrates_for_the_ema_weights():
     assert_close(model.layers[1].moving_variance, variance, 1e-5)
     assert [c.name for c in callback.last_report.layers] == [b.name for b in _bn_layers(model)]
     # Without the callback the moving averages describe other weights.
-    assert max(np.max(np.abs(a - b) / (np.abs(b) + 1))
-               for a, b in zip(moving.train_end, fresh, strict=True)) > 0.05
+    assert (
+        max(
+            np.max(np.abs(a - b) / (np.abs(b) + 1))
+            for a, b in zip(moving.train_end, fresh, strict=True)
+        )
+        > 0.05
+    )
 
 
 @pytest.mark.slow
@@ -143,11 +158,19 @@ def test_before_validation_sees_recalibrated_statistics_and_leaves_training_bit_
         before, after = _Record(), _Record()
         callbacks = [keras.callbacks.SwapEMAWeights()]  # validate with the EMA weights
         if recalibrate:  # from a generator: read once, used at every validation run
-            batches = (X[i:i + BATCH] for i in range(0, len(X), BATCH))
+            batches = (X[i : i + BATCH] for i in range(0, len(X), BATCH))
             callback = Recalibrate(batches, at_train_end=False, before_validation=True)
             callbacks += [before, callback, after]
-        history = model.fit(X, Y, batch_size=BATCH, epochs=2, verbose=0, shuffle=True,
-                            validation_data=(X_VAL, Y_VAL), callbacks=callbacks).history
+        history = model.fit(
+            X,
+            Y,
+            batch_size=BATCH,
+            epochs=2,
+            verbose=0,
+            shuffle=True,
+            validation_data=(X_VAL, Y_VAL),
+            callbacks=callbacks,
+        ).history
         runs.append((history, model.variables + model.optimizer.variables))
     (plain, plain_variables), (history, variables) = runs
 
@@ -165,30 +188,42 @@ def test_works_under_mirrored_strategy():
     model = _model(mirrored_strategy(2))
     before, after = _Record(), _Record()
     callbacks = [before, Recalibrate(X, batch_size=BATCH, before_validation=True), after]
-    history = model.fit(X, Y, batch_size=BATCH, epochs=1, verbose=0,
-                        validation_data=(X_VAL, Y_VAL), callbacks=callbacks).history
+    history = model.fit(
+        X,
+        Y,
+        batch_size=BATCH,
+        epochs=1,
+        verbose=0,
+        validation_data=(X_VAL, Y_VAL),
+        callbacks=callbacks,
+    ).history
     # Metrics reduced across replicas: the same within float32 rounding.
     _assert_validation_saw_recalibrated_statistics(history, before, after, rel=1e-5)
-    index = next(i for i, v in enumerate(model.non_trainable_variables)
-                 if v is model.layers[4].moving_mean)
+    index = next(
+        i for i, v in enumerate(model.non_trainable_variables) if v is model.layers[4].moving_mean
+    )
     # Keras BN replicas differ from each other, so each must get its own statistics back.
     assert not np.array_equal(*before.begin[-1][index])
 
     fresh = _statistics(_recalibrated_copy(model.get_weights()))
-    statistics = [v for layer in _bn_layers(model)
-                  for v in (layer.moving_mean, layer.moving_variance)]
+    statistics = [
+        v for layer in _bn_layers(model) for v in (layer.moving_mean, layer.moving_variance)
+    ]
     for variable, expected in zip(statistics, fresh, strict=True):
         for replica in model.distribute_strategy.experimental_local_results(variable.value):
             np.testing.assert_allclose(replica.numpy(), expected, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"at_train_end": False}, "would do nothing"),
-    ({"before_validation": 1}, "before_validation=1"),
-    ({"progress": "yes"}, "progress='yes'"),
-    ({"steps": 0}, "steps=0"),
-    ({"batch_size": 0}, "batch_size=0"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"at_train_end": False}, "would do nothing"),
+        ({"before_validation": 1}, "before_validation=1"),
+        ({"progress": "yes"}, "progress='yes'"),
+        ({"steps": 0}, "steps=0"),
+        ({"batch_size": 0}, "batch_size=0"),
+    ],
+)
 def test_bad_arguments_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Recalibrate(X, **kwargs)
@@ -207,11 +242,16 @@ def test_frozen_bn_layers_keep_the_statistics_they_were_trained_with():
     them alone, at the end and for validation. The trainable BN after it gets Algorithm 2's
     statistics of its input as the frozen BN shapes it (numpy, float64)."""
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([
-        keras.Input((8,)),
-        keras.layers.Dense(16), keras_bn.BatchNormalization(), keras.layers.Dense(16),
-        keras.layers.BatchNormalization(), keras.layers.Dense(1),
-    ])
+    model = keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(16),
+            keras_bn.BatchNormalization(),
+            keras.layers.Dense(16),
+            keras.layers.BatchNormalization(),
+            keras.layers.Dense(1),
+        ]
+    )
     frozen, trained = model.layers[1], model.layers[3]
     rng = np.random.default_rng(3)  # "pretrained" statistics, far from those of X
     frozen.moving_mean.assign(rng.normal(size=16).astype("float32"))
@@ -226,14 +266,22 @@ def test_frozen_bn_layers_keep_the_statistics_they_were_trained_with():
                 np.testing.assert_array_equal(v.numpy(), p, err_msg=v.path)
 
     callback = Recalibrate(X, batch_size=BATCH, before_validation=True)
-    model.fit(X, Y, batch_size=BATCH, epochs=1, verbose=0, validation_data=(X_VAL, Y_VAL),
-              callbacks=[callback, FrozenAtValidation()])
+    model.fit(
+        X,
+        Y,
+        batch_size=BATCH,
+        epochs=1,
+        verbose=0,
+        validation_data=(X_VAL, Y_VAL),
+        callbacks=[callback, FrozenAtValidation()],
+    )
 
     for v, p in zip(frozen.non_trainable_variables, pretrained, strict=True):
         np.testing.assert_array_equal(v.numpy(), p, err_msg=v.path)
     assert [c.name for c in callback.last_report.layers] == [trained.name]
     w1, b1, gamma, beta, mean, variance, w2, b2 = [
-        w.astype(np.float64) for w in model.get_weights()[:8]]
+        w.astype(np.float64) for w in model.get_weights()[:8]
+    ]
     h = ((X @ w1 + b1) - mean) / np.sqrt(variance + frozen.epsilon) * gamma + beta
     batches = np.split(h @ w2 + b2, len(X) // BATCH)
     assert_close(trained.moving_mean, np.mean([b.mean(axis=0) for b in batches], axis=0), 1e-5)
@@ -245,8 +293,9 @@ def test_before_validation_alone_warns_when_fit_runs_no_validation():
     makes before_validation=True, at_train_end=False do nothing too, so it says so."""
     callback = Recalibrate(X, batch_size=BATCH, at_train_end=False, before_validation=True)
     with pytest.warns(UserWarning, match="ran no validation"):
-        _model().fit(X[:BATCH], Y[:BATCH], batch_size=BATCH, epochs=1, verbose=0,
-                     callbacks=[callback])
+        _model().fit(
+            X[:BATCH], Y[:BATCH], batch_size=BATCH, epochs=1, verbose=0, callbacks=[callback]
+        )
     assert callback.last_report is None
 
 
@@ -254,8 +303,9 @@ def test_a_last_batch_of_one_sample_does_not_crash_fit():
     """fit trains on BATCH + 1 samples (its last batch of one outputs β, issue 17's rule); the
     callback's recalibration at the end skips that batch too instead of raising in fit."""
     model = _model()
-    callback = Recalibrate(X[:BATCH + 1], batch_size=BATCH)
-    model.fit(X[:BATCH + 1], Y[:BATCH + 1], batch_size=BATCH, epochs=1, verbose=0,
-              callbacks=[callback])
+    callback = Recalibrate(X[: BATCH + 1], batch_size=BATCH)
+    model.fit(
+        X[: BATCH + 1], Y[: BATCH + 1], batch_size=BATCH, epochs=1, verbose=0, callbacks=[callback]
+    )
     assert callback.last_report.batches == 2
     assert [c.batches_used for c in callback.last_report.layers] == [1, 1]

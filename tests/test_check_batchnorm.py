@@ -2,17 +2,16 @@
 its numbers checked against numpy; none on a healthy trained model; nested models and both BN
 classes; the model left exactly as found."""
 
-import os
 import re
 
-import digits
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import docs_page, randomise_batch_norms
 
+import digits
 import keras_bn
+from helpers import docs_page, randomise_batch_norms
 from keras_bn.diagnostics import Finding, Findings, check_batchnorm
 from keras_bn.export import fold_batch_norms
 
@@ -23,13 +22,26 @@ def _kinds(findings):
 
 def _mlp(name="mlp"):
     """Dense → keras_bn BN → ReLU → nested [Dense → Keras BN] → Dense; every BN folds."""
-    inner = keras.Sequential([keras.Input((16,)), keras.layers.Dense(16),
-                              keras.layers.BatchNormalization(name="keras_bn_layer")],
-                             name="inner")
-    return keras.Sequential([
-        keras.Input((8,)), keras.layers.Dense(16), keras_bn.BatchNormalization(name="ours"),
-        keras.layers.ReLU(), inner, keras.layers.ReLU(), keras.layers.Dense(3),
-    ], name=name)
+    inner = keras.Sequential(
+        [
+            keras.Input((16,)),
+            keras.layers.Dense(16),
+            keras.layers.BatchNormalization(name="keras_bn_layer"),
+        ],
+        name="inner",
+    )
+    return keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(16),
+            keras_bn.BatchNormalization(name="ours"),
+            keras.layers.ReLU(),
+            inner,
+            keras.layers.ReLU(),
+            keras.layers.Dense(3),
+        ],
+        name=name,
+    )
 
 
 def _variables(model):
@@ -44,9 +56,10 @@ def test_statistics_never_updated_by_a_custom_loop_are_stale():
     optimizer = keras.optimizers.SGD(0.01)
     for start in range(0, 64, 16):  # the mistake: model(x) without training=True
         with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(model(x[start:start + 16]) - y[start:start + 16]))
-        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
-                                      model.trainable_variables))
+            loss = tf.reduce_mean(tf.square(model(x[start : start + 16]) - y[start : start + 16]))
+        optimizer.apply_gradients(
+            zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+        )
     expected = [("ours", "stale_statistics"), ("inner/keras_bn_layer", "stale_statistics")]
     assert _kinds(check_batchnorm(model)) == expected
     # With data: still one stale finding per layer, and the outputs show it.
@@ -56,7 +69,7 @@ def test_statistics_never_updated_by_a_custom_loop_are_stale():
     assert "training=True" in check_batchnorm(model)[0].message
     # The same loop with training=True moves the statistics: no finding.
     for start in range(0, 64, 16):
-        model(x[start:start + 16], training=True)
+        model(x[start : start + 16], training=True)
     assert check_batchnorm(model) == []
 
 
@@ -67,14 +80,17 @@ def _numpy_stale_message_parts(layer, inputs, unbiased):
     mean = np.mean([b.mean(axis=0) for b in inputs], axis=0)
     variance = np.sum([b.var(axis=0) * m for b in inputs], axis=0) / (m * count - count * unbiased)
     eps = layer.epsilon
-    moving_mean, moving_variance = (v.numpy().astype(np.float64)
-                                    for v in (layer.moving_mean, layer.moving_variance))
+    moving_mean, moving_variance = (
+        v.numpy().astype(np.float64) for v in (layer.moving_mean, layer.moving_variance)
+    )
     shift = np.abs(moving_mean - mean) / np.sqrt(variance + eps)
     ratio = (moving_variance + eps) / (variance + eps)
     parts = [f"variance is {ratio[np.argmax(np.maximum(ratio, 1 / ratio))]:.3g} ×"]
     if shift.max() > 0.5:
-        parts += [f"moving mean is {shift.max():.3g} standard deviations",
-                  f"{int(np.sum(shift > 0.5))} of {shift.size} channels beyond 0.5"]
+        parts += [
+            f"moving mean is {shift.max():.3g} standard deviations",
+            f"{int(np.sum(shift > 0.5))} of {shift.size} channels beyond 0.5",
+        ]
     return parts, moving_mean, moving_variance
 
 
@@ -90,32 +106,43 @@ def test_statistics_far_from_the_data_are_stale_with_numpy_numbers():
     assert list(stale) == ["ours", "inner/keras_bn_layer"]
 
     # numpy, in inference mode: Dense → keras_bn BN → ReLU → Dense → Keras BN.
-    w1, b1, w2, b2 = [w.astype(np.float64) for layer in (model.layers[0], model.layers[3].layers[0])
-                      for w in layer.get_weights()]
+    w1, b1, w2, b2 = [
+        w.astype(np.float64)
+        for layer in (model.layers[0], model.layers[3].layers[0])
+        for w in layer.get_weights()
+    ]
     ours, theirs = model.layers[1], model.layers[3].layers[1]
     h1 = np.split(shifted.astype(np.float64) @ w1 + b1, 3)
     parts, mean, variance = _numpy_stale_message_parts(ours, h1, unbiased=True)
     assert all(part in stale["ours"] for part in parts), (parts, stale["ours"])
     gamma, beta = [w.numpy().astype(np.float64) for w in (ours.gamma, ours.beta)]
-    h2 = [np.maximum(gamma * (h - mean) / np.sqrt(variance + ours.epsilon) + beta, 0) @ w2 + b2
-          for h in h1]
+    h2 = [
+        np.maximum(gamma * (h - mean) / np.sqrt(variance + ours.epsilon) + beta, 0) @ w2 + b2
+        for h in h1
+    ]
     parts, _, _ = _numpy_stale_message_parts(theirs, h2, unbiased=False)
     assert all(part in stale["inner/keras_bn_layer"] for part in parts)
 
 
 def test_small_batches_count_values_per_channel_spatial_positions_included():
-    model = keras.Sequential([
-        keras.Input((4, 4, 2)), keras.layers.Conv2D(4, 3, padding="same"),
-        keras.layers.BatchNormalization(name="conv_bn"), keras.layers.Flatten(),
-        keras.layers.Dense(5), keras_bn.BatchNormalization(name="dense_bn"),
-    ])
+    model = keras.Sequential(
+        [
+            keras.Input((4, 4, 2)),
+            keras.layers.Conv2D(4, 3, padding="same"),
+            keras.layers.BatchNormalization(name="conv_bn"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(5),
+            keras_bn.BatchNormalization(name="dense_bn"),
+        ]
+    )
     x = np.random.default_rng(2).normal(size=(44, 4, 4, 2)).astype("float32")
     keras_bn.recalibrate(model, x, batch_size=8, progress=False)
     # Batches of 8 (and a last one of 4): the conv BN sees 8·16 = 128 values per channel, the
     # Dense BN 8.
     findings = check_batchnorm(model, x, batch_size=8)
     assert [(f.layer, f.kind) for f in findings if f.kind == "small_batch"] == [
-        ("dense_bn", "small_batch")]
+        ("dense_bn", "small_batch")
+    ]
     assert "m=8 " in findings[0].message
     # Batches of 16 are enough; the short last batch (12) does not count.
     assert "small_batch" not in [f.kind for f in check_batchnorm(model, x, batch_size=16)]
@@ -125,11 +152,17 @@ def test_train_inference_gap_with_numpy_gap():
     """Batches with very different means (data that was never shuffled): batch statistics
     centre each batch, the population statistics cannot. The moving statistics are exactly the
     pooled statistics of the data, so nothing is stale, yet the outputs differ."""
-    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4),
-                              keras_bn.BatchNormalization(), keras.layers.Dense(2)], name="gap")
+    model = keras.Sequential(
+        [
+            keras.Input((3,)),
+            keras.layers.Dense(4),
+            keras_bn.BatchNormalization(),
+            keras.layers.Dense(2),
+        ],
+        name="gap",
+    )
     rng = np.random.default_rng(3)
-    x = np.concatenate([rng.normal(4.0 * b, 1.0, size=(32, 3)) for b in range(4)]).astype(
-        "float32")
+    x = np.concatenate([rng.normal(4.0 * b, 1.0, size=(32, 3)) for b in range(4)]).astype("float32")
     batches = np.split(x, 4)
     keras_bn.recalibrate(model, batches, progress=False)
     findings = check_batchnorm(model, batches)
@@ -159,10 +192,22 @@ def test_train_inference_gap_with_numpy_gap():
 
 
 def test_unfoldable_relays_the_folds_reason():
-    inner = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4, activation="relu"),
-                              keras_bn.BatchNormalization(name="after_relu")], name="inner")
-    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4),
-                              keras.layers.BatchNormalization(name="foldable"), inner])
+    inner = keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(4, activation="relu"),
+            keras_bn.BatchNormalization(name="after_relu"),
+        ],
+        name="inner",
+    )
+    model = keras.Sequential(
+        [
+            keras.Input((3,)),
+            keras.layers.Dense(4),
+            keras.layers.BatchNormalization(name="foldable"),
+            inner,
+        ]
+    )
     findings = check_batchnorm(randomise_batch_norms(model))
     assert _kinds(findings) == [("inner/after_relu", "unfoldable")]
     (kept,) = fold_batch_norms(model)[1].kept
@@ -207,15 +252,28 @@ def test_unfoldable_where_the_fold_cannot_see_the_bn():
 @pytest.mark.slow
 def test_a_healthy_trained_nested_model_has_no_finding():
     x_train, y_train, x_test, _ = digits.load()
-    block = keras.Sequential([
-        keras.Input((8, 8, 1)), keras.layers.Conv2D(16, 3, padding="same", use_bias=False),
-        keras.layers.BatchNormalization(momentum=0.9), keras.layers.ReLU(),
-    ], name="block")
-    model = keras.Sequential([
-        keras.Input((8, 8, 1)), block, keras.layers.MaxPooling2D(), keras.layers.Flatten(),
-        keras.layers.Dense(32), keras_bn.BatchNormalization(momentum=0.9), keras.layers.ReLU(),
-        keras.layers.Dropout(0.2), keras.layers.Dense(10, activation="softmax"),
-    ])
+    block = keras.Sequential(
+        [
+            keras.Input((8, 8, 1)),
+            keras.layers.Conv2D(16, 3, padding="same", use_bias=False),
+            keras.layers.BatchNormalization(momentum=0.9),
+            keras.layers.ReLU(),
+        ],
+        name="block",
+    )
+    model = keras.Sequential(
+        [
+            keras.Input((8, 8, 1)),
+            block,
+            keras.layers.MaxPooling2D(),
+            keras.layers.Flatten(),
+            keras.layers.Dense(32),
+            keras_bn.BatchNormalization(momentum=0.9),
+            keras.layers.ReLU(),
+            keras.layers.Dropout(0.2),
+            keras.layers.Dense(10, activation="softmax"),
+        ]
+    )
     model.compile("adam", "sparse_categorical_crossentropy")
     model.fit(x_train, y_train, batch_size=32, epochs=5, verbose=0)
     before = _variables(model)
@@ -227,8 +285,13 @@ def test_a_healthy_trained_nested_model_has_no_finding():
 
 
 def test_str_is_a_table():
-    findings = Findings([Finding("a", "small_batch", "m=2"),
-                         Finding("outer/bn_long_name", "unfoldable", "the fold keeps it")], 3)
+    findings = Findings(
+        [
+            Finding("a", "small_batch", "m=2"),
+            Finding("outer/bn_long_name", "unfoldable", "the fold keeps it"),
+        ],
+        3,
+    )
     lines = str(findings).splitlines()
     assert lines[0] == "check_batchnorm: 2 finding(s) in 3 BN layer(s)."
     header, rule, *rows = lines[1:]

@@ -20,19 +20,22 @@ def _data():
 
 def _model():
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([
-        keras.Input((6, 6, 2)),
-        keras.layers.Conv2D(4, 3, use_bias=False),
-        keras_bn.BatchNormalization(momentum=0.8),
-        keras.layers.ReLU(),
-        keras.layers.Flatten(),
-        keras.layers.Dense(8, use_bias=False),
-        keras_bn.BatchNormalization(momentum=0.8),
-        keras.layers.ReLU(),
-        keras.layers.Dense(2),
-    ])
-    model.compile(keras.optimizers.Adam(1e-2),
-                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model = keras.Sequential(
+        [
+            keras.Input((6, 6, 2)),
+            keras.layers.Conv2D(4, 3, use_bias=False),
+            keras_bn.BatchNormalization(momentum=0.8),
+            keras.layers.ReLU(),
+            keras.layers.Flatten(),
+            keras.layers.Dense(8, use_bias=False),
+            keras_bn.BatchNormalization(momentum=0.8),
+            keras.layers.ReLU(),
+            keras.layers.Dense(2),
+        ]
+    )
+    model.compile(
+        keras.optimizers.Adam(1e-2), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
     return model
 
 
@@ -52,7 +55,7 @@ def _custom_loop(model, epochs, x, y):
 
     for _ in range(epochs):
         for start in range(0, len(x), BATCH):
-            step(x[start:start + BATCH], y[start:start + BATCH])
+            step(x[start : start + BATCH], y[start : start + BATCH])
 
 
 @pytest.mark.parametrize("train", [_fit, _custom_loop], ids=["fit", "custom_loop"])

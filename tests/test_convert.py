@@ -4,9 +4,9 @@ MobileNetV2; configs and weights carried exactly; the original untouched."""
 import keras
 import numpy as np
 import pytest
-from helpers import assert_close
 
 import keras_bn
+from helpers import assert_close
 from keras_bn import convert
 
 
@@ -26,17 +26,23 @@ def _bn_layers(model, kind):
 def _nested_keras_model():
     """Functional model holding a nested Sequential and a nested Functional, with Keras BNs
     of several configurations (renorm included)."""
-    block = keras.Sequential([
-        keras.Input((6, 6, 3)),
-        keras.layers.Conv2D(4, 3, padding="same", use_bias=False),
-        keras.layers.BatchNormalization(momentum=0.9, epsilon=1e-4, name="seq_bn"),
-    ], name="block")
+    block = keras.Sequential(
+        [
+            keras.Input((6, 6, 3)),
+            keras.layers.Conv2D(4, 3, padding="same", use_bias=False),
+            keras.layers.BatchNormalization(momentum=0.9, epsilon=1e-4, name="seq_bn"),
+        ],
+        name="block",
+    )
     inner_in = keras.Input((4,))
     inner = keras.Model(
         inner_in,
         keras.layers.BatchNormalization(
-            center=False, renorm=True, renorm_clipping={"rmax": 3.0, "rmin": 0.3, "dmax": 5.0},
-            renorm_momentum=0.9, name="renorm_bn",
+            center=False,
+            renorm=True,
+            renorm_clipping={"rmax": 3.0, "rmin": 0.3, "dmax": 5.0},
+            renorm_momentum=0.9,
+            name="renorm_bn",
         )(keras.layers.Dense(4)(inner_in)),
         name="inner",
     )
@@ -88,9 +94,13 @@ def test_from_keras_and_back_on_nested_model():
 
 
 def test_sequential_model():
-    model = keras.Sequential([
-        keras.Input((5,)), keras.layers.Dense(3), keras.layers.BatchNormalization(axis=1),
-    ])
+    model = keras.Sequential(
+        [
+            keras.Input((5,)),
+            keras.layers.Dense(3),
+            keras.layers.BatchNormalization(axis=1),
+        ]
+    )
     _randomize(model)
     ours = convert.from_keras(model)
     assert isinstance(ours, keras.Sequential)

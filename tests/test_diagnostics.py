@@ -3,9 +3,9 @@
 import keras
 import numpy as np
 import pytest
-from helpers import assert_close
 
 import keras_bn
+from helpers import assert_close
 from keras_bn import diagnostics
 
 N, D, H = 12, 4, 3
@@ -57,7 +57,12 @@ def test_gradient_norms_by_layer_match_hand_gradients():
 def test_gradient_norms_leave_bn_moving_statistics_alone():
     x, y = _data()
     model = keras.Sequential(
-        [keras.Input((D,)), keras.layers.Dense(H), keras_bn.BatchNormalization(), keras.layers.Dense(1)]
+        [
+            keras.Input((D,)),
+            keras.layers.Dense(H),
+            keras_bn.BatchNormalization(),
+            keras.layers.Dense(1),
+        ]
     )
     saved = _weights(model)
     norms = diagnostics.gradient_norms_by_layer(model, x, y, "mse")
@@ -105,7 +110,9 @@ def test_landscape_along_gradient_matches_hand_computation():
     assert_close(result["gradient_changes"], changes, rtol=1e-10)
     all_losses = np.append(losses, loss0)
     assert result["loss_variation"] == pytest.approx(all_losses.max() - all_losses.min(), rel=1e-10)
-    assert result["gradient_predictiveness"] == pytest.approx(changes.max() - changes.min(), rel=1e-10)
+    assert result["gradient_predictiveness"] == pytest.approx(
+        changes.max() - changes.min(), rel=1e-10
+    )
     assert result["beta_smoothness"] == pytest.approx(beta, rel=1e-10)
     _assert_same_weights(model, saved)
 
@@ -113,7 +120,12 @@ def test_landscape_along_gradient_matches_hand_computation():
 def test_landscape_restores_weights_and_moving_statistics():
     x, y = _data()
     model = keras.Sequential(
-        [keras.Input((D,)), keras.layers.Dense(H), keras_bn.BatchNormalization(), keras.layers.Dense(1)]
+        [
+            keras.Input((D,)),
+            keras.layers.Dense(H),
+            keras_bn.BatchNormalization(),
+            keras.layers.Dense(1),
+        ]
     )
     saved = _weights(model)
     result = diagnostics.landscape_along_gradient(model, x, y, "mse", [0.1, 1.0])

@@ -2,13 +2,13 @@
 across two real worker processes: exactly single-device BN on the global batch."""
 
 import keras
+import multiworker_worker as worker
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import assert_close, mirrored_strategy
 
 import keras_bn
-import multiworker_worker as worker
+from helpers import assert_close, mirrored_strategy
 
 EPS = 1e-3
 # (global input shape, axis)
@@ -30,8 +30,14 @@ def _single_device(x, upstream, axis, momentum=0.5):
         y = layer(x, training=True)
         loss = tf.reduce_sum(y * upstream)
     dx, dgamma, dbeta = tape.gradient(loss, [x] + layer.trainable_weights)
-    return {"y": y, "dx": dx, "dgamma": dgamma, "dbeta": dbeta,
-            "moving_mean": layer.moving_mean, "moving_variance": layer.moving_variance}
+    return {
+        "y": y,
+        "dx": dx,
+        "dgamma": dgamma,
+        "dbeta": dbeta,
+        "moving_mean": layer.moving_mean,
+        "moving_variance": layer.moving_variance,
+    }
 
 
 def _per_replica(strategy, arrays, splits):
@@ -40,7 +46,7 @@ def _per_replica(strategy, arrays, splits):
     bounds = np.cumsum([0] + list(splits))
 
     def shard(context):
-        rows = slice(*bounds[context.replica_id_in_sync_group:][:2])
+        rows = slice(*bounds[context.replica_id_in_sync_group :][:2])
         return tuple(tf.constant(a[rows]) for a in arrays)
 
     return strategy.experimental_distribute_values_from_function(shard)
@@ -58,9 +64,7 @@ def _replicated(x, upstream, axis, replicas, synchronized=True, momentum=0.5):
     strategy = mirrored_strategy(replicas)
     per_replica = len(x) // replicas
     with strategy.scope():
-        layer = keras_bn.BatchNormalization(
-            axis=axis, momentum=momentum, synchronized=synchronized
-        )
+        layer = keras_bn.BatchNormalization(axis=axis, momentum=momentum, synchronized=synchronized)
         layer.build((per_replica,) + x.shape[1:])
         layer.set_weights(_weights(layer))
 
@@ -77,8 +81,10 @@ def _replicated(x, upstream, axis, replicas, synchronized=True, momentum=0.5):
     results = tf.function(lambda d: strategy.run(replica_step, args=(d,)))(inputs)
     local = [strategy.experimental_local_results(r) for r in results]
     return {
-        "y": tf.concat(local[0], 0), "dx": tf.concat(local[1], 0),
-        "dgamma": tf.add_n(local[2]), "dbeta": tf.add_n(local[3]),
+        "y": tf.concat(local[0], 0),
+        "dx": tf.concat(local[1], 0),
+        "dgamma": tf.add_n(local[2]),
+        "dbeta": tf.add_n(local[3]),
         "replica_moving_mean": _copies(strategy, layer.moving_mean),
         "replica_moving_variance": _copies(strategy, layer.moving_variance),
     }
@@ -87,7 +93,7 @@ def _replicated(x, upstream, axis, replicas, synchronized=True, momentum=0.5):
 def _data(shape, seed=0):
     rng = np.random.default_rng(seed)
     x = rng.normal(2.0, 3.0, size=shape).astype("float32")
-    x[len(x) // 2:] += 5.0  # replicas see different distributions
+    x[len(x) // 2 :] += 5.0  # replicas see different distributions
     return x, rng.normal(size=shape).astype("float32")
 
 
@@ -124,8 +130,10 @@ def test_unsynchronized_normalizes_per_replica_and_keeps_copies_identical():
     shape, axis = LAYOUTS["nhwc"]
     x, upstream = _data(shape)
     multi = _replicated(x, upstream, axis, replicas=2, synchronized=False, momentum=0.5)
-    halves = [_single_device(x[i * 8:(i + 1) * 8], upstream[i * 8:(i + 1) * 8], axis)
-              for i in range(2)]
+    halves = [
+        _single_device(x[i * 8 : (i + 1) * 8], upstream[i * 8 : (i + 1) * 8], axis)
+        for i in range(2)
+    ]
     assert_close(multi["y"], np.concatenate([h["y"] for h in halves]), 1e-5)
     assert_close(multi["dx"], np.concatenate([h["dx"] for h in halves]), 1e-5)
     for name in ("moving_mean", "moving_variance"):
@@ -190,8 +198,11 @@ def _groups(x, splits, synchronized, virtual_batch_size=None, mask=None):
     rows = [x[a:b][keep[a:b]] for a, b in zip(bounds[:-1], bounds[1:])]
     if virtual_batch_size is None:
         return rows
-    return [r[g::len(r) // virtual_batch_size] for r in rows
-            for g in range(len(r) // virtual_batch_size)]
+    return [
+        r[g :: len(r) // virtual_batch_size]
+        for r in rows
+        for g in range(len(r) // virtual_batch_size)
+    ]
 
 
 def _moving_targets(groups, eps=EPS):
@@ -214,6 +225,7 @@ def _moving_targets(groups, eps=EPS):
 def _train_replicas(strategy, layer, batches, splits, mask=None):
     """Training-mode calls of `layer`, one per global batch, split over the replicas (with
     the same mask over the batch axis for every batch, if given)."""
+
     def call(arrays):
         return layer(arrays[0], training=True, mask=arrays[1] if mask is not None else None)
 
@@ -257,13 +269,16 @@ def test_non_finite_batch_on_one_replica_updates_no_replica(
         assert _copies(strategy, layer.num_batches_tracked) == [2, 2]
 
 
-@pytest.mark.parametrize("values,weights,enough,expected", [
-    ([[1.0, 2.0], [3.0, 4.0]], [5, 3], [True, True], [1.75, 2.75]),
-    # A replica with m < 2 (at run time: a fully masked or empty share) weighs 0, NaN or not.
-    ([[1.0, 2.0], [np.nan, 4.0]], [5, 1], [True, False], [1.0, 2.0]),
-    ([[1.0, 2.0], [np.nan, 4.0]], [5, 3], [True, True], None),  # a NaN with m ≥ 2: skip
-    ([[1.0, 2.0], [3.0, 4.0]], [1, 0], [False, False], None),  # nobody has m ≥ 2: skip
-])
+@pytest.mark.parametrize(
+    "values,weights,enough,expected",
+    [
+        ([[1.0, 2.0], [3.0, 4.0]], [5, 3], [True, True], [1.75, 2.75]),
+        # A replica with m < 2 (at run time: a fully masked or empty share) weighs 0, NaN or not.
+        ([[1.0, 2.0], [np.nan, 4.0]], [5, 1], [True, False], [1.0, 2.0]),
+        ([[1.0, 2.0], [np.nan, 4.0]], [5, 3], [True, True], None),  # a NaN with m ≥ 2: skip
+        ([[1.0, 2.0], [3.0, 4.0]], [1, 0], [False, False], None),  # nobody has m ≥ 2: skip
+    ],
+)
 def test_count_weighted_average_across_real_replicas(values, weights, enough, expected):
     """The pooling function alone, on 2 replicas: every replica gets Σwᵢvᵢ/Σwᵢ over the
     replicas with m ≥ 2, and the same verdict on whether to update (None: skip)."""
@@ -271,8 +286,11 @@ def test_count_weighted_average_across_real_replicas(values, weights, enough, ex
 
     def shard(context):
         i = context.replica_id_in_sync_group
-        return (tf.constant(values[i], tf.float32), tf.constant(weights[i], tf.float32),
-                tf.constant(enough[i]))
+        return (
+            tf.constant(values[i], tf.float32),
+            tf.constant(weights[i], tf.float32),
+            tf.constant(enough[i]),
+        )
 
     def pool(args):
         value, weight, has_enough = args
@@ -302,10 +320,15 @@ UNEQUAL = {  # (global batch shape, layer arguments)
 MASK = np.array([1, 0, 1, 1, 0, 1, 0, 1], bool)
 
 
-@pytest.mark.parametrize("case,synchronized", [
-    (case, synchronized) for case in UNEQUAL for synchronized in (False, True)
-    if not (synchronized and "virtual_batch_size" in UNEQUAL[case][1])  # exclusive options
-])
+@pytest.mark.parametrize(
+    "case,synchronized",
+    [
+        (case, synchronized)
+        for case in UNEQUAL
+        for synchronized in (False, True)
+        if not (synchronized and "virtual_batch_size" in UNEQUAL[case][1])  # exclusive options
+    ],
+)
 def test_unequal_replica_batches_weight_the_update_by_count(case, synchronized):
     """A global batch of 8 split 5/3. Unsynchronized, the moving mean moves toward
     (5·μ₁ + 3·μ₂)/8, the global batch mean, and the moving variance toward (5·s₁² + 3·s₂²)/8,
@@ -317,8 +340,9 @@ def test_unequal_replica_batches_weight_the_update_by_count(case, synchronized):
     strategy = mirrored_strategy(2)
     x = _data(shape, seed=3)[0]
     mask = MASK if case == "masked" else None
-    layer = _replica_layer(strategy, (None,) + shape[1:], synchronized=synchronized,
-                           **{"momentum": momentum, **kwargs})
+    layer = _replica_layer(
+        strategy, (None,) + shape[1:], synchronized=synchronized, **{"momentum": momentum, **kwargs}
+    )
     _train_replicas(strategy, layer, [x], (5, 3), mask)
 
     target = _moving_targets(
@@ -328,11 +352,14 @@ def test_unequal_replica_batches_weight_the_update_by_count(case, synchronized):
     if "virtual_batch_size" not in kwargs:
         assert_close(target["mean"], channels.mean(0), 1e-6)  # the global batch mean
     keep = 0.0 if momentum is None else momentum
-    expected = {"moving_mean": (1 - keep) * target["mean"],
-                "moving_variance": keep + (1 - keep) * target["unbiased"]}
+    expected = {
+        "moving_mean": (1 - keep) * target["mean"],
+        "moving_variance": keep + (1 - keep) * target["unbiased"],
+    }
     if kwargs.get("renorm"):
-        expected.update(renorm_mean=0.5 * target["mean"],
-                        renorm_stddev=0.5 + 0.5 * target["stddev"])
+        expected.update(
+            renorm_mean=0.5 * target["mean"], renorm_stddev=0.5 + 0.5 * target["stddev"]
+        )
     for name, value in expected.items():
         for copy in _copies(strategy, getattr(layer, name)):
             assert_close(copy, value, 1e-6)
@@ -349,8 +376,9 @@ def test_fit_with_an_uneven_last_batch_moves_toward_its_global_mean():
     x[-2:] += 10.0  # the last batch's replicas differ
     strategy = mirrored_strategy(2)
     with strategy.scope():
-        model = keras.Sequential([keras.Input((3,)), keras_bn.BatchNormalization(momentum=0.0),
-                                  keras.layers.Dense(1)])
+        model = keras.Sequential(
+            [keras.Input((3,)), keras_bn.BatchNormalization(momentum=0.0), keras.layers.Dense(1)]
+        )
         model.compile(keras.optimizers.SGD(0.0), "mse")
     model.fit(x, np.zeros((21, 1), "float32"), batch_size=8, shuffle=False, verbose=0)
     for copy in _copies(strategy, model.layers[0].moving_mean):
@@ -372,7 +400,9 @@ def test_multi_worker_mirrored_strategy_matches_one_process(tmp_path):
 
     worker.run_cluster(
         [["loop", str(init), str(tmp_path / f"worker{index}.npz")] for index in range(2)],
-        str(tmp_path), "loop", timeout=worker.CLUSTER_TIMEOUT_S,
+        str(tmp_path),
+        "loop",
+        timeout=worker.CLUSTER_TIMEOUT_S,
     )
     for index in range(2):
         result = np.load(tmp_path / f"worker{index}.npz")

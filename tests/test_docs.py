@@ -32,12 +32,29 @@ def site(tmp_path_factory):
     out = tmp_path_factory.mktemp("site")
     # Its own notebook cache and kernelspec, not build/docs: nothing is shared with a
     # `make docs` (or another build) running at the same time.
-    env = {**os.environ, "KERAS_BN_SMALL": "1",
-           "KERAS_BN_DOCS_BUILD": str(tmp_path_factory.mktemp("docs_build"))}
+    env = {
+        **os.environ,
+        "KERAS_BN_SMALL": "1",
+        "KERAS_BN_DOCS_BUILD": str(tmp_path_factory.mktemp("docs_build")),
+    }
     result = subprocess.run(
-        [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-b", "html", "-q",
-         str(ROOT / "docs"), str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800,
+        [
+            sys.executable,
+            "-m",
+            "sphinx",
+            "-W",
+            "--keep-going",
+            "-b",
+            "html",
+            "-q",
+            str(ROOT / "docs"),
+            str(out),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
     )
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
     return out
@@ -55,9 +72,17 @@ def browser():
 
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-                 "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"):
+    for flag in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-dev-shm-usage",
+    ):
         options.add_argument(flag)
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
     driver.set_page_load_timeout(60)
@@ -104,13 +129,16 @@ def test_performance_page_shows_the_ratio_plot(site, browser):
 @pytest.mark.xdist_group("docs_site")
 def test_api_page_lists_every_public_name(site, browser):
     browser.get((site / "api.html").as_uri())
-    anchors = set(browser.execute_script(
-        "return Array.from(document.querySelectorAll('[id]')).map(e => e.id);"
-    ))
+    anchors = set(
+        browser.execute_script(
+            "return Array.from(document.querySelectorAll('[id]')).map(e => e.id);"
+        )
+    )
     expected = {f"keras_bn.{name}" for name in keras_bn.__all__}
     expected |= {f"keras_bn.export.{name}" for name in keras_bn.export.__all__}
-    missing = sorted(name for name in expected
-                     if name not in anchors and f"module-{name}" not in anchors)
+    missing = sorted(
+        name for name in expected if name not in anchors and f"module-{name}" not in anchors
+    )
     assert not missing, f"API page lacks {missing}"
 
 
@@ -145,11 +173,14 @@ def test_no_file_cites_documents_the_project_lacks():
     """Code, docs and notebooks cite papers and the project's own pages, never the design
     notes or seeds that lived outside the repository."""
     pattern = re.compile(r"shared/|design\.md|reference\.md|seeds/")
-    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
-                             check=True).stdout.split()
+    tracked = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
     offenders = [
-        name for name in tracked
-        if name not in CITATION_CHECKERS and (ROOT / name).is_file()
+        name
+        for name in tracked
+        if name not in CITATION_CHECKERS
+        and (ROOT / name).is_file()
         and pattern.search((ROOT / name).read_text(encoding="utf-8", errors="ignore"))
     ]
     assert not offenders, offenders

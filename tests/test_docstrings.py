@@ -53,9 +53,13 @@ def _exported(module):
     """`module.__all__`, or else the functions and classes it defines under public names."""
     if hasattr(module, "__all__"):
         return module.__all__
-    return [name for name, value in vars(module).items()
-            if not name.startswith("_") and (inspect.isfunction(value) or inspect.isclass(value))
-            and value.__module__ == module.__name__]
+    return [
+        name
+        for name, value in vars(module).items()
+        if not name.startswith("_")
+        and (inspect.isfunction(value) or inspect.isclass(value))
+        and value.__module__ == module.__name__
+    ]
 
 
 def _public():
@@ -79,11 +83,19 @@ def _public():
 
 
 PUBLIC = _public()
-CALLABLES = {name: obj for name, obj in PUBLIC.items()
-             if inspect.isclass(obj) or inspect.isfunction(obj)}
-CONSTANTS = {name: obj for name, obj in PUBLIC.items()
-             if not (inspect.ismodule(obj) or inspect.isclass(obj) or inspect.isfunction(obj)
-                     or isinstance(obj, property))}
+CALLABLES = {
+    name: obj for name, obj in PUBLIC.items() if inspect.isclass(obj) or inspect.isfunction(obj)
+}
+CONSTANTS = {
+    name: obj
+    for name, obj in PUBLIC.items()
+    if not (
+        inspect.ismodule(obj)
+        or inspect.isclass(obj)
+        or inspect.isfunction(obj)
+        or isinstance(obj, property)
+    )
+}
 
 
 def _own_doc(obj):
@@ -148,8 +160,9 @@ def _own_statements(node):
         current = stack.pop()
         yield current
         for child in ast.iter_child_nodes(current):
-            if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda,
-                                      ast.ClassDef)):
+            if not isinstance(
+                child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
+            ):
                 stack.append(child)
 
 
@@ -164,17 +177,26 @@ def _raised_directly(function):
 
 
 def _returns_value(function):
-    return any(isinstance(node, ast.Return) and node.value is not None
-               and not (isinstance(node.value, ast.Constant) and node.value.value is None)
-               for node in _own_statements(_function_node(function)))
+    return any(
+        isinstance(node, ast.Return)
+        and node.value is not None
+        and not (isinstance(node.value, ast.Constant) and node.value.value is None)
+        for node in _own_statements(_function_node(function))
+    )
 
 
 def test_the_public_api_is_what_this_test_walks():
     """The walk reaches the names the issue lists, so a broken walk cannot pass vacuously."""
-    for name in ("keras_bn.BatchNormalization", "keras_bn.export.FoldReport.relative_error",
-                 "keras_bn.export.ExportReport.passed", "keras_bn.export.ExportReport.to_dict",
-                 "keras_bn.export.InferenceAffine.set_affine", "keras_bn.convert.to_keras",
-                 "keras_bn.diagnostics.Findings", "keras_bn.export.INT8_SPREAD_THRESHOLD"):
+    for name in (
+        "keras_bn.BatchNormalization",
+        "keras_bn.export.FoldReport.relative_error",
+        "keras_bn.export.ExportReport.passed",
+        "keras_bn.export.ExportReport.to_dict",
+        "keras_bn.export.InferenceAffine.set_affine",
+        "keras_bn.convert.to_keras",
+        "keras_bn.diagnostics.Findings",
+        "keras_bn.export.INT8_SPREAD_THRESHOLD",
+    ):
         assert name in PUBLIC, name
     assert set(RAISES) <= set(PUBLIC), sorted(set(RAISES) - set(PUBLIC))
 
@@ -190,9 +212,12 @@ def test_has_a_docstring_of_its_own(name):
 @pytest.mark.parametrize("name", sorted(CONSTANTS))
 def test_constant_has_a_doc_comment(name):
     """Sphinx documents a module constant from the `#:` comment above its assignment."""
-    module = next(module for module in sys.modules.values()
-                  if getattr(module, "__name__", "").startswith("keras_bn")
-                  and re.search(rf"^{name.rsplit('.', 1)[-1]} = ", _source(module), re.M))
+    module = next(
+        module
+        for module in sys.modules.values()
+        if getattr(module, "__name__", "").startswith("keras_bn")
+        and re.search(rf"^{name.rsplit('.', 1)[-1]} = ", _source(module), re.M)
+    )
     lines = _source(module).splitlines()
     line = next(i for i, text in enumerate(lines) if text.startswith(name.rsplit(".", 1)[-1]))
     assert line > 0 and lines[line - 1].startswith("#: "), f"{name} has no #: doc comment"
@@ -234,8 +259,10 @@ def test_every_exception_raised_is_documented(name):
     # A dataclass's generated __init__ has no source, and raises nothing.
     if inspect.isfunction(function) and not function.__code__.co_filename.startswith("<"):
         raised = raised | _raised_directly(function)
-    documented = {entry.rsplit(".", 1)[-1]
-                  for entry in _entries(_sections(_own_doc(obj) or "").get("Raises", []))}
+    documented = {
+        entry.rsplit(".", 1)[-1]
+        for entry in _entries(_sections(_own_doc(obj) or "").get("Raises", []))
+    }
     missing = sorted(raised - documented)
     assert not missing, f"{name} raises {missing}, which its Raises section does not list"
 

@@ -3,17 +3,16 @@ lost (weights, statistics, existing files). The docs page guide/errors.md is thi
 test checks that the two agree."""
 
 import os
-import re
 import stat
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import docs_page, run_cli
 from tensorflow.lite.python.convert import ConverterError
 
 import keras_bn
+from helpers import docs_page, run_cli
 from keras_bn.export import VerificationError, export_onnx, export_tflite, fold_batch_norms
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,16 +36,19 @@ def _unchanged(layer, before):
     def check():
         for w, b in zip(layer.weights, before):
             np.testing.assert_array_equal(w.numpy(), b)
+
     return check
 
 
 def _folder_holds(folder, names):
     def check():
         assert sorted(os.listdir(folder)) == sorted(names)
+
     return check
 
 
 # Each case: (area, name, exception type, message regex, set-up(tmp_path) -> (act, check)).
+
 
 def _wrong_rank(tmp_path):
     layer = _built_bn()
@@ -77,6 +79,7 @@ def _non_finite(tmp_path):
     def act():
         y = layer(bad, training=True)
         assert np.isnan(y.numpy()[:, 1]).all()  # the NaN shows in the output
+
     return act, _unchanged(layer, before)
 
 
@@ -89,13 +92,15 @@ def _m_at_most_one_at_run_time(tmp_path):
     def act():
         y = step(_x((4, 5, 3), seed=1), np.eye(4, 5, dtype=bool) & False)  # every value masked
         np.testing.assert_array_equal(y, np.broadcast_to(layer.beta.numpy(), (4, 5, 3)))
+
     return act, _unchanged(layer, before)
 
 
 def _integer_input(tmp_path):
     layer = _built_bn()
-    return (lambda: layer(tf.ones([8, 3], tf.int32), training=True)), \
-        _unchanged(layer, _state(layer))
+    return (lambda: layer(tf.ones([8, 3], tf.int32), training=True)), _unchanged(
+        layer, _state(layer)
+    )
 
 
 def _bad_momentum(tmp_path):
@@ -108,8 +113,9 @@ def _bad_epsilon(tmp_path):
 
 def _wrong_mask(tmp_path):
     layer = _built_bn((4, 5, 3))
-    return (lambda: layer(_x((4, 5, 3)), training=True, mask=np.ones((4, 3), bool))), \
-        _unchanged(layer, _state(layer))
+    return (lambda: layer(_x((4, 5, 3)), training=True, mask=np.ones((4, 3), bool))), _unchanged(
+        layer, _state(layer)
+    )
 
 
 @keras.saving.register_keras_serializable(package="keras_bn_tests")
@@ -131,6 +137,7 @@ def _subclassed(tmp_path):
     def check():
         for w, b in zip(model.weights, before):
             np.testing.assert_array_equal(w.numpy(), b)
+
     return (lambda: fold_batch_norms(model)), check
 
 
@@ -154,24 +161,29 @@ def _custom_layer(tmp_path):
 
 
 def _lambda_safe_mode(tmp_path):
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3),
-                              keras.layers.Lambda(lambda t: t * 2.0)])
+    model = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(3), keras.layers.Lambda(lambda t: t * 2.0)]
+    )
     model.save(tmp_path / "lambda.keras")
-    return (lambda: keras.saving.load_model(tmp_path / "lambda.keras")), \
-        _folder_holds(tmp_path, ["lambda.keras"])
+    return (lambda: keras.saving.load_model(tmp_path / "lambda.keras")), _folder_holds(
+        tmp_path, ["lambda.keras"]
+    )
 
 
 def _unwritable(tmp_path):
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3),
-                              keras_bn.BatchNormalization()])
-    return (lambda: export_tflite(model, tmp_path / "missing" / "m.tflite")), \
-        _folder_holds(tmp_path, [])
+    model = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(3), keras_bn.BatchNormalization()]
+    )
+    return (lambda: export_tflite(model, tmp_path / "missing" / "m.tflite")), _folder_holds(
+        tmp_path, []
+    )
 
 
 def _not_a_file(tmp_path):
     """A FIFO stands for a device such as /dev/stdout: a file renamed over it would replace it."""
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3),
-                              keras_bn.BatchNormalization()])
+    model = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(3), keras_bn.BatchNormalization()]
+    )
     os.mkfifo(tmp_path / "pipe")
 
     def check():
@@ -189,30 +201,44 @@ def _export_over_a_previous_file(tmp_path, exporter, model, name):
     def check():
         assert target.read_bytes() == b"previous export"
         assert os.listdir(tmp_path) == [name]
+
     return (lambda: exporter(model, target)), check
 
 
 def _conversion_fails(tmp_path):
     # MatrixDeterminant is not a TFLite builtin: the converter fails after folding.
-    model = keras.Sequential([keras.Input((3, 3)),
-                              keras.layers.Lambda(lambda t: tf.linalg.det(t)[:, None]),
-                              keras.layers.Dense(2), keras_bn.BatchNormalization()])
+    model = keras.Sequential(
+        [
+            keras.Input((3, 3)),
+            keras.layers.Lambda(lambda t: tf.linalg.det(t)[:, None]),
+            keras.layers.Dense(2),
+            keras_bn.BatchNormalization(),
+        ]
+    )
     return _export_over_a_previous_file(tmp_path, export_tflite, model, "model.tflite")
 
 
 def _over_tolerance(tmp_path):
     # log of a signed value: NaN on part of the probe, which no tolerance accepts.
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3),
-                              keras_bn.BatchNormalization(),
-                              keras.layers.Lambda(lambda t: keras.ops.log(t))])
+    model = keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(3),
+            keras_bn.BatchNormalization(),
+            keras.layers.Lambda(lambda t: keras.ops.log(t)),
+        ]
+    )
     return _export_over_a_previous_file(tmp_path, export_onnx, model, "model.onnx")
 
 
 def _channels_first_tflite(tmp_path):
-    model = keras.Sequential([keras.Input((2, 7)),
-                              keras.layers.Conv1D(4, 3, data_format="channels_first",
-                                                  name="conv"),
-                              keras_bn.BatchNormalization(axis=1)])
+    model = keras.Sequential(
+        [
+            keras.Input((2, 7)),
+            keras.layers.Conv1D(4, 3, data_format="channels_first", name="conv"),
+            keras_bn.BatchNormalization(axis=1),
+        ]
+    )
     return _export_over_a_previous_file(tmp_path, export_tflite, model, "model.tflite")
 
 
@@ -220,50 +246,121 @@ def _corrupt_keras(tmp_path):
     keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)]).save(tmp_path / "ok.keras")
     data = (tmp_path / "ok.keras").read_bytes()
     (tmp_path / "bad.keras").write_bytes(data[: len(data) // 2])
-    return (lambda: keras.saving.load_model(tmp_path / "bad.keras")), \
-        _folder_holds(tmp_path, ["ok.keras", "bad.keras"])
+    return (lambda: keras.saving.load_model(tmp_path / "bad.keras")), _folder_holds(
+        tmp_path, ["ok.keras", "bad.keras"]
+    )
 
 
 ERROR_CASES = [
     ("layer", "wrong rank", ValueError, r"expected ndim=2, found ndim=3", _wrong_rank),
-    ("layer", "axis out of range", ValueError, r"axis=3 is out of range for an input of rank 2",
-     _axis_out_of_range),
-    ("layer", "unknown channel dim", ValueError, r"needs a known size on its channel axis",
-     _unknown_channel),
-    ("layer", "m=1 in training", ValueError, r"needs at least 2 values per channel.*m=1",
-     _m_equal_one),
+    (
+        "layer",
+        "axis out of range",
+        ValueError,
+        r"axis=3 is out of range for an input of rank 2",
+        _axis_out_of_range,
+    ),
+    (
+        "layer",
+        "unknown channel dim",
+        ValueError,
+        r"needs a known size on its channel axis",
+        _unknown_channel,
+    ),
+    (
+        "layer",
+        "m=1 in training",
+        ValueError,
+        r"needs at least 2 values per channel.*m=1",
+        _m_equal_one,
+    ),
     ("layer", "non-finite batch", None, None, _non_finite),
     ("layer", "m ≤ 1 known only at run time", None, None, _m_at_most_one_at_run_time),
-    ("layer", "integer input", TypeError, r"requires floating-point inputs; received dtype int32",
-     _integer_input),
-    ("layer", "bad momentum", ValueError, r"momentum must be in \[0, 1\); received momentum=1.0",
-     _bad_momentum),
-    ("layer", "bad epsilon", ValueError,
-     r"epsilon must be a positive finite float; received epsilon=0.0", _bad_epsilon),
-    ("layer", "wrong-shaped mask", ValueError, r"does not match the input's non-channel",
-     _wrong_mask),
-    ("export", "subclassed model", TypeError, r"subclassed _Subclassed: it has no layer graph",
-     _subclassed),
-    ("export", "unsupported or custom layer", TypeError,
-     r"Cannot copy layer '.*' \(_Unconfigurable\) from its config", _custom_layer),
+    (
+        "layer",
+        "integer input",
+        TypeError,
+        r"requires floating-point inputs; received dtype int32",
+        _integer_input,
+    ),
+    (
+        "layer",
+        "bad momentum",
+        ValueError,
+        r"momentum must be in \[0, 1\); received momentum=1.0",
+        _bad_momentum,
+    ),
+    (
+        "layer",
+        "bad epsilon",
+        ValueError,
+        r"epsilon must be a positive finite float; received epsilon=0.0",
+        _bad_epsilon,
+    ),
+    (
+        "layer",
+        "wrong-shaped mask",
+        ValueError,
+        r"does not match the input's non-channel",
+        _wrong_mask,
+    ),
+    (
+        "export",
+        "subclassed model",
+        TypeError,
+        r"subclassed _Subclassed: it has no layer graph",
+        _subclassed,
+    ),
+    (
+        "export",
+        "unsupported or custom layer",
+        TypeError,
+        r"Cannot copy layer '.*' \(_Unconfigurable\) from its config",
+        _custom_layer,
+    ),
     ("export", "Lambda layer under safe mode", ValueError, r"safe_mode", _lambda_safe_mode),
     ("export", "unwritable path", OSError, r"Cannot write .*missing.*m\.tflite", _unwritable),
-    ("export", "path is a folder, FIFO or device", OSError,
-     r"Cannot write .*pipe: it is a FIFO, socket or device, not a regular file", _not_a_file),
-    ("export", "conversion failure midway", ConverterError, r"MatrixDeterminant",
-     _conversion_fails),
-    ("export", "file over its tolerance", VerificationError,
-     r"differs from the Keras model: output '.*' is off by nan", _over_tolerance),
-    ("export", "channels_first layer TFLite cannot convert", ValueError,
-     r"TFLite cannot convert layer 'conv' \(Conv1D with data_format='channels_first'\)",
-     _channels_first_tflite),
-    ("export", "corrupt or truncated .keras", ValueError, r"accessible `\.keras` zip file",
-     _corrupt_keras),
+    (
+        "export",
+        "path is a folder, FIFO or device",
+        OSError,
+        r"Cannot write .*pipe: it is a FIFO, socket or device, not a regular file",
+        _not_a_file,
+    ),
+    (
+        "export",
+        "conversion failure midway",
+        ConverterError,
+        r"MatrixDeterminant",
+        _conversion_fails,
+    ),
+    (
+        "export",
+        "file over its tolerance",
+        VerificationError,
+        r"differs from the Keras model: output '.*' is off by nan",
+        _over_tolerance,
+    ),
+    (
+        "export",
+        "channels_first layer TFLite cannot convert",
+        ValueError,
+        r"TFLite cannot convert layer 'conv' \(Conv1D with data_format='channels_first'\)",
+        _channels_first_tflite,
+    ),
+    (
+        "export",
+        "corrupt or truncated .keras",
+        ValueError,
+        r"accessible `\.keras` zip file",
+        _corrupt_keras,
+    ),
 ]
 
 
-@pytest.mark.parametrize("area,name,error,message,setup", ERROR_CASES,
-                         ids=[f"{c[0]}: {c[1]}" for c in ERROR_CASES])
+@pytest.mark.parametrize(
+    "area,name,error,message,setup", ERROR_CASES, ids=[f"{c[0]}: {c[1]}" for c in ERROR_CASES]
+)
 def test_bad_input(area, name, error, message, setup, tmp_path):
     act, nothing_lost = setup(tmp_path)
     if error is None:
@@ -288,12 +385,17 @@ def _cli_model(tmp_path, case):
         inputs = keras.Input((4,))
         keras.Model(inputs, _Unconfigurable(2.0)(keras.layers.Dense(3)(inputs))).save(path)
     elif case in ("Lambda layer under safe mode", "conversion failure midway"):
-        keras.Sequential([keras.Input((3, 3)),
-                          keras.layers.Lambda(lambda t: tf.linalg.det(t)[:, None]),
-                          keras.layers.Dense(2)]).save(path)
+        keras.Sequential(
+            [
+                keras.Input((3, 3)),
+                keras.layers.Lambda(lambda t: tf.linalg.det(t)[:, None]),
+                keras.layers.Dense(2),
+            ]
+        ).save(path)
     elif case == "channels_first layer TFLite cannot convert":
-        keras.Sequential([keras.Input((2, 7)),
-                          keras.layers.Conv1D(4, 3, data_format="channels_first")]).save(path)
+        keras.Sequential(
+            [keras.Input((2, 7)), keras.layers.Conv1D(4, 3, data_format="channels_first")]
+        ).save(path)
     elif case == "corrupt or truncated .keras":
         keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)]).save(path)
         path.write_bytes(path.read_bytes()[:200])
@@ -303,8 +405,9 @@ def _cli_model(tmp_path, case):
 
 
 # A file over its tolerance exits 1, not 2 (tests/test_cli.py), and also keeps the old file.
-CLI_CASES = [name for area, name, *_ in ERROR_CASES
-             if area == "export" and name != "file over its tolerance"]
+CLI_CASES = [
+    name for area, name, *_ in ERROR_CASES if area == "export" and name != "file over its tolerance"
+]
 
 
 @pytest.mark.slow
@@ -323,8 +426,9 @@ def test_cli_exits_2_in_one_line(case, tmp_path):
     result = run_cli(model, "--tflite", target, *extra)
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Traceback" not in result.stdout + result.stderr
-    errors = [line for line in result.stderr.splitlines()
-              if line.startswith("keras-bn-export: error:")]
+    errors = [
+        line for line in result.stderr.splitlines() if line.startswith("keras-bn-export: error:")
+    ]
     assert len(errors) == 1, result.stderr[-2000:]
     assert (out / "model.tflite").read_bytes() == b"previous export"
     assert os.listdir(out) == ["model.tflite"]
@@ -335,10 +439,14 @@ def test_cli_exits_2_in_one_line(case, tmp_path):
 
 def test_docs_errors_page_is_this_table():
     section = docs_page("guide/errors.md")
-    rows = [[cell.strip() for cell in line.strip("|").split("|")]
-            for line in section.splitlines() if line.startswith("| ")][1:]
+    rows = [
+        [cell.strip() for cell in line.strip("|").split("|")]
+        for line in section.splitlines()
+        if line.startswith("| ")
+    ][1:]
     documented = [(r[0], r[1], r[2].strip("`")) for r in rows if r[0] in ("layer", "export")]
-    expected = [(area, name, error.__name__ if error else "none")
-                for area, name, error, _, _ in ERROR_CASES]
+    expected = [
+        (area, name, error.__name__ if error else "none") for area, name, error, _, _ in ERROR_CASES
+    ]
     assert documented == expected
     assert any(r[0] == "CLI" for r in rows)

@@ -8,12 +8,18 @@ import keras
 import numpy as np
 import onnx
 import pytest
-from helpers import assert_close, randomise_batch_norms
 
 import digits
 import keras_bn
-from keras_bn.export import (ExportReport, FoldReport, VerificationError, export_onnx,
-                             export_tflite, fold_batch_norms)
+from helpers import assert_close, randomise_batch_norms
+from keras_bn.export import (
+    ExportReport,
+    FoldReport,
+    VerificationError,
+    export_onnx,
+    export_tflite,
+    fold_batch_norms,
+)
 from keras_bn.export import onnx as onnx_export
 from keras_bn.export import tflite as tflite_export
 
@@ -55,8 +61,9 @@ def test_tflite_without_fold_converts_the_model_as_is(cnn, tmp_path):
 @pytest.mark.parametrize("quantization", ["float16", "dynamic", "int8"])
 def test_quantized_files_meet_their_default_tolerance(cnn, tmp_path, quantization):
     data = _probe(64)
-    report = export_tflite(cnn, tmp_path / "q.tflite", quantization=quantization,
-                           representative_data=data)  # raises VerificationError if over
+    report = export_tflite(
+        cnn, tmp_path / "q.tflite", quantization=quantization, representative_data=data
+    )  # raises VerificationError if over
     assert report.atol == tflite_export.DEFAULT_ATOL[quantization]
     assert report.quantization == quantization and 0 < report.relative_error <= report.atol
     float_size = export_tflite(cnn, tmp_path / "f.tflite", probe=data).size_bytes
@@ -68,11 +75,15 @@ def test_quantized_files_meet_their_default_tolerance(cnn, tmp_path, quantizatio
 @pytest.mark.slow
 def test_mobilenet_v2_int8_meets_the_default_tolerance(tmp_path):
     keras.utils.set_random_seed(0)
-    model = randomise_batch_norms(keras.applications.MobileNetV2(
-        input_shape=(96, 96, 3), alpha=0.35, weights=None, classifier_activation=None))
+    model = randomise_batch_norms(
+        keras.applications.MobileNetV2(
+            input_shape=(96, 96, 3), alpha=0.35, weights=None, classifier_activation=None
+        )
+    )
     data = np.random.default_rng(0).uniform(-1, 1, (64, 96, 96, 3)).astype("float32")
-    report = export_tflite(model, tmp_path / "m.tflite", quantization="int8",
-                           representative_data=data)
+    report = export_tflite(
+        model, tmp_path / "m.tflite", quantization="int8", representative_data=data
+    )
     assert report.passed and report.relative_error <= tflite_export.DEFAULT_ATOL["int8"] / 3
 
 
@@ -137,8 +148,11 @@ def test_invalid_onnx_file_is_refused_naming_it(tmp_path):
     """onnx.checker runs on every written file; a graph that reads an undefined tensor fails."""
     node = onnx.helper.make_node("Relu", ["undefined"], ["y"])
     graph = onnx.helper.make_graph(
-        [node], "bad", [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
-        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])])
+        [node],
+        "bad",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])],
+    )
     path = tmp_path / "bad.onnx"
     onnx.save(onnx.helper.make_model(graph), path)
     with pytest.raises(ValueError, match=f"{path} is not a valid ONNX model"):
@@ -159,15 +173,29 @@ def _nan_head_model():
 
 def test_a_nan_error_that_is_not_first_never_passes():
     """Python's max drops a NaN that is not first: max(1e-7, nan) is 1e-7."""
-    fold_report = FoldReport([], [], errors={"a": 1e-7, "b": float("nan")},
-                             output_scales={"a": 1.0, "b": 1.0})
+    fold_report = FoldReport(
+        [], [], errors={"a": 1e-7, "b": float("nan")}, output_scales={"a": 1.0, "b": 1.0}
+    )
     export_report = ExportReport(
-        "onnx", "m.onnx", 1, errors={"a": {"ort_disabled": 1e-7, "ort_enabled": float("nan")}},
-        output_scales={"a": 1.0}, atol=1e-4, op_histogram={})
+        "onnx",
+        "m.onnx",
+        1,
+        errors={"a": {"ort_disabled": 1e-7, "ort_enabled": float("nan")}},
+        output_scales={"a": 1.0},
+        atol=1e-4,
+        op_histogram={},
+    )
     assert np.isnan(fold_report.relative_error) and np.isnan(fold_report.max_abs_error)
     assert np.isnan(export_report.relative_error) and not export_report.passed
-    infinite = ExportReport("onnx", "m.onnx", 1, errors={"a": {"ort_enabled": 1e-7}},
-                            output_scales={"a": float("inf")}, atol=1e-4, op_histogram={})
+    infinite = ExportReport(
+        "onnx",
+        "m.onnx",
+        1,
+        errors={"a": {"ort_enabled": 1e-7}},
+        output_scales={"a": float("inf")},
+        atol=1e-4,
+        op_histogram={},
+    )
     assert not infinite.passed
 
 
@@ -205,13 +233,23 @@ def test_tolerance_is_the_callers(cnn, tmp_path):
 
 def test_mixed_precision_model_exports_to_onnx_and_gets_a_clear_tflite_refusal(tmp_path):
     keras.mixed_precision.set_global_policy("mixed_float16")  # conftest restores float32
-    model = randomise_batch_norms(keras.Sequential([
-        keras.Input((8, 8, 3)), L.Conv2D(4, 3, use_bias=False, name="conv"),
-        keras_bn.BatchNormalization(), L.ReLU(), L.Flatten(), L.Dense(3)]))
+    model = randomise_batch_norms(
+        keras.Sequential(
+            [
+                keras.Input((8, 8, 3)),
+                L.Conv2D(4, 3, use_bias=False, name="conv"),
+                keras_bn.BatchNormalization(),
+                L.ReLU(),
+                L.Flatten(),
+                L.Dense(3),
+            ]
+        )
+    )
     report = export_onnx(model, tmp_path / "m.onnx")  # float16 rounding: about 5e-4
     assert report.atol == 1e-2 and 0 < report.relative_error <= report.atol
-    with pytest.raises(ValueError, match="TFLite cannot convert layer 'conv', which computes "
-                                         "in float16"):
+    with pytest.raises(
+        ValueError, match="TFLite cannot convert layer 'conv', which computes in float16"
+    ):
         export_tflite(model, tmp_path / "m.tflite")
     assert os.listdir(tmp_path) == ["m.onnx"]
 
@@ -228,11 +266,11 @@ def _channels_first_conv(input_shape, use_bias=False):
     return randomise_batch_norms(keras.Model(inputs, y))
 
 
-@pytest.mark.parametrize("input_shape", [(3, 6, 6), (3, None, None)],
-                         ids=["static", "dynamic"])
+@pytest.mark.parametrize("input_shape", [(3, 6, 6), (3, None, None)], ids=["static", "dynamic"])
 @pytest.mark.parametrize("fmt", sorted(EXPORTERS))
 def test_channels_first_host_folds_and_exports_at_the_size_keras_guesses_wrong(
-        fmt, input_shape, tmp_path):
+    fmt, input_shape, tmp_path
+):
     model = _channels_first_conv(input_shape)
     x = np.random.default_rng(0).normal(size=(2, 3, 6, 6)).astype("float32")
     folded, fold_report = fold_batch_norms(model)  # dynamic: probed at 8×8
@@ -245,24 +283,29 @@ def test_channels_first_host_folds_and_exports_at_the_size_keras_guesses_wrong(
     assert_close(actual, model(x, training=False), 1e-4)
 
 
-@pytest.mark.parametrize("layer", [
-    L.Conv1D(4, 3, data_format="channels_first", name="conv"),
-    L.Conv1D(4, 3, data_format="channels_first", use_bias=False, name="conv"),
-    L.Conv2DTranspose(4, 3, data_format="channels_first", name="conv"),
-], ids=["Conv1D", "Conv1D_no_bias", "Conv2DTranspose"])
+@pytest.mark.parametrize(
+    "layer",
+    [
+        L.Conv1D(4, 3, data_format="channels_first", name="conv"),
+        L.Conv1D(4, 3, data_format="channels_first", use_bias=False, name="conv"),
+        L.Conv2DTranspose(4, 3, data_format="channels_first", name="conv"),
+    ],
+    ids=["Conv1D", "Conv1D_no_bias", "Conv2DTranspose"],
+)
 def test_channels_first_layers_tflite_cannot_convert_are_refused_in_one_line(layer, tmp_path):
     shape = (2, 7) if isinstance(layer, L.Conv1D) else (2, 5, 5)
     inputs = keras.Input(shape)
-    model = randomise_batch_norms(keras.Model(inputs, L.BatchNormalization(axis=1)(
-        layer(inputs))))
+    model = randomise_batch_norms(keras.Model(inputs, L.BatchNormalization(axis=1)(layer(inputs))))
     target = tmp_path / "m.tflite"
     target.write_bytes(b"previous export")
     with pytest.raises(ValueError) as info:
         export_tflite(model, target)
     message = str(info.value)
     assert "\n" not in message
-    assert message.startswith(f"TFLite cannot convert layer 'conv' ({type(layer).__name__} "
-                              f"with data_format='channels_first')")
+    assert message.startswith(
+        f"TFLite cannot convert layer 'conv' ({type(layer).__name__} "
+        f"with data_format='channels_first')"
+    )
     assert target.read_bytes() == b"previous export" and os.listdir(tmp_path) == ["m.tflite"]
     report = export_onnx(model, tmp_path / "m.onnx")  # ONNX is channels_first-native
     assert report.relative_error <= 1e-4
@@ -287,8 +330,10 @@ def _multi_io_model(as_dict):
 
 def _multi_io_data(n, seed=0):
     rng = np.random.default_rng(seed)
-    return {"features": rng.normal(size=(n, 6)).astype("float32"),
-            "ids": rng.integers(0, 5, size=(n, 3)).astype("int32")}
+    return {
+        "features": rng.normal(size=(n, 6)).astype("float32"),
+        "ids": rng.integers(0, 5, size=(n, 3)).astype("int32"),
+    }
 
 
 @pytest.mark.parametrize("as_dict", [False, True], ids=["lists", "dicts"])
@@ -300,8 +345,9 @@ def test_several_inputs_and_outputs_export_and_each_output_is_verified(fmt, as_d
     path = tmp_path / f"m.{fmt}"
     report = EXPORTERS[fmt](model, path, probe=probe)
     assert list(report.errors) == ["label", "score"] and report.passed
-    assert set(report.errors["label"]) == ({"litert"} if fmt == "tflite" else
-                                           {"ort_disabled", "ort_enabled"})
+    assert set(report.errors["label"]) == (
+        {"litert"} if fmt == "tflite" else {"ort_disabled", "ort_enabled"}
+    )
     assert len(report.fold.folded) == 2 and report.fold.kept == []
     assert report.output_scales["score"] > 10 * report.output_scales["label"]
     # Every output, from the file on the disk, against the Keras model.
@@ -313,8 +359,9 @@ def test_several_inputs_and_outputs_export_and_each_output_is_verified(fmt, as_d
 
 def test_several_inputs_int8_calibrates_from_a_dict_of_arrays(tmp_path):
     model = _multi_io_model(as_dict=True)
-    report = export_tflite(model, tmp_path / "m.tflite", quantization="int8",
-                           representative_data=_multi_io_data(100))
+    report = export_tflite(
+        model, tmp_path / "m.tflite", quantization="int8", representative_data=_multi_io_data(100)
+    )
     assert report.passed and set(report.relative_errors) == {"label", "score"}
     assert report.op_histogram["QUANTIZE"] >= 1
 
@@ -323,8 +370,9 @@ def test_probe_that_does_not_fit_the_inputs_is_named(tmp_path):
     model = _multi_io_model(as_dict=True)
     data = _multi_io_data(4)
     with pytest.raises(ValueError, match=r"missing \['ids'\], unknown \['idz'\]"):
-        export_onnx(model, tmp_path / "m.onnx", probe={"features": data["features"],
-                                                       "idz": data["ids"]})
+        export_onnx(
+            model, tmp_path / "m.onnx", probe={"features": data["features"], "idz": data["ids"]}
+        )
     with pytest.raises(ValueError, match="is float32, but the input is int32"):
         export_onnx(model, tmp_path / "m.onnx", probe=[data["features"]] * 2)
     with pytest.raises(ValueError, match="one array, but the model has 2 inputs"):
@@ -366,27 +414,35 @@ def test_input_keys_tensorflow_cannot_name_an_argument_are_renamed(tmp_path):
     them "private" and "offset"; a probe still takes the model's own keys."""
     private, offset = keras.Input((4,), name="_private"), keras.Input((4,), name="-offset")
     h = L.BatchNormalization()(L.Dense(4)(private))
-    model = randomise_batch_norms(keras.Model({"_private": private, "-offset": offset},
-                                              L.Add()([h, offset])))
+    model = randomise_batch_norms(
+        keras.Model({"_private": private, "-offset": offset}, L.Add()([h, offset]))
+    )
     rng = np.random.default_rng(0)
-    data = {"_private": rng.normal(size=(8, 4)).astype("float32"),
-            "-offset": rng.normal(size=(8, 4)).astype("float32")}
+    data = {
+        "_private": rng.normal(size=(8, 4)).astype("float32"),
+        "-offset": rng.normal(size=(8, 4)).astype("float32"),
+    }
     # The probe is keyed as model.predict takes it: by the model's own keys.
     report = export_tflite(model, tmp_path / "m.tflite", probe=data)
     assert report.passed
-    actual = tflite_export.run(tmp_path / "m.tflite", {"private": data["_private"],
-                                                       "offset": data["-offset"]})
+    actual = tflite_export.run(
+        tmp_path / "m.tflite", {"private": data["_private"], "offset": data["-offset"]}
+    )
     assert_close(next(iter(actual.values())), model(data, training=False), 1e-4)
-    with pytest.raises(ValueError, match=r"inputs are \['-offset', '_private'\] \(missing "
-                                         r"\['-offset'\], unknown \['offzet'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"inputs are \['-offset', '_private'\] \(missing "
+        r"\['-offset'\], unknown \['offzet'\]",
+    ):
         fold_batch_norms(model, {"_private": data["_private"], "offzet": data["-offset"]})
 
 
 @pytest.mark.parametrize("fmt", sorted(EXPORTERS))
 def test_a_probe_without_samples_is_refused(fmt, tmp_path):
     """Zero samples compare nothing: the file "passed" even at atol=1e-30."""
-    model = randomise_batch_norms(keras.Sequential([keras.Input((4,)), L.Dense(3),
-                                                    keras_bn.BatchNormalization()]))
+    model = randomise_batch_norms(
+        keras.Sequential([keras.Input((4,)), L.Dense(3), keras_bn.BatchNormalization()])
+    )
     empty = np.zeros((0, 4), "float32")
     with pytest.raises(ValueError, match=r"probe has no samples \(shapes \[\(0, 4\)\]\)"):
         EXPORTERS[fmt](model, tmp_path / "m.out", probe=empty, atol=1e-30)

@@ -6,11 +6,11 @@ import json
 import time
 
 import keras
+import multiworker_worker as worker
 import numpy as np
 import pytest
-from helpers import assert_close, mirrored_strategy
 
-import multiworker_worker as worker
+from helpers import assert_close, mirrored_strategy
 
 HANG_AT = (1, 2)  # (epoch, batch): worker 1 is killed there, after the epoch-0 backup
 
@@ -21,9 +21,13 @@ def _progress(path):
 
 
 def _worker_args(tmp_path, init, run, index, hang_at=None):
-    args = ["backup", str(init), str(tmp_path / f"{run}{index}.npz"),
-            str(tmp_path / f"backup{index}"),
-            str(tmp_path / f"{run}{index}.progress")]
+    args = [
+        "backup",
+        str(init),
+        str(tmp_path / f"{run}{index}.npz"),
+        str(tmp_path / f"backup{index}"),
+        str(tmp_path / f"{run}{index}.progress"),
+    ]
     return args + (["--hang-at", "%d:%d" % hang_at] if hang_at else [])
 
 
@@ -42,18 +46,24 @@ def _uninterrupted_and_killed(tmp_path, init, attempts=3):
     Returns the reference's weights."""
     reference = None
     for attempt in range(attempts):
-        args = [_worker_args(tmp_path, init, "faulty", i, HANG_AT if i == 1 else None)
-                for i in range(2)]
+        args = [
+            _worker_args(tmp_path, init, "faulty", i, HANG_AT if i == 1 else None) for i in range(2)
+        ]
         try:
             with worker.Cluster(args, str(tmp_path), f"faulty{attempt}") as cluster:
                 if reference is None:
                     reference = worker.train_with_backup(
-                        mirrored_strategy(2), str(init),
-                        str(tmp_path / "reference_backup"), str(tmp_path / "reference.progress"),
+                        mirrored_strategy(2),
+                        str(init),
+                        str(tmp_path / "reference_backup"),
+                        str(tmp_path / "reference.progress"),
                     )
                 logs = [tmp_path / f"faulty{index}.progress" for index in range(2)]
-                _wait_for(lambda: all(log.exists() and HANG_AT in _progress(log) for log in logs),
-                          cluster, timeout=worker.CLUSTER_TIMEOUT_S)
+                _wait_for(
+                    lambda: all(log.exists() and HANG_AT in _progress(log) for log in logs),
+                    cluster,
+                    timeout=worker.CLUSTER_TIMEOUT_S,
+                )
                 cluster.kill(1)
                 cluster.kill(0)
                 return reference
@@ -77,17 +87,19 @@ def test_worker_killed_mid_epoch_restarts_from_the_epoch_backup(tmp_path):
     for index in range(2):  # both workers had backed up epoch 0, and nothing later
         with open(tmp_path / f"backup{index}" / "training_metadata.json") as f:
             assert json.load(f)["epoch"] == 1
-    worker.run_cluster([_worker_args(tmp_path, init, "restarted", i) for i in range(2)],
-                       str(tmp_path), "restarted", timeout=worker.CLUSTER_TIMEOUT_S)
+    worker.run_cluster(
+        [_worker_args(tmp_path, init, "restarted", i) for i in range(2)],
+        str(tmp_path),
+        "restarted",
+        timeout=worker.CLUSTER_TIMEOUT_S,
+    )
 
     steps = _progress(tmp_path / "reference.progress")
     assert len(steps) == worker.FIT_EPOCHS * worker.FIT_STEPS
     for index in range(2):
         # The killed run reached HANG_AT and no further; the restart ran epochs 1 and 2 whole.
         assert _progress(tmp_path / f"faulty{index}.progress")[-1] == HANG_AT
-        assert _progress(tmp_path / f"restarted{index}.progress") == [
-            s for s in steps if s[0] >= 1
-        ]
+        assert _progress(tmp_path / f"restarted{index}.progress") == [s for s in steps if s[0] >= 1]
 
     names = [w.path for w in worker.build_model(cumulative=True).weights]
     counter = next(i for i, name in enumerate(names) if name.endswith("num_batches_tracked"))
@@ -122,9 +134,14 @@ def test_what_a_restart_repeats(tmp_path, save_freq, repeated):
     np.savez(init, *worker.build_model(cumulative=True).get_weights())
 
     def train(run, **kwargs):
-        return worker.train_with_backup(None, str(init), str(tmp_path / f"{run}_backup"),
-                                        str(tmp_path / f"{run}.progress"),
-                                        save_freq=save_freq, **kwargs)
+        return worker.train_with_backup(
+            None,
+            str(init),
+            str(tmp_path / f"{run}_backup"),
+            str(tmp_path / f"{run}.progress"),
+            save_freq=save_freq,
+            **kwargs,
+        )
 
     reference = train("reference")
     with pytest.raises(_Interrupted):

@@ -9,11 +9,11 @@ same random data.
 import keras
 import numpy as np
 import pytest
-from helpers import BACKWARD_HOSTS, assert_close, fold_input
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import keras_bn
+from helpers import BACKWARD_HOSTS, assert_close, fold_input
 from keras_bn.export import fold, fold_batch_norms
 
 L = keras.layers
@@ -71,8 +71,9 @@ def _cases(hosts):
     return [
         (kind, data_format)
         for kind in sorted(hosts)
-        for data_format in (["channels_last"] if kind == "Dense" else
-                            ["channels_last", "channels_first"])
+        for data_format in (
+            ["channels_last"] if kind == "Dense" else ["channels_last", "channels_first"]
+        )
     ]
 
 
@@ -103,8 +104,11 @@ FORWARD_HOSTS = {
     "Conv1D": (lambda df, b: L.Conv1D(6, 3, data_format=df, use_bias=b), 1, 1),
     "Conv1D_groups": (lambda df, b: L.Conv1D(6, 3, groups=2, data_format=df, use_bias=b), 1, 2),
     "Conv2D": (lambda df, b: L.Conv2D(6, 3, strides=2, data_format=df, use_bias=b), 2, 1),
-    "Conv2D_groups": (lambda df, b: L.Conv2D(6, (2, 3), groups=2, data_format=df,
-                                             use_bias=b), 2, 2),
+    "Conv2D_groups": (
+        lambda df, b: L.Conv2D(6, (2, 3), groups=2, data_format=df, use_bias=b),
+        2,
+        2,
+    ),
     "Conv3D": (lambda df, b: L.Conv3D(6, 2, data_format=df, use_bias=b), 3, 1),
     "Conv3D_groups": (lambda df, b: L.Conv3D(6, 2, groups=2, data_format=df, use_bias=b), 3, 2),
 }
@@ -147,16 +151,26 @@ def test_bias_free_host_gains_the_bn_shift_as_bias():
 @pytest.mark.parametrize(
     "call, message",
     [
-        (lambda: fold.fold_dense(np.ones((3, 4)), None, np.ones(5), np.ones(5)),
-         "has shape (5,), but the host has 4 channels"),
-        (lambda: fold.fold_conv(np.ones((3, 3, 2, 4)), np.ones(3), np.ones(4), np.ones(4)),
-         "The bias has shape (3,)"),
-        (lambda: fold.fold_dense(np.ones((3, 2)), None, [1.0, np.nan], [0.0, 0.0]),
-         "scale is not finite"),
-        (lambda: fold.fold_forward(np.ones((3, 3, 2, 5)), None, np.ones(4), np.ones(4), 2),
-         "groups=2 does not divide the kernel's 5 output channels"),
-        (lambda: fold.fold_forward(np.ones((3, 3, 2, 4)), None, np.ones(2), np.ones(2), 2),
-         "has shape (2,), but the host has 4 channels on its input axis"),
+        (
+            lambda: fold.fold_dense(np.ones((3, 4)), None, np.ones(5), np.ones(5)),
+            "has shape (5,), but the host has 4 channels",
+        ),
+        (
+            lambda: fold.fold_conv(np.ones((3, 3, 2, 4)), np.ones(3), np.ones(4), np.ones(4)),
+            "The bias has shape (3,)",
+        ),
+        (
+            lambda: fold.fold_dense(np.ones((3, 2)), None, [1.0, np.nan], [0.0, 0.0]),
+            "scale is not finite",
+        ),
+        (
+            lambda: fold.fold_forward(np.ones((3, 3, 2, 5)), None, np.ones(4), np.ones(4), 2),
+            "groups=2 does not divide the kernel's 5 output channels",
+        ),
+        (
+            lambda: fold.fold_forward(np.ones((3, 3, 2, 4)), None, np.ones(2), np.ones(2), 2),
+            "has shape (2,), but the host has 4 channels on its input axis",
+        ),
     ],
 )
 def test_bad_shapes_and_values_raise_naming_them(call, message):
@@ -171,26 +185,60 @@ def test_bad_shapes_and_values_raise_naming_them(call, message):
 # padding="same", stride 1: every output has the input's spatial size, which the test picks.
 SIZED_HOSTS = {
     "Dense": (1, lambda c, df, b: L.Dense(c, use_bias=b), lambda c: c),
-    "Conv1D": (1, lambda c, df, b: L.Conv1D(c, 2, padding="same", data_format=df,
-                                            use_bias=b), lambda c: c),
-    "Conv2D": (2, lambda c, df, b: L.Conv2D(c, 2, padding="same", data_format=df,
-                                            use_bias=b), lambda c: c),
-    "Conv3D": (3, lambda c, df, b: L.Conv3D(c, 2, padding="same", data_format=df,
-                                            use_bias=b), lambda c: c),
-    "DepthwiseConv1D": (1, lambda c, df, b: L.DepthwiseConv1D(
-        2, depth_multiplier=c, padding="same", data_format=df, use_bias=b), lambda c: 2 * c),
-    "DepthwiseConv2D": (2, lambda c, df, b: L.DepthwiseConv2D(
-        2, depth_multiplier=c, padding="same", data_format=df, use_bias=b), lambda c: 2 * c),
-    "SeparableConv1D": (1, lambda c, df, b: L.SeparableConv1D(
-        c, 2, padding="same", data_format=df, use_bias=b), lambda c: c),
-    "SeparableConv2D": (2, lambda c, df, b: L.SeparableConv2D(
-        c, 2, padding="same", data_format=df, use_bias=b), lambda c: c),
-    "Conv1DTranspose": (1, lambda c, df, b: L.Conv1DTranspose(
-        c, 2, padding="same", data_format=df, use_bias=b), lambda c: c),
-    "Conv2DTranspose": (2, lambda c, df, b: L.Conv2DTranspose(
-        c, 2, padding="same", data_format=df, use_bias=b), lambda c: c),
-    "Conv3DTranspose": (3, lambda c, df, b: L.Conv3DTranspose(
-        c, 2, padding="same", data_format=df, use_bias=b), lambda c: c),
+    "Conv1D": (
+        1,
+        lambda c, df, b: L.Conv1D(c, 2, padding="same", data_format=df, use_bias=b),
+        lambda c: c,
+    ),
+    "Conv2D": (
+        2,
+        lambda c, df, b: L.Conv2D(c, 2, padding="same", data_format=df, use_bias=b),
+        lambda c: c,
+    ),
+    "Conv3D": (
+        3,
+        lambda c, df, b: L.Conv3D(c, 2, padding="same", data_format=df, use_bias=b),
+        lambda c: c,
+    ),
+    "DepthwiseConv1D": (
+        1,
+        lambda c, df, b: L.DepthwiseConv1D(
+            2, depth_multiplier=c, padding="same", data_format=df, use_bias=b
+        ),
+        lambda c: 2 * c,
+    ),
+    "DepthwiseConv2D": (
+        2,
+        lambda c, df, b: L.DepthwiseConv2D(
+            2, depth_multiplier=c, padding="same", data_format=df, use_bias=b
+        ),
+        lambda c: 2 * c,
+    ),
+    "SeparableConv1D": (
+        1,
+        lambda c, df, b: L.SeparableConv1D(c, 2, padding="same", data_format=df, use_bias=b),
+        lambda c: c,
+    ),
+    "SeparableConv2D": (
+        2,
+        lambda c, df, b: L.SeparableConv2D(c, 2, padding="same", data_format=df, use_bias=b),
+        lambda c: c,
+    ),
+    "Conv1DTranspose": (
+        1,
+        lambda c, df, b: L.Conv1DTranspose(c, 2, padding="same", data_format=df, use_bias=b),
+        lambda c: c,
+    ),
+    "Conv2DTranspose": (
+        2,
+        lambda c, df, b: L.Conv2DTranspose(c, 2, padding="same", data_format=df, use_bias=b),
+        lambda c: c,
+    ),
+    "Conv3DTranspose": (
+        3,
+        lambda c, df, b: L.Conv3DTranspose(c, 2, padding="same", data_format=df, use_bias=b),
+        lambda c: c,
+    ),
 }
 IN_CHANNELS = 2
 
@@ -199,17 +247,25 @@ IN_CHANNELS = 2
 def sized_cases(draw):
     kind = draw(st.sampled_from(sorted(SIZED_HOSTS)))
     rank, _, out_channels = SIZED_HOSTS[kind]
-    data_format = "channels_last" if kind == "Dense" else draw(
-        st.sampled_from(["channels_last", "channels_first"]))
+    data_format = (
+        "channels_last"
+        if kind == "Dense"
+        else draw(st.sampled_from(["channels_last", "channels_first"]))
+    )
     filters = draw(st.integers(1, 4))
     spatial = draw(st.lists(st.integers(1, 7), min_size=rank, max_size=rank))
     if draw(st.booleans()):  # the size Keras's bias guess gets wrong: last dim == channels
         spatial[-1] = out_channels(filters)
-    return dict(kind=kind, data_format=data_format, filters=filters, spatial=spatial,
-                use_bias=draw(st.booleans()), dynamic=draw(st.booleans()),
-                norm=draw(st.sampled_from([keras_bn.BatchNormalization,
-                                           keras.layers.BatchNormalization])),
-                seed=draw(st.integers(0, 2**31)))
+    return dict(
+        kind=kind,
+        data_format=data_format,
+        filters=filters,
+        spatial=spatial,
+        use_bias=draw(st.booleans()),
+        dynamic=draw(st.booleans()),
+        norm=draw(st.sampled_from([keras_bn.BatchNormalization, keras.layers.BatchNormalization])),
+        seed=draw(st.integers(0, 2**31)),
+    )
 
 
 def _channels_last_twin(host, x_last):
@@ -218,8 +274,9 @@ def _channels_last_twin(host, x_last):
     where Keras's guess is right."""
     if getattr(host, "data_format", "channels_last") == "channels_last":
         return host
-    twin = type(host).from_config({**host.get_config(), "data_format": "channels_last",
-                                   "name": host.name + "_twin"})
+    twin = type(host).from_config(
+        {**host.get_config(), "data_format": "channels_last", "name": host.name + "_twin"}
+    )
     twin(x_last)
     twin.set_weights(host.get_weights())
     return twin
@@ -237,8 +294,9 @@ def test_fold_batch_norms_is_exact_at_every_input_size(case):
     rng = np.random.default_rng(case["seed"])
     shape = [IN_CHANNELS, *case["spatial"]] if first else [*case["spatial"], IN_CHANNELS]
     x = rng.normal(size=(3, *shape)).astype("float32")
-    input_shape = [None if case["dynamic"] and i != (0 if first else rank) else d
-                   for i, d in enumerate(shape)]
+    input_shape = [
+        None if case["dynamic"] and i != (0 if first else rank) else d for i, d in enumerate(shape)
+    ]
     host = make(case["filters"], case["data_format"], case["use_bias"])
     bn = case["norm"](axis=1 if first else -1, epsilon=0.01)
     model = keras.Sequential([keras.Input(input_shape), host, bn])

@@ -5,9 +5,9 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import assert_close
 
 import keras_bn
+from helpers import assert_close
 from keras_bn import ops
 
 # (shape, axis): every layout the fast path takes.
@@ -30,8 +30,7 @@ def _run(fn, mode):
 
 
 def _layer_pair(shape, axis, momentum=0.8):
-    fused, composite = (keras_bn.BatchNormalization(axis=axis, momentum=momentum)
-                        for _ in range(2))
+    fused, composite = (keras_bn.BatchNormalization(axis=axis, momentum=momentum) for _ in range(2))
     composite._fused = False
     rng = np.random.default_rng(0)
     for layer in (fused, composite):
@@ -49,8 +48,9 @@ def test_fused_matches_composite(layout, mode):
     fused, composite = _layer_pair(shape, axis)
     rng = np.random.default_rng(1)
     upstream = tf.constant(rng.normal(size=shape).astype("float32"))
-    batches = [tf.constant(rng.normal(2.0 - step, 3.0, size=shape).astype("float32"))
-               for step in range(3)]
+    batches = [
+        tf.constant(rng.normal(2.0 - step, 3.0, size=shape).astype("float32")) for step in range(3)
+    ]
     results = {}
     for name, layer in (("fused", fused), ("composite", composite)):
         for x in batches:
@@ -85,9 +85,11 @@ def test_fast_path_is_taken_exactly_where_it_applies():
 
 def test_fused_op_really_runs_the_fused_kernel():
     x = tf.zeros([4, 3, 3, 2])
-    graph = tf.function(
-        lambda x: ops.batch_norm_train(x, tf.ones([2]), tf.zeros([2]), [3], 1e-3)[0]
-    ).get_concrete_function(x).graph
+    graph = (
+        tf.function(lambda x: ops.batch_norm_train(x, tf.ones([2]), tf.zeros([2]), [3], 1e-3)[0])
+        .get_concrete_function(x)
+        .graph
+    )
     assert "FusedBatchNormV3" in {op.type for op in graph.get_operations()}
 
 
@@ -146,6 +148,8 @@ def test_inference_matches_affine_reference(layout, mode, dtype):
     y = _run(lambda: ops.batch_norm_eval(x, *params, channel_axes, 1e-3), mode)
     bshape = [channels if i in channel_axes else 1 for i in range(len(shape))]
     a = (gamma / np.sqrt(variance + 1e-3)).reshape(bshape)
-    expected = a * tf.cast(x, tf.float64).numpy() + (beta.reshape(bshape) - a * mean.reshape(bshape))
+    expected = a * tf.cast(x, tf.float64).numpy() + (
+        beta.reshape(bshape) - a * mean.reshape(bshape)
+    )
     tol = {"float32": 1e-6, "float16": 1e-3, "bfloat16": 1e-2}[dtype]
     assert_close(tf.cast(y, tf.float64), expected, tol)

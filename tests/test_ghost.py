@@ -1,13 +1,12 @@
 """Ghost batches (virtual_batch_size, tf-keras semantics) against numpy and autodiff; XLA,
 mixed precision, divisibility and argument checks."""
 
-import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import assert_close, assert_xla_step_matches_eager, fit_under_mixed_float16
 
 import keras_bn
+from helpers import assert_close, assert_xla_step_matches_eager, fit_under_mixed_float16
 
 EPS = 1e-3
 
@@ -100,15 +99,21 @@ def test_combined_with_renorm_follows_tf_keras():
 
 def test_batch_not_divisible_is_an_error():
     layer = keras_bn.BatchNormalization(virtual_batch_size=4)
-    with pytest.raises(ValueError, match=r"virtual_batch_size=4 must divide the batch size; "
-                                         r"received a batch of 10"):
+    with pytest.raises(
+        ValueError,
+        match=r"virtual_batch_size=4 must divide the batch size; "
+        r"received a batch of 10",
+    ):
         layer(_data((10, 3)), training=True)
     assert layer(_data((10, 3)), training=False).shape == (10, 3)  # inference does not split
-    step = tf.function(lambda x: layer(x, training=True),
-                       input_signature=[tf.TensorSpec([None, 3])])
+    step = tf.function(
+        lambda x: layer(x, training=True), input_signature=[tf.TensorSpec([None, 3])]
+    )
     step(_data((8, 3)))
-    with pytest.raises(tf.errors.InvalidArgumentError,
-                       match=r"(?s)virtual_batch_size=4 must divide.*batch size:.*\[6\]"):
+    with pytest.raises(
+        tf.errors.InvalidArgumentError,
+        match=r"(?s)virtual_batch_size=4 must divide.*batch size:.*\[6\]",
+    ):
         step(_data((6, 3)))
 
 
@@ -142,5 +147,4 @@ def test_config_round_trip_and_no_extra_weights():
     assert config["virtual_batch_size"] == 8
     assert keras_bn.BatchNormalization.from_config(config).get_config() == config
     layer.build((None, 3))
-    assert [w.name for w in layer.weights] == [
-        "gamma", "beta", "moving_mean", "moving_variance"]
+    assert [w.name for w in layer.weights] == ["gamma", "beta", "moving_mean", "moving_variance"]

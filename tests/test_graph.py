@@ -7,10 +7,10 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import assert_close, randomise_batch_norms
 
 import digits
 import keras_bn
+from helpers import assert_close, randomise_batch_norms
 from keras_bn.export import ChannelBias, InferenceAffine, fold_batch_norms
 
 L = keras.layers
@@ -80,8 +80,11 @@ def test_functional_keras_bn_every_host_kind_and_forward_fold():
 
 def test_nested_models_fold_inside_and_out():
     inner = keras.Sequential(
-        [keras.Input((6, 6, 2)), L.Conv2D(4, 3, use_bias=False, name="conv"),
-         keras_bn.BatchNormalization(name="bn")],
+        [
+            keras.Input((6, 6, 2)),
+            L.Conv2D(4, 3, use_bias=False, name="conv"),
+            keras_bn.BatchNormalization(name="bn"),
+        ],
         name="inner",
     )
     inputs = keras.Input((6, 6, 2))
@@ -185,7 +188,8 @@ REFUSALS = {
     ),
     "fan_out": (
         lambda x: (lambda h: L.Add()([L.BatchNormalization(name="bn")(h), h]))(
-            L.Dense(4, name="host")(x)),
+            L.Dense(4, name="host")(x)
+        ),
         "host 'host' output also feeds other layers or a model output",
     ),
     "shared_bn": (_shared_bn, "BN layer 'bn' is shared (called 2 times)"),
@@ -206,17 +210,26 @@ REFUSALS = {
     ),
     "padded_consumer": (
         lambda x: L.Conv1D(3, 3, padding="same", name="conv")(
-            L.BatchNormalization(name="bn")(L.ReLU()(x))),
+            L.BatchNormalization(name="bn")(L.ReLU()(x))
+        ),
         "the next layer 'conv' pads its input (padding='same')",
     ),
 }
 
 
 # The kind of each refusal (of the backward fold, the one a reader expects first).
-KINDS = {"activation": "activation", "fan_out": "fan_out", "shared_bn": "shared_bn",
-         "shared_host": "shared_host", "axis": "axis", "lora": "lora", "quantized": "quantized",
-         "no_neighbour": "reads_input", "several_axes": "several_axes",
-         "padded_consumer": "not_a_host"}
+KINDS = {
+    "activation": "activation",
+    "fan_out": "fan_out",
+    "shared_bn": "shared_bn",
+    "shared_host": "shared_host",
+    "axis": "axis",
+    "lora": "lora",
+    "quantized": "quantized",
+    "no_neighbour": "reads_input",
+    "several_axes": "several_axes",
+    "padded_consumer": "not_a_host",
+}
 
 
 @pytest.mark.parametrize("case", sorted(REFUSALS))
@@ -237,7 +250,8 @@ def test_refused_fold_is_kept_as_an_exact_affine_with_its_reason(case):
 def test_refused_backward_fold_falls_back_to_forward():
     model = _functional(
         lambda x: L.Conv1D(3, 2, name="next")(
-            L.BatchNormalization(name="bn")(L.Dense(4, "relu", name="host")(x))),
+            L.BatchNormalization(name="bn")(L.Dense(4, "relu", name="host")(x))
+        ),
         (5, 6),
     )
     folded, report = _check_fold(model, _x((3, 5, 6)))
@@ -247,9 +261,16 @@ def test_refused_backward_fold_falls_back_to_forward():
 
 def test_model_with_a_lambda_layer_folds():
     """Copying a Lambda from a live model needs no safe_mode override from the caller."""
-    model = randomise_batch_norms(keras.Sequential([
-        keras.Input((5,)), L.Dense(4), L.BatchNormalization(), L.Lambda(lambda t: t * 2.0 + 1.0),
-    ]))
+    model = randomise_batch_norms(
+        keras.Sequential(
+            [
+                keras.Input((5,)),
+                L.Dense(4),
+                L.BatchNormalization(),
+                L.Lambda(lambda t: t * 2.0 + 1.0),
+            ]
+        )
+    )
     folded, report = _check_fold(model, _x((3, 5)))
     assert len(report.folded) == 1 and isinstance(folded.layers[-1], L.Lambda)
 
@@ -298,9 +319,14 @@ def test_nested_subclassed_model_is_copied_unless_it_hides_a_bn():
 def test_lambda_using_module_globals_folds():
     """A Lambda's function is reused as it is: re-created from its config it would lose the
     module globals it needs (here `tf`) and break the rebuilt model."""
-    model = keras.Sequential([keras.Input((3, 3)),
-                              keras.layers.Lambda(lambda t: tf.linalg.det(t)[:, None]),
-                              keras.layers.Dense(2), keras_bn.BatchNormalization()])
+    model = keras.Sequential(
+        [
+            keras.Input((3, 3)),
+            keras.layers.Lambda(lambda t: tf.linalg.det(t)[:, None]),
+            keras.layers.Dense(2),
+            keras_bn.BatchNormalization(),
+        ]
+    )
     randomise_batch_norms(model)
     x = np.random.default_rng(0).normal(size=(4, 3, 3)).astype("float32")
     folded, report = fold_batch_norms(model, probe=x)
@@ -313,9 +339,13 @@ def test_folded_channels_first_host_adds_its_bias_on_the_channel_axis(kind, tmp_
     """A folded channels_first host gets its bias from a ChannelBias (an explicit axis, not
     Keras's guess from the shapes); the folded model saves and loads without custom_objects.
     A channels_last host keeps its own bias."""
-    layers = [L.Conv2D(4, 3, data_format="channels_first", use_bias=False, name="cf"),
-              L.BatchNormalization(axis=1), L.Permute((2, 3, 1)),
-              L.Conv2D(3, 1, name="cl"), L.BatchNormalization()]
+    layers = [
+        L.Conv2D(4, 3, data_format="channels_first", use_bias=False, name="cf"),
+        L.BatchNormalization(axis=1),
+        L.Permute((2, 3, 1)),
+        L.Conv2D(3, 1, name="cl"),
+        L.BatchNormalization(),
+    ]
     if kind == "sequential":
         model = keras.Sequential([keras.Input((2, 6, 6)), *layers])
     else:
@@ -336,8 +366,9 @@ def test_folded_channels_first_host_adds_its_bias_on_the_channel_axis(kind, tmp_
     np.testing.assert_array_equal(np.asarray(loaded(x)), np.asarray(folded(x)))
 
 
-@pytest.mark.parametrize("bad", [{"channel_axis": 0}, {"channel_axis": True},
-                                 {"channels": 0}, {"channels": 2.0}])
+@pytest.mark.parametrize(
+    "bad", [{"channel_axis": 0}, {"channel_axis": True}, {"channels": 0}, {"channels": 2.0}]
+)
 def test_channel_bias_arguments_are_validated(bad):
     arguments = {"channel_axis": 1, "channels": 3, **bad}
     name, value = next(iter(bad.items()))
@@ -408,5 +439,7 @@ def test_bn_under_a_mask_folds_and_the_mask_still_reaches_later_layers():
     probe = np.array([[1, 2, 0, 0, 0], [3, 0, 0, 0, 0], [4, 5, 6, 7, 9]])
     folded, report = _check_fold(model, probe)
     assert {(f.bn, f.host, f.direction) for f in report.folded} == {
-        ("forward_bn", "host", "forward"), ("backward_bn", "host", "backward")}
+        ("forward_bn", "host", "forward"),
+        ("backward_bn", "host", "backward"),
+    }
     assert report.kept == [] and _bn_layers(folded) == []

@@ -87,7 +87,10 @@ def test_install_without_extras_runs_the_export_command(tmp_path):
     python = venv / "bin" / "python"
     purelib = subprocess.run(
         [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        check=True, capture_output=True, text=True).stdout.strip()
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     with open(os.path.join(purelib, "_keras_bn_test_deps.pth"), "w") as file:
         file.write(f"{site}\n")
     source = tmp_path / "source"  # a copy: the build writes egg-info and build/ next to it
@@ -95,33 +98,71 @@ def test_install_without_extras_runs_the_export_command(tmp_path):
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(os.path.join(ROOT, name), source / name)
     for name in ("keras_bn", "export"):
-        shutil.copytree(os.path.join(ROOT, name), source / name,
-                        ignore=shutil.ignore_patterns("__pycache__"))
-    env = {**os.environ, "PIP_NO_INDEX": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1",
-           "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONNOUSERSITE": "1"}
+        shutil.copytree(
+            os.path.join(ROOT, name), source / name, ignore=shutil.ignore_patterns("__pycache__")
+        )
+    env = {
+        **os.environ,
+        "PIP_NO_INDEX": "1",
+        "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+        "TF_CPP_MIN_LOG_LEVEL": "3",
+        "PYTHONNOUSERSITE": "1",
+    }
     env.pop("PYTHONPATH", None)
     install = subprocess.run(
         [python, "-m", "pip", "install", "--no-index", "--no-build-isolation", str(source)],
-        capture_output=True, text=True, env=env, timeout=300)
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
 
     script = venv / "bin" / "keras-bn-export"
-    result = subprocess.run([script, "--help"], capture_output=True, text=True, env=env,
-                            timeout=60)
+    result = subprocess.run([script, "--help"], capture_output=True, text=True, env=env, timeout=60)
     assert result.returncode == 0 and "--tflite" in result.stdout, result.stderr
-    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, use_bias=False),
-                              keras.layers.BatchNormalization(), keras.layers.Dense(2)])
+    model = keras.Sequential(
+        [
+            keras.Input((5,)),
+            keras.layers.Dense(4, use_bias=False),
+            keras.layers.BatchNormalization(),
+            keras.layers.Dense(2),
+        ]
+    )
     model.save(tmp_path / "m.keras")
     result = subprocess.run(
-        [script, tmp_path / "m.keras", "--tflite", tmp_path / "m.tflite", "--onnx",
-         tmp_path / "m.onnx"], capture_output=True, text=True, env=env, timeout=300)
+        [
+            script,
+            tmp_path / "m.keras",
+            "--tflite",
+            tmp_path / "m.tflite",
+            "--onnx",
+            tmp_path / "m.onnx",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert "batch norms: 1 folded" in result.stdout and "verification passed" in result.stdout
     # The installed copy, not this checkout, and no extra's package.
     where = subprocess.run(
-        [python, "-c", "import keras_bn.export, importlib.util as u; "
-                       "print(keras_bn.export.__file__, u.find_spec('sklearn'), "
-                       "u.find_spec('pytest'))"],
-        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+        [
+            python,
+            "-c",
+            "import keras_bn.export, importlib.util as u; "
+            "print(keras_bn.export.__file__, u.find_spec('sklearn'), "
+            "u.find_spec('pytest'))",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert where.stdout.split() == [
-        os.path.join(purelib, "keras_bn", "export", "__init__.py"), "None", "None"], where
+        os.path.join(purelib, "keras_bn", "export", "__init__.py"),
+        "None",
+        "None",
+    ], where

@@ -16,12 +16,17 @@ import keras
 import numpy as np
 import pytest
 from ai_edge_litert.interpreter import Interpreter
-from helpers import docs_page, run_cli
 
 import digits
 import keras_bn
-from keras_bn.export import INT8_SPREAD_THRESHOLD, ChannelSpread, export_tflite, fold
-from keras_bn.export import fold_batch_norms
+from helpers import docs_page, run_cli
+from keras_bn.export import (
+    INT8_SPREAD_THRESHOLD,
+    ChannelSpread,
+    export_tflite,
+    fold,
+    fold_batch_norms,
+)
 
 L = keras.layers
 
@@ -67,15 +72,18 @@ def test_spread_is_largest_over_smallest_channel_range():
     assert fold.channel_spread(fold.output_channel_ranges(kernel)) == 1000.0
 
 
-@pytest.mark.parametrize("ranges, expected", [
-    ([2.0, 0.0, 1.0], 2.0),     # an all-zero channel is exact in int8: left out, not inf
-    ([0.0, 0.0], 1.0),          # nothing to lose
-    ([3.0], 1.0),
-    ([], 1.0),
-    ([0.25, 1.0, 2.0**-100], 2.0**100),  # tiny, not zero: per-tensor int8 rounds it to 0
-    ([np.inf, 1.0], np.inf),
-    ([np.inf, np.inf], np.inf),  # not inf/inf = NaN
-])
+@pytest.mark.parametrize(
+    "ranges, expected",
+    [
+        ([2.0, 0.0, 1.0], 2.0),  # an all-zero channel is exact in int8: left out, not inf
+        ([0.0, 0.0], 1.0),  # nothing to lose
+        ([3.0], 1.0),
+        ([], 1.0),
+        ([0.25, 1.0, 2.0**-100], 2.0**100),  # tiny, not zero: per-tensor int8 rounds it to 0
+        ([np.inf, 1.0], np.inf),
+        ([np.inf, np.inf], np.inf),  # not inf/inf = NaN
+    ],
+)
 def test_spread_edge_cases(ranges, expected):
     assert fold.channel_spread(ranges) == expected
 
@@ -109,10 +117,16 @@ def test_bad_layout_and_shapes_raise_naming_them():
 HOSTS = {  # kind: (input shape, host, the output channel of a folded weight's index)
     "Dense": ((16,), lambda: L.Dense(6), lambda i: i[-1]),
     "Conv2D": ((6, 6, 4), lambda: L.Conv2D(6, 3), lambda i: i[-1]),
-    "DepthwiseConv2D": ((6, 6, 3), lambda: L.DepthwiseConv2D(3, depth_multiplier=2),
-                        lambda i: i[-2] * 2 + i[-1]),
-    "SeparableConv2D": ((6, 6, 4), lambda: L.SeparableConv2D(6, 3, depth_multiplier=2),
-                        lambda i: i[-1]),
+    "DepthwiseConv2D": (
+        (6, 6, 3),
+        lambda: L.DepthwiseConv2D(3, depth_multiplier=2),
+        lambda i: i[-2] * 2 + i[-1],
+    ),
+    "SeparableConv2D": (
+        (6, 6, 4),
+        lambda: L.SeparableConv2D(6, 3, depth_multiplier=2),
+        lambda i: i[-1],
+    ),
     "Conv2DTranspose": ((4, 4, 4), lambda: L.Conv2DTranspose(6, 3), lambda i: i[-2]),
     "Conv1DTranspose": ((5, 4), lambda: L.Conv1DTranspose(6, 3), lambda i: i[-2]),
 }
@@ -148,8 +162,9 @@ def test_fold_report_spread_is_the_folded_kernels_and_flags_a_channel_scaled_100
 
 
 def test_forward_fold_reports_the_input_spread_and_nested_hosts_by_path():
-    inner = keras.Sequential([keras.Input((6,)), keras_bn.BatchNormalization(), L.Dense(5)],
-                             name="inner")
+    inner = keras.Sequential(
+        [keras.Input((6,)), keras_bn.BatchNormalization(), L.Dense(5)], name="inner"
+    )
     bn = inner.layers[0]
     gamma = bn.gamma.numpy()
     gamma[2] *= 1000.0
@@ -188,13 +203,13 @@ def test_tflite_int8_quantizes_every_host_per_output_channel(tmp_path):
     tensors = {t["index"]: t for t in interpreter.get_tensor_details()}
     weights = {}  # op → [(int8 weight shape, scale count, quantized dimension)]
     for op in interpreter._get_ops_details():
-        if op["op_name"] in ("FULLY_CONNECTED", "CONV_2D", "DEPTHWISE_CONV_2D",
-                             "TRANSPOSE_CONV"):
+        if op["op_name"] in ("FULLY_CONNECTED", "CONV_2D", "DEPTHWISE_CONV_2D", "TRANSPOSE_CONV"):
             weight = tensors[op["inputs"][1]]
             q = weight["quantization_parameters"]
             assert weight["dtype"] == np.int8, op
             weights.setdefault(op["op_name"], []).append(
-                (tuple(weight["shape"]), len(q["scales"]), q["quantized_dimension"]))
+                (tuple(weight["shape"]), len(q["scales"]), q["quantized_dimension"])
+            )
     # TFLite's layouts: output channel first (OHWI), last for depthwise (1HW(C·M)).
     assert weights == {
         "CONV_2D": [((8, 3, 3, 3), 8, 0), ((5, 1, 1, 16), 5, 0)],
@@ -211,16 +226,28 @@ def test_cli_shows_the_scaled_channel_and_its_int8_file_is_worse(tmp_path):
     probe = x_train[:64]
     healthy_outputs = model.predict(probe, verbose=0)
     digits.scale_hidden_channel(model, channel=5, factor=1000.0)
-    np.testing.assert_allclose(model.predict(probe, verbose=0), healthy_outputs,
-                               rtol=1e-4, atol=1e-4 * np.abs(healthy_outputs).max())
+    np.testing.assert_allclose(
+        model.predict(probe, verbose=0),
+        healthy_outputs,
+        rtol=1e-4,
+        atol=1e-4 * np.abs(healthy_outputs).max(),
+    )
     model.save(tmp_path / "scaled.keras")
     np.save(tmp_path / "x.npy", x_train)
 
     errors = {}
     for name in ("healthy", "scaled"):
-        result = run_cli(tmp_path / f"{name}.keras", "--tflite", tmp_path / f"{name}.tflite",
-                      "--quantize", "int8", "--representative-data", tmp_path / "x.npy",
-                      "--report", tmp_path / f"{name}.json")
+        result = run_cli(
+            tmp_path / f"{name}.keras",
+            "--tflite",
+            tmp_path / f"{name}.tflite",
+            "--quantize",
+            "int8",
+            "--representative-data",
+            tmp_path / "x.npy",
+            "--report",
+            tmp_path / f"{name}.json",
+        )
         report = json.loads((tmp_path / f"{name}.json").read_text())
         errors[name] = report["exports"][0]["relative_error"]
         (spread,) = report["fold"]["channel_spreads"]
@@ -228,16 +255,20 @@ def test_cli_shows_the_scaled_channel_and_its_int8_file_is_worse(tmp_path):
             assert result.returncode == 0, result.stderr
             assert report["fold"]["int8_risks"] == [] and spread["output_spread"] < 10
             assert "int8 readiness: every folded host's channel ranges are within 10x" in (
-                result.stdout)
+                result.stdout
+            )
         else:
             assert result.returncode in (0, 1), result.stderr  # 1: over the int8 tolerance
             assert report["fold"]["int8_risks"] == ["hidden"] and spread["int8_risk"]
             assert spread["output_spread"] > 1000
             assert spread["per_channel_int8_risk"] is False and spread["input_spread"] is None
             assert "int8 risk: 1 folded host(s) with channel ranges over 10x apart" in (
-                result.stdout)
-            assert (f"  hidden (Dense): output channels {spread['output_spread']:.3g}x apart: "
-                    f"per-tensor int8 only (TFLite's int8 is per channel)") in result.stdout
+                result.stdout
+            )
+            assert (
+                f"  hidden (Dense): output channels {spread['output_spread']:.3g}x apart: "
+                f"per-tensor int8 only (TFLite's int8 is per channel)"
+            ) in result.stdout
             # Printed with the fold, before the file's own lines.
             assert result.stdout.index("int8 risk") < result.stdout.index("tflite (int8)")
     # The same function, measured in LiteRT: the scaled model's int8 file is far worse. TFLite
@@ -252,9 +283,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_docs_snippet_runs_and_flags_the_scaled_host(capsys):
     page = docs_page("guide/export.md")
-    section = page[page.index("## int8 readiness"):]
+    section = page[page.index("## int8 readiness") :]
     start = section.index("```python\n") + len("```python\n")
-    snippet = section[start:section.index("\n```", start)]
+    snippet = section[start : section.index("\n```", start)]
     namespace = {}
     exec(compile(snippet, "docs/guide/export.md", "exec"), namespace)
     assert [spread.host for spread in namespace["report"].int8_risks] == ["dense"]
@@ -265,10 +296,16 @@ def test_docs_snippet_runs_and_flags_the_scaled_host(capsys):
 def test_bench_int8_spread_smoke():
     result = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "bench_int8_spread.py"), "--smoke"],
-        capture_output=True, text=True, timeout=600)
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = [line.split("|")[1:-1] for line in result.stdout.splitlines()
-            if line.startswith("| ") and not line.startswith("| s ")]
+    rows = [
+        line.split("|")[1:-1]
+        for line in result.stdout.splitlines()
+        if line.startswith("| ") and not line.startswith("| s ")
+    ]
     assert [row[0].strip() for row in rows] == ["1", "1000"]
     assert all(len(row) == 6 for row in rows)
     assert float(rows[1][1]) > 100 * float(rows[0][1])  # the spread follows the scale

@@ -28,13 +28,13 @@ import keras
 import numpy as np
 import pytest
 from absl.testing import parameterized
-from helpers import assert_close, docs_page
 from keras.src import layers as keras_layers
 from keras.src import testing
 from keras.src.losses import MeanSquaredError
 from keras.src.models import Model
 
 import keras_bn
+from helpers import assert_close, docs_page
 
 KERAS_BN_TESTS = "keras.src.layers.normalization.batch_normalization_test"
 
@@ -118,14 +118,17 @@ def _tests_that_construct_bn(source):
             if name not in involved and constructs_bn(node):
                 involved.add(name)
                 overrides[name] = [
-                    b.values[0].id for b in ast.walk(node)
-                    if isinstance(b, ast.BoolOp) and isinstance(b.values[0], ast.Name)
+                    b.values[0].id
+                    for b in ast.walk(node)
+                    if isinstance(b, ast.BoolOp)
+                    and isinstance(b.values[0], ast.Name)
                     and any(constructs_bn(v) for v in b.values[1:])
                 ]
                 changed = True
     return {
         method.name
-        for cls in tree.body if isinstance(cls, ast.ClassDef)
+        for cls in tree.body
+        if isinstance(cls, ast.ClassDef)
         for method in cls.body
         if isinstance(method, ast.FunctionDef) and constructs_bn(method)
     }
@@ -145,6 +148,7 @@ def _constructions():
 
 def _must_construct_keras_bn(method):
     """The Keras test, failing if it built no keras_bn layer (the swap missed)."""
+
     @functools.wraps(method)
     def run(self):
         before = _constructions()
@@ -153,6 +157,7 @@ def _must_construct_keras_bn(method):
             f"{type(self).__name__}.{self._testMethodName} constructed no "
             f"keras_bn.BatchNormalization: the swap did not reach it."
         )
+
     return run
 
 
@@ -189,7 +194,9 @@ class _Rewrites(testing.TestCase):
         self, axis, input_shape, moving_mean_initializer, moving_variance_initializer
     ):
         layer = self.LAYER(
-            axis=axis, momentum=0, moving_mean_initializer=moving_mean_initializer,
+            axis=axis,
+            momentum=0,
+            moving_mean_initializer=moving_mean_initializer,
             moving_variance_initializer=moving_variance_initializer,
         )
         x = np.random.normal(loc=5.0, scale=10.0, size=input_shape)
@@ -245,8 +252,10 @@ class _Rewrites(testing.TestCase):
     @pytest.mark.requires_trainable_backend
     def test_bachnorm_ignore_masked_values(self, run_eagerly, mask_value):
         padded_data = np.array(
-            [[[1, 5], [2, 5], [mask_value, mask_value], [mask_value, mask_value]]
-             for _ in range(10)],
+            [
+                [[1, 5], [2, 5], [mask_value, mask_value], [mask_value, mask_value]]
+                for _ in range(10)
+            ],
             dtype="float32",
         )
         inputs = keras_layers.Input((None, 2))
@@ -259,15 +268,16 @@ class _Rewrites(testing.TestCase):
         m = int(np.any(padded_data != mask_value, axis=-1).sum())  # 20 values per channel
         self.assertEqual(m, 20)
         # Keras: [0.25, 0.0].
-        self.assertAllClose(
-            model.layers[2].moving_variance, np.array([0.25, 0.0]) * self.factor(m)
-        )
+        self.assertAllClose(model.layers[2].moving_variance, np.array([0.25, 0.0]) * self.factor(m))
 
     def test_renorm_correctness(self):
         keras.utils.set_random_seed(1337)
         epsilon, momentum, renorm_momentum = 1e-3, 0.9, 0.8
         layer = self.LAYER(
-            axis=-1, epsilon=epsilon, momentum=momentum, renorm=True,
+            axis=-1,
+            epsilon=epsilon,
+            momentum=momentum,
+            renorm=True,
             renorm_momentum=renorm_momentum,
         )
         layer.build((None, 3))
@@ -280,9 +290,13 @@ class _Rewrites(testing.TestCase):
         init_gamma = np.random.normal(1.0, 0.1, size=size)
         init_beta = np.random.normal(0.0, 0.1, size=size)
         for name, value in (
-            ("moving_mean", init_moving_mean), ("moving_variance", init_moving_var),
-            ("moving_stddev", init_moving_stddev), ("renorm_mean", init_renorm_mean),
-            ("renorm_stddev", init_renorm_stddev), ("gamma", init_gamma), ("beta", init_beta),
+            ("moving_mean", init_moving_mean),
+            ("moving_variance", init_moving_var),
+            ("moving_stddev", init_moving_stddev),
+            ("renorm_mean", init_renorm_mean),
+            ("renorm_stddev", init_renorm_stddev),
+            ("gamma", init_gamma),
+            ("beta", init_beta),
         ):
             getattr(layer, name).assign(value)
         x = np.array([[4.0, 6.0, 2.0], [8.0, -2.0, 5.0], [6.0, 4.0, 3.0]], dtype="float32")
@@ -297,7 +311,8 @@ class _Rewrites(testing.TestCase):
 
         self.assertAllClose(
             layer.renorm_mean,
-            init_renorm_mean * renorm_momentum + batch_mean * (1 - renorm_momentum), atol=1e-5,
+            init_renorm_mean * renorm_momentum + batch_mean * (1 - renorm_momentum),
+            atol=1e-5,
         )
         self.assertAllClose(
             layer.renorm_stddev,
@@ -305,19 +320,18 @@ class _Rewrites(testing.TestCase):
             atol=1e-5,
         )
         self.assertAllClose(
-            layer.moving_mean, init_moving_mean * momentum + batch_mean * (1 - momentum),
+            layer.moving_mean,
+            init_moving_mean * momentum + batch_mean * (1 - momentum),
             atol=1e-5,
         )
         if self.UNBIASED:  # the variance is averaged, unbiased; the stddev follows from it
             m = len(x)
-            expected_moving_var = (
-                init_moving_var * momentum + batch_var * self.factor(m) * (1 - momentum)
+            expected_moving_var = init_moving_var * momentum + batch_var * self.factor(m) * (
+                1 - momentum
             )
             expected_moving_stddev = np.sqrt(expected_moving_var + epsilon)
         else:  # Keras: the stddev is averaged; the variance follows from it
-            expected_moving_stddev = (
-                init_moving_stddev * momentum + batch_stddev * (1 - momentum)
-            )
+            expected_moving_stddev = init_moving_stddev * momentum + batch_stddev * (1 - momentum)
             expected_moving_var = expected_moving_stddev**2 - epsilon
         self.assertAllClose(layer.moving_stddev, expected_moving_stddev, atol=1e-5)
         self.assertAllClose(layer.moving_variance, expected_moving_var, atol=1e-5)
@@ -352,8 +366,12 @@ def _subclass(module_name, source, keras_class):
     the tests named in DIFFERENCES."""
     rewritten = {test for module, test in DIFFERENCES if module == module_name}
     selected = None if module_name == KERAS_BN_TESTS else _tests_that_construct_bn(source)
-    body = {"__test__": True, "KERAS_MODULE": module_name,
-            "LAYER": keras_bn.BatchNormalization, "UNBIASED": True}
+    body = {
+        "__test__": True,
+        "KERAS_MODULE": module_name,
+        "LAYER": keras_bn.BatchNormalization,
+        "UNBIASED": True,
+    }
     if module_name != KERAS_BN_TESTS:  # model and export tests, ~1 s each: deselectable
         body["pytestmark"] = list(getattr(keras_class, "pytestmark", [])) + [pytest.mark.slow]
     for name in dir(keras_class):
@@ -374,8 +392,10 @@ def _subclass(module_name, source, keras_class):
 
 def _keras_classes(module, module_name):
     return [
-        value for value in vars(module).values()
-        if isinstance(value, type) and issubclass(value, unittest.TestCase)
+        value
+        for value in vars(module).values()
+        if isinstance(value, type)
+        and issubclass(value, unittest.TestCase)
         and value.__module__ == module_name
     ]
 
@@ -431,10 +451,16 @@ def test_every_variant_of_a_rewritten_test_is_rewritten():
     for module_name, test in DIFFERENCES:
         module = KERAS_TEST_MODULES[module_name][0]
         for cls in _keras_classes(module, module_name):
-            theirs = {n for n in dir(cls) if n.startswith("test")
-                      and _original_name(getattr(cls, n)) == test}
-            ours = {n for n in dir(_Rewrites) if n.startswith("test")
-                    and _original_name(getattr(_Rewrites, n)) == test}
+            theirs = {
+                n
+                for n in dir(cls)
+                if n.startswith("test") and _original_name(getattr(cls, n)) == test
+            }
+            ours = {
+                n
+                for n in dir(_Rewrites)
+                if n.startswith("test") and _original_name(getattr(_Rewrites, n)) == test
+            }
             assert theirs == ours, (module_name, test)
 
 
@@ -450,15 +476,17 @@ def test_other_keras_test_files_are_run():
     """Beyond the BN test file, Keras's tests that build a BN in a model or wrapper run too
     (each must construct a keras_bn layer); their count is at least today's."""
     others = [
-        name for name, cls in globals().items()
+        name
+        for name, cls in globals().items()
         if name.startswith("TestKeras_") and "batch_normalization_test" not in name
-        for test in dir(cls) if test.startswith("test") and callable(getattr(cls, test))
+        for test in dir(cls)
+        if test.startswith("test") and callable(getattr(cls, test))
     ]
     assert len(others) >= 50
 
 
 def test_selection_follows_helper_arguments():
-    source = inspect.cleandoc('''
+    source = inspect.cleandoc("""
         def get_model(layer_list=None):
             layer_list = layer_list or [layers.Dense(1), layers.BatchNormalization()]
             return layer_list
@@ -477,7 +505,7 @@ def test_selection_follows_helper_arguments():
 
             def test_none(self):
                 layers.Dense(2)
-    ''')
+    """)
     assert _tests_that_construct_bn(source) == {"test_default", "test_direct"}
 
 
@@ -486,8 +514,10 @@ def test_selection_follows_helper_arguments():
 
 def _renorm_pair(momentum):
     """keras_bn's and Keras's renorm layers with the same arguments and initial weights."""
-    pair = [cls(momentum=momentum, renorm=True, renorm_momentum=0.9)
-            for cls in (keras_bn.BatchNormalization, keras_layers.BatchNormalization)]
+    pair = [
+        cls(momentum=momentum, renorm=True, renorm_momentum=0.9)
+        for cls in (keras_bn.BatchNormalization, keras_layers.BatchNormalization)
+    ]
     for layer in pair:
         layer.build((None, 4))
     return pair
@@ -499,8 +529,9 @@ def test_renorm_moving_statistics_after_the_same_batches():
     (numpy references), and the variances differ by exactly m/(m−1) when every batch has
     the same variance (here momentum 0: one batch)."""
     rng = np.random.default_rng(0)
-    batches = [rng.normal(1.0, rng.uniform(0.5, 3.0), size=(16, 4)).astype("float32")
-               for _ in range(20)]
+    batches = [
+        rng.normal(1.0, rng.uniform(0.5, 3.0), size=(16, 4)).astype("float32") for _ in range(20)
+    ]
     momentum, eps, m = 0.8, 1e-3, 16
     ours, theirs = _renorm_pair(momentum)
     average_var, average_std = np.ones(4), np.ones(4)
@@ -524,10 +555,15 @@ def test_renorm_moving_statistics_after_the_same_batches():
 
 def _digits_renorm_model(layer, seed=0):
     keras.utils.set_random_seed(seed)
-    return keras.Sequential([
-        keras.Input((64,)), keras.layers.Dense(32), layer, keras.layers.ReLU(),
-        keras.layers.Dense(10),
-    ])
+    return keras.Sequential(
+        [
+            keras.Input((64,)),
+            keras.layers.Dense(32),
+            layer,
+            keras.layers.ReLU(),
+            keras.layers.Dense(10),
+        ]
+    )
 
 
 def test_renorm_weights_after_the_same_training(capsys):
@@ -545,13 +581,13 @@ def test_renorm_weights_after_the_same_training(capsys):
     ]
     models[1].set_weights(models[0].get_weights())
     for model in models:
-        model.compile(keras.optimizers.SGD(0.05), keras.losses.SparseCategoricalCrossentropy(
-            from_logits=True))
+        model.compile(
+            keras.optimizers.SGD(0.05), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        )
         model.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0)
     ours, theirs = (model.layers[1] for model in models)
     differ = {id(v) for v in (ours.moving_variance, ours.moving_stddev)}
-    compared = [(a, b) for a, b in zip(models[0].weights, models[1].weights)
-                if id(a) not in differ]
+    compared = [(a, b) for a, b in zip(models[0].weights, models[1].weights) if id(a) not in differ]
     assert len(compared) == len(models[0].weights) - 2
     for a, b in compared:  # (the bias before BN has no gradient: rounding noise, ~1e-8)
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=a.path)
@@ -560,8 +596,10 @@ def test_renorm_weights_after_the_same_training(capsys):
     stddev_ratio = np.asarray(ours.moving_stddev) / np.asarray(theirs.moving_stddev)
     assert (variance_ratio >= m / (m - 1) * (1 - 1e-5)).all()
     with capsys.disabled():
-        print(f"\nrenorm after the same training (m = {m}, m/(m−1) = {m / (m - 1):.4f}): "
-              f"moving_variance ours/Keras median {np.median(variance_ratio):.4f}, "
-              f"min {variance_ratio.min():.4f}, max {variance_ratio.max():.4f}; "
-              f"moving_stddev median {np.median(stddev_ratio):.4f}, "
-              f"min {stddev_ratio.min():.4f}, max {stddev_ratio.max():.4f}")
+        print(
+            f"\nrenorm after the same training (m = {m}, m/(m−1) = {m / (m - 1):.4f}): "
+            f"moving_variance ours/Keras median {np.median(variance_ratio):.4f}, "
+            f"min {variance_ratio.min():.4f}, max {variance_ratio.max():.4f}; "
+            f"moving_stddev median {np.median(stddev_ratio):.4f}, "
+            f"min {stddev_ratio.min():.4f}, max {stddev_ratio.max():.4f}"
+        )

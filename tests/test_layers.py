@@ -10,9 +10,9 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import assert_close, mirrored_strategy, numpy_bn_train
 
 import keras_bn
+from helpers import assert_close, mirrored_strategy, numpy_bn_train
 
 EPS = 1e-3
 
@@ -49,9 +49,7 @@ def test_train_and_inference_match_numpy(shape, axis, channel_axes):
     layer = keras_bn.BatchNormalization(axis=axis, dtype="float64")
     layer.build(shape)
     gamma, beta, moving_mean, moving_var = _randomize_weights(layer)
-    assert_close(
-        layer(x, training=True), numpy_bn_train(x, gamma, beta, channel_axes)[0], 1e-12
-    )
+    assert_close(layer(x, training=True), numpy_bn_train(x, gamma, beta, channel_axes)[0], 1e-12)
     layer.set_weights([gamma, beta, moving_mean, moving_var])
     bshape = [shape[i] if i in channel_axes else 1 for i in range(len(shape))]
     r = lambda v: v.reshape(bshape)  # noqa: E731
@@ -175,8 +173,9 @@ def test_wrong_shaped_mask_is_rejected():
         layer(_data((4, 6, 3)), training=True, mask=np.ones((4, 6, 3), bool))
 
 
-@pytest.mark.parametrize("mask_shape", [(4, 1), (1, 6), (1, 1)],
-                         ids=["per-sample", "per-step", "scalar"])
+@pytest.mark.parametrize(
+    "mask_shape", [(4, 1), (1, 6), (1, 1)], ids=["per-sample", "per-step", "scalar"]
+)
 @pytest.mark.parametrize("jit", [False, True], ids=["graph", "xla"])
 def test_broadcastable_mask_counts_the_broadcast_positions(mask_shape, jit):
     """A mask whose size-1 dimensions broadcast over the non-channel shape (Keras accepts
@@ -334,8 +333,9 @@ def test_trainable_false_means_inference_without_updates():
 
 
 def test_fit_updates_statistics_evaluate_and_predict_do_not():
-    model = keras.Sequential([keras.Input((4,)), keras_bn.BatchNormalization(momentum=0.5),
-                              keras.layers.Dense(1)])
+    model = keras.Sequential(
+        [keras.Input((4,)), keras_bn.BatchNormalization(momentum=0.5), keras.layers.Dense(1)]
+    )
     model.compile("sgd", "mse")
     x, y = _data((64, 4)), _data((64, 1))
     bn = model.layers[0]
@@ -409,9 +409,11 @@ _STATEFUL = {"plain": {}, "renorm, momentum=None": {"renorm": True, "momentum": 
 
 
 @pytest.mark.parametrize("variant", _STATEFUL)
-@pytest.mark.parametrize("case,mode,fused", _AT_MOST_ONE_RUNS,
-                         ids=[f"{c}-{m}-{'auto' if f is None else 'composite'}"
-                              for c, m, f in _AT_MOST_ONE_RUNS])
+@pytest.mark.parametrize(
+    "case,mode,fused",
+    _AT_MOST_ONE_RUNS,
+    ids=[f"{c}-{m}-{'auto' if f is None else 'composite'}" for c, m, f in _AT_MOST_ONE_RUNS],
+)
 def test_run_time_m_at_most_one_outputs_beta_and_updates_nothing(case, mode, fused, variant):
     """A batch that leaves m ≤ 1 values per channel only at run time: the output is β, the
     gradients are those of y = β (Σg for β, 0 for x and γ), every statistic and the batch
@@ -445,8 +447,11 @@ def test_run_time_m_at_most_one_outputs_beta_and_updates_nothing(case, mode, fus
     for w, b in zip(layer.non_trainable_weights, before):
         np.testing.assert_array_equal(w, b, err_msg=w.name)
     # The next, ordinary batch updates as usual.
-    layer(_data((4,) + shape[1:], seed=2), training=True,
-          mask=None if mask is None else np.ones((4,) + shape[1:-1], bool))
+    layer(
+        _data((4,) + shape[1:], seed=2),
+        training=True,
+        mask=None if mask is None else np.ones((4,) + shape[1:-1], bool),
+    )
     assert not np.array_equal(layer.moving_mean.numpy(), before[0])
     if layer.num_batches_tracked is not None:
         assert int(layer.num_batches_tracked.numpy()) == 4
@@ -460,8 +465,9 @@ def test_run_time_m_of_one_under_mixed_float16_outputs_beta():
     step = tf.function(lambda x, m: layer(x, training=True, mask=m), jit_compile=True)
     y = step(tf.constant(_data((3, 5, 4)), "float16"), tf.zeros((3, 5), tf.bool))
     assert y.dtype == "float16"
-    np.testing.assert_array_equal(y, np.broadcast_to(layer.beta.numpy().astype("float16"),
-                                                     (3, 5, 4)))
+    np.testing.assert_array_equal(
+        y, np.broadcast_to(layer.beta.numpy().astype("float16"), (3, 5, 4))
+    )
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
@@ -499,8 +505,9 @@ def test_momentum_none_is_the_cumulative_average():
     used = [b.astype(np.float64) for b in batches[:3] + batches[4:]]
     assert int(layer.num_batches_tracked.numpy()) == 4
     assert_close(layer.moving_mean, np.mean([b.mean(axis=0) for b in used], axis=0), 1e-6)
-    assert_close(layer.moving_variance,
-                 np.mean([b.var(axis=0, ddof=1) for b in used], axis=0), 1e-6)
+    assert_close(
+        layer.moving_variance, np.mean([b.var(axis=0, ddof=1) for b in used], axis=0), 1e-6
+    )
     assert [w.name for w in layer.weights][-1] == "num_batches_tracked"
     assert layer.get_config()["momentum"] is None
 
@@ -584,13 +591,25 @@ def test_non_tensorflow_backend_is_an_import_error():
 
 def _non_default_layer():
     return keras_bn.BatchNormalization(
-        axis=[1, -1], momentum=0.7, epsilon=1e-4, center=False, scale=True,
-        beta_initializer="ones", gamma_initializer=keras.initializers.RandomUniform(0.5, 1.5),
-        moving_mean_initializer="ones", moving_variance_initializer=keras.initializers.Constant(2.0),
-        beta_regularizer="l2", gamma_regularizer=keras.regularizers.L1(0.01),
-        beta_constraint="non_neg", gamma_constraint=keras.constraints.MaxNorm(2.0),
-        renorm=True, renorm_clipping={"rmax": 2.0, "rmin": 0.5, "dmax": 1.0},
-        renorm_momentum=0.8, synchronized=True, name="custom_bn", trainable=False,
+        axis=[1, -1],
+        momentum=0.7,
+        epsilon=1e-4,
+        center=False,
+        scale=True,
+        beta_initializer="ones",
+        gamma_initializer=keras.initializers.RandomUniform(0.5, 1.5),
+        moving_mean_initializer="ones",
+        moving_variance_initializer=keras.initializers.Constant(2.0),
+        beta_regularizer="l2",
+        gamma_regularizer=keras.regularizers.L1(0.01),
+        beta_constraint="non_neg",
+        gamma_constraint=keras.constraints.MaxNorm(2.0),
+        renorm=True,
+        renorm_clipping={"rmax": 2.0, "rmin": 0.5, "dmax": 1.0},
+        renorm_momentum=0.8,
+        synchronized=True,
+        name="custom_bn",
+        trainable=False,
     )
 
 
@@ -613,13 +632,15 @@ def test_get_config_round_trips_every_argument():
 
 
 def test_keras_file_round_trip(tmp_path):
-    model = keras.Sequential([
-        keras.Input((4, 4, 3)),
-        keras.layers.Conv2D(5, 3, use_bias=False),
-        keras_bn.BatchNormalization(momentum=0.5, epsilon=1e-2),
-        keras.layers.Flatten(),
-        keras.layers.Dense(2),
-    ])
+    model = keras.Sequential(
+        [
+            keras.Input((4, 4, 3)),
+            keras.layers.Conv2D(5, 3, use_bias=False),
+            keras_bn.BatchNormalization(momentum=0.5, epsilon=1e-2),
+            keras.layers.Flatten(),
+            keras.layers.Dense(2),
+        ]
+    )
     x = _data((8, 4, 4, 3))
     model.compile("adam", "mse")
     model.fit(x, _data((8, 2)), epochs=2, verbose=0)
@@ -658,8 +679,14 @@ def test_mixed_precision_keeps_float32_statistics(policy):
 
 def test_mixed_float16_training_step_has_float32_gradients():
     keras.mixed_precision.set_global_policy("mixed_float16")
-    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8),
-                              keras_bn.BatchNormalization(), keras.layers.Dense(1)])
+    model = keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(8),
+            keras_bn.BatchNormalization(),
+            keras.layers.Dense(1),
+        ]
+    )
     model.compile(keras.optimizers.SGD(0.01), "mse", jit_compile=True)
     history = model.fit(_data((64, 6)), _data((64, 1)), batch_size=16, epochs=2, verbose=0)
     assert np.isfinite(history.history["loss"]).all()
@@ -701,10 +728,13 @@ def test_digits_cnn_converges(jit_compile):
     assert accuracy >= 0.90
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"synchronized": 1}, r"synchronized must be True or False; received synchronized=1"),
-    ({"synchronized": True, "virtual_batch_size": 4}, r"virtual_batch_size=4 contradict"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"synchronized": 1}, r"synchronized must be True or False; received synchronized=1"),
+        ({"synchronized": True, "virtual_batch_size": 4}, r"virtual_batch_size=4 contradict"),
+    ],
+)
 def test_bad_synchronized(kwargs, match):
     with pytest.raises(ValueError, match=match):
         keras_bn.BatchNormalization(**kwargs)

@@ -46,8 +46,12 @@ def kernel_for_this_python(tmp_path, monkeypatch):
 def test_every_reference_claim_has_a_notebook():
     stems = {p.stem for p in NOTEBOOKS}
     expected = {
-        "01_ioffe_fig1", "02_bngd_ols", "03_gradient_explosion",
-        "04_smoothness_and_ics", "05_length_direction", "06_population_statistics",
+        "01_ioffe_fig1",
+        "02_bngd_ols",
+        "03_gradient_explosion",
+        "04_smoothness_and_ics",
+        "05_length_direction",
+        "06_population_statistics",
     }
     assert expected <= stems, sorted(expected - stems)
 
@@ -57,8 +61,7 @@ MISSING_DOCUMENTS = ("shared/", "reference.md", "design.md", "seeds/")
 CLAIM_NOTEBOOKS = [p for p in NOTEBOOKS if not p.stem.startswith("00")]
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS + sorted(EXAMPLES.glob("*.py")),
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize("path", NOTEBOOKS + sorted(EXAMPLES.glob("*.py")), ids=lambda p: p.name)
 def test_examples_cite_no_document_the_project_lacks(path):
     if path.suffix == ".ipynb":
         text = "\n".join(cell.source for cell in nbformat.read(path, as_version=4).cells)
@@ -71,14 +74,19 @@ def test_examples_cite_no_document_the_project_lacks(path):
 def test_claim_notebooks_cite_their_paper_with_an_arxiv_id(path):
     first_cell = nbformat.read(path, as_version=4).cells[0]
     assert first_cell.cell_type == "markdown"
-    assert re.search(r"\*\*Claim\*\* \(.*?arXiv:\d{4}\.\d{4,5}", first_cell.source, re.S), first_cell.source[:300]
+    assert re.search(r"\*\*Claim\*\* \(.*?arXiv:\d{4}\.\d{4,5}", first_cell.source, re.S), (
+        first_cell.source[:300]
+    )
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebooks_are_committed_without_outputs(path):
     notebook = nbformat.read(path, as_version=4)
-    with_outputs = [i for i, cell in enumerate(notebook.cells)
-                    if cell.cell_type == "code" and (cell.outputs or cell.execution_count is not None)]
+    with_outputs = [
+        i
+        for i, cell in enumerate(notebook.cells)
+        if cell.cell_type == "code" and (cell.outputs or cell.execution_count is not None)
+    ]
     assert not with_outputs, (path.name, with_outputs)
 
 

@@ -4,8 +4,8 @@ reference written here, and finite differences."""
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import assert_close, broadcast_shape, numpy_bn_train, tf_reference_bn
 
+from helpers import assert_close, broadcast_shape, numpy_bn_train, tf_reference_bn
 from keras_bn import ops
 
 EPS = 1e-3
@@ -66,7 +66,11 @@ def test_forward_matches_numpy(layout, masked):
     x, gamma, beta = _inputs(shape, axes)
     mask = _random_mask(shape, axes) if masked else None
     y, mean, var = ops.batch_norm_train(
-        tf.constant(x), tf.constant(gamma), tf.constant(beta), axes, EPS,
+        tf.constant(x),
+        tf.constant(gamma),
+        tf.constant(beta),
+        axes,
+        EPS,
         None if mask is None else tf.constant(mask, tf.float64),
     )
     y_ref, mean_ref, var_ref = numpy_bn_train(x, gamma, beta, axes, mask=mask)

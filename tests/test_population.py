@@ -9,9 +9,9 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import assert_close
 
 import keras_bn
+from helpers import assert_close
 
 EPS = 1e-3
 
@@ -80,8 +80,10 @@ def test_two_bn_network_matches_numpy(second_bn, unbiased):
     for before, after in zip(trainable_before, model.trainable_weights):
         np.testing.assert_array_equal(before, after)
     assert [c.name for c in report.layers] == ["bn_1", "bn_2"]
-    assert [c.convention for c in report.layers] == ["unbiased",
-                                                     "unbiased" if unbiased else "biased"]
+    assert [c.convention for c in report.layers] == [
+        "unbiased",
+        "unbiased" if unbiased else "biased",
+    ]
     assert report.batches == 4
     assert_close(report.layers[0].mean_change, mean_1 - report.layers[0].old_mean, 1e-5)
     assert_close(report.layers[1].new_variance, var_2, 1e-5)
@@ -115,8 +117,7 @@ def test_batches_with_at_most_one_value_per_channel_are_skipped():
     assert report.batches == 3 and report.layers[0].batches_used == 2
     parts = np.split(x[:8].astype(np.float64), 2)
     assert_close(bn.moving_mean, np.mean([p.mean(axis=0) for p in parts], axis=0), 1e-6)
-    assert_close(bn.moving_variance, np.mean([p.var(axis=0) for p in parts], axis=0) * 4 / 3,
-                 1e-6)
+    assert_close(bn.moving_variance, np.mean([p.var(axis=0) for p in parts], axis=0) * 4 / 3, 1e-6)
 
     tokens = np.array([[3, 5, 2, 0], [4, 1, 0, 0], [2, 0, 0, 0], [0, 0, 0, 0]])
     token_inputs = keras.Input((4,), dtype="int32")
@@ -141,8 +142,9 @@ def test_named_inputs_as_a_dict_of_arrays():
     parts = np.split(np.concatenate([data["a"], data["b"]], axis=1).astype(np.float64), [16, 32])
     m = np.array([len(p) for p in parts], dtype=np.float64)
     assert_close(bn.moving_mean, sum(len(p) * p.mean(axis=0) for p in parts) / m.sum(), 1e-6)
-    assert_close(bn.moving_variance, sum(len(p) * p.var(axis=0) for p in parts) / (m - 1).sum(),
-                 1e-6)
+    assert_close(
+        bn.moving_variance, sum(len(p) * p.var(axis=0) for p in parts) / (m - 1).sum(), 1e-6
+    )
     findings = keras_bn.diagnostics.check_batchnorm(model, data, batch_size=16)
     assert [f.kind for f in findings] == ["unfoldable"]  # it feeds the model output
     with pytest.raises(ValueError, match=r"one length .* lengths \{'a': 40, 'b': 39\}"):
@@ -151,11 +153,14 @@ def test_named_inputs_as_a_dict_of_arrays():
 
 def test_nested_models_dataset_and_conv_layout():
     """A keras_bn BN inside a nested Sequential, channels-first conv features, (x, y) dataset."""
-    inner = keras.Sequential([
-        keras.Input((2, 5, 5)),
-        keras.layers.Conv2D(3, 3, data_format="channels_first", name="conv"),
-        keras_bn.BatchNormalization(axis=1, name="inner_bn"),
-    ], name="inner")
+    inner = keras.Sequential(
+        [
+            keras.Input((2, 5, 5)),
+            keras.layers.Conv2D(3, 3, data_format="channels_first", name="conv"),
+            keras_bn.BatchNormalization(axis=1, name="inner_bn"),
+        ],
+        name="inner",
+    )
     inputs = keras.Input((2, 5, 5))
     model = keras.Model(inputs, keras.layers.Flatten()(inner(inputs)))
     x = _data((24, 2, 5, 5))
@@ -177,7 +182,7 @@ def test_iterator_and_steps():
     x = _data((64, 6))
     from_array = keras_bn.recalibrate(model, x[:32], batch_size=16, progress=False)
     from_gen = keras_bn.recalibrate(
-        model, (x[i:i + 16] for i in range(0, 64, 16)), steps=2, progress=False
+        model, (x[i : i + 16] for i in range(0, 64, 16)), steps=2, progress=False
     )
     assert from_gen.batches == 2
     for a, b in zip(from_array.layers, from_gen.layers):
@@ -216,8 +221,11 @@ def test_errors_name_the_problem():
     with pytest.raises(ValueError, match="called more than once"):
         keras_bn.recalibrate(model, _data((8, 3)), progress=False)
     model = keras.Model(inputs, keras_bn.BatchNormalization(name="bn")(inputs))
-    with pytest.raises(ValueError, match=r"no batch of `data` gives layer 'bn' at least 2 "
-                                         r"values per channel \(m ≤ 1 in all 3 batches\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"no batch of `data` gives layer 'bn' at least 2 "
+        r"values per channel \(m ≤ 1 in all 3 batches\)",
+    ):
         keras_bn.recalibrate(model, _data((3, 3)), batch_size=1, progress=False)
     with pytest.raises(ValueError, match="steps=0"):
         keras_bn.recalibrate(model, _data((8, 3)), steps=0)
@@ -244,12 +252,18 @@ def test_recalibration_beats_the_moving_average_on_a_small_batch_model():
     rng = np.random.default_rng(0)
     x = rng.normal(1.0, 2.0, (512, 8)).astype("float32")
     y = (x[:, :1] * x[:, 1:2] > 0).astype("float32")
-    model = keras.Sequential([
-        keras.Input((8,)),
-        keras.layers.Dense(16), keras_bn.BatchNormalization(), keras.layers.ReLU(),
-        keras.layers.Dense(16), keras_bn.BatchNormalization(), keras.layers.ReLU(),
-        keras.layers.Dense(1, activation="sigmoid"),
-    ])
+    model = keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(16),
+            keras_bn.BatchNormalization(),
+            keras.layers.ReLU(),
+            keras.layers.Dense(16),
+            keras_bn.BatchNormalization(),
+            keras.layers.ReLU(),
+            keras.layers.Dense(1, activation="sigmoid"),
+        ]
+    )
     model.compile(keras.optimizers.SGD(0.1), "binary_crossentropy")
     model.fit(x, y, batch_size=4, epochs=1, verbose=0, shuffle=True)
     before = _normalization_error(model, x)
@@ -333,8 +347,11 @@ def test_mobilenet_v2_every_layer_matches_its_inference_input():
         input_shape=(32, 32, 3), alpha=0.35, weights=None, include_top=False
     )
     model = keras_bn.convert.from_keras(base)
-    bns = [layer for layer in model.layers
-           if isinstance(layer, (keras_bn.BatchNormalization, keras.layers.BatchNormalization))]
+    bns = [
+        layer
+        for layer in model.layers
+        if isinstance(layer, (keras_bn.BatchNormalization, keras.layers.BatchNormalization))
+    ]
     x = _data((24, 32, 32, 3), loc=0.0, scale=1.0)
     keras_bn.recalibrate(model, x, batch_size=8, progress=False)
     features = keras.Model(model.inputs[0], [bn.input for bn in bns])(x, training=False)

@@ -7,19 +7,29 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import (BACKWARD_HOSTS, assert_close, fold_input, numpy_bn_train,
-                     randomise_batch_norms, tf_reference_bn)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import keras_bn
+from helpers import (
+    BACKWARD_HOSTS,
+    assert_close,
+    fold_input,
+    numpy_bn_train,
+    randomise_batch_norms,
+    tf_reference_bn,
+)
 from keras_bn import ops, xla
 from keras_bn.export import fold_batch_norms
 
 EPS = 1e-3
 # Mixed policies for the 16-bit dtypes: the realistic use, float32 weights.
-POLICY = {"float16": "mixed_float16", "bfloat16": "mixed_bfloat16",
-          "float32": "float32", "float64": "float64"}
+POLICY = {
+    "float16": "mixed_float16",
+    "bfloat16": "mixed_bfloat16",
+    "float32": "float32",
+    "float64": "float64",
+}
 # Scale-relative tolerances, from each dtype's resolution (outputs are rounded to it).
 FORWARD_TOL = {"float16": 4e-3, "bfloat16": 3e-2, "float32": 2e-5, "float64": 1e-10}
 GRADIENT_TOL = {"float16": 2e-2, "bfloat16": 1e-1, "float32": 1e-4, "float64": 1e-9}
@@ -45,9 +55,14 @@ def bn_cases(draw):
         shape[0] = 2
     masked = draw(st.booleans())
     return {
-        "shape": tuple(shape), "axis": axis, "channel_axes": channel_axes,
-        "dtype": draw(st.sampled_from(sorted(POLICY))), "center": draw(st.booleans()),
-        "scale": draw(st.booleans()), "masked": masked, "seed": draw(st.integers(0, 2**31)),
+        "shape": tuple(shape),
+        "axis": axis,
+        "channel_axes": channel_axes,
+        "dtype": draw(st.sampled_from(sorted(POLICY))),
+        "center": draw(st.booleans()),
+        "scale": draw(st.booleans()),
+        "masked": masked,
+        "seed": draw(st.integers(0, 2**31)),
         "momentum": draw(st.sampled_from([0.0, 0.5, 0.9])),
     }
 
@@ -61,8 +76,11 @@ def _setup(case):
         mask = rng.uniform(size=[d for i, d in enumerate(shape) if i not in channel_axes]) > 0.4
         mask.flat[:2] = True  # at least two values per channel survive: m ≥ 2
     layer = keras_bn.BatchNormalization(
-        axis=case["axis"], momentum=case["momentum"], center=case["center"],
-        scale=case["scale"], dtype=POLICY[case["dtype"]],
+        axis=case["axis"],
+        momentum=case["momentum"],
+        center=case["center"],
+        scale=case["scale"],
+        dtype=POLICY[case["dtype"]],
     )
     layer.build(shape)
     weights = [rng.uniform(0.5, 1.5, w.shape).astype(w.dtype) for w in layer.weights]
@@ -112,7 +130,11 @@ def _check_forward_and_inference(case, jit):
     x64 = tf.cast(x, tf.float64).numpy()
     gamma, beta = _params(layer, case["channel_axes"], case["shape"])
     expected, _, _ = numpy_bn_train(
-        x64, gamma, beta, case["channel_axes"], EPS,
+        x64,
+        gamma,
+        beta,
+        case["channel_axes"],
+        EPS,
         _expanded_mask(mask, case["shape"], case["channel_axes"]),
     )
     paths = []
@@ -127,10 +149,13 @@ def _check_forward_and_inference(case, jit):
     assert y.dtype == x.dtype
     assert_close(tf.cast(y, tf.float64), expected, FORWARD_TOL[case["dtype"]])
 
-    bshape = [case["shape"][i] if i in case["channel_axes"] else 1
-              for i in range(len(case["shape"]))]
-    mean, var = (v.numpy().astype(np.float64).reshape(bshape)
-                 for v in (layer.moving_mean, layer.moving_variance))
+    bshape = [
+        case["shape"][i] if i in case["channel_axes"] else 1 for i in range(len(case["shape"]))
+    ]
+    mean, var = (
+        v.numpy().astype(np.float64).reshape(bshape)
+        for v in (layer.moving_mean, layer.moving_variance)
+    )
     inference = gamma.reshape(bshape) * (x64 - mean) / np.sqrt(var + EPS) + beta.reshape(bshape)
     inferred = _runner(lambda x: layer(x, training=False), jit)(x)
     assert_close(tf.cast(inferred, tf.float64), inference, FORWARD_TOL[case["dtype"]])
@@ -167,7 +192,10 @@ def _check_gradients(case, jit):
     with tf.GradientTape() as tape:
         tape.watch([x64] + ref_params)
         ref = tf_reference_bn(
-            x64, *ref_params, case["channel_axes"], EPS,
+            x64,
+            *ref_params,
+            case["channel_axes"],
+            EPS,
             _expanded_mask(mask, case["shape"], case["channel_axes"]),
         )
         loss = tf.reduce_sum(ref * upstream)
@@ -177,7 +205,11 @@ def _check_gradients(case, jit):
     # x̂ = ±1 whatever x is), so its error is measured against those terms, not its own size.
     full_mask = _expanded_mask(mask, case["shape"], case["channel_axes"])
     x_hat, _, batch_var = numpy_bn_train(
-        x64.numpy(), np.ones_like(gamma), np.zeros_like(beta), case["channel_axes"], EPS,
+        x64.numpy(),
+        np.ones_like(gamma),
+        np.zeros_like(beta),
+        case["channel_axes"],
+        EPS,
         full_mask,
     )
     g = np.abs(upstream.numpy())
@@ -218,13 +250,19 @@ def _check_moving_statistics(case, jit):
         _, batch_mean, batch_var = numpy_bn_train(
             x64, np.ones_like(mean), np.zeros_like(mean), case["channel_axes"], EPS, full_mask
         )
-        m = (np.broadcast_to(full_mask, x64.shape).sum() / mean.size if mask is not None
-             else x64.size / mean.size)
+        m = (
+            np.broadcast_to(full_mask, x64.shape).sum() / mean.size
+            if mask is not None
+            else x64.size / mean.size
+        )
         mean = momentum * mean + (1 - momentum) * batch_mean
         var = momentum * var + (1 - momentum) * batch_var * m / (m - 1)
     # Statistics are float32 for every policy here except float64.
-    tol = 1e-10 if case["dtype"] == "float64" else {"float16": 2e-3, "bfloat16": 2e-2}.get(
-        case["dtype"], 1e-5)
+    tol = (
+        1e-10
+        if case["dtype"] == "float64"
+        else {"float16": 2e-3, "bfloat16": 2e-2}.get(case["dtype"], 1e-5)
+    )
     assert_close(layer.moving_mean, mean, tol)
     assert_close(layer.moving_variance, var, tol)
 
@@ -266,13 +304,15 @@ FOLD_EXAMPLES = max(settings().max_examples // 3, 10)
     epsilon=st.sampled_from([1e-5, 1e-3, 0.1]),
     seed=st.integers(0, 2**31),
 )
-def test_folding_any_host_matches_unfolded_inference(host, data_format, use_bias, norm,
-                                                     epsilon, seed):
+def test_folding_any_host_matches_unfolded_inference(
+    host, data_format, use_bias, norm, epsilon, seed
+):
     make, rank, _ = BACKWARD_HOSTS[host]
     data_format = "channels_last" if host == "Dense" else data_format
     rng = np.random.default_rng(seed)
     x = (fold_input(rank, 4, data_format, rng) if rank else rng.normal(size=(3, 4))).astype(
-        "float32")
+        "float32"
+    )
     layer = make(data_format, use_bias)
     axis = 1 if data_format == "channels_first" and rank else -1
     model = keras.Sequential([keras.Input(x.shape[1:]), layer, norm(axis=axis, epsilon=epsilon)])
@@ -280,6 +320,8 @@ def test_folding_any_host_matches_unfolded_inference(host, data_format, use_bias
     randomise_batch_norms(model, seed=seed % 1000)
     folded, report = fold_batch_norms(model, probe=x)
     assert [f.bn for f in report.folded] == [model.layers[1].name] and not report.kept
-    assert not any(isinstance(l, (keras_bn.BatchNormalization, keras.layers.BatchNormalization))
-                   for l in folded.layers)
+    assert not any(
+        isinstance(l, (keras_bn.BatchNormalization, keras.layers.BatchNormalization))
+        for l in folded.layers
+    )
     assert_close(folded(x), model(x, training=False), 1e-5)

@@ -6,9 +6,9 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import assert_close, assert_xla_step_matches_eager, fit_under_mixed_float16
 
 import keras_bn
+from helpers import assert_close, assert_xla_step_matches_eager, fit_under_mixed_float16
 
 EPS = 1e-3
 CLIPPING = {"rmax": 1.5, "rmin": 0.7, "dmax": 0.5}
@@ -21,8 +21,12 @@ def _data(shape, seed=0, dtype="float32", loc=2.0, scale=3.0):
 def _renorm_layer(shape, dtype="float32", **kwargs):
     """A built renorm layer whose renorm statistics make r and d clip on some channels."""
     layer = keras_bn.BatchNormalization(
-        renorm=True, renorm_clipping=CLIPPING, renorm_momentum=0.8, momentum=0.9,
-        dtype=dtype, **kwargs,
+        renorm=True,
+        renorm_clipping=CLIPPING,
+        renorm_momentum=0.8,
+        momentum=0.9,
+        dtype=dtype,
+        **kwargs,
     )
     layer.build(shape)
     channels = layer.gamma.shape[0]
@@ -104,10 +108,19 @@ def test_matches_keras_renorm_and_inference_uses_moving_statistics():
         renorm=True, renorm_clipping=CLIPPING, renorm_momentum=0.8, momentum=0.9
     )
     theirs.build(shape)
-    assert [w.name for w in ours.weights] == [w.name for w in theirs.weights] == [
-        "gamma", "beta", "moving_mean", "moving_variance", "moving_stddev", "renorm_mean",
-        "renorm_stddev",
-    ]
+    assert (
+        [w.name for w in ours.weights]
+        == [w.name for w in theirs.weights]
+        == [
+            "gamma",
+            "beta",
+            "moving_mean",
+            "moving_variance",
+            "moving_stddev",
+            "renorm_mean",
+            "renorm_stddev",
+        ]
+    )
     theirs.set_weights(ours.get_weights())
     x = _data(shape)
     assert_close(ours(x, training=True), theirs(x, training=True), 2e-5)
@@ -162,8 +175,7 @@ def test_clipping_without_renorm_is_an_error():
 def test_weights_only_with_renorm_and_config_round_trip():
     plain = keras_bn.BatchNormalization()
     plain.build((None, 3))
-    assert [w.name for w in plain.weights] == [
-        "gamma", "beta", "moving_mean", "moving_variance"]
+    assert [w.name for w in plain.weights] == ["gamma", "beta", "moving_mean", "moving_variance"]
     layer = keras_bn.BatchNormalization(
         renorm=True, renorm_clipping={"rmax": 3, "dmax": 5}, renorm_momentum=0.5
     )

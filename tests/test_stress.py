@@ -5,9 +5,9 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import assert_close, numpy_bn_train
 
 import keras_bn
+from helpers import assert_close, numpy_bn_train
 
 MODES = ["eager", "graph", "xla"]
 
@@ -19,18 +19,21 @@ def _train_call(layer, mode):
             y = layer(x, training=True)
             loss = tf.reduce_sum(tf.square(tf.cast(y, tf.float32)))
         return y, tape.gradient(loss, [x] + layer.trainable_weights)
+
     return call if mode == "eager" else tf.function(call, jit_compile=(mode == "xla"))
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("std,epsilon", [(1e-2, 1e-7), (1e-1, 1e-5)],
-                         ids=["std1e-2_composite", "std1e-1_fused"])
+@pytest.mark.parametrize(
+    "std,epsilon", [(1e-2, 1e-7), (1e-1, 1e-5)], ids=["std1e-2_composite", "std1e-1_fused"]
+)
 def test_large_offset_normalizes_to_unit_std(mode, std, epsilon):
     """Mean 1e4: E[x²]−E[x]² would cancel every digit; the output std must be 1 within 1%.
     (ε is kept far below σ² so that it does not shrink the std itself; ε < 1.001e-5 also
     sends eager/graph to the composite path, ε = 1e-5 to the fused kernel.)"""
-    x = tf.constant(1e4 + std * np.random.default_rng(0).standard_normal((256, 8, 8, 4)),
-                    tf.float32)
+    x = tf.constant(
+        1e4 + std * np.random.default_rng(0).standard_normal((256, 8, 8, 4)), tf.float32
+    )
     layer = keras_bn.BatchNormalization(epsilon=epsilon, momentum=0.0)
     y, grads = _train_call(layer, mode)(x)
     std_out = y.numpy().astype(np.float64).std(axis=(0, 1, 2))
@@ -66,8 +69,14 @@ def test_constant_channel_outputs_beta_with_finite_gradients(mode):
     x[..., 1] = 7.25  # zero variance
     layer = keras_bn.BatchNormalization(momentum=0.0)
     layer.build(x.shape)
-    layer.set_weights([np.array([2.0, 3.0, 4.0], "float32"), np.array([0.5, -1.5, 2.0], "float32"),
-                       np.zeros(3, "float32"), np.ones(3, "float32")])
+    layer.set_weights(
+        [
+            np.array([2.0, 3.0, 4.0], "float32"),
+            np.array([0.5, -1.5, 2.0], "float32"),
+            np.zeros(3, "float32"),
+            np.ones(3, "float32"),
+        ]
+    )
     y, grads = _train_call(layer, mode)(tf.constant(x))
     np.testing.assert_allclose(y.numpy()[..., 1], -1.5, atol=1e-6)
     assert all(np.isfinite(g.numpy()).all() for g in grads)
@@ -76,8 +85,11 @@ def test_constant_channel_outputs_beta_with_finite_gradients(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("shape", [(16, 8192), (4, 2, 2, 8192), (64, 1), (8, 4, 4, 1)],
-                         ids=["2d_8192", "nhwc_8192", "2d_1", "nhwc_1"])
+@pytest.mark.parametrize(
+    "shape",
+    [(16, 8192), (4, 2, 2, 8192), (64, 1), (8, 4, 4, 1)],
+    ids=["2d_8192", "nhwc_8192", "2d_1", "nhwc_1"],
+)
 def test_many_and_few_channels_match_numpy(mode, shape):
     x = np.random.default_rng(3).normal(1.0, 2.0, shape).astype("float32")
     layer = keras_bn.BatchNormalization(momentum=0.5)

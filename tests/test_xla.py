@@ -6,9 +6,9 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import assert_close, mirrored_strategy
 
 import keras_bn
+from helpers import assert_close, mirrored_strategy
 from keras_bn import ops, xla
 
 # (shape, axis): bench_layer's layouts at test size, sizes that GROUPS does not divide (padded
@@ -27,8 +27,7 @@ LAYOUTS = {
 
 
 def _layer(shape, axis, policy="float32", momentum=0.5, epsilon=1e-3):
-    layer = keras_bn.BatchNormalization(axis=axis, momentum=momentum, epsilon=epsilon,
-                                        dtype=policy)
+    layer = keras_bn.BatchNormalization(axis=axis, momentum=momentum, epsilon=epsilon, dtype=policy)
     layer.build(shape)
     rng = np.random.default_rng(0)
     layer.set_weights([rng.uniform(0.5, 1.5, w.shape).astype("float32") for w in layer.weights])
@@ -72,8 +71,11 @@ def test_xla_matches_the_non_xla_path(layout):
         assert_close(compiled, reference, 1e-5)
 
 
-@pytest.mark.parametrize("signature", [[None, 8, 8, 6], [None, 6, None, None], [None, 6]],
-                         ids=["batch", "nchw_spatial", "2d"])
+@pytest.mark.parametrize(
+    "signature",
+    [[None, 8, 8, 6], [None, 6, None, None], [None, 6]],
+    ids=["batch", "nchw_spatial", "2d"],
+)
 def test_xla_with_dynamic_shapes_matches_the_non_xla_path(signature):
     """Shapes known only when XLA compiles (Keras retraces `fit` so after a short last
     batch): the grouped axis is padded, or a static one is used."""
@@ -120,8 +122,11 @@ def _normalized64(x, epsilon):
     return (x64 - x64.mean(axes)) / np.sqrt(x64.var(axes) + epsilon), x64.var(axes)
 
 
-@pytest.mark.parametrize("outlier", [None, (0, 0, 0), (100, 3, 5)],
-                         ids=["normal", "outlier_at_the_shift_sample", "outlier_inside"])
+@pytest.mark.parametrize(
+    "outlier",
+    [None, (0, 0, 0), (100, 3, 5)],
+    ids=["normal", "outlier_at_the_shift_sample", "outlier_inside"],
+)
 def test_xla_is_exact_at_a_large_offset(outlier):
     """Mean 1e4, std 1e-2 in float32 (resolution 1e-3, a tenth of σ): the output within 1e-3
     of a float64 normalization of the same float32 values, also with one sample 100σ away.
@@ -244,7 +249,8 @@ def test_xla_path_is_selected_only_under_xla_on_cpu():
     mask = tf.ones([8, 4, 4, 1])
     assert _path_when_traced(lambda x: path(x, mask=mask), nhwc) == "composite"
     assert _path_when_traced(lambda x: ops.train_path(x, [0], 1e-3), tf.zeros([3, 8])) == (
-        "composite")
+        "composite"
+    )
 
     def on_gpu(x):  # traced only: placing it needs no GPU
         with tf.device("/GPU:0"):
@@ -282,8 +288,11 @@ def test_empty_batch_known_only_at_run_time_changes_nothing_under_xla():
         layer = _layer((4, 5, 3), -1)
         layer._fused = fused
         before = [w.numpy() for w in layer.weights]
-        step = tf.function(lambda x, layer=layer: layer(x, training=True), jit_compile=True,
-                           input_signature=[tf.TensorSpec([None, None, 3])])
+        step = tf.function(
+            lambda x, layer=layer: layer(x, training=True),
+            jit_compile=True,
+            input_signature=[tf.TensorSpec([None, None, 3])],
+        )
         assert step(tf.zeros([0, 5, 3])).shape == (0, 5, 3)
         for w, b in zip(layer.weights, before):
             np.testing.assert_array_equal(w.numpy(), b)
