@@ -23,6 +23,7 @@ from keras.src.models.functional import Functional
 from keras.src.saving.serialization_lib import SafeModeScope
 
 from keras_bn import _bn_layers
+from keras_bn._errors import UnsupportedModelError
 from keras_bn.export import fold, report, trace
 from keras_bn.export.affine import ChannelBias, InferenceAffine
 from keras_bn.export.report import ChannelSpread, FoldReport
@@ -148,7 +149,7 @@ def _graph_of(model):
         return graph
     if isinstance(model, Functional):
         return model
-    raise TypeError(
+    raise UnsupportedModelError(
         f"Cannot fold batch norms in '{model.name}', a subclassed {type(model).__name__}: it "
         f"has no layer graph to inspect. Build it as a Sequential or Functional model."
     )
@@ -492,7 +493,7 @@ def _copy_layer(layer, use_bias=None):
         with SafeModeScope(False):
             return layer.__class__.from_config(config)
     except Exception as error:  # a custom layer whose config does not round-trip
-        raise TypeError(
+        raise UnsupportedModelError(
             f"Cannot copy layer '{layer.name}' ({type(layer).__name__}) from its config: {error}"
         ) from error
 

@@ -11,8 +11,9 @@ import warnings
 
 import keras
 
-from keras_bn import _bn_layers
-from keras_bn.population import _Batches, _recalibrate_layers
+from keras_bn import _bn_layers, _hooks
+from keras_bn._batches import Batches
+from keras_bn.population import _recalibrate_layers
 
 __all__ = ["Recalibrate"]
 
@@ -54,8 +55,8 @@ class Recalibrate(keras.callbacks.Callback):
     Args:
         data: the batches to compute the statistics from, as for `keras_bn.recalibrate`: a
             `tf.data.Dataset` (finite, or with `steps`), a numpy array or a dict of them (named
-            inputs), or an iterable of batches; `(x, y)` and `(x, y, sample_weight)` elements use `x`. A one-shot iterator
-            (a generator) is read once, here, and kept in memory.
+            inputs), or an iterable of batches; `(x, y)` and `(x, y, sample_weight)` elements
+            use `x`. A one-shot iterator (a generator) is read once, here, and kept in memory.
         batch_size: batch size for numpy-array (or dict of arrays) data.
         steps: how many batches to use each time; None uses them all.
         at_train_end: recalibrate in `on_train_end`.
@@ -93,7 +94,7 @@ class Recalibrate(keras.callbacks.Callback):
             )
         # recalibrate's own checks of data, steps and batch_size, run now rather than at the
         # end of training; its batches (a one-shot iterator read into a list) are kept.
-        self._data = _Batches(data, steps, batch_size)._data
+        self._batches = Batches(data, steps, batch_size)
         self.batch_size = batch_size
         self.steps = steps
         self.at_train_end = at_train_end
@@ -120,7 +121,8 @@ class Recalibrate(keras.callbacks.Callback):
 
         Raises:
             ValueError: `data` gives no batch, no batch with 2 values per channel for some
-                layer, or a different number of batches on another pass (see `keras_bn.recalibrate`).
+                layer, or a different number of batches on another pass (see
+                `keras_bn.recalibrate`).
         """
         if self.at_train_end:
             self._recalibrate()
@@ -143,7 +145,7 @@ class Recalibrate(keras.callbacks.Callback):
         """
         self._validation_runs += 1
         if self.before_validation:
-            self._training_statistics = _Snapshot(self.model)
+            self._training_statistics = _hooks.bn_statistics(self.model)
             self._recalibrate()
 
     def on_test_end(self, logs=None):
@@ -165,27 +167,6 @@ class Recalibrate(keras.callbacks.Callback):
             self.last_report = _recalibrate_layers(
                 self.model,
                 layers,
-                _Batches(self._data, self.steps, self.batch_size),
+                self._batches.fresh(),
                 self.progress,
             )
-
-
-class _Snapshot:
-    """The values of every BN layer's non-trainable variables, per replica.
-
-    Under a `tf.distribute` strategy each replica holds its own copy of a variable; reading
-    the variable would give one (or an aggregate), so each copy is saved and put back itself.
-    """
-
-    def __init__(self, model):
-        strategy = model.distribute_strategy
-        self._saved = [
-            (copy, copy.numpy())
-            for layer in _bn_layers.in_model(model)
-            for variable in layer.non_trainable_variables
-            for copy in strategy.experimental_local_results(variable.value)
-        ]
-
-    def restore(self):
-        for copy, value in self._saved:
-            copy.assign(value)

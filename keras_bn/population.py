@@ -25,11 +25,12 @@ data per BN layer (one compiled forward function serves every pass).
 
 import dataclasses
 
-import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_bn import _bn_layers, ops
+from keras_bn import _bn_layers
+from keras_bn._batches import Batches
+from keras_bn._hooks import BatchNormCalls
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,9 +127,10 @@ def recalibrate(model, data, steps=None, progress=True, batch_size=32):
     `data` per BN layer.
     Only `moving_mean` and `moving_variance` change (and the bookkeeping that follows them:
     `moving_stddev` = √(moving_variance + ε) for renorm layers, the batch counter for
-    `momentum=None`); trainable weights are untouched. A batch that gives a layer at most one value per channel
-    (a last batch of one sample, a mask leaving one token) has no variance and is skipped for
-    that layer, as training skips it; `LayerChange.batches_used` counts the rest. The layers
+    `momentum=None`); trainable weights are untouched. A batch that gives a layer at most one
+    value per channel (a last batch of one sample, a mask leaving one token) has no variance and
+    is skipped for that layer, as training skips it; `LayerChange.batches_used` counts the rest.
+    The layers
     are recalibrated whether or not they are trainable.
 
     Args:
@@ -149,7 +151,8 @@ def recalibrate(model, data, steps=None, progress=True, batch_size=32):
         ValueError: the model has no BN layer; `steps` or `batch_size` is not a positive int;
             the dataset is infinite and `steps` is None; the arrays of a dict differ in
             length; `data` gives no batch, or no batch with 2 values per channel for some
-            layer, or a different number of batches on another pass; or a BN layer is called more than once per forward pass (shared).
+            layer, or a different number of batches on another pass; or a BN layer is called
+            more than once per forward pass (shared).
 
     Example:
         After training with weight averaging, or to replace the moving averages::
@@ -160,15 +163,15 @@ def recalibrate(model, data, steps=None, progress=True, batch_size=32):
     layers = _bn_layers.in_model(model)
     if not layers:
         raise ValueError(f"Model '{model.name}' has no BatchNormalization layer to recalibrate.")
-    return _recalibrate_layers(model, layers, _Batches(data, steps, batch_size), progress)
+    return _recalibrate_layers(model, layers, Batches(data, steps, batch_size), progress)
 
 
 def _recalibrate_layers(model, layers, batches, progress):
-    """`recalibrate` for the BN `layers` of `model` only, over `_Batches`; the other BN layers
+    """`recalibrate` for the BN `layers` of `model` only, over `Batches`; the other BN layers
     keep their statistics (and normalize with them while the chosen ones are gathered)."""
-    with _InputStatistics(layers) as statistics:
+    with BatchNormCalls(layers) as statistics:
         forward = tf.function(
-            lambda x: statistics.collect(lambda: model(x, training=False)),
+            lambda x: statistics.record(lambda: model(x, training=False)),
             reduce_retracing=True,
         )
         forward(batches.first())
@@ -179,7 +182,7 @@ def _recalibrate_layers(model, layers, batches, progress):
             for index in order:
                 layer = layers[index]
                 bar.set_description(layer.name)
-                sums = _Sums()
+                sums = PooledMoments()
                 for x in batches:
                     sums.add(*[t.numpy() for t in forward(x)[index]])
                     bar.update(1)
@@ -197,74 +200,10 @@ def _recalibrate_layers(model, layers, batches, progress):
     return RecalibrationReport(tuple(changes), batches.count, not_called)
 
 
-class _InputStatistics:
-    """Wraps each BN layer's `call` so a forward pass also returns (μ_B, σ²_B, m) of its input.
-
-    The wrapper is an instance attribute that shadows the class's `call` (Keras calls
-    `self.call`), removed again on exit; the layer's own output is unchanged.
-    """
-
-    def __init__(self, layers):
-        self._layers = layers
-        self._recorded = None
-        self.order = []
-
-    def __enter__(self):
-        self._shadowed = [layer.__dict__.get("call") for layer in self._layers]
-        for index, layer in enumerate(self._layers):
-            object.__setattr__(layer, "call", self._wrap(index, layer, layer.call))
-        return self
-
-    def __exit__(self, *exc):
-        for layer, previous in zip(self._layers, self._shadowed):
-            if previous is None:
-                object.__delattr__(layer, "call")
-            else:
-                object.__setattr__(layer, "call", previous)
-
-    def _wrap(self, index, layer, call):
-        def call_and_record(inputs, *args, **kwargs):
-            if self._recorded is not None:
-                if index in self._recorded:
-                    raise ValueError(
-                        f"recalibrate: layer '{layer.name}' is called more than once per "
-                        f"forward pass; a shared BN layer has no single input distribution."
-                    )
-                self._recorded[index] = _batch_moments(layer, inputs, kwargs.get("mask"))
-                # Inference even where the caller's code passes training=True to this layer.
-                kwargs["training"] = False
-            return call(inputs, *args, **kwargs)
-
-        return call_and_record
-
-    def collect(self, run_model):
-        """Runs the model; returns {layer index: (mean, variance, count)}.
-
-        Records the call order (a topological order of the layers) as it traces.
-        """
-        self._recorded = {}
-        try:
-            run_model()
-            self.order = list(self._recorded)
-            return dict(self._recorded)
-        finally:
-            self._recorded = None
-
-
-def _batch_moments(layer, inputs, mask):
-    x = tf.cast(inputs, ops.statistics_dtype(inputs.dtype))
-    channel_axes = _bn_layers.channel_axes(layer, x.shape.rank)
-    if mask is not None:
-        mask = ops.expand_mask(mask, x, channel_axes)
-    mean, variance = ops.moments(x, channel_axes, mask)
-    count = tf.cast(ops.element_count(x, channel_axes, mask), x.dtype)
-    shape = tf.shape(layer.moving_mean)
-    return tf.reshape(mean, shape), tf.reshape(variance, shape), count
-
-
-class _Sums:
-    """Running float64 sums over batches: Σm, Σm·μ, Σm·σ² and the batch count; a batch with
-    m ≤ 1 (no variance) is only counted as skipped."""
+class PooledMoments:
+    """Algorithm 2's pooling of one layer's batch moments, as running float64 sums over
+    batches: Σm, Σm·μ, Σm·σ² and the batch count; a batch with m ≤ 1 (no variance) is only
+    counted as skipped."""
 
     def __init__(self):
         self.batches = 0
@@ -274,6 +213,7 @@ class _Sums:
         self.weighted_variance = 0.0
 
     def add(self, mean, variance, count):
+        """Pool one batch's mean and biased variance, of `count` values per channel."""
         count = float(count)
         if count < 2:
             self.skipped += 1
@@ -284,6 +224,8 @@ class _Sums:
         self.weighted_variance = self.weighted_variance + count * variance.astype(np.float64)
 
     def population(self, unbiased):
+        """(E[x], Var[x]) over the batches pooled: Σm·σ² / Σ(m − 1) when `unbiased`, else
+        Σm·σ² / Σm."""
         mean = self.weighted_mean / self.count
         divisor = self.count - self.batches if unbiased else self.count
         return mean, self.weighted_variance / divisor
@@ -310,92 +252,6 @@ def _assign(layer, sums):
         new_variance=layer.moving_variance.numpy().astype(np.float64),
         batches_used=sums.batches,
     )
-
-
-class _Batches:
-    """The input batches `x`, re-iterable once per layer.
-
-    A one-shot iterator is read once and kept in memory; datasets, arrays and other
-    re-iterable containers are iterated again for each pass.
-    """
-
-    def __init__(self, data, steps, batch_size):
-        if steps is not None and (
-            isinstance(steps, bool) or not isinstance(steps, int) or steps < 1
-        ):
-            raise ValueError(f"steps must be a positive int or None; received steps={steps!r}.")
-        if isinstance(data, (np.ndarray, dict)):
-            if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-                raise ValueError(
-                    f"batch_size must be a positive int; received batch_size={batch_size!r}."
-                )
-            data = _split(data, batch_size)
-        elif isinstance(data, tf.data.Dataset):
-            if steps is None and data.cardinality() == tf.data.INFINITE_CARDINALITY:
-                raise ValueError("recalibrate: the dataset is infinite; pass steps=.")
-        elif iter(data) is data:
-            data = list(_take(data, steps))
-        self._data = data
-        self._steps = steps
-        self.count = _known_length(data, steps)  # for the progress bar; None if unknown
-        self._observed = None
-
-    def __iter__(self):
-        for element in _take(self._data, self._steps):
-            yield keras.utils.unpack_x_y_sample_weight(element)[0]
-
-    def first(self):
-        for x in self:
-            return x
-        raise ValueError("recalibrate: `data` gave no batch.")
-
-    def check_count(self, batches):
-        """Every pass must see the same batches; the first pass fixes how many."""
-        if self._observed is None:
-            self._observed = self.count = batches
-        elif batches != self._observed:
-            raise ValueError(
-                f"recalibrate: `data` gave {batches} batches on one pass and {self._observed} on "
-                f"another; it must give the same batches on every pass (one pass per BN layer)."
-            )
-
-
-def _split(data, batch_size):
-    """An array, or a dict of arrays (a model's named inputs, as `fit` takes them), as a list
-    of batches of `batch_size` along the first axis."""
-    if isinstance(data, np.ndarray):
-        return [data[i : i + batch_size] for i in range(0, len(data), batch_size)]
-    arrays = {name: np.asarray(value) for name, value in data.items()}
-    lengths = {name: len(array) for name, array in arrays.items()}
-    if not arrays or len(set(lengths.values())) != 1:
-        raise ValueError(
-            f"`data` as a dict needs arrays of one length (samples) per input name; received "
-            f"lengths {lengths}."
-        )
-    total = next(iter(lengths.values()))
-    return [
-        {name: array[i : i + batch_size] for name, array in arrays.items()}
-        for i in range(0, total, batch_size)
-    ]
-
-
-def _known_length(data, steps):
-    """The number of batches when it is known before iterating, else None."""
-    if isinstance(data, tf.data.Dataset):
-        length = int(data.cardinality())
-        length = None if length < 0 else length
-    else:
-        length = len(data) if hasattr(data, "__len__") else None
-    if length is None:
-        return steps
-    return length if steps is None else min(length, steps)
-
-
-def _take(iterable, steps):
-    for i, element in enumerate(iterable):
-        if steps is not None and i >= steps:
-            return
-        yield element
 
 
 def _progress_bar(enabled, total):

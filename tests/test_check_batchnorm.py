@@ -12,8 +12,9 @@ import tensorflow as tf
 import digits
 import keras_bn
 from helpers import docs_page, randomise_batch_norms
+from keras_bn._errors import UnsupportedModelError
 from keras_bn.diagnostics import Finding, Findings, check_batchnorm
-from keras_bn.export import fold_batch_norms
+from keras_bn.export import fold_batch_norms, graph
 
 
 def _kinds(findings):
@@ -247,6 +248,83 @@ def test_unfoldable_where_the_fold_cannot_see_the_bn():
     (finding,) = check_batchnorm(subclassed)
     assert (finding.layer, finding.kind) == ("sub_bn", "unfoldable")
     assert "subclassed" in finding.message
+
+
+class _ForgetsItsFactor(keras.layers.Layer):
+    """A custom layer whose config lacks its constructor argument: it cannot be copied."""
+
+    def __init__(self, factor, **kwargs):
+        super().__init__(**kwargs)
+        self.factor = factor
+
+    def call(self, x):
+        return x * self.factor
+
+    def get_config(self):
+        return super().get_config()
+
+
+def test_unfoldable_where_the_fold_cannot_take_the_model():
+    """The fold's UnsupportedModelError (a subclassed model, a layer it cannot copy) is an
+    unfoldable finding on every BN, quoting the fold's message."""
+    subclassed = _Subclassed()
+    subclassed(np.zeros((2, 3), "float32"))
+    uncopyable = keras.Sequential(
+        [
+            keras.Input((3,)),
+            keras.layers.Dense(4),
+            keras_bn.BatchNormalization(name="bn"),
+            _ForgetsItsFactor(2.0, name="scale"),
+        ]
+    )
+    for model, layer in ((subclassed, "sub_bn"), (uncopyable, "bn")):
+        randomise_batch_norms(model)
+        with pytest.raises(UnsupportedModelError) as refusal:
+            fold_batch_norms(model)
+        (finding,) = check_batchnorm(model)
+        assert (finding.layer, finding.kind) == (layer, "unfoldable")
+        assert finding.message == f"the fold fails on the model: {refusal.value}"
+
+
+@pytest.mark.parametrize("bug", [ValueError, TypeError, KeyError, RuntimeError])
+def test_a_bug_in_the_fold_propagates(monkeypatch, bug):
+    """Only the fold's refusals become findings: an error of the fold's own code (here in the
+    Dense fold, or anywhere in the model's fold) reaches the caller."""
+    model = randomise_batch_norms(_mlp())
+    assert check_batchnorm(model) == []  # every BN folds
+
+    def broken(*args, **kwargs):
+        raise bug("a bug in the fold")
+
+    with monkeypatch.context() as patch:
+        patch.setitem(graph.BACKWARD_FOLDS, keras.layers.Dense, broken)
+        with pytest.raises(bug, match="a bug in the fold"):
+            check_batchnorm(model)
+    with monkeypatch.context() as patch:
+        patch.setattr(graph, "_fold_model", broken)
+        with pytest.raises(bug, match="a bug in the fold"):
+            check_batchnorm(model, np.zeros((8, 8), "float32"))
+    assert check_batchnorm(model) == []
+
+
+def test_a_non_finite_bn_is_unfoldable_itself():
+    """The fold refuses a BN whose inference scale or shift is NaN or inf by failing on the
+    whole model; the check reports that BN, and no other, instead."""
+    model = randomise_batch_norms(_mlp())
+    gamma = model.get_layer("ours").gamma
+    gamma.assign(np.where(np.arange(16) == 3, np.inf, gamma.numpy()).astype("float32"))
+    with pytest.raises(ValueError, match="not finite"):
+        fold_batch_norms(model)
+    (finding,) = check_batchnorm(model)  # finite statistics: only the fold check reports it
+    assert (finding.layer, finding.kind) == ("ours", "unfoldable")
+    assert "inference scale or shift is not finite" in finding.message
+    model.get_layer("ours").gamma.assign(np.ones(16, "float32"))
+    model.get_layer("inner").layers[1].moving_mean.assign(np.full(16, np.nan, "float32"))
+    kinds = _kinds(check_batchnorm(model))
+    assert kinds == [
+        ("inner/keras_bn_layer", "stale_statistics"),
+        ("inner/keras_bn_layer", "unfoldable"),
+    ]
 
 
 @pytest.mark.slow

@@ -1,0 +1,109 @@
+"""The input batches `x` that `recalibrate`, `callbacks.Recalibrate` and `check_batchnorm` read.
+
+`data` comes in the forms `fit` takes (a `tf.data.Dataset`, a numpy array or a dict of them, or
+an iterable of batches; elements `x`, `(x, y)` or `(x, y, sample_weight)`); `Batches` checks it
+once and yields each batch's `x`, as many times as a caller needs to pass over it.
+"""
+
+import copy
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+
+class Batches:
+    """The input batches `x`, re-iterable once per pass (recalibrate makes one per BN layer).
+
+    A one-shot iterator is read once and kept in memory; datasets, arrays and other
+    re-iterable containers are iterated again for each pass.
+    """
+
+    def __init__(self, data, steps, batch_size):
+        if steps is not None and (
+            isinstance(steps, bool) or not isinstance(steps, int) or steps < 1
+        ):
+            raise ValueError(f"steps must be a positive int or None; received steps={steps!r}.")
+        if isinstance(data, (np.ndarray, dict)):
+            if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+                raise ValueError(
+                    f"batch_size must be a positive int; received batch_size={batch_size!r}."
+                )
+            data = split(data, batch_size)
+        elif isinstance(data, tf.data.Dataset):
+            if steps is None and data.cardinality() == tf.data.INFINITE_CARDINALITY:
+                raise ValueError("recalibrate: the dataset is infinite; pass steps=.")
+        elif iter(data) is data:
+            data = list(take(data, steps))
+        self._data = data
+        self._steps = steps
+        self.count = known_length(data, steps)  # for the progress bar; None if unknown
+        self._observed = None
+
+    def __iter__(self):
+        for element in take(self._data, self._steps):
+            yield keras.utils.unpack_x_y_sample_weight(element)[0]
+
+    def first(self):
+        """The first batch's `x`; ValueError when `data` gives none."""
+        for x in self:
+            return x
+        raise ValueError("recalibrate: `data` gave no batch.")
+
+    def check_count(self, batches):
+        """Every pass must see the same batches; the first pass fixes how many."""
+        if self._observed is None:
+            self._observed = self.count = batches
+        elif batches != self._observed:
+            raise ValueError(
+                f"recalibrate: `data` gave {batches} batches on one pass and {self._observed} on "
+                f"another; it must give the same batches on every pass (one pass per BN layer)."
+            )
+
+    def fresh(self):
+        """The same batches with no pass counted yet, for another run of passes (each
+        recalibration of `callbacks.Recalibrate`); a one-shot iterator already read stays read,
+        and `data` is not checked again."""
+        renewed = copy.copy(self)
+        renewed.count = known_length(self._data, self._steps)
+        renewed._observed = None
+        return renewed
+
+
+def split(data, batch_size):
+    """An array, or a dict of arrays (a model's named inputs, as `fit` takes them), as a list
+    of batches of `batch_size` along the first axis."""
+    if isinstance(data, np.ndarray):
+        return [data[i : i + batch_size] for i in range(0, len(data), batch_size)]
+    arrays = {name: np.asarray(value) for name, value in data.items()}
+    lengths = {name: len(array) for name, array in arrays.items()}
+    if not arrays or len(set(lengths.values())) != 1:
+        raise ValueError(
+            f"`data` as a dict needs arrays of one length (samples) per input name; received "
+            f"lengths {lengths}."
+        )
+    total = next(iter(lengths.values()))
+    return [
+        {name: array[i : i + batch_size] for name, array in arrays.items()}
+        for i in range(0, total, batch_size)
+    ]
+
+
+def known_length(data, steps):
+    """The number of batches when it is known before iterating, else None."""
+    if isinstance(data, tf.data.Dataset):
+        length = int(data.cardinality())
+        length = None if length < 0 else length
+    else:
+        length = len(data) if hasattr(data, "__len__") else None
+    if length is None:
+        return steps
+    return length if steps is None else min(length, steps)
+
+
+def take(iterable, steps):
+    """The first `steps` elements of `iterable` (all of them when `steps` is None)."""
+    for i, element in enumerate(iterable):
+        if steps is not None and i >= steps:
+            return
+        yield element

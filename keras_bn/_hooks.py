@@ -1,0 +1,151 @@
+"""What `recalibrate`, `callbacks.Recalibrate` and `check_batchnorm` do to a model while they
+work on it, and undo afterwards.
+
+- `BatchNormCalls`: shadows each BN layer's `call` so that a forward pass also records the
+  moments of every BN's input, with the BNs in inference mode; outside that recording, the BNs
+  can be forced into training mode (batch statistics) whatever the model passes them.
+- `Snapshot`: the values of some variables, every replica's copy under `tf.distribute`, put
+  back on `restore()` or at the end of a `with` block.
+"""
+
+import tensorflow as tf
+
+from keras_bn import _bn_layers, ops
+
+
+class BatchNormCalls:
+    """While open (a context manager), each BN layer's `call` is shadowed by a wrapper.
+
+    The wrapper is an instance attribute that shadows the class's `call` (Keras calls
+    `self.call`), removed again on exit. Inside `record`, it records (μ_B, σ²_B, m) of the
+    layer's input and runs the layer in inference mode; elsewhere it passes `training` on as
+    the model gives it, or as `training` forces it. The layer's own computation is unchanged.
+
+    Args:
+        layers: the BN layers (either class) to shadow; `record` keys them by their index here.
+        training: what every BN gets as `training` outside `record`: None (the default) leaves
+            the model's flag, True forces batch statistics (the other layers, Dropout
+            included, still follow the model's flag).
+    """
+
+    def __init__(self, layers, training=None):
+        self._layers = layers
+        self._training = training
+        self._recorded = None
+        self._shadowed = None
+        self.order = []  # indices of the layers in the order the last `record` called them
+
+    def __enter__(self):
+        self._shadowed = [layer.__dict__.get("call") for layer in self._layers]
+        for index, layer in enumerate(self._layers):
+            object.__setattr__(layer, "call", self._wrap(index, layer, layer.call))
+        return self
+
+    def __exit__(self, *exc):
+        for layer, previous in zip(self._layers, self._shadowed):
+            if previous is None:
+                object.__delattr__(layer, "call")
+            else:
+                object.__setattr__(layer, "call", previous)
+
+    def _wrap(self, index, layer, call):
+        def shadowed_call(inputs, *args, **kwargs):
+            if self._recorded is not None:
+                if index in self._recorded:
+                    raise ValueError(
+                        f"recalibrate: layer '{layer.name}' is called more than once per "
+                        f"forward pass; a shared BN layer has no single input distribution."
+                    )
+                self._recorded[index] = batch_moments(layer, inputs, kwargs.get("mask"))
+                # Inference even where the caller's code passes training=True to this layer.
+                kwargs["training"] = False
+            elif self._training is not None:
+                kwargs["training"] = self._training
+            return call(inputs, *args, **kwargs)
+
+        return shadowed_call
+
+    def record(self, run_model):
+        """Runs `run_model()` (a forward pass of the model) with every BN inferring.
+
+        Records the call order in `order` (a topological order of the layers) as it traces.
+
+        Args:
+            run_model: a function of no argument that calls the model.
+
+        Returns:
+            dict: {layer index: (mean, variance, count)} for each BN the pass called, the
+            biased variance, shaped as the layer's moving statistics; count is m, the values
+            per channel.
+        """
+        self._recorded = {}
+        try:
+            run_model()
+            self.order = list(self._recorded)
+            return dict(self._recorded)
+        finally:
+            self._recorded = None
+
+
+def batch_moments(layer, inputs, mask):
+    """(mean, biased variance, m) of a BN layer's input over its reduced axes (unmasked values
+    only), in the layer's statistics dtype and its moving statistics' shape."""
+    x = tf.cast(inputs, ops.statistics_dtype(inputs.dtype))
+    channel_axes = _bn_layers.channel_axes(layer, x.shape.rank)
+    if mask is not None:
+        mask = ops.expand_mask(mask, x, channel_axes)
+    mean, variance = ops.moments(x, channel_axes, mask)
+    count = tf.cast(ops.element_count(x, channel_axes, mask), x.dtype)
+    shape = tf.shape(layer.moving_mean)
+    return tf.reshape(mean, shape), tf.reshape(variance, shape), count
+
+
+class Snapshot:
+    """The values of `variables` now, put back by `restore()` or on leaving a `with` block.
+
+    Under a `tf.distribute` strategy each replica holds its own copy of a variable; reading
+    the variable would give one (or an aggregate), so each copy is saved and put back itself.
+
+    Args:
+        variables: Keras variables (of the model, its optimizer, ...).
+        strategy: the `tf.distribute` strategy the variables were created under (a model's
+            `distribute_strategy`); None for the current one.
+    """
+
+    def __init__(self, variables, strategy=None):
+        strategy = strategy or tf.distribute.get_strategy()
+        self._saved = [
+            (copy, copy.numpy())
+            for variable in variables
+            for copy in strategy.experimental_local_results(variable.value)
+        ]
+
+    def restore(self):
+        """Assign every saved value back to its copy."""
+        for copy, value in self._saved:
+            copy.assign(value)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.restore()
+
+
+def bn_statistics(model):
+    """A `Snapshot` of every BN layer's non-trainable variables (the moving statistics and
+    their bookkeeping), nested models included."""
+    return Snapshot(
+        [
+            variable
+            for layer in _bn_layers.in_model(model)
+            for variable in layer.non_trainable_variables
+        ],
+        model.distribute_strategy,
+    )
+
+
+def model_state(model, optimizer=None):
+    """A `Snapshot` of every variable of `model`, and of `optimizer` when given."""
+    variables = list(model.variables) + (list(optimizer.variables) if optimizer else [])
+    return Snapshot(variables, model.distribute_strategy)

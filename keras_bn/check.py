@@ -1,0 +1,440 @@
+"""check_batchnorm: the batch-normalization mistakes that raise no error, for any Keras model.
+
+Statistics that never moved or drifted from the data, inputs that are NaN or inf, batches too
+small for batch statistics, "good in training, bad at inference", and BNs the fold must keep,
+each reported as a `Finding`. Exported as `keras_bn.diagnostics.check_batchnorm`, with
+`Finding`, `Findings`, `KINDS` and the thresholds.
+"""
+
+import dataclasses
+
+import numpy as np
+import tensorflow as tf
+
+from keras_bn import _bn_layers, _hooks
+from keras_bn._batches import Batches
+from keras_bn._errors import UnsupportedModelError
+from keras_bn.population import PooledMoments
+
+#: stale_statistics: the largest |moving mean − input mean|, in input standard deviations.
+STALE_MEAN_SHIFT = 0.5
+#: stale_statistics: moving variance / input variance (both + ε) outside [1/2, 2].
+STALE_VARIANCE_RATIO = 2.0
+#: train_inference_gap: RMS(training − inference output) / RMS spread of the inference output.
+GAP_THRESHOLD = 0.5
+#: small_batch: the fewest values per channel in one batch (batch × spatial positions).
+MIN_VALUES_PER_CHANNEL = 16
+
+#: The kinds of `Finding`, in the order a layer's findings are listed.
+KINDS = ("stale_statistics", "non_finite", "small_batch", "train_inference_gap", "unfoldable")
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """One problem `check_batchnorm` found.
+
+    Attributes:
+        layer: the BN layer's path, e.g. "backbone/batch_normalization_3" for a BN in the nested
+            model "backbone" (the model's own name for `train_inference_gap`).
+        kind: one of `KINDS`: "stale_statistics", "non_finite", "small_batch",
+            "train_inference_gap", "unfoldable" (see `check_batchnorm`).
+        message: what was measured, against which threshold, and what to do.
+    """
+
+    layer: str
+    kind: str
+    message: str
+
+
+class Findings(list):
+    """The list of `Finding` objects that `check_batchnorm` returns; `str()` of it is a table.
+
+    Args:
+        findings: the `Finding` objects, in order.
+        layers_checked: how many BN layers were checked (for the table's first line).
+
+    Attributes:
+        layers_checked: how many BN layers were checked.
+    """
+
+    def __init__(self, findings=(), layers_checked=0):
+        super().__init__(findings)
+        self.layers_checked = layers_checked
+
+    def __str__(self):
+        if not self:
+            return f"check_batchnorm: no finding in {self.layers_checked} BN layer(s)."
+        rows = [("layer", "kind", "message")] + [(f.layer, f.kind, f.message) for f in self]
+        widths = [max(len(row[i]) for row in rows) for i in range(2)]
+        lines = [f"check_batchnorm: {len(self)} finding(s) in {self.layers_checked} BN layer(s)."]
+        for i, (layer, kind, message) in enumerate(rows):
+            lines.append(f"{layer:<{widths[0]}}  {kind:<{widths[1]}}  {message}")
+            if i == 0:
+                lines.append(f"{'-' * widths[0]}  {'-' * widths[1]}  {'-' * 7}")
+        return "\n".join(lines)
+
+
+def check_batchnorm(model, data=None, *, batch_size=32, steps=None):
+    """Look for the batch-normalization mistakes that raise no error.
+
+    Every `keras_bn.BatchNormalization` and `keras.layers.BatchNormalization` of `model` is
+    checked, nested models included. The kinds of finding, and their thresholds (the module
+    constants of the same names):
+
+    - `stale_statistics`: the moving mean and variance are still exactly their initial values
+      (the layer never ran in training mode: a custom loop that calls `model(x)` without
+      `training=True`), or not finite; or, on `data`, the moving mean is more than
+      `STALE_MEAN_SHIFT` = 0.5 standard deviations from the mean of the layer's input in some
+      channel, or the moving variance is more than `STALE_VARIANCE_RATIO` = 2 times larger or
+      smaller than the input's variance (both + epsilon). The input is what the layer gets at
+      inference (upstream BNs use their moving statistics); its mean and variance are pooled
+      over the batches of `data` in the layer's own convention (within-batch variances,
+      m/(m−1) for keras_bn), which is what the moving average estimates. For a frozen BN
+      (trainable=False) the message says so rather than advise recalibrating: the layers after
+      it are trained for its statistics.
+    - `non_finite`: on `data` (itself finite), the layer's input is NaN or inf: an upstream
+      weight or statistic is not finite.
+    - `small_batch`: the batches of `data` give a layer fewer than `MIN_VALUES_PER_CHANNEL` =
+      16 values per channel (batch size × spatial positions, unmasked only; the median over
+      batches, so a short last batch does not count): its batch mean and variance are too noisy
+      to train with.
+    - `train_inference_gap`: on `data`, the model's outputs with every BN in training mode
+      (batch statistics; the other layers, Dropout included, infer) differ from its inference
+      outputs by more than `GAP_THRESHOLD` = 0.5, measured as the RMS difference over the RMS
+      spread of the inference outputs around their batch mean (all outputs pooled; a batch
+      that leaves some BN m ≤ 1 values, e.g. a last batch of one sample, is left out: it has
+      no batch statistics, and BN outputs β for it). Batch noise
+      alone gives some gap (more for Dense→BN, whose m is the batch size, than after a
+      convolution); the threshold sits above it for healthy models. Reported once, for the
+      model; the message names the BN whose statistics are furthest from its input's.
+    - `unfoldable`: `keras_bn.export.fold_batch_norms(model)` would keep this BN (as an
+      affine layer), with the fold's reason; or the fold never reaches it (a BN inside a
+      custom layer); or the fold cannot take the whole model (`UnsupportedModelError`: a
+      subclassed model, a layer whose config does not round-trip). A BN whose inference
+      scale or shift is not finite (NaN or inf statistics, γ or β), which the fold refuses, is
+      reported as unfoldable itself, and the fold is then not run for the other BNs. Any
+      other error of the fold propagates.
+
+    Without `data` only the initial-value and fold checks run. The model is left exactly as
+    found (training-mode passes move the statistics; they are put back after every batch).
+
+    Args:
+        model: a built Keras model (Sequential, Functional, subclassed, nested).
+        data: optional batches, as for `keras_bn.recalibrate`: a `tf.data.Dataset` (finite,
+            or with `steps`), a numpy array or a dict of them (named inputs; split into batches
+            of `batch_size`), or an iterable of batches; `(x, y)` and `(x, y, sample_weight)`
+            elements use `x`. Give batches of the size you train with: the small-batch and gap
+            checks depend on it.
+        batch_size: batch size for numpy-array (or dict of arrays) data.
+        steps: how many batches of `data` to use; None uses them all.
+
+    Returns:
+        `Findings`: a list of `Finding(layer, kind, message)`, in the model's layer order
+        (empty when nothing is wrong); `str()` of it is a table.
+
+    Raises:
+        ValueError: the model has no BN layer or is not built, `data` has a NaN or inf,
+            `steps`/`batch_size` is not a positive int, the dataset is infinite without
+            `steps`, `data` gives no batch, or a BN layer is called twice in one forward pass
+            (shared).
+    """
+    layers = _bn_layers.in_model(model)
+    if not layers:
+        raise ValueError(f"Model '{model.name}' has no BatchNormalization layer to check.")
+    unbuilt = [layer.name for layer in layers if not layer.built]
+    if unbuilt:
+        raise ValueError(f"check_batchnorm needs a built model; layers {unbuilt} are not built.")
+    paths = _bn_paths(model)
+    findings = [
+        Finding(paths[id(layer)], "stale_statistics", message)
+        for layer in layers
+        for message in [_stale_without_data(layer)]
+        if message
+    ]
+    probe = None
+    if data is not None:
+        batches = Batches(data, steps, batch_size)
+        probe = batches.first()
+        stale = {f.layer for f in findings}
+        findings += _data_findings(model, layers, paths, batches, skip=stale)
+    findings += _unfoldable(model, layers, paths, probe)
+    order = {path: i for i, path in enumerate(paths[id(layer)] for layer in layers)}
+    findings.sort(key=lambda f: (order.get(f.layer, len(order)), KINDS.index(f.kind)))
+    return Findings(findings, layers_checked=len(layers))
+
+
+def _stale_without_data(layer):
+    """The stale_statistics message that needs no data, or None."""
+    statistics = [v.numpy() for v in (layer.moving_mean, layer.moving_variance)]
+    if not all(np.all(np.isfinite(s)) for s in statistics):
+        return (
+            "moving mean or variance is not finite (NaN or inf): training diverged or the "
+            "statistics were overwritten; run keras_bn.recalibrate"
+        )
+    if _at_initial_values(layer):
+        if not layer.trainable:
+            return "moving mean and variance are still their initial values" + _FROZEN
+        return (
+            "moving mean and variance are still their initial values: the layer never ran "
+            "in training mode (a custom loop must call model(x, training=True)); or run "
+            "keras_bn.recalibrate"
+        )
+    return None
+
+
+# The advice for a frozen BN: recalibrating it, the advice for the others, would change the
+# function the layers after it were trained with.
+_FROZEN = (
+    ": the layer is frozen (trainable=False), so fit never updates them, and the layers "
+    "after it are trained for these values (recalibrating it would change the trained "
+    "model); unfreeze it, or load the statistics it was trained with, if that is not "
+    "intended"
+)
+
+
+def _bn_paths(model):
+    """{id(BN layer): "outer/inner/name"}, the naming of the fold's report."""
+    paths = {}
+    for path, layer in _bn_layers.batch_norms_inside(model):
+        paths.setdefault(id(layer), path)
+    return paths
+
+
+def _at_initial_values(layer):
+    """Both statistics equal their (deterministic) initializers' values exactly."""
+    pairs = (
+        (layer.moving_mean, layer.moving_mean_initializer),
+        (layer.moving_variance, layer.moving_variance_initializer),
+    )
+    for variable, initializer in pairs:
+        first, second = (
+            np.asarray(initializer(variable.shape, dtype=variable.dtype)) for _ in range(2)
+        )
+        if not np.array_equal(first, second) or not np.array_equal(variable.numpy(), first):
+            return False
+    return True
+
+
+def _data_findings(model, layers, paths, batches, skip):
+    """stale_statistics (far from the data), small_batch and train_inference_gap on `data`."""
+    sums = [PooledMoments() for _ in layers]
+    counts = [[] for _ in layers]  # values per channel, per batch
+    difference = spread = 0.0
+    training_statistics = _hooks.bn_statistics(model)
+    # One shadowing of the BN calls for both passes: `record` makes the BNs infer and records
+    # their inputs; outside it they are forced into training mode (batch statistics) while
+    # every other layer, Dropout included, infers.
+    with _hooks.BatchNormCalls(layers, training=True) as statistics:
+
+        def infer_and_record(x):
+            outputs = []
+            recorded = statistics.record(lambda: outputs.append(model(x, training=False)))
+            return recorded, outputs[0]
+
+        infer = tf.function(infer_and_record, reduce_retracing=True)
+        train = tf.function(lambda x: model(x, training=False), reduce_retracing=True)
+        for number, x in enumerate(batches):
+            _check_finite(x, number)
+            recorded, inferred = infer(x)
+            inferred = _flat(inferred)
+            try:
+                trained = _flat(train(x))
+            finally:
+                training_statistics.restore()
+            degenerate = False  # some BN got m ≤ 1: no batch statistics, it output β
+            for index, (mean, variance, count) in recorded.items():
+                count = float(count)
+                counts[index].append(count)
+                sums[index].add(mean.numpy(), variance.numpy(), count)  # skips m ≤ 1
+                degenerate = degenerate or count < 2
+            if degenerate:  # its training-mode outputs are the guard's, not batch statistics
+                continue
+            for a, b in zip(trained, inferred):
+                difference += float(np.sum(np.square(a - b)))
+                spread += float(np.sum(np.square(b - b.mean(axis=0))))
+    findings, furthest = [], (0.0, None)
+    for index in statistics.order:
+        layer, path = layers[index], paths[id(layers[index])]
+        typical = float(np.median(counts[index]))
+        if typical < MIN_VALUES_PER_CHANNEL:
+            findings.append(
+                Finding(
+                    path,
+                    "small_batch",
+                    (
+                        f"the batches of `data` give it m={typical:g} values per channel "
+                        "(median over batches; batch × spatial positions), fewer than "
+                        f"{MIN_VALUES_PER_CHANNEL}: batch statistics that noisy hurt training; "
+                        "use larger batches or renorm=True"
+                    ),
+                )
+            )
+        if sums[index].batches == 0:
+            continue
+        mean, variance = sums[index].population(_bn_layers.unbiased_variance(layer))
+        if not (np.all(np.isfinite(mean)) and np.all(np.isfinite(variance))):
+            findings.append(
+                Finding(
+                    path,
+                    "non_finite",
+                    (
+                        "its input is not finite on `data` (NaN or inf) although `data` is: "
+                        "an upstream weight or statistic is not finite"
+                    ),
+                )
+            )
+            continue
+        distance, message = _distance_from_data(layer, mean, variance)
+        furthest = max(furthest, (distance, path), key=lambda pair: pair[0])
+        if message and path not in skip:
+            findings.append(Finding(path, "stale_statistics", message))
+    if not np.isfinite(difference + spread):
+        findings.append(
+            Finding(
+                model.name,
+                "train_inference_gap",
+                (
+                    "on `data`, the outputs with batch statistics or with the moving "
+                    "statistics are not finite (NaN or inf): check the findings above"
+                ),
+            )
+        )
+        return findings
+    gap = np.sqrt(difference / spread) if spread > 0 else (0.0 if difference == 0 else np.inf)
+    if gap > GAP_THRESHOLD:
+        where = (
+            f"; the BN furthest from its input's statistics is '{furthest[1]}'"
+            if furthest[1]
+            else ""
+        )
+        findings.append(
+            Finding(
+                model.name,
+                "train_inference_gap",
+                (
+                    f"on `data`, outputs with batch statistics differ from inference outputs by "
+                    f"{gap:.3g} of their spread (threshold {GAP_THRESHOLD}){where}: train "
+                    "with larger or shuffled batches, or check the findings above"
+                ),
+            )
+        )
+    return findings
+
+
+def _flat(outputs):
+    return [np.asarray(t, dtype=np.float64) for t in tf.nest.flatten(outputs)]
+
+
+def _check_finite(x, number):
+    for array in tf.nest.flatten(x):
+        array = np.asarray(array)
+        if np.issubdtype(array.dtype, np.floating) and not np.all(np.isfinite(array)):
+            where = tuple(int(i) for i in np.argwhere(~np.isfinite(array))[0])
+            raise ValueError(
+                f"check_batchnorm: batch {number} of `data` has {array[where]} at "
+                f"index {where}; the checks need finite data."
+            )
+
+
+def _distance_from_data(layer, mean, variance):
+    """(largest standardized distance, message or None) between the moving statistics and the
+    input's pooled statistics on `data`."""
+    epsilon = layer.epsilon
+    moving_mean = layer.moving_mean.numpy().astype(np.float64).ravel()
+    moving_variance = layer.moving_variance.numpy().astype(np.float64).ravel()
+    mean, variance = mean.ravel(), variance.ravel()
+    shift = np.abs(moving_mean - mean) / np.sqrt(variance + epsilon)
+    ratio = (moving_variance + epsilon) / (variance + epsilon)
+    fold = np.maximum(ratio, 1 / ratio)
+    limit = STALE_VARIANCE_RATIO
+    checks = (  # (score per channel, value shown, threshold, what, the channels counted)
+        (
+            shift,
+            shift,
+            STALE_MEAN_SHIFT,
+            "moving mean is {:.3g} standard deviations from its input's mean",
+            f"beyond {STALE_MEAN_SHIFT}",
+        ),
+        (
+            fold,
+            ratio,
+            limit,
+            "moving variance is {:.3g} × its input's variance",
+            f"outside [1/{limit:g}, {limit:g}]",
+        ),
+    )
+    problems = []
+    for score, shown, threshold, what, counted in checks:
+        if score.max() > threshold:
+            worst = int(score.argmax())
+            problems.append(
+                f"{what.format(shown[worst])} on `data` (channel {worst}; "
+                f"{int(np.sum(score > threshold))} of {score.size} channels {counted})"
+            )
+    distance = max(float(shift.max()), float(np.log(fold.max())))
+    if not problems:
+        return distance, None
+    advice = (
+        ": keep training in training mode, or run keras_bn.recalibrate"
+        if layer.trainable
+        else _FROZEN
+    )
+    return distance, "; ".join(problems) + advice
+
+
+def _unfoldable(model, layers, paths, probe):
+    """The fold's own decision: a BN it keeps, with its reason, or one it never reaches.
+
+    A model the fold cannot take (`UnsupportedModelError`: subclassed, a layer whose config
+    does not round-trip) makes every BN unfoldable. A BN whose inference affine is not finite
+    is reported here rather than handed to the fold, which refuses it by failing on the whole
+    model; any other error of the fold is a bug, and propagates.
+    """
+    from keras_bn.export import fold_batch_norms  # the export stack loads only when needed
+
+    not_finite = [layer for layer in layers if not _finite_affine(layer)]
+    if not_finite:
+        return [
+            Finding(
+                paths[id(layer)],
+                "unfoldable",
+                (
+                    "its inference scale or shift is not finite (NaN or inf in its moving "
+                    "statistics, gamma or beta), so it cannot be folded; the fold check of the "
+                    "model's BN layers runs once every one is finite"
+                ),
+            )
+            for layer in not_finite
+        ]
+    try:
+        _, report = fold_batch_norms(model, probe)
+    except UnsupportedModelError as error:
+        return [
+            Finding(paths[id(layer)], "unfoldable", f"the fold fails on the model: {error}")
+            for layer in layers
+        ]
+    kept = {k.bn: k.reason for k in report.kept}
+    folded = {f.bn for f in report.folded}
+    findings = []
+    for layer in layers:
+        path = paths[id(layer)]
+        if path in kept:
+            findings.append(Finding(path, "unfoldable", f"the fold keeps it: {kept[path]}"))
+        elif path not in folded:
+            findings.append(
+                Finding(
+                    path,
+                    "unfoldable",
+                    (
+                        "the fold leaves it as it is: it is inside a layer whose graph the "
+                        "fold does not read (a custom layer)"
+                    ),
+                )
+            )
+    return findings
+
+
+def _finite_affine(layer):
+    """The BN's inference map y = scale·x + shift is finite in every channel: the fold's own
+    condition for folding it (`keras_bn.export.fold` refuses the others)."""
+    return all(np.all(np.isfinite(part)) for part in _bn_layers.inference_affine(layer))
