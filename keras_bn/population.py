@@ -29,7 +29,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_bn import _bn_layers, ops
+from keras_bn import _bn_layers
+from keras_bn.statistics import element_count, expand_mask, moments, statistics_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,10 +127,10 @@ def recalibrate(model, data, steps=None, progress=True, batch_size=32):
     `data` per BN layer.
     Only `moving_mean` and `moving_variance` change (and the bookkeeping that follows them:
     `moving_stddev` = √(moving_variance + ε) for renorm layers, the batch counter for
-    `momentum=None`); trainable weights are untouched. A batch that gives a layer at most one value per channel
-    (a last batch of one sample, a mask leaving one token) has no variance and is skipped for
-    that layer, as training skips it; `LayerChange.batches_used` counts the rest. The layers
-    are recalibrated whether or not they are trainable.
+    `momentum=None`); trainable weights are untouched. A batch that gives a layer at most one
+    value per channel (a last batch of one sample, a mask leaving one token) has no variance
+    and is skipped for that layer, as training skips it; `LayerChange.batches_used` counts the
+    rest. The layers are recalibrated whether or not they are trainable.
 
     Args:
         model: a built Keras model (Sequential, Functional, subclassed, nested).
@@ -149,7 +150,8 @@ def recalibrate(model, data, steps=None, progress=True, batch_size=32):
         ValueError: the model has no BN layer; `steps` or `batch_size` is not a positive int;
             the dataset is infinite and `steps` is None; the arrays of a dict differ in
             length; `data` gives no batch, or no batch with 2 values per channel for some
-            layer, or a different number of batches on another pass; or a BN layer is called more than once per forward pass (shared).
+            layer, or a different number of batches on another pass; or a BN layer is called
+            more than once per forward pass (shared).
 
     Example:
         After training with weight averaging, or to replace the moving averages::
@@ -252,12 +254,12 @@ class _InputStatistics:
 
 
 def _batch_moments(layer, inputs, mask):
-    x = tf.cast(inputs, ops.statistics_dtype(inputs.dtype))
+    x = tf.cast(inputs, statistics_dtype(inputs.dtype))
     channel_axes = _bn_layers.channel_axes(layer, x.shape.rank)
     if mask is not None:
-        mask = ops.expand_mask(mask, x, channel_axes)
-    mean, variance = ops.moments(x, channel_axes, mask)
-    count = tf.cast(ops.element_count(x, channel_axes, mask), x.dtype)
+        mask = expand_mask(mask, x, channel_axes)
+    mean, variance = moments(x, channel_axes, mask)
+    count = tf.cast(element_count(x, channel_axes, mask), x.dtype)
     shape = tf.shape(layer.moving_mean)
     return tf.reshape(mean, shape), tf.reshape(variance, shape), count
 
