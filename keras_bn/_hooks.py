@@ -10,7 +10,7 @@ work on it, and undo afterwards.
 
 import tensorflow as tf
 
-from keras_bn import _bn_layers, ops
+from keras_bn import _bn_layers, statistics
 
 
 class BatchNormCalls:
@@ -90,12 +90,12 @@ class BatchNormCalls:
 def batch_moments(layer, inputs, mask):
     """(mean, biased variance, m) of a BN layer's input over its reduced axes (unmasked values
     only), in the layer's statistics dtype and its moving statistics' shape."""
-    x = tf.cast(inputs, ops.statistics_dtype(inputs.dtype))
+    x = tf.cast(inputs, statistics.statistics_dtype(inputs.dtype))
     channel_axes = _bn_layers.channel_axes(layer, x.shape.rank)
     if mask is not None:
-        mask = ops.expand_mask(mask, x, channel_axes)
-    mean, variance = ops.moments(x, channel_axes, mask)
-    count = tf.cast(ops.element_count(x, channel_axes, mask), x.dtype)
+        mask = statistics.expand_mask(mask, x, channel_axes)
+    mean, variance = statistics.moments(x, channel_axes, mask)
+    count = tf.cast(statistics.element_count(x, channel_axes, mask), x.dtype)
     shape = tf.shape(layer.moving_mean)
     return tf.reshape(mean, shape), tf.reshape(variance, shape), count
 

@@ -6,7 +6,7 @@ import keras
 import tensorflow as tf
 from keras import constraints, initializers, regularizers
 
-from keras_bn import ghost, ops
+from keras_bn import ghost, ops, statistics
 from keras_bn import renorm as renormalization
 
 
@@ -196,7 +196,7 @@ class BatchNormalization(keras.layers.Layer):
         rank = len(input_shape)
         self._channel_axes = _channel_axes(self.axis, input_shape)
         ghost.check_channel_axes(self.virtual_batch_size, self._channel_axes)
-        if not ops.reduction_axes(rank, self._channel_axes):
+        if not statistics.reduction_axes(rank, self._channel_axes):
             raise ValueError(
                 f"BatchNormalization needs at least one axis to reduce over, but axis="
                 f"{self.axis} covers every axis of the input shape {tuple(input_shape)}."
@@ -276,7 +276,7 @@ class BatchNormalization(keras.layers.Layer):
                 f"BatchNormalization requires floating-point inputs; received dtype "
                 f"{inputs.dtype.name}. Cast the input to a float type first."
             )
-        dtype = ops.statistics_dtype(inputs.dtype)
+        dtype = statistics.statistics_dtype(inputs.dtype)
         gamma = self._param(self.gamma, 1.0, dtype)
         beta = self._param(self.beta, 0.0, dtype)
 
@@ -336,9 +336,9 @@ class BatchNormalization(keras.layers.Layer):
         batch, channel_axes = inputs, self._channel_axes
         if self.virtual_batch_size is not None:
             batch, channel_axes = ghost.split(inputs, self.virtual_batch_size, channel_axes, mask)
-        mask = None if mask is None else ops.expand_mask(mask, batch, channel_axes)
+        mask = None if mask is None else statistics.expand_mask(mask, batch, channel_axes)
         replicas = self._replica_context()
-        count = ops.element_count(batch, channel_axes, mask, replicas)
+        count = statistics.element_count(batch, channel_axes, mask, replicas)
         gamma = self._zero_unless_enough(gamma, batch, count)
         if not (self.renorm or self.virtual_batch_size):
             y, mean, variance = ops.batch_norm_train(
@@ -400,7 +400,7 @@ class BatchNormalization(keras.layers.Layer):
         m ≤ 1 known when traced (a static batch of 1) is the caller's mistake: ValueError.
         Known only at run time (a mask that leaves ≤ 1 value, a dynamic batch of 1) it is
         legitimate data: γ = 0 makes the output β and the gradients to x and γ zero (x̂ stays
-        finite, see ops.divisor), and _update_moving_statistics skips the batch (count > 1).
+        finite, see statistics.divisor), and _update_moving_statistics skips the batch (count > 1).
         """
         if isinstance(count, int):
             if count < 2:
@@ -455,7 +455,7 @@ class BatchNormalization(keras.layers.Layer):
         weight = (
             count
             if self.virtual_batch_size is None
-            else ops.element_count(inputs, self._channel_axes)
+            else statistics.element_count(inputs, self._channel_axes)
         )
         return _count_weighted_average(context, batch, weight, enough)
 

@@ -128,10 +128,9 @@ def recalibrate(model, data, steps=None, progress=True, batch_size=32):
     Only `moving_mean` and `moving_variance` change (and the bookkeeping that follows them:
     `moving_stddev` = √(moving_variance + ε) for renorm layers, the batch counter for
     `momentum=None`); trainable weights are untouched. A batch that gives a layer at most one
-    value per channel (a last batch of one sample, a mask leaving one token) has no variance and
-    is skipped for that layer, as training skips it; `LayerChange.batches_used` counts the rest.
-    The layers
-    are recalibrated whether or not they are trainable.
+    value per channel (a last batch of one sample, a mask leaving one token) has no variance
+    and is skipped for that layer, as training skips it; `LayerChange.batches_used` counts the
+    rest. The layers are recalibrated whether or not they are trainable.
 
     Args:
         model: a built Keras model (Sequential, Functional, subclassed, nested).

@@ -1,10 +1,10 @@
 """Train-mode batch normalization written for XLA on CPU.
 
-The maths is the composite path's (see keras_bn/ops.py); only the arrangement differs, because
-XLA:CPU (TensorFlow 2.21) never fuses a reduction with the expression it sums: every Σf(x) writes
-f(x) out and reads it back. Three arrangements avoid that, and the train step then reads x three
-times (forward sums; backward Σg and Σg·x̂; ∂l/∂x), the floor for a backward that needs two
-global sums before ∂l/∂x:
+The maths is the composite path's (see keras_bn/composite.py); only the arrangement differs,
+because XLA:CPU (TensorFlow 2.21) never fuses a reduction with the expression it sums: every
+Σf(x) writes f(x) out and reads it back. Three arrangements avoid that, and the train step then
+reads x three times (forward sums; backward Σg and Σg·x̂; ∂l/∂x), the floor for a backward that
+needs two global sums before ∂l/∂x:
 
 - A sum over the reduced axes starts as a tree of adds over `GROUPS` equal slices of one reduced
   axis (not the minor one). That is elementwise work, which XLA fuses with the summand; a small
@@ -23,12 +23,14 @@ a factor of about 1 + (μ − K)²/σ² of float32 rounding, so when (μ − K)�
 any channel, or σ² is not finite (Σt² overflowed), the pass is redone with K = μ, which makes it
 the corrected two-pass algorithm. Outputs are computed as ((x − K) − Δμ)·inv with
 Δμ = Σt/m, never with a large mean folded into an offset.
+
+`ops.train_path` picks this path under XLA on a CPU (keras_bn/placement.py says where the graph
+runs). This module imports only the leaf keras_bn/statistics.py.
 """
 
 import tensorflow as tf
-from tensorflow.python.eager import context
 
-from keras_bn import ops
+from keras_bn.statistics import element_count, reduction_axes, statistics_dtype
 
 # Slices added elementwise before the reduce_sum: the partials are 1/GROUPS of x. 4 was as
 # fast as 8 or faster on every shape of benchmarks/bench_layer.py (0-20%, interleaved runs),
@@ -43,24 +45,12 @@ RECENTRE_RATIO = 9.0
 SHIFT_SAMPLES = 8
 
 
-def runs_on_cpu():
-    """Whether the graph being traced runs on a CPU: the innermost device scope's type, or,
-    with no scope (TensorFlow's default placement), whether no GPU or TPU is visible."""
-    scope = context.context().device_name
-    if not tf.executing_eagerly():
-        scope = tf.no_op().device or scope  # a scope inside the traced function comes first
-    device_type = tf.DeviceSpec.from_string(scope).device_type
-    if device_type:
-        return device_type == "CPU"
-    return not (tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("TPU"))
-
-
 def group_axis(shape, channel_axes):
     """The axis the sums are grouped along, or None when there is none: a reduced axis other
     than the minor one (slicing that would break XLA's vectorised loops); the first whose
     static size GROUPS divides, else the first (then padded, see `_paired_sums`)."""
     rank = len(shape)
-    candidates = [a for a in ops.reduction_axes(rank, channel_axes) if a != rank - 1]
+    candidates = [a for a in reduction_axes(rank, channel_axes) if a != rank - 1]
     for a in candidates:
         if shape[a] is not None and shape[a] % GROUPS == 0:
             return a
@@ -72,7 +62,7 @@ def batch_norm_train(x, gamma, beta, channel_axes, epsilon):
 
     Args:
         x: floating tensor with a reduced axis other than its last (see `group_axis`).
-        gamma, beta: per-channel scale and offset in `ops.statistics_dtype(x.dtype)`.
+        gamma, beta: per-channel scale and offset in `statistics_dtype(x.dtype)`.
         channel_axes: sorted non-negative axes that are not reduced.
         epsilon: added to the variance.
 
@@ -80,11 +70,11 @@ def batch_norm_train(x, gamma, beta, channel_axes, epsilon):
         (y, mean, variance): the output in the statistics dtype, and the per-channel mean and
         biased variance shaped like gamma, carrying no gradient.
     """
-    x = tf.cast(x, ops.statistics_dtype(x.dtype))
+    x = tf.cast(x, statistics_dtype(x.dtype))
     rank = x.shape.rank
-    reduced = ops.reduction_axes(rank, channel_axes)
+    reduced = reduction_axes(rank, channel_axes)
     axis = group_axis(x.shape, channel_axes)
-    m = ops.element_count(x, channel_axes)
+    m = element_count(x, channel_axes)
     param_shape = tf.shape(gamma)
 
     def sums(summands, *tensors):

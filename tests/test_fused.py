@@ -9,6 +9,7 @@ import tensorflow as tf
 import keras_bn
 from helpers import assert_close
 from keras_bn import ops
+from keras_bn.fused import fused_data_format
 
 # (shape, axis): every layout the fast path takes.
 FUSED_LAYOUTS = {
@@ -71,14 +72,14 @@ def test_fused_matches_composite(layout, mode):
 
 def test_fast_path_is_taken_exactly_where_it_applies():
     f32 = tf.zeros([4, 3, 3, 2])
-    assert ops.fused_data_format(f32, [3], 1e-3) == "NHWC"
-    assert ops.fused_data_format(tf.zeros([4, 2, 3, 3]), [1], 1e-3) == "NCHW"
-    assert ops.fused_data_format(tf.zeros([4, 2], tf.bfloat16), [1], 1e-3) == "NHWC"
-    assert ops.fused_data_format(tf.zeros([4, 3, 3, 2], tf.float64), [3], 1e-3) is None
-    assert ops.fused_data_format(f32, [1, 3], 1e-3) is None
-    assert ops.fused_data_format(f32, [2], 1e-3) is None
-    assert ops.fused_data_format(f32, [3], 1e-6) is None  # below cuDNN's minimum epsilon
-    assert ops.fused_data_format(f32, [3], 1e-3, mask=tf.ones([4, 3, 3, 1])) is None
+    assert fused_data_format(f32, [3], 1e-3) == "NHWC"
+    assert fused_data_format(tf.zeros([4, 2, 3, 3]), [1], 1e-3) == "NCHW"
+    assert fused_data_format(tf.zeros([4, 2], tf.bfloat16), [1], 1e-3) == "NHWC"
+    assert fused_data_format(tf.zeros([4, 3, 3, 2], tf.float64), [3], 1e-3) is None
+    assert fused_data_format(f32, [1, 3], 1e-3) is None
+    assert fused_data_format(f32, [2], 1e-3) is None
+    assert fused_data_format(f32, [3], 1e-6) is None  # below cuDNN's minimum epsilon
+    assert fused_data_format(f32, [3], 1e-3, mask=tf.ones([4, 3, 3, 1])) is None
     with pytest.raises(ValueError, match="fused batch-norm kernel does not apply"):
         ops.batch_norm_train(f32, tf.ones([2, 2]), tf.zeros([2, 2]), [1, 3], 1e-3, fused=True)
 

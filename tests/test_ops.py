@@ -1,12 +1,12 @@
-"""keras_bn.ops against independent references: numpy formulas, TF autodiff of a plain
-reference written here, and finite differences."""
+"""keras_bn.ops and keras_bn.statistics against independent references: numpy formulas, TF
+autodiff of a plain reference written here, and finite differences."""
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from helpers import assert_close, broadcast_shape, numpy_bn_train, tf_reference_bn
-from keras_bn import ops
+from keras_bn import ops, statistics
 
 EPS = 1e-3
 
@@ -141,7 +141,7 @@ def test_variance_is_not_single_pass(fused, rtol):
     the corrected two-pass variance keeps them (the fused CPU kernel, plain two-pass, most)."""
     rng = np.random.default_rng(4)
     x = (1e4 + 1e-2 * rng.standard_normal((4096, 3))).astype(np.float32)
-    _, mean, var = ops.batch_norm_train(
+    _, _, var = ops.batch_norm_train(
         tf.constant(x), tf.ones([3]), tf.zeros([3]), [1], EPS, fused=fused
     )
     exact = x.astype(np.float64).var(axis=0)
@@ -166,12 +166,12 @@ def test_inference_affine_matches_numpy(layout):
 
 def test_element_count():
     x = tf.zeros([4, 3, 2, 5])
-    assert ops.element_count(x, [3]) == 24
-    assert ops.element_count(x, [1, 3]) == 8
-    mask = ops.expand_mask(tf.constant(np.arange(24).reshape(4, 3, 2) % 3 == 0), x, [3])
-    assert float(ops.element_count(x, [3], mask)) == 8.0
+    assert statistics.element_count(x, [3]) == 24
+    assert statistics.element_count(x, [1, 3]) == 8
+    mask = statistics.expand_mask(tf.constant(np.arange(24).reshape(4, 3, 2) % 3 == 0), x, [3])
+    assert float(statistics.element_count(x, [3], mask)) == 8.0
     dynamic = tf.function(
-        lambda t: ops.element_count(t, [1]), input_signature=[tf.TensorSpec([None, 5])]
+        lambda t: statistics.element_count(t, [1]), input_signature=[tf.TensorSpec([None, 5])]
     )
     assert float(dynamic(tf.zeros([7, 5]))) == 7.0
 
@@ -179,19 +179,21 @@ def test_element_count():
 def test_expand_mask_rejects_wrong_shape():
     x = tf.zeros([4, 6, 5])
     with pytest.raises(ValueError, match=r"rank 2"):
-        ops.expand_mask(tf.ones([4, 6, 5], tf.bool), x, [2])
+        statistics.expand_mask(tf.ones([4, 6, 5], tf.bool), x, [2])
     with pytest.raises(ValueError, match=r"does not match"):
-        ops.expand_mask(tf.ones([4, 7], tf.bool), x, [2])
+        statistics.expand_mask(tf.ones([4, 7], tf.bool), x, [2])
     with pytest.raises(ValueError, match=r"rank 2"):  # not aligned from the right
-        ops.expand_mask(tf.ones([6], tf.bool), x, [2])
+        statistics.expand_mask(tf.ones([6], tf.bool), x, [2])
 
 
 def test_expand_mask_broadcasts_size_one_dimensions():
     x = tf.zeros([4, 6, 5])
     per_sample = np.array([[True], [False], [True], [True]])
-    mask = ops.expand_mask(tf.constant(per_sample), x, [2])
+    mask = statistics.expand_mask(tf.constant(per_sample), x, [2])
     assert mask.shape == (4, 6, 1)
     np.testing.assert_array_equal(mask[..., 0], np.broadcast_to(per_sample, (4, 6)))
-    assert float(ops.element_count(x, [2], mask)) == 18.0
-    channels_first = ops.expand_mask(tf.constant([[1.0, 0.0, 2.5]]), tf.zeros([2, 5, 3]), [1])
+    assert float(statistics.element_count(x, [2], mask)) == 18.0
+    channels_first = statistics.expand_mask(
+        tf.constant([[1.0, 0.0, 2.5]]), tf.zeros([2, 5, 3]), [1]
+    )
     np.testing.assert_array_equal(channels_first, [[[1.0, 0.0, 1.0]]] * 2)

@@ -1,0 +1,261 @@
+"""The import structure of the project, read statically with `ast`: no module of keras_bn/ or
+export/ (installed as keras_bn.export) imports itself back through any chain of imports, and
+the train paths sit on one leaf (docs/architecture.md, "Modules").
+
+The graph's nodes are the project's modules, found by walking the package directories (so a
+module added later is covered). Its edges are every `import` and `from ... import` statement
+anywhere in a file, those inside functions (lazy imports) included: a cycle closed by a lazy
+import still means the two modules cannot be understood, or loaded, one before the other.
+`from package import name` is an edge to the submodule package.name when there is one, else to
+the package (its __init__). The implicit import of a module's parent packages is not an edge.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+# Package name → its directory; export/ is installed as keras_bn.export (pyproject.toml).
+PACKAGES = {"keras_bn": ROOT / "keras_bn", "keras_bn.export": ROOT / "export"}
+
+# The shared statistics helpers, and where the traced graph runs: they import no project module.
+LEAVES = {"keras_bn.statistics", "keras_bn.placement"}
+# The three train paths: siblings that import only the leaves, never each other nor ops.
+TRAIN_PATHS = {"keras_bn.fused", "keras_bn.xla", "keras_bn.composite"}
+
+
+def project_modules(packages):
+    """{module name: file} for every .py file under each package's directory.
+
+    Args:
+        packages: {package name: its directory}.
+
+    Returns:
+        The modules, a package named by its __init__.py.
+    """
+    modules = {}
+    for package, directory in packages.items():
+        for path in sorted(Path(directory).rglob("*.py")):
+            parts = list(path.relative_to(directory).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            modules[".".join([package, *parts])] = path
+    return modules
+
+
+def _known_prefix(name, modules):
+    """The longest dotted prefix of `name` (itself included) that is a project module."""
+    parts = name.split(".")
+    for end in range(len(parts), 0, -1):
+        candidate = ".".join(parts[:end])
+        if candidate in modules:
+            return candidate
+    return None
+
+
+def _absolute(node, module, path):
+    """The absolute module name a `from` statement imports from (resolving `from . import`)."""
+    if node.level == 0:
+        return node.module
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for _ in range(node.level - 1):
+        package = package.rpartition(".")[0]
+    return f"{package}.{node.module}" if node.module else package
+
+
+def imports_of(module, path, modules):
+    """The project modules that `module`'s file imports, anywhere in it.
+
+    Args:
+        module: the module's name.
+        path: its file.
+        modules: every project module, from `project_modules`.
+
+    Returns:
+        The set of imported project modules, `module` itself left out.
+    """
+    targets = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            targets.update(_known_prefix(alias.name, modules) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            source = _absolute(node, module, path)
+            for alias in node.names:
+                submodule = f"{source}.{alias.name}"
+                targets.add(submodule if submodule in modules else _known_prefix(source, modules))
+    return targets - {None, module}
+
+
+def import_graph(packages):
+    """{module: the project modules it imports} for every module of `packages`."""
+    modules = project_modules(packages)
+    return {module: imports_of(module, path, modules) for module, path in modules.items()}
+
+
+def find_cycle(graph):
+    """One import cycle of `graph`, as the modules along it with the first repeated at the end
+    (e.g. ["a", "b", "a"]), or None when there is none. A depth-first search: a cycle is an
+    edge back to a module still on the search's path."""
+    done, on_path = set(), []
+
+    def visit(module):
+        on_path.append(module)
+        for target in sorted(graph.get(module, ())):
+            if target in on_path:
+                return [*on_path[on_path.index(target) :], target]
+            if target not in done:
+                cycle = visit(target)
+                if cycle:
+                    return cycle
+        on_path.pop()
+        done.add(module)
+        return None
+
+    for module in sorted(graph):
+        if module not in done:
+            cycle = visit(module)
+            if cycle:
+                return cycle
+    return None
+
+
+GRAPH = import_graph(PACKAGES)
+
+
+def test_the_walk_covers_every_installed_package():
+    """Each package pyproject.toml installs is found under its name, from its directory."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    directories = setuptools.get("package-dir", {})
+    modules = project_modules(PACKAGES)
+    for package in setuptools["packages"]:
+        directory = ROOT / directories.get(package, package.replace(".", "/"))
+        assert modules.get(package) == directory / "__init__.py", package
+
+
+def test_the_walk_finds_the_imports():
+    """A broken walk cannot pass vacuously: it has the edges it must, a lazy one included."""
+    for module in ("keras_bn", "keras_bn.ops", "keras_bn.layers", "keras_bn.export.fold"):
+        assert module in GRAPH, module
+    assert GRAPH["keras_bn.ops"] >= TRAIN_PATHS
+    assert "keras_bn.ops" in GRAPH["keras_bn.layers"]
+    # `import keras_bn` inside a function of export/cli.py.
+    assert "keras_bn" in GRAPH["keras_bn.export.cli"]
+
+
+def test_no_import_cycle():
+    cycle = find_cycle(GRAPH)
+    assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
+
+
+def test_leaves_import_no_project_module():
+    for module in sorted(LEAVES):
+        assert module in GRAPH, f"{module} is missing"
+        assert not GRAPH[module], f"{module} imports {sorted(GRAPH[module])}"
+
+
+def test_train_paths_import_only_the_leaves():
+    for module in sorted(TRAIN_PATHS):
+        assert module in GRAPH, f"{module} is missing"
+        assert GRAPH[module] <= LEAVES, f"{module} imports {sorted(GRAPH[module] - LEAVES)}"
+
+
+# The finder itself, on trees written here: it must see the cycles it exists to catch.
+
+
+def _tree(root, files):
+    """Write {relative path: source} under root; returns root."""
+    for name, source in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(source)
+    return root
+
+
+def _rotated(cycle):
+    """A cycle without its repeated end, rotated to start at its smallest module."""
+    body = cycle[:-1]
+    start = body.index(min(body))
+    return body[start:] + body[:start]
+
+
+def test_finder_reports_the_old_ops_xla_cycle(tmp_path):
+    """The layout this test replaced: ops imported xla at module level, and xla imported ops."""
+    root = _tree(
+        tmp_path,
+        {
+            "pkg/__init__.py": "from pkg.ops import batch_norm_train\n",
+            "pkg/ops.py": "import tensorflow as tf\n\nfrom pkg import xla\n",
+            "pkg/xla.py": "from pkg import ops\n",
+        },
+    )
+    graph = import_graph({"pkg": root / "pkg"})
+    assert graph == {"pkg": {"pkg.ops"}, "pkg.ops": {"pkg.xla"}, "pkg.xla": {"pkg.ops"}}
+    cycle = find_cycle(graph)
+    assert cycle[0] == cycle[-1] and _rotated(cycle) == ["pkg.ops", "pkg.xla"]
+
+
+def test_finder_sees_lazy_imports_and_the_mapped_package(tmp_path):
+    """A cycle closed by an import inside a function, through a package installed under another
+    name (as export/ is keras_bn.export), via `from package import name` of a non-module."""
+    root = _tree(
+        tmp_path,
+        {
+            "pkg/__init__.py": "from pkg.layers import Layer\n",
+            "pkg/layers.py": "def fold():\n    from pkg.export import fold_all\n",
+            "exp/__init__.py": "from pkg.export.graph import fold_all\n",
+            "exp/graph.py": "import numpy\n\n\ndef f():\n    from pkg import Layer\n",
+        },
+    )
+    graph = import_graph({"pkg": root / "pkg", "pkg.export": root / "exp"})
+    assert graph["pkg.layers"] == {"pkg.export"}  # fold_all is no module: the package
+    assert graph["pkg.export.graph"] == {"pkg"}
+    assert _rotated(find_cycle(graph)) == ["pkg", "pkg.layers", "pkg.export", "pkg.export.graph"]
+
+
+def test_finder_resolves_relative_and_dotted_imports(tmp_path):
+    root = _tree(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/a.py": "from . import b\nfrom .sub import c\nimport pkg.sub.d as d\n",
+            "pkg/b.py": "from .a import *\n",
+            "pkg/sub/__init__.py": "from .. import b\n",
+            "pkg/sub/c.py": "",
+            "pkg/sub/d.py": "",
+        },
+    )
+    graph = import_graph({"pkg": root / "pkg"})
+    assert graph["pkg.a"] == {"pkg.b", "pkg.sub.c", "pkg.sub.d"}
+    assert graph["pkg.b"] == {"pkg.a"}
+    assert graph["pkg.sub"] == {"pkg.b"}
+    assert _rotated(find_cycle(graph)) == ["pkg.a", "pkg.b"]
+
+
+def test_finder_ignores_parent_packages_and_accepts_a_tree_without_cycles(tmp_path):
+    """A submodule's implicit import of its package is no edge, though the package imports it;
+    nor is a package's import of itself."""
+    root = _tree(
+        tmp_path,
+        {
+            "pkg/__init__.py": "from pkg import core\nfrom pkg import VERSION\n",
+            "pkg/core.py": "from pkg import leaf\n",
+            "pkg/leaf.py": "import os\n",
+        },
+    )
+    graph = import_graph({"pkg": root / "pkg"})
+    assert graph == {"pkg": {"pkg.core"}, "pkg.core": {"pkg.leaf"}, "pkg.leaf": set()}
+    assert find_cycle(graph) is None
+
+
+@pytest.mark.parametrize(
+    "graph,expected",
+    [
+        ({"a": {"a"}}, ["a", "a"]),  # a graph given directly may hold a self-edge
+        ({"a": {"b"}, "b": {"c"}, "c": {"b"}}, ["b", "c", "b"]),
+        ({"a": {"b", "c"}, "b": {"c"}, "c": set()}, None),  # a diamond is no cycle
+    ],
+)
+def test_find_cycle_on_small_graphs(graph, expected):
+    assert find_cycle(graph) == expected
