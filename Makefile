@@ -8,7 +8,7 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 DEMO := artifacts/demo
 EXPORT := $(VENV)/bin/keras-bn-export
 
-.PHONY: demo test docs bench bench-export notebooks clean
+.PHONY: demo test lint typecheck docs bench bench-export notebooks clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -34,6 +34,21 @@ bench-export: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Lint, format check and type check (.ci/run runs it before the tests).
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(MAKE) typecheck
+
+# mypy on the package as installed: a link tree with export/ as keras_bn/export (mypy cannot
+# follow setuptools' editable-install finder).
+TYPECHECK := build/typecheck
+typecheck: $(STAMP)
+	rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)/keras_bn
+	ln -s $(CURDIR)/keras_bn/* $(TYPECHECK)/keras_bn/
+	ln -s $(CURDIR)/export $(TYPECHECK)/keras_bn/export
+	cd $(TYPECHECK) && $(CURDIR)/$(PY) -m mypy --config-file $(CURDIR)/pyproject.toml -p keras_bn
 
 # The documentation site, into $(DOCS)/html. Executes every notebook (full size unless
 # KERAS_BN_SMALL=1; cached per size in $(DOCS)); any warning fails the build.
