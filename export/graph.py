@@ -19,10 +19,9 @@ keras.models.clone_model uses (`_nodes_by_depth`, `_run_through_graph`, Sequenti
 import dataclasses
 
 import keras
-from keras.src.models.functional import Functional
 from keras.src.saving.serialization_lib import SafeModeScope
 
-from keras_bn import _bn_layers
+from keras_bn import _bn_layers, _models
 from keras_bn.export import fold, report, trace
 from keras_bn.export.affine import ChannelBias, InferenceAffine
 from keras_bn.export.report import ChannelSpread, FoldReport
@@ -113,11 +112,11 @@ def fold_batch_norms(model, probe=None):
         `INT8_SPREAD_THRESHOLD`).
 
     Raises:
-        TypeError: the model (or a nested one holding a BN) is subclassed, or a layer's
-            config does not round-trip.
-        ValueError: the model is not built, `probe` does not fit its inputs, or a BN to be
-            folded has a non-finite inference scale or shift (NaN or inf statistics
-            or weights).
+        UnsupportedModelError: the model (or a nested one holding a BN) is subclassed or an
+            unbuilt Sequential, or a layer's config does not round-trip; a TypeError and a
+            ValueError.
+        ValueError: `probe` does not fit the model's inputs, or a BN to be folded has a
+            non-finite inference scale or shift (NaN or inf statistics or weights).
 
     Example::
 
@@ -136,30 +135,10 @@ def fold_batch_norms(model, probe=None):
     return folded_model, FoldReport(folded, kept, errors, scales, spreads)
 
 
-def _graph_of(model):
-    """The Functional graph behind `model`, or a clear error for models that have none."""
-    if isinstance(model, keras.Sequential):
-        graph = getattr(model, "_functional", None)
-        if graph is None:
-            raise ValueError(
-                f"Sequential model '{model.name}' is not built: give it a keras.Input (or "
-                f"call build()) before folding its batch norms."
-            )
-        return graph
-    if isinstance(model, Functional):
-        return model
-    raise TypeError(
-        f"Cannot fold batch norms in '{model.name}', a subclassed {type(model).__name__}: it "
-        f"has no layer graph to inspect. Build it as a Sequential or Functional model."
-    )
-
-
-def _has_graph(model):
-    return isinstance(model, (keras.Sequential, Functional))
-
-
 def _contains_bn(model):
-    return any(_bn_layers.is_batch_norm(l) for l in model._flatten_layers(include_self=False))
+    return any(
+        _bn_layers.is_batch_norm(layer) for layer in model._flatten_layers(include_self=False)
+    )
 
 
 class _Graph:
@@ -196,7 +175,7 @@ class _Graph:
 def _fold_model(model, prefix):
     """(new model, folded list, kept list, ChannelSpread list) for one Sequential/Functional
     model."""
-    graph = _graph_of(model)
+    graph = _models.layer_graph(model, "fold batch norms in")
     info = _Graph(graph)
     folded, kept = [], []
     weights = {}  # folded (kernels, bias) of each host, by id(original host)
@@ -244,7 +223,9 @@ def _fold_model(model, prefix):
         layer = node.operation
         if id(layer) in copies or id(layer) in dropped:
             continue
-        if isinstance(layer, keras.Model) and (_has_graph(layer) or _contains_bn(layer)):
+        if isinstance(layer, keras.Model) and (
+            _models.has_layer_graph(layer) or _contains_bn(layer)
+        ):
             inner, inner_folded, inner_kept, inner_spreads = _fold_model(
                 layer, prefix + layer.name + "/"
             )
@@ -262,7 +243,9 @@ def _fold_model(model, prefix):
             biases[id(layer)] = ChannelBias(
                 1,
                 len(weights[id(layer)][1]),
-                name=_unused_name(f"{layer.name}_bias", model),
+                name=_models.unique_name(
+                    f"{layer.name}_bias", {other.name for other in model.layers}
+                ),
                 dtype=layer.dtype_policy,
             )
         else:
@@ -283,8 +266,8 @@ def _unseen_batch_norms(layer, prefix):
                 prefix + layer.name,
                 (
                     f"BN layer '{layer.name}' is a {type(layer).__name__}, a subclass of "
-                    f"{base}.BatchNormalization whose call may compute something else; it is kept as "
-                    f"it is"
+                    f"{base}.BatchNormalization whose call may compute something else; it is "
+                    f"kept as it is"
                 ),
                 "subclass",
             )
@@ -294,7 +277,8 @@ def _unseen_batch_norms(layer, prefix):
             f"{prefix}{layer.name}/{path}",
             (
                 f"BN layer '{bn.name}' is inside custom layer '{layer.name}' "
-                f"({type(layer).__name__}), whose call the fold cannot see into; it is kept as it is"
+                f"({type(layer).__name__}), whose call the fold cannot see into; it is kept as "
+                f"it is"
             ),
             "inside_layer",
         )
@@ -455,15 +439,6 @@ def _channels_first(layer):
     return getattr(layer, "data_format", None) == "channels_first"
 
 
-def _unused_name(name, model):
-    taken = {layer.name for layer in model.layers}
-    unique, count = name, 0
-    while unique in taken:
-        count += 1
-        unique = f"{name}_{count}"
-    return unique
-
-
 def _copy_layer(layer, use_bias=None):
     """An unbuilt copy of a layer, from its config; `use_bias` overrides the config's.
 
@@ -483,18 +458,13 @@ def _copy_layer(layer, use_bias=None):
             name=layer.name,
             dtype=layer.dtype_policy,
         )
-    config = layer.get_config()
+    config = _models.config_of(layer)
     if use_bias is not None:
         config["use_bias"] = use_bias
-    try:
-        # The config comes from a live layer, not from a file: a Lambda's function is already
-        # loaded in this process, so safe mode (which guards files) has nothing to guard here.
-        with SafeModeScope(False):
-            return layer.__class__.from_config(config)
-    except Exception as error:  # a custom layer whose config does not round-trip
-        raise TypeError(
-            f"Cannot copy layer '{layer.name}' ({type(layer).__name__}) from its config: {error}"
-        ) from error
+    # The config comes from a live layer, not from a file: a Lambda's function is already
+    # loaded in this process, so safe mode (which guards files) has nothing to guard here.
+    with SafeModeScope(False):
+        return _models.from_config(layer, config)
 
 
 def _affine_copy(bn, node):
