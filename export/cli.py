@@ -192,7 +192,7 @@ def _run(args):
         transient=False,
     )
     with progress:
-        current = {}
+        current: dict = {}
 
         def stage(name):
             if "task" in current:

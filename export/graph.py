@@ -152,8 +152,8 @@ class _Graph:
             if node.operation is not None and not node.is_input
         ]
         self.outputs = {id(t) for t in graph.outputs}
-        self.consumers = {}
-        self.calls = {}
+        self.consumers: dict = {}
+        self.calls: dict = {}
         for node in self.nodes:
             self.calls[id(node.operation)] = self.calls.get(id(node.operation), 0) + 1
             for tensor in node.input_tensors:
@@ -177,8 +177,9 @@ def _fold_model(model, prefix):
     model."""
     graph = _models.layer_graph(model, "fold batch norms in")
     info = _Graph(graph)
-    folded, kept = [], []
-    weights = {}  # folded (kernels, bias) of each host, by id(original host)
+    folded: list = []
+    kept: list = []
+    weights: dict = {}  # folded (kernels, bias) of each host, by id(original host)
     dropped = set()  # ids of the BNs that were folded away
     hosts, forward_hosts = {}, set()  # by id: every host, and those that took a forward fold
 
@@ -349,7 +350,7 @@ def _forward_target(bn, node, info, backward_refusal):
     output = node.outputs[0]
     consumers = info.consumers.get(id(output), [])
     if info.fan_out(output) != 1 or not consumers:
-        why = "its output feeds several layers or a model output"
+        why: str | None = "its output feeds several layers or a model output"
     elif type(consumers[0].operation) not in FORWARD_HOSTS:
         consumer = consumers[0].operation
         why = (
@@ -417,8 +418,9 @@ def _fold_backward(bn, host, weights):
 
 def _fold_forward(bn, node, consumer, weights):
     kernels, bias = _host_weights(consumer, weights)
+    scale, shift = _bn_layers.inference_affine(bn)
     kernel, bias = fold.fold_forward(
-        kernels[-1], bias, *_bn_layers.inference_affine(bn), groups=getattr(consumer, "groups", 1)
+        kernels[-1], bias, scale, shift, groups=getattr(consumer, "groups", 1)
     )
     weights[id(consumer)] = (kernels[:-1] + [kernel], bias)
 

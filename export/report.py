@@ -111,6 +111,10 @@ class _OutputErrors:
     `output_scales`; a subclass whose `errors` hold more than one number per output says how
     to reduce them in `_error_by_output`."""
 
+    # Fields of the dataclasses that use this base (a plain class: dataclass ignores these).
+    errors: dict
+    output_scales: dict
+
     def _error_by_output(self):
         return self.errors
 

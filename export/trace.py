@@ -112,7 +112,7 @@ def feed(sig, data, what="probe"):
     elif isinstance(data, dict) or hasattr(data, "files"):  # dict, or np.load's NpzFile
         aliases = {name: name for name in names}
         aliases.update(zip(sig.input_keys, names))  # the model's own key first
-        given = {}  # input name → the caller's key
+        given: dict = {}  # input name → the caller's key
         for key in data:  # a dict or an NpzFile: both are Mappings
             given.setdefault(aliases.get(key), []).append(key)
         unknown = sorted(map(str, given.pop(None, [])))

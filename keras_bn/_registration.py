@@ -20,6 +20,7 @@ the first use of a keras_bn name raises the backend guard's ImportError (keras_b
 import importlib
 import importlib.util
 import sys
+import typing
 
 from keras_bn import _backend
 
@@ -63,7 +64,9 @@ class _Watcher:
             self._finding.discard(fullname)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        spec.loader = _ReportingLoader(spec.loader, fullname, self)
+        spec.loader = typing.cast(
+            "importlib.abc.Loader", _ReportingLoader(spec.loader, fullname, self)
+        )
         return spec
 
     def finished(self, name):
