@@ -11,19 +11,29 @@ Each exporter folds first, converts, writes a temporary file next to the target,
 the real runtime (LiteRT, onnxruntime) against the Keras model, and renames it over the target
 only when every output is within tolerance (else VerificationError, and the target keeps what
 it had). Models may have several inputs and outputs; the reports have one error per output.
+A model structure the fold or an exporter cannot take raises `UnsupportedModelError`.
+
+The names are imported on first use (so the `keras-bn-export` command starts without loading
+TensorFlow), and need the TensorFlow Keras backend.
 """
 
-from keras_bn.export.affine import ChannelBias, InferenceAffine
-from keras_bn.export.graph import FoldedBN, KeptBN, fold_batch_norms
-from keras_bn.export.onnx import export_onnx
-from keras_bn.export.report import (
-    INT8_SPREAD_THRESHOLD,
-    ChannelSpread,
-    ExportReport,
-    FoldReport,
-    VerificationError,
-)
-from keras_bn.export.tflite import export_tflite
+import typing
+
+from keras_bn import _lazy
+from keras_bn._errors import UnsupportedModelError
+
+if typing.TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
+    from keras_bn.export.affine import ChannelBias, InferenceAffine
+    from keras_bn.export.graph import FoldedBN, KeptBN, fold_batch_norms
+    from keras_bn.export.onnx import export_onnx
+    from keras_bn.export.report import (
+        INT8_SPREAD_THRESHOLD,
+        ChannelSpread,
+        ExportReport,
+        FoldReport,
+        VerificationError,
+    )
+    from keras_bn.export.tflite import export_tflite
 
 __all__ = [
     "INT8_SPREAD_THRESHOLD",
@@ -34,8 +44,27 @@ __all__ = [
     "FoldedBN",
     "InferenceAffine",
     "KeptBN",
+    "UnsupportedModelError",
     "VerificationError",
     "export_onnx",
     "export_tflite",
     "fold_batch_norms",
 ]
+
+__getattr__, __dir__ = _lazy.attach(
+    globals(),
+    {
+        "ChannelBias": ("keras_bn.export.affine", "ChannelBias"),
+        "InferenceAffine": ("keras_bn.export.affine", "InferenceAffine"),
+        "FoldedBN": ("keras_bn.export.graph", "FoldedBN"),
+        "KeptBN": ("keras_bn.export.graph", "KeptBN"),
+        "fold_batch_norms": ("keras_bn.export.graph", "fold_batch_norms"),
+        "export_onnx": ("keras_bn.export.onnx", "export_onnx"),
+        "INT8_SPREAD_THRESHOLD": ("keras_bn.export.report", "INT8_SPREAD_THRESHOLD"),
+        "ChannelSpread": ("keras_bn.export.report", "ChannelSpread"),
+        "ExportReport": ("keras_bn.export.report", "ExportReport"),
+        "FoldReport": ("keras_bn.export.report", "FoldReport"),
+        "VerificationError": ("keras_bn.export.report", "VerificationError"),
+        "export_tflite": ("keras_bn.export.tflite", "export_tflite"),
+    },
+)

@@ -9,7 +9,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_bn import ops
+from keras_bn import _backend, ops
+
+_backend.require_tensorflow()  # before either layer can be built under another backend
 
 
 class _PerChannelMap(keras.layers.Layer):

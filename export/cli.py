@@ -1,9 +1,22 @@
 """keras-bn-export: fold a saved Keras model's batch norms, write TFLite/ONNX, verify, report.
 
-Exit codes: 0 success; 1 a converted file differs from the Keras model by more than its
-tolerance (--atol, else the default for its quantization), in which case it is not written and
-any file at its path is unchanged; 2 bad usage or input (missing or corrupt file, unsupported
-model), said in one line, without a traceback.
+Exit codes:
+
+- 0: success.
+- 1: a converted file differs from the Keras model by more than its tolerance
+  (--scale-tolerance, else the default for its quantization); it is not written, and any file
+  at its path is unchanged.
+- 2: bad usage or bad input: an argparse error, a missing, corrupt or unloadable model file,
+  bad representative data, a model the export cannot take (UnsupportedModelError, a
+  converter's refusal), another ValueError about the inputs, or an OSError (an unwritable
+  path). Said in one line, without a traceback.
+- 3: an internal error of keras-bn-export (any other exception: a bug). It says so, prints
+  the traceback and asks for a report.
+
+Everything that answers without exporting (--help, --version, a usage error) does so before
+TensorFlow, Keras, tf2onnx or LiteRT are imported, so it is fast, and the environment defaults
+below (quiet TensorFlow logs, the TensorFlow Keras backend) are set before TensorFlow reads
+them.
 """
 
 import argparse
@@ -11,10 +24,28 @@ import json
 import math
 import os
 import sys
+import textwrap
+import traceback
 import zipfile
 
-USAGE_ERROR, TOLERANCE_EXCEEDED = 2, 1
-PROBE_SAMPLES = 64
+import keras_bn
+from keras_bn._errors import one_line
+from keras_bn.export import defaults
+
+OK, TOLERANCE_EXCEEDED, USAGE_ERROR, INTERNAL_ERROR = 0, 1, 2, 3
+EXIT_CODES = {
+    OK: "success",
+    TOLERANCE_EXCEEDED: "a file differs from the Keras model by more than its tolerance (it is "
+    "not written; an existing file at its path is unchanged)",
+    USAGE_ERROR: "bad usage or bad input (a missing, corrupt or unloadable model file, bad "
+    "representative data, a model the export cannot take, an unwritable path), in one line",
+    INTERNAL_ERROR: "an internal error of keras-bn-export (a bug): the traceback, to report",
+}
+# Set before TensorFlow is imported, unless the caller set them: quiet logs, the TensorFlow
+# Keras backend (the only one keras_bn runs on).
+ENVIRONMENT_DEFAULTS = {"TF_CPP_MIN_LOG_LEVEL": "3", "KERAS_BACKEND": "tensorflow"}
+# Bad input: what the user can fix. Anything else is a bug of keras-bn-export.
+BAD_INPUT = (ValueError, OSError)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -23,28 +54,35 @@ class _Parser(argparse.ArgumentParser):
 
 
 class _UsageError(Exception):
-    pass
+    """Bad usage or input, in words for the user; exit code 2."""
 
 
 def _parser():
     parser = _Parser(
         prog="keras-bn-export",
         description="Fold batch norms, export to TFLite and/or ONNX, and verify the files.",
+        epilog="exit codes:\n"
+        + "\n".join(
+            textwrap.fill(meaning, 78, initial_indent=f"  {code}  ", subsequent_indent=" " * 5)
+            for code, meaning in EXIT_CODES.items()
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("model", metavar="MODEL.keras", help="a saved Keras model")
     parser.add_argument("--tflite", metavar="OUT", help="write a .tflite file here")
     parser.add_argument("--onnx", metavar="OUT", help="write an .onnx file here")
     parser.add_argument(
         "--quantize",
-        choices=["float16", "dynamic", "int8"],
+        choices=[q for q in defaults.SCALE_TOLERANCES if q is not None],
         help="TFLite quantization (int8 needs --representative-data)",
     )
     parser.add_argument(
         "--representative-data",
         metavar="X.npy|X.npz",
-        help="inputs (first axis: samples) to calibrate int8 and to verify on: "
-        ".npy for a single-input model, .npz with one array per input "
-        "name otherwise",
+        help="inputs (first axis: samples) to calibrate int8 (the first "
+        f"{defaults.CALIBRATION_SAMPLES}) and to verify on (the first "
+        f"{defaults.PROBE_SAMPLES}): .npy for a single-input model, .npz with one array per "
+        "input name otherwise",
     )
     parser.add_argument(
         "--report",
@@ -58,23 +96,41 @@ def _parser():
         help="load with safe_mode=False (allows Lambda layers' code)",
     )
     parser.add_argument(
-        "--atol",
+        "--scale-tolerance",
         type=float,
-        default=None,
-        help="largest error allowed, relative to each output's scale (default "
-        "per file: 1e-4 float32, 1e-3 float16, 2e-2 dynamic, 5e-2 int8; "
-        "at least 1e-2 for a mixed-precision model)",
+        metavar="TOL",
+        help="largest error allowed, as a fraction of each output's scale (max |output| on "
+        f"the probe); default per file: {defaults.describe_scale_tolerances()}",
     )
+    parser.add_argument(
+        "--atol", type=float, metavar="TOL", help="deprecated: the old name of --scale-tolerance"
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {keras_bn.__version__}")
     return parser
 
 
-def _check_arguments(args):
+def _arguments(argv):
+    """The parsed arguments, checked without importing anything heavy; _UsageError if bad."""
+    args = _parser().parse_args(argv)
+    tolerance_flag = "--scale-tolerance"
+    if args.atol is not None:
+        if args.scale_tolerance is not None:
+            raise _UsageError("give --scale-tolerance only (--atol is its deprecated name)")
+        print(
+            "keras-bn-export: warning: --atol is deprecated; use --scale-tolerance (the same "
+            "value)",
+            file=sys.stderr,
+        )
+        args.scale_tolerance, tolerance_flag = args.atol, "--atol"
+    if args.scale_tolerance is not None:
+        try:
+            defaults.check_scale_tolerance(args.scale_tolerance, tolerance_flag)
+        except ValueError as error:
+            raise _UsageError(str(error)) from None
     if args.quantize and not args.tflite:
         raise _UsageError("--quantize applies to TFLite: give --tflite OUT too")
     if args.quantize == "int8" and not args.representative_data:
         raise _UsageError("--quantize int8 needs --representative-data X.npy to calibrate")
-    if args.atol is not None and not (math.isfinite(args.atol) and args.atol > 0):
-        raise _UsageError(f"--atol must be a positive number; received {args.atol}")
     if not os.path.isfile(args.model):
         raise _UsageError(f"cannot read model file {args.model}: no such file")
     if args.model.endswith(".keras") and not zipfile.is_zipfile(args.model):
@@ -83,25 +139,45 @@ def _check_arguments(args):
         raise _UsageError(
             f"cannot read representative data {args.representative_data}: no such file"
         )
+    backend = os.environ["KERAS_BACKEND"]
+    if backend != "tensorflow" and "keras" not in sys.modules:
+        raise _UsageError(
+            f"KERAS_BACKEND is {backend!r}: keras-bn-export runs on the TensorFlow Keras "
+            f"backend; unset it or set KERAS_BACKEND=tensorflow"
+        )
+    return args
 
 
 def main(argv=None):
+    """Run keras-bn-export on `argv` (default: the command line); return the exit code."""
+    for name, value in ENVIRONMENT_DEFAULTS.items():
+        os.environ.setdefault(name, value)
     try:
-        args = _parser().parse_args(argv)
-        _check_arguments(args)
+        args = _arguments(argv)
     except _UsageError as error:
         print(f"keras-bn-export: error: {error}", file=sys.stderr)
         return USAGE_ERROR
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    except SystemExit as done:  # --help and --version print, then exit
+        return done.code
     try:
         summary = _run(args)
-    except Exception as error:  # bad input surfaces as many types: one line, no traceback
-        message = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        print(f"keras-bn-export: error: {type(error).__name__}: {message}", file=sys.stderr)
+    except _UsageError as error:
+        print(f"keras-bn-export: error: {error}", file=sys.stderr)
         return USAGE_ERROR
+    except BAD_INPUT as error:
+        print(f"keras-bn-export: error: {type(error).__name__}: {one_line(error)}", file=sys.stderr)
+        return USAGE_ERROR
+    except Exception as error:  # noqa: BLE001  (anything else is a bug: said, with its traceback)
+        traceback.print_exc()
+        print(
+            f"keras-bn-export: internal error: {type(error).__name__}: {one_line(error)}\n"
+            f"This is a bug in keras-bn-export {keras_bn.__version__}, not in your model or "
+            f"arguments: please report it with the traceback above and the command line.",
+            file=sys.stderr,
+        )
+        return INTERNAL_ERROR
     print(_human_summary(summary))
-    return 0 if summary["passed"] else TOLERANCE_EXCEEDED
+    return OK if summary["passed"] else TOLERANCE_EXCEEDED
 
 
 def _run(args):
@@ -116,7 +192,7 @@ def _run(args):
         transient=False,
     )
     with progress:
-        current = {}
+        current: dict = {}
 
         def stage(name):
             if "task" in current:
@@ -132,8 +208,8 @@ def _export(args, stage):
     stage("load")
     import keras
     import numpy as np
+    from tensorflow.lite.python.convert import ConverterError
 
-    import keras_bn  # noqa: F401  (registers keras_bn>BatchNormalization for loading)
     from keras_bn.export import (
         VerificationError,
         atomic,
@@ -146,16 +222,17 @@ def _export(args, stage):
     for output in (args.tflite, args.onnx, args.report):
         if output:
             atomic.target(output)  # a folder or a device (/dev/stdout): refused before any work
-    model = keras.saving.load_model(args.model, compile=False, safe_mode=not args.unsafe)
+    try:
+        model = keras.saving.load_model(args.model, compile=False, safe_mode=not args.unsafe)
+    except LOAD_ERRORS as error:
+        raise _UsageError(f"cannot load model file {args.model}: {_told(error)}") from error
     data = probe = None
     if args.representative_data:
-        data = np.load(args.representative_data, allow_pickle=False)
-        if hasattr(data, "files"):  # .npz: one array per input name
-            data = {name: data[name] for name in data.files}
+        data = _load_arrays(np, args.representative_data)
         probe = (
-            {name: array[:PROBE_SAMPLES] for name, array in data.items()}
+            {name: _first_samples(np, array) for name, array in data.items()}
             if isinstance(data, dict)
-            else data[:PROBE_SAMPLES]
+            else _first_samples(np, data)
         )
     exporters = []
     if args.tflite:
@@ -169,7 +246,7 @@ def _export(args, stage):
                     representative_data=data,
                     fold=not args.no_fold,
                     probe=probe,
-                    atol=args.atol,
+                    scale_tolerance=args.scale_tolerance,
                     on_stage=on_stage,
                 ),
             )
@@ -183,7 +260,7 @@ def _export(args, stage):
                     args.onnx,
                     fold=not args.no_fold,
                     probe=probe,
-                    atol=args.atol,
+                    scale_tolerance=args.scale_tolerance,
                     on_stage=on_stage,
                 ),
             )
@@ -194,6 +271,10 @@ def _export(args, stage):
             exports.append(exporter(lambda stage_name, name=name: stage(f"{name}: {stage_name}")))
         except VerificationError as error:  # not written; its report still goes in ours
             exports.append(error.report)
+        except ConverterError as error:  # an op the TFLite converter cannot take: the model's
+            raise _UsageError(
+                f"the TFLite converter cannot convert {args.model}: {_told(error)}"
+            ) from error
     fold_report = None
     if exports:
         fold_report = exports[0].fold
@@ -203,21 +284,51 @@ def _export(args, stage):
 
     # The folded model is judged like a float32 file: a mixed-precision one rounds as its
     # exports do, so it gets their default too.
-    fold_atol = pipeline.default_atol(model) if args.atol is None else args.atol
+    fold_tolerance = (
+        pipeline.default_scale_tolerance(model)
+        if args.scale_tolerance is None
+        else args.scale_tolerance
+    )
     summary = {
         "model": os.path.abspath(args.model),
         "fold": None if fold_report is None else fold_report.to_dict(),
-        "fold_atol": fold_atol,
+        "fold_scale_tolerance": fold_tolerance,
         "exports": [report.to_dict() for report in exports],
     }
     summary["passed"] = all(report.passed for report in exports) and (
-        fold_report is None or bool(fold_report.relative_error <= fold_atol)
+        fold_report is None or bool(fold_report.relative_error <= fold_tolerance)
     )
     if args.report:
         atomic.write_text(
             args.report, json.dumps(_finite_json(summary), indent=2, allow_nan=False) + "\n"
         )
     return summary
+
+
+# What loading a bad file raises (Keras, zipfile, h5py and numpy): a config that is not JSON
+# (ValueError), a class Keras cannot locate or build (TypeError), a member missing from the
+# archive (KeyError), an unreadable or truncated file (OSError, EOFError, BadZipFile).
+LOAD_ERRORS = (ValueError, TypeError, KeyError, OSError, EOFError, zipfile.BadZipFile)
+
+
+def _told(error):
+    return f"{type(error).__name__}: {one_line(error)}"
+
+
+def _load_arrays(np, path):
+    """The array of a .npy file, or {name: array} of an .npz; _UsageError if unreadable."""
+    try:
+        data = np.load(path, allow_pickle=False)
+        if hasattr(data, "files"):  # .npz: one array per input name
+            data = {name: data[name] for name in data.files}
+    except LOAD_ERRORS as error:
+        raise _UsageError(f"cannot read representative data {path}: {_told(error)}") from error
+    return data
+
+
+def _first_samples(np, array):
+    """The default probe's samples of one array (a scalar as it is: the export names it)."""
+    return array[: defaults.PROBE_SAMPLES] if np.ndim(array) else array
 
 
 def _finite_json(value):
@@ -258,10 +369,10 @@ def _human_summary(summary):
             )
         lines.append(f"  ops: {ops}")
         if report["passed"]:
-            lines.append(f"  passed (tolerance {report['atol']:g} of output scale)")
+            lines.append(f"  passed (tolerance {report['scale_tolerance']:g} of output scale)")
         else:
             lines.append(
-                f"  FAILED (tolerance {report['atol']:g} of output scale): not "
+                f"  FAILED (tolerance {report['scale_tolerance']:g} of output scale): not "
                 f"written; any existing file at the path is unchanged"
             )
     verdict = "passed" if summary["passed"] else "FAILED"

@@ -19,11 +19,9 @@ keras.models.clone_model uses (`_nodes_by_depth`, `_run_through_graph`, Sequenti
 import dataclasses
 
 import keras
-from keras.src.models.functional import Functional
 from keras.src.saving.serialization_lib import SafeModeScope
 
-from keras_bn import _bn_layers
-from keras_bn._errors import UnsupportedModelError
+from keras_bn import _bn_layers, _models
 from keras_bn.export import fold, report, trace
 from keras_bn.export.affine import ChannelBias, InferenceAffine
 from keras_bn.export.report import ChannelSpread, FoldReport
@@ -114,11 +112,11 @@ def fold_batch_norms(model, probe=None):
         `INT8_SPREAD_THRESHOLD`).
 
     Raises:
-        TypeError: the model (or a nested one holding a BN) is subclassed, or a layer's
-            config does not round-trip.
-        ValueError: the model is not built, `probe` does not fit its inputs, or a BN to be
-            folded has a non-finite inference scale or shift (NaN or inf statistics
-            or weights).
+        UnsupportedModelError: the model (or a nested one holding a BN) is subclassed or an
+            unbuilt Sequential, or a layer's config does not round-trip; a TypeError and a
+            ValueError.
+        ValueError: `probe` does not fit the model's inputs, or a BN to be folded has a
+            non-finite inference scale or shift (NaN or inf statistics or weights).
 
     Example::
 
@@ -137,30 +135,10 @@ def fold_batch_norms(model, probe=None):
     return folded_model, FoldReport(folded, kept, errors, scales, spreads)
 
 
-def _graph_of(model):
-    """The Functional graph behind `model`, or a clear error for models that have none."""
-    if isinstance(model, keras.Sequential):
-        graph = getattr(model, "_functional", None)
-        if graph is None:
-            raise ValueError(
-                f"Sequential model '{model.name}' is not built: give it a keras.Input (or "
-                f"call build()) before folding its batch norms."
-            )
-        return graph
-    if isinstance(model, Functional):
-        return model
-    raise UnsupportedModelError(
-        f"Cannot fold batch norms in '{model.name}', a subclassed {type(model).__name__}: it "
-        f"has no layer graph to inspect. Build it as a Sequential or Functional model."
-    )
-
-
-def _has_graph(model):
-    return isinstance(model, (keras.Sequential, Functional))
-
-
 def _contains_bn(model):
-    return any(_bn_layers.is_batch_norm(l) for l in model._flatten_layers(include_self=False))
+    return any(
+        _bn_layers.is_batch_norm(layer) for layer in model._flatten_layers(include_self=False)
+    )
 
 
 class _Graph:
@@ -174,8 +152,8 @@ class _Graph:
             if node.operation is not None and not node.is_input
         ]
         self.outputs = {id(t) for t in graph.outputs}
-        self.consumers = {}
-        self.calls = {}
+        self.consumers: dict = {}
+        self.calls: dict = {}
         for node in self.nodes:
             self.calls[id(node.operation)] = self.calls.get(id(node.operation), 0) + 1
             for tensor in node.input_tensors:
@@ -197,10 +175,11 @@ class _Graph:
 def _fold_model(model, prefix):
     """(new model, folded list, kept list, ChannelSpread list) for one Sequential/Functional
     model."""
-    graph = _graph_of(model)
+    graph = _models.layer_graph(model, "fold batch norms in")
     info = _Graph(graph)
-    folded, kept = [], []
-    weights = {}  # folded (kernels, bias) of each host, by id(original host)
+    folded: list = []
+    kept: list = []
+    weights: dict = {}  # folded (kernels, bias) of each host, by id(original host)
     dropped = set()  # ids of the BNs that were folded away
     hosts, forward_hosts = {}, set()  # by id: every host, and those that took a forward fold
 
@@ -245,7 +224,9 @@ def _fold_model(model, prefix):
         layer = node.operation
         if id(layer) in copies or id(layer) in dropped:
             continue
-        if isinstance(layer, keras.Model) and (_has_graph(layer) or _contains_bn(layer)):
+        if isinstance(layer, keras.Model) and (
+            _models.has_layer_graph(layer) or _contains_bn(layer)
+        ):
             inner, inner_folded, inner_kept, inner_spreads = _fold_model(
                 layer, prefix + layer.name + "/"
             )
@@ -263,7 +244,9 @@ def _fold_model(model, prefix):
             biases[id(layer)] = ChannelBias(
                 1,
                 len(weights[id(layer)][1]),
-                name=_unused_name(f"{layer.name}_bias", model),
+                name=_models.unique_name(
+                    f"{layer.name}_bias", {other.name for other in model.layers}
+                ),
                 dtype=layer.dtype_policy,
             )
         else:
@@ -284,8 +267,8 @@ def _unseen_batch_norms(layer, prefix):
                 prefix + layer.name,
                 (
                     f"BN layer '{layer.name}' is a {type(layer).__name__}, a subclass of "
-                    f"{base}.BatchNormalization whose call may compute something else; it is kept as "
-                    f"it is"
+                    f"{base}.BatchNormalization whose call may compute something else; it is "
+                    f"kept as it is"
                 ),
                 "subclass",
             )
@@ -295,7 +278,8 @@ def _unseen_batch_norms(layer, prefix):
             f"{prefix}{layer.name}/{path}",
             (
                 f"BN layer '{bn.name}' is inside custom layer '{layer.name}' "
-                f"({type(layer).__name__}), whose call the fold cannot see into; it is kept as it is"
+                f"({type(layer).__name__}), whose call the fold cannot see into; it is kept as "
+                f"it is"
             ),
             "inside_layer",
         )
@@ -366,7 +350,7 @@ def _forward_target(bn, node, info, backward_refusal):
     output = node.outputs[0]
     consumers = info.consumers.get(id(output), [])
     if info.fan_out(output) != 1 or not consumers:
-        why = "its output feeds several layers or a model output"
+        why: str | None = "its output feeds several layers or a model output"
     elif type(consumers[0].operation) not in FORWARD_HOSTS:
         consumer = consumers[0].operation
         why = (
@@ -434,8 +418,9 @@ def _fold_backward(bn, host, weights):
 
 def _fold_forward(bn, node, consumer, weights):
     kernels, bias = _host_weights(consumer, weights)
+    scale, shift = _bn_layers.inference_affine(bn)
     kernel, bias = fold.fold_forward(
-        kernels[-1], bias, *_bn_layers.inference_affine(bn), groups=getattr(consumer, "groups", 1)
+        kernels[-1], bias, scale, shift, groups=getattr(consumer, "groups", 1)
     )
     weights[id(consumer)] = (kernels[:-1] + [kernel], bias)
 
@@ -454,15 +439,6 @@ def _channel_spread(name, host, kernel, forward):
 
 def _channels_first(layer):
     return getattr(layer, "data_format", None) == "channels_first"
-
-
-def _unused_name(name, model):
-    taken = {layer.name for layer in model.layers}
-    unique, count = name, 0
-    while unique in taken:
-        count += 1
-        unique = f"{name}_{count}"
-    return unique
 
 
 def _copy_layer(layer, use_bias=None):
@@ -484,18 +460,13 @@ def _copy_layer(layer, use_bias=None):
             name=layer.name,
             dtype=layer.dtype_policy,
         )
-    config = layer.get_config()
+    config = _models.config_of(layer)
     if use_bias is not None:
         config["use_bias"] = use_bias
-    try:
-        # The config comes from a live layer, not from a file: a Lambda's function is already
-        # loaded in this process, so safe mode (which guards files) has nothing to guard here.
-        with SafeModeScope(False):
-            return layer.__class__.from_config(config)
-    except Exception as error:  # a custom layer whose config does not round-trip
-        raise UnsupportedModelError(
-            f"Cannot copy layer '{layer.name}' ({type(layer).__name__}) from its config: {error}"
-        ) from error
+    # The config comes from a live layer, not from a file: a Lambda's function is already
+    # loaded in this process, so safe mode (which guards files) has nothing to guard here.
+    with SafeModeScope(False):
+        return _models.from_config(layer, config)
 
 
 def _affine_copy(bn, node):

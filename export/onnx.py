@@ -5,6 +5,7 @@ import onnx
 import onnxruntime as ort
 import tf2onnx
 
+from keras_bn._errors import one_line
 from keras_bn.export import pipeline, trace
 
 # Both ends of onnxruntime's optimiser: what the file says, and what ORT makes of it.
@@ -15,7 +16,16 @@ SESSION_SETTINGS = {
 
 
 def export_onnx(
-    model, path, opset=17, fold=True, probe=None, atol=None, strict=True, on_stage=None
+    model,
+    path,
+    opset=17,
+    fold=True,
+    probe=None,
+    scale_tolerance=None,
+    strict=True,
+    on_stage=None,
+    *,
+    atol=None,
 ):
     """Write `model` as an .onnx file at `path`, once it matches the Keras model in onnxruntime.
 
@@ -28,31 +38,37 @@ def export_onnx(
         fold: fold the batch norms first (`fold_batch_norms`).
         probe: inputs on which the file is compared with `model`, in any structure
             `model.predict` takes; seeded random by default.
-        atol: the largest error allowed, as a fraction of each output's scale (max abs(output)
-            on the probe); default 1e-4, or 1e-2 for a model that computes in float16 or
-            bfloat16 (a mixed-precision policy).
-        strict: raise VerificationError (and write nothing) when the file is over `atol`;
-            False writes it anyway and returns the report (`report.passed` is False).
+        scale_tolerance: the largest error allowed, as a fraction of each output's scale (max
+            abs(output) on the probe); default 1e-4 (`defaults.FLOAT32_SCALE_TOLERANCE`), or
+            1e-2 for a model that computes in float16 or bfloat16 (a mixed-precision policy).
+        strict: raise VerificationError (and write nothing) when the file is over
+            `scale_tolerance`; False writes it anyway and returns the report (`report.passed`
+            is False).
         on_stage: optional callback, called with "fold", "convert" and "verify" as each
             stage starts (the CLI's progress display).
+        atol: the deprecated name of `scale_tolerance` (a DeprecationWarning).
 
     Returns:
         ExportReport: the error of each output in onnxruntime with graph optimisation
         disabled and enabled, the file's op histogram and its size.
 
     Raises:
-        VerificationError: the file is over `atol` (or not finite) and strict is True; any
-            file at `path` is unchanged.
-        ValueError: a bad argument, a probe that does not fit the model, or a file that
-            onnx.checker rejects.
+        VerificationError: the file is over `scale_tolerance` (or not finite) and strict is
+            True; any file at `path` is unchanged.
+        UnsupportedModelError: a model structure the export cannot take (a subclassed or
+            unbuilt model, a layer whose config does not round-trip), named; a TypeError and
+            a ValueError.
+        ValueError: a bad argument (both `scale_tolerance` and `atol`, say), a probe that does
+            not fit the model, or a file that onnx.checker rejects.
         OSError: `path` cannot be written, or is a folder, FIFO or device (refused before
             converting).
     """
+    scale_tolerance = pipeline.scale_tolerance_argument(scale_tolerance, atol)
     return pipeline.export(
         model,
         path,
         _ONNX(opset),
-        atol=atol,
+        scale_tolerance=scale_tolerance,
         strict=strict,
         fold=fold,
         probe=probe,
@@ -91,9 +107,8 @@ def check(path, name=None):
     try:
         onnx.checker.check_model(str(path), full_check=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
         raise ValueError(
-            f"{path if name is None else name} is not a valid ONNX model: {first_line}"
+            f"{path if name is None else name} is not a valid ONNX model: {one_line(error)}"
         ) from error
 
 
@@ -107,15 +122,15 @@ def run(path, inputs, level=ort.GraphOptimizationLevel.ORT_ENABLE_ALL):
 
     Returns:
         {output name: array}.
+
+    Raises:
+        ValueError: one array for a file with several inputs.
     """
     options = ort.SessionOptions()
     options.graph_optimization_level = level
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     names = [i.name for i in session.get_inputs()]
-    if not isinstance(inputs, dict):
-        if len(names) != 1:
-            raise ValueError(f"{path} has the inputs {names}: give a dict keyed by them.")
-        inputs = {names[0]: inputs}
+    inputs = trace.by_input_name(inputs, names, path)
     types = {i.name: i.type for i in session.get_inputs()}
     feed = {name: np.asarray(inputs[name], _ORT_TYPES.get(types[name])) for name in names}
     outputs = session.run(None, feed)

@@ -8,17 +8,11 @@ replaces anything: a file over the tolerance raises `VerificationError` and the 
 keeps what it had (strict=False writes it anyway).
 """
 
-import math
 import os
+import warnings
 
-from keras_bn.export import atomic, report, trace
+from keras_bn.export import atomic, defaults, report, trace
 from keras_bn.export.graph import fold_batch_norms
-
-FLOAT32_ATOL = 1e-4
-# A model that computes in float16 or bfloat16 (a mixed-precision policy) rounds to 2^-11 or
-# 2^-8 at every layer, in Keras and in the file alike, but not in the same places.
-HALF_PRECISION_ATOL = 1e-2
-HALF_PRECISION = ("float16", "bfloat16")
 
 
 class Format:
@@ -27,16 +21,17 @@ class Format:
     name = ""
     quantization = None
 
-    def default_atol(self):
+    def default_scale_tolerance(self):
         """The tolerance when the caller gives none, as a fraction of each output's scale."""
-        return FLOAT32_ATOL
+        return defaults.FLOAT32_SCALE_TOLERANCE
 
     def default_probe(self, sig):
         """Inputs to verify on when the caller gives none; None for seeded random input."""
         return None
 
     def check_model(self, model):
-        """Raise a one-line error for a model the converter is known to get wrong."""
+        """Raise a one-line UnsupportedModelError for a model the converter is known to get
+        wrong."""
 
     def convert(self, model, sig):
         """The file's bytes for `model`, traced with the inputs and outputs of `sig`."""
@@ -55,12 +50,17 @@ class Format:
         raise NotImplementedError
 
 
-def export(model, path, fmt, atol=None, strict=True, fold=True, probe=None, on_stage=None):
+def export(
+    model, path, fmt, scale_tolerance=None, strict=True, fold=True, probe=None, on_stage=None
+):
     """Fold `model`, convert it with `fmt`, write it to `path` only if it verifies.
 
     See export_tflite / export_onnx for the arguments; returns the ExportReport.
     """
-    atol = default_atol(model, fmt) if atol is None else check_atol(atol)
+    if scale_tolerance is None:
+        scale_tolerance = default_scale_tolerance(model, fmt)
+    else:
+        scale_tolerance = defaults.check_scale_tolerance(scale_tolerance)
     if not isinstance(strict, bool):
         raise ValueError(f"strict must be True or False; received strict={strict!r}.")
     atomic.target(path)  # a folder or a device fails here, not after the conversion
@@ -93,7 +93,7 @@ def export(model, path, fmt, atol=None, strict=True, fold=True, probe=None, on_s
                 for name, value in expected.items()
             },
             output_scales={name: report.scale(value) for name, value in expected.items()},
-            atol=atol,
+            scale_tolerance=scale_tolerance,
             op_histogram=report.histogram(fmt.op_names(written)),
             quantization=fmt.quantization,
             fold=fold_report,
@@ -106,22 +106,37 @@ def export(model, path, fmt, atol=None, strict=True, fold=True, probe=None, on_s
     return atomic.write_bytes(path, content, check=verify)
 
 
-def default_atol(model, fmt=None):
-    """The format's default tolerance (FLOAT32_ATOL for the folded Keras model itself, when
-    `fmt` is None), or HALF_PRECISION_ATOL if larger and any layer of the model computes in a
-    16-bit float."""
-    atol = FLOAT32_ATOL if fmt is None else fmt.default_atol()
-    if any(layer.compute_dtype in HALF_PRECISION for layer in model._flatten_layers()):
-        return max(atol, HALF_PRECISION_ATOL)
-    return atol
-
-
-def check_atol(atol):
-    """`atol` as a float; a ValueError naming it unless it is positive and finite."""
-    if (
-        isinstance(atol, bool)
-        or not isinstance(atol, (int, float))
-        or not (math.isfinite(atol) and atol > 0)
+def default_scale_tolerance(model, fmt=None):
+    """The format's default tolerance (the float32 one for the folded Keras model itself, when
+    `fmt` is None), or the half-precision floor if larger and any layer of the model computes in
+    a 16-bit float."""
+    tolerance = defaults.FLOAT32_SCALE_TOLERANCE if fmt is None else fmt.default_scale_tolerance()
+    if any(
+        layer.compute_dtype in defaults.HALF_PRECISION_DTYPES for layer in model._flatten_layers()
     ):
-        raise ValueError(f"atol must be a positive finite number; received atol={atol!r}.")
-    return float(atol)
+        return max(tolerance, defaults.HALF_PRECISION_SCALE_TOLERANCE)
+    return tolerance
+
+
+def scale_tolerance_argument(scale_tolerance, atol):
+    """The tolerance an exporter was given, under its name or its deprecated one, `atol`.
+
+    Called by the exporters themselves: the DeprecationWarning points at their caller.
+
+    Raises:
+        ValueError: both were given.
+    """
+    if atol is None:
+        return scale_tolerance
+    if scale_tolerance is not None:
+        raise ValueError(
+            f"Pass scale_tolerance only: atol is its deprecated name; received "
+            f"scale_tolerance={scale_tolerance!r} and atol={atol!r}."
+        )
+    warnings.warn(
+        "atol is deprecated: pass scale_tolerance instead (the same value, a fraction of each "
+        "output's scale, not an absolute tolerance).",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return atol

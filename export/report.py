@@ -8,6 +8,7 @@ scale. Any non-finite error, output or scale makes the relative error NaN, which
 
 import collections
 import dataclasses
+import warnings
 
 import numpy as np
 
@@ -105,8 +106,42 @@ class ChannelSpread:
         }
 
 
+class _OutputErrors:
+    """The error summaries FoldReport and ExportReport share, from `errors` and
+    `output_scales`; a subclass whose `errors` hold more than one number per output says how
+    to reduce them in `_error_by_output`."""
+
+    # Fields of the dataclasses that use this base (a plain class: dataclass ignores these).
+    errors: dict
+    output_scales: dict
+
+    def _error_by_output(self):
+        return self.errors
+
+    @property
+    def relative_errors(self):
+        """output name → its error (the worst over runtime settings, in an ExportReport) /
+        that output's scale."""
+        return {
+            name: relative(error, self.output_scales[name])
+            for name, error in self._error_by_output().items()
+        }
+
+    @property
+    def max_abs_error(self):
+        """The largest absolute error over the outputs (and runtime settings); NaN if any is
+        NaN, 0 for none."""
+        return worst(self._error_by_output().values())
+
+    @property
+    def relative_error(self):
+        """The worst relative error over the outputs (and runtime settings); NaN if any output
+        or error is not finite."""
+        return worst(self.relative_errors.values())
+
+
 @dataclasses.dataclass
-class FoldReport:
+class FoldReport(_OutputErrors):
     """What `fold_batch_norms` did, and how far the folded model is from the original.
 
     Attributes:
@@ -123,24 +158,6 @@ class FoldReport:
     errors: dict
     output_scales: dict
     channel_spreads: list = dataclasses.field(default_factory=list)
-
-    @property
-    def relative_errors(self):
-        """output name → error / that output's scale."""
-        return {
-            name: relative(error, self.output_scales[name]) for name, error in self.errors.items()
-        }
-
-    @property
-    def max_abs_error(self):
-        """The largest absolute error over the outputs (NaN if any is NaN); 0 for none."""
-        return worst(self.errors.values())
-
-    @property
-    def relative_error(self):
-        """The worst relative error over the outputs; NaN if any output or error is not
-        finite."""
-        return worst(self.relative_errors.values())
 
     @property
     def int8_risks(self):
@@ -168,7 +185,7 @@ class FoldReport:
 
 
 @dataclasses.dataclass
-class ExportReport:
+class ExportReport(_OutputErrors):
     """A written file, checked in its runtime against the Keras model.
 
     Attributes:
@@ -178,7 +195,8 @@ class ExportReport:
         errors: output name → {runtime setting → max abs(runtime − Keras)} on the probe
             ("litert"; "ort_disabled" and "ort_enabled" for onnxruntime's optimiser).
         output_scales: output name → max abs(Keras output) on the probe.
-        atol: the tolerance, as a fraction of each output's scale.
+        scale_tolerance: the tolerance: the largest error allowed, as a fraction of each
+            output's scale.
         op_histogram: op name → count in the file.
         quantization: the TFLite quantization, None for float32.
         fold: the FoldReport, or None when fold=False.
@@ -189,34 +207,30 @@ class ExportReport:
     size_bytes: int
     errors: dict
     output_scales: dict
-    atol: float
+    scale_tolerance: float
     op_histogram: dict
     quantization: str | None = None
     fold: FoldReport | None = None
 
-    @property
-    def relative_errors(self):
-        """output name → its worst error over the runtime settings / its scale."""
-        return {
-            name: relative(worst(by_setting.values()), self.output_scales[name])
-            for name, by_setting in self.errors.items()
-        }
-
-    @property
-    def max_abs_error(self):
-        """The largest absolute error over outputs and runtime settings (NaN if any is
-        NaN)."""
-        return worst(worst(by_setting.values()) for by_setting in self.errors.values())
-
-    @property
-    def relative_error(self):
-        """The worst relative error over outputs and settings; NaN if any is not finite."""
-        return worst(self.relative_errors.values())
+    def _error_by_output(self):
+        return {name: worst(by_setting.values()) for name, by_setting in self.errors.items()}
 
     @property
     def passed(self):
-        """Every output of every runtime setting within `atol` of its scale (NaN fails)."""
-        return bool(self.relative_error <= self.atol)
+        """Every output of every runtime setting within `scale_tolerance` of its scale (NaN
+        fails)."""
+        return bool(self.relative_error <= self.scale_tolerance)
+
+    @property
+    def atol(self):
+        """The deprecated name of `scale_tolerance` (read-only; a DeprecationWarning)."""
+        warnings.warn(
+            "ExportReport.atol is deprecated: read ExportReport.scale_tolerance (the same "
+            "value, a fraction of each output's scale).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.scale_tolerance
 
     def to_dict(self):
         """The report as a JSON-ready dict: the fields (`fold` as `FoldReport.to_dict`), plus
@@ -260,6 +274,6 @@ class VerificationError(Exception):
         super().__init__(
             f"The {report.format} file for {report.path} differs from the Keras model: output "
             f"'{worst_name}' is off by {report.relative_errors[worst_name]:.3g} of its scale, "
-            f"over atol={report.atol:g}; the file was not written (any existing file is "
-            f"unchanged). Pass strict=False to write it anyway."
+            f"over scale_tolerance={report.scale_tolerance:g}; the file was not written (any "
+            f"existing file is unchanged). Pass strict=False to write it anyway."
         )

@@ -15,17 +15,10 @@ import numpy as np
 import tensorflow as tf
 from ai_edge_litert.interpreter import Interpreter, OpResolverType
 
-from keras_bn.export import pipeline, trace
+from keras_bn._errors import UnsupportedModelError
+from keras_bn.export import defaults, pipeline, trace
 
-QUANTIZATIONS = (None, "float16", "dynamic", "int8")
-# Defaults for `atol`, as a fraction of each output's scale. float32 is exact up to rounding.
-# The quantized ones are 3x or more the worst error measured on correct exports of the trained
-# digits demo CNN, the digits CNN with random BN statistics and MobileNetV2 (alpha 0.35, 96 px,
-# random weights and BN statistics): float16 2.8e-4, dynamic 6.7e-3, int8 1.5e-2 (README,
-# "Export"); a wrong file (a misplaced bias, a wrong layout) is off by 0.1 to 1.
-DEFAULT_ATOL = {None: pipeline.FLOAT32_ATOL, "float16": 1e-3, "dynamic": 2e-2, "int8": 5e-2}
-CALIBRATION_SAMPLES = 200
-PROBE_SAMPLES = 64
+QUANTIZATIONS = tuple(defaults.SCALE_TOLERANCES)  # None (float32), "float16", "dynamic", "int8"
 SIGNATURE = "serve"
 L = keras.layers
 # channels_first layers the TFLite converter cannot take (TF 2.21): it fails with a long MLIR
@@ -48,9 +41,11 @@ def export_tflite(
     representative_data=None,
     fold=True,
     probe=None,
-    atol=None,
+    scale_tolerance=None,
     strict=True,
     on_stage=None,
+    *,
+    atol=None,
 ):
     """Write `model` as a .tflite file at `path`, once it matches the Keras model in LiteRT.
 
@@ -62,33 +57,41 @@ def export_tflite(
         quantization: None (float32), "float16", "dynamic" (int8 weights) or "int8" (full
             integer ops, float input and output), which needs `representative_data`.
         representative_data: inputs (first axis: samples) in any structure `model.predict`
-            takes; up to 200 calibrate int8, and the first 64 are the default probe.
+            takes; the first 200 (`defaults.CALIBRATION_SAMPLES`) calibrate int8, and the
+            first 64 (`defaults.PROBE_SAMPLES`) are the default probe.
         fold: fold the batch norms first (`fold_batch_norms`).
         probe: inputs on which the file is compared with `model`, in any structure
             `model.predict` takes; default: the first 64 representative samples, else seeded
             random input.
-        atol: the largest error allowed, as a fraction of each output's scale (max abs(output)
-            on the probe); default `DEFAULT_ATOL[quantization]`: 1e-4 for float32, 1e-3 for
-            float16, 2e-2 for dynamic, 5e-2 for int8.
-        strict: raise VerificationError (and write nothing) when the file is over `atol`;
-            False writes it anyway and returns the report (`report.passed` is False).
+        scale_tolerance: the largest error allowed, as a fraction of each output's scale (max
+            abs(output) on the probe); default `defaults.SCALE_TOLERANCES[quantization]`: 1e-4
+            for float32, 1e-3 for float16, 2e-2 for dynamic, 5e-2 for int8 (at least 1e-2 for
+            a model that computes in float16 or bfloat16).
+        strict: raise VerificationError (and write nothing) when the file is over
+            `scale_tolerance`; False writes it anyway and returns the report (`report.passed`
+            is False).
         on_stage: optional callback, called with "fold", "convert" and "verify" as each
             stage starts (the CLI's progress display).
+        atol: the deprecated name of `scale_tolerance` (a DeprecationWarning).
 
     Returns:
         ExportReport: the LiteRT error of each output against `model`, the op histogram and
         the file size.
 
     Raises:
-        VerificationError: the file is over `atol` (or not finite) and strict is True; any
-            file at `path` is unchanged.
-        ValueError: a bad argument, a probe that does not fit the model, or a layer the
-            converter cannot take (channels_first 1D/3D and transposed convolutions, 16-bit
-            compute dtypes), named.
+        VerificationError: the file is over `scale_tolerance` (or not finite) and strict is
+            True; any file at `path` is unchanged.
+        UnsupportedModelError: a model structure the export cannot take (a subclassed or
+            unbuilt model, a layer whose config does not round-trip), or a layer the converter
+            cannot write (channels_first 1D/3D and transposed convolutions, 16-bit compute
+            dtypes), named; a TypeError and a ValueError.
+        ValueError: a bad argument (both `scale_tolerance` and `atol`, say) or a probe that
+            does not fit the model.
         ConverterError: the converter failed (e.g. an op that is not a TFLite builtin).
         OSError: `path` cannot be written, or is a folder, FIFO or device (refused before
             converting).
     """
+    scale_tolerance = pipeline.scale_tolerance_argument(scale_tolerance, atol)
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}; received {quantization!r}.")
     if quantization == "int8" and representative_data is None:
@@ -100,7 +103,7 @@ def export_tflite(
         model,
         path,
         _TFLite(quantization, representative_data),
-        atol=atol,
+        scale_tolerance=scale_tolerance,
         strict=strict,
         fold=fold,
         probe=probe,
@@ -115,8 +118,8 @@ class _TFLite(pipeline.Format):
         self.quantization = quantization
         self._representative_data = representative_data
 
-    def default_atol(self):
-        return DEFAULT_ATOL[self.quantization]
+    def default_scale_tolerance(self):
+        return defaults.SCALE_TOLERANCES[self.quantization]
 
     def _samples(self, sig):
         if self._representative_data is None:
@@ -125,14 +128,14 @@ class _TFLite(pipeline.Format):
 
     def default_probe(self, sig):
         samples = self._samples(sig)
-        return None if samples is None else trace.first_samples(samples, PROBE_SAMPLES)
+        return None if samples is None else trace.first_samples(samples, defaults.PROBE_SAMPLES)
 
     def check_model(self, model):
         for layer in model._flatten_layers(include_self=False):
-            if layer.compute_dtype in pipeline.HALF_PRECISION and not isinstance(
+            if layer.compute_dtype in defaults.HALF_PRECISION_DTYPES and not isinstance(
                 layer, L.InputLayer
             ):
-                raise ValueError(
+                raise UnsupportedModelError(
                     f"TFLite cannot convert layer '{layer.name}', which computes in "
                     f"{layer.compute_dtype} (a mixed-precision policy): its TensorFlow ops have "
                     f"no TFLite builtin. Rebuild the model under the float32 policy (and use "
@@ -142,7 +145,7 @@ class _TFLite(pipeline.Format):
                 type(layer) in CHANNELS_FIRST_UNCONVERTIBLE
                 and layer.data_format == "channels_first"
             ):
-                raise ValueError(
+                raise UnsupportedModelError(
                     f"TFLite cannot convert layer '{layer.name}' ({type(layer).__name__} with "
                     f"data_format='channels_first'): the converter fails on it. Build the "
                     f"model channels_last (TFLite's own layout), or export it to ONNX."
@@ -174,7 +177,7 @@ class _TFLite(pipeline.Format):
         if self.quantization == "float16":
             converter.target_spec.supported_types = [tf.float16]
         if self.quantization == "int8":
-            samples = trace.first_samples(self._samples(sig), CALIBRATION_SAMPLES)
+            samples = trace.first_samples(self._samples(sig), defaults.CALIBRATION_SAMPLES)
             count = len(next(iter(samples.values())))
 
             def calibration():
@@ -205,12 +208,11 @@ def run(path, inputs):
 
     Returns:
         {output name: array}.
+
+    Raises:
+        ValueError: one array for a file with several inputs.
     """
     runner = Interpreter(model_path=str(path)).get_signature_runner(SIGNATURE)
-    names = list(runner.get_input_details())
-    if not isinstance(inputs, dict):
-        if len(names) != 1:
-            raise ValueError(f"{path} has the inputs {names}: give a dict keyed by them.")
-        inputs = {names[0]: inputs}
     details = runner.get_input_details()
-    return runner(**{name: np.asarray(inputs[name], details[name]["dtype"]) for name in names})
+    inputs = trace.by_input_name(inputs, list(details), path)
+    return runner(**{name: np.asarray(inputs[name], details[name]["dtype"]) for name in details})

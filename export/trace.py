@@ -22,7 +22,8 @@ import re
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src.models.functional import Functional
+
+from keras_bn import _models
 
 RANDOM_BATCH = 4
 UNKNOWN_DIM = 8  # a free non-batch dim in random input
@@ -48,16 +49,10 @@ class Signature:
 def signature(model):
     """The Signature of a built Sequential or Functional model (nested structures allowed).
 
-    Raises TypeError for a subclassed model (its inputs are not known before it is called)
-    and ValueError for an unbuilt Sequential one.
+    Raises UnsupportedModelError for a subclassed model (its inputs are not known before it is
+    called) and for an unbuilt Sequential one.
     """
-    if not isinstance(model, (keras.Sequential, Functional)):
-        raise TypeError(
-            f"Cannot export '{model.name}', a subclassed {type(model).__name__}: it has no "
-            f"declared inputs and outputs. Build it as a Sequential or Functional model."
-        )
-    if not model.built or not model.inputs:
-        raise ValueError(f"Model '{model.name}' is not built: give it a keras.Input first.")
+    _models.layer_graph(model, "export")
     inputs = getattr(model, "_inputs_struct", None)
     if inputs is None:  # Sequential
         inputs = model.inputs[0] if len(model.inputs) == 1 else list(model.inputs)
@@ -89,12 +84,7 @@ def _safe_names(keys, taken=()):
     for key in keys:
         # TensorFlow's rule for a signature's argument names: [A-Za-z0-9.][A-Za-z0-9_.\-/]*.
         name = re.sub(r"^[^A-Za-z0-9.]+", "", re.sub(r"[^A-Za-z0-9_.\-]", "_", key))
-        name = name or "tensor"
-        unique, count = name, 0
-        while unique in names:
-            count += 1
-            unique = f"{name}_{count}"
-        names.append(unique)
+        names.append(_models.unique_name(name or "tensor", names))
     return tuple(names[len(taken) :])
 
 
@@ -122,8 +112,8 @@ def feed(sig, data, what="probe"):
     elif isinstance(data, dict) or hasattr(data, "files"):  # dict, or np.load's NpzFile
         aliases = {name: name for name in names}
         aliases.update(zip(sig.input_keys, names))  # the model's own key first
-        given = {}  # input name → the caller's key
-        for key in data.keys():
+        given: dict = {}  # input name → the caller's key
+        for key in data:  # a dict or an NpzFile: both are Mappings
             given.setdefault(aliases.get(key), []).append(key)
         unknown = sorted(map(str, given.pop(None, [])))
         missing = [key for key, name in zip(sig.input_keys, names) if name not in given]
@@ -203,6 +193,19 @@ def random_feed(sig, batch=RANDOM_BATCH, seed=0):
         else:
             result[name] = rng.integers(0, 2, shape).astype(dtype)
     return result
+
+
+def by_input_name(inputs, names, path):
+    """{input name: array} for a runtime: `inputs` itself when it is a dict, else the one array
+    of a single-input file under that input's name.
+
+    Raises ValueError, naming `path` and its inputs, for one array and several inputs.
+    """
+    if isinstance(inputs, dict):
+        return inputs
+    if len(names) != 1:
+        raise ValueError(f"{path} has the inputs {list(names)}: give a dict keyed by them.")
+    return {names[0]: inputs}
 
 
 def first_samples(inputs, count):

@@ -9,33 +9,46 @@
   gradient explosion, smoothness and internal covariate shift.
 - `convert`: swap Keras's and keras_bn's BN layers in a model, weights kept.
 - `keras_bn.export`: fold BN into Dense/Conv layers and write verified TFLite and ONNX files.
+- `UnsupportedModelError`: a model structure the fold, the exporters or `convert` cannot take.
 
-Importing it needs the TensorFlow Keras backend: any other raises ImportError.
+`import keras_bn` is light: each name is imported on first use, and needs the TensorFlow
+Keras backend (under any other, that first use raises ImportError). Once Keras is imported,
+keras_bn's layers are registered with it, so `keras.saving.load_model` reads `.keras` files
+that hold them.
 """
 
-import keras as _keras
+import typing
 
-if _keras.backend.backend() != "tensorflow":
-    raise ImportError(
-        "keras_bn needs the TensorFlow Keras backend, but Keras is using "
-        f"{_keras.backend.backend()!r}. Set KERAS_BACKEND=tensorflow before importing keras."
-    )
+from keras_bn import _lazy, _registration
+from keras_bn._errors import UnsupportedModelError
 
-from keras_bn import callbacks, convert, diagnostics
-from keras_bn.layers import BatchNormalization
-from keras_bn.population import (
-    LayerChange,
-    RecalibrationReport,
-    recalibrate,
-)
+if typing.TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
+    from keras_bn import callbacks, convert, diagnostics
+    from keras_bn.layers import BatchNormalization
+    from keras_bn.population import LayerChange, RecalibrationReport, recalibrate
 
 __all__ = [
     "BatchNormalization",
     "LayerChange",
     "RecalibrationReport",
+    "UnsupportedModelError",
     "callbacks",
     "convert",
     "diagnostics",
     "recalibrate",
 ]
 __version__ = "0.1.0"
+
+__getattr__, __dir__ = _lazy.attach(
+    globals(),
+    {
+        "BatchNormalization": ("keras_bn.layers", "BatchNormalization"),
+        "LayerChange": ("keras_bn.population", "LayerChange"),
+        "RecalibrationReport": ("keras_bn.population", "RecalibrationReport"),
+        "recalibrate": ("keras_bn.population", "recalibrate"),
+        "callbacks": ("keras_bn.callbacks", None),
+        "convert": ("keras_bn.convert", None),
+        "diagnostics": ("keras_bn.diagnostics", None),
+    },
+)
+_registration.register_when_keras_is_ready()

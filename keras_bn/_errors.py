@@ -1,4 +1,5 @@
-"""The exception and warning classes keras_bn raises, in a leaf module that imports nothing.
+"""The exception and warning classes keras_bn raises, and how an error is told in one line, in
+a leaf module that imports nothing.
 
 `UnsupportedModelError` is public as `keras_bn.export.UnsupportedModelError` (and
 `keras_bn.UnsupportedModelError`); `KerasBNWarning` as `keras_bn.KerasBNWarning`.
@@ -18,3 +19,9 @@ class UnsupportedModelError(TypeError, ValueError):
 
 class KerasBNWarning(UserWarning):
     """A warning from keras_bn: something ran but probably not as intended."""
+
+
+def one_line(error):
+    """The first line of `error`'s message ("" for none), for one-line error reports."""
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else ""

@@ -8,8 +8,8 @@ the same before and after; only training afterwards continues the average in the
 convention (or run keras_bn.recalibrate to recompute it in that convention).
 
 Only the layer classes themselves are converted, never subclasses, and only through Sequential
-and Functional models: a BN inside a subclassed model or a custom layer's own code is an error,
-not a silent skip.
+and Functional models: a subclassed model, a BN subclass, a BN inside a custom layer's own code
+or a layer whose config does not round-trip is an `UnsupportedModelError`, not a silent skip.
 
 Example::
 
@@ -21,8 +21,10 @@ import inspect
 
 import keras
 
+from keras_bn import _models
 from keras_bn._bn_layers import KERAS_BN as _KERAS_BN
 from keras_bn._bn_layers import KERAS_BN_BN as BatchNormalization
+from keras_bn._errors import UnsupportedModelError
 
 __all__ = ["from_keras", "to_keras"]
 
@@ -44,9 +46,10 @@ def from_keras(model):
         untouched.
 
     Raises:
-        ValueError: the model is not built or is subclassed; a layer subclasses
-            keras.layers.BatchNormalization (only the class itself is converted); a layer
-            other than a Sequential or Functional model holds a BN in its own code.
+        UnsupportedModelError: the model is subclassed or an unbuilt Sequential; a layer
+            subclasses keras.layers.BatchNormalization (only the class itself is converted);
+            a layer other than a Sequential or Functional model holds a BN in its own code; a
+            layer's config does not round-trip. A TypeError and a ValueError.
     """
     return _swap(model, _KERAS_BN, BatchNormalization)
 
@@ -66,10 +69,11 @@ def to_keras(model):
         untouched.
 
     Raises:
-        ValueError: the model is not built or is subclassed; a layer subclasses
-            keras_bn.BatchNormalization; a layer other than a Sequential or Functional model
-            holds a BN in its own code; or a BN uses what Keras's BN cannot express:
-            `momentum=None`, several channel axes, or a `virtual_batch_size`.
+        UnsupportedModelError: the model is subclassed or an unbuilt Sequential; a layer
+            subclasses keras_bn.BatchNormalization; a layer other than a Sequential or
+            Functional model holds a BN in its own code; a layer's config does not round-trip;
+            or a BN uses what Keras's BN cannot express: `momentum=None`, several channel
+            axes, or a `virtual_batch_size`. A TypeError and a ValueError.
     """
     return _swap(model, BatchNormalization, _KERAS_BN)
 
@@ -78,33 +82,29 @@ def _check_keras_can_take(config):
     """keras_bn arguments with no Keras form; the others are checked by `_translate`."""
     name = config["name"]
     if config["momentum"] is None:
-        raise ValueError(
+        raise UnsupportedModelError(
             f"Layer '{name}': momentum=None (a cumulative average) has no Keras equivalent."
         )
     if not isinstance(config["axis"], int):
-        raise ValueError(
+        raise UnsupportedModelError(
             f"Layer '{name}': axis={config['axis']} (several channel axes) has no Keras "
             f"equivalent; keras.layers.BatchNormalization takes one int axis."
         )
 
 
 def _swap(model, source, target):
-    if not model.built:
-        raise ValueError(
-            f"Model '{model.name}' is not built; build it (or give it an Input) "
-            f"so its weights can be copied."
-        )
+    _models.layer_graph(model, "convert the batch norms of")
     pairs = []
 
     def clone_layer(layer):
         if type(layer) is source:
-            config = layer.get_config()
+            config = _models.config_of(layer)
             if target is _KERAS_BN:
                 _check_keras_can_take(config)
-            new = target.from_config(_translate(config, source, target))
+            new = _models.from_config(layer, _translate(config, source, target), cls=target)
         else:
             if isinstance(layer, source):
-                raise ValueError(
+                raise UnsupportedModelError(
                     f"Layer '{layer.name}' is a subclass of {source.__name__} "
                     f"({type(layer).__name__}); only the class itself is converted."
                 )
@@ -114,24 +114,16 @@ def _swap(model, source, target):
                 if isinstance(sub, source)
             ]
             if hidden:
-                raise ValueError(
+                raise UnsupportedModelError(
                     f"Layer '{layer.name}' ({type(layer).__name__}) holds BatchNormalization "
                     f"layer(s) {hidden} inside its own code; only Sequential and Functional "
                     f"models can be converted through."
                 )
-            new = layer.__class__.from_config(layer.get_config())
+            new = _models.from_config(layer, _models.config_of(layer))
         pairs.append((layer, new))
         return new
 
-    try:
-        clone = keras.models.clone_model(model, clone_function=clone_layer, recursive=True)
-    except ValueError as error:
-        if "clone_function" not in str(error):
-            raise
-        raise ValueError(
-            f"Model '{model.name}' ({type(model).__name__}) is a subclassed model; convert "
-            f"handles Sequential and Functional models (nested ones included)."
-        ) from error
+    clone = keras.models.clone_model(model, clone_function=clone_layer, recursive=True)
     for old, new in pairs:
         new.set_weights(old.get_weights())
     return clone
@@ -149,7 +141,7 @@ def _translate(config, source, target):
         if key in accepted:
             translated[key] = value
         elif key not in defaults or value != defaults[key]:
-            raise ValueError(
+            raise UnsupportedModelError(
                 f"Layer '{config['name']}': {key}={value!r} has no equivalent in "
                 f"{target.__module__}.{target.__name__}."
             )

@@ -6,8 +6,10 @@ import keras
 import tensorflow as tf
 from keras import constraints, initializers, regularizers
 
-from keras_bn import ghost, ops, statistics
+from keras_bn import _backend, ghost, ops, statistics
 from keras_bn import renorm as renormalization
+
+_backend.require_tensorflow()  # before any keras_bn layer can be built under another backend
 
 
 @keras.saving.register_keras_serializable(package="keras_bn")

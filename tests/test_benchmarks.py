@@ -60,3 +60,8 @@ def test_bench_sync_smoke():
     out = _run("bench_sync.py")
     assert out.startswith("machine: ")
     assert "| NHWC 8x4x4x8 |" in out
+
+
+def test_bench_cli_smoke():
+    out = _run("bench_cli.py")
+    assert out.startswith("keras-bn-export --help: median ") and "over 1 run(s)" in out

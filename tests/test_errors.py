@@ -13,7 +13,14 @@ from tensorflow.lite.python.convert import ConverterError
 
 import keras_bn
 from helpers import docs_page, run_cli
-from keras_bn.export import VerificationError, export_onnx, export_tflite, fold_batch_norms
+from keras_bn import convert
+from keras_bn.export import (
+    UnsupportedModelError,
+    VerificationError,
+    export_onnx,
+    export_tflite,
+    fold_batch_norms,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -307,15 +314,15 @@ ERROR_CASES = [
     (
         "export",
         "subclassed model",
-        TypeError,
+        UnsupportedModelError,
         r"subclassed _Subclassed: it has no layer graph",
         _subclassed,
     ),
     (
         "export",
         "unsupported or custom layer",
-        TypeError,
-        r"Cannot copy layer '.*' \(_Unconfigurable\) from its config",
+        UnsupportedModelError,
+        r"(?s)Cannot copy layer '.*' \(_Unconfigurable\) from its config",
         _custom_layer,
     ),
     ("export", "Lambda layer under safe mode", ValueError, r"safe_mode", _lambda_safe_mode),
@@ -344,7 +351,7 @@ ERROR_CASES = [
     (
         "export",
         "channels_first layer TFLite cannot convert",
-        ValueError,
+        UnsupportedModelError,
         r"TFLite cannot convert layer 'conv' \(Conv1D with data_format='channels_first'\)",
         _channels_first_tflite,
     ),
@@ -369,6 +376,162 @@ def test_bad_input(area, name, error, message, setup, tmp_path):
         with pytest.raises(error, match=message):
             act()
     nothing_lost()
+
+
+# --------------------------------------------------------------------------- one error contract
+
+
+def _structure_cases():
+    """(name, callable) for every entry point that takes a model, each given one it cannot."""
+    subclassed = _Subclassed()
+    subclassed(_x((4, 5)))
+    return [
+        ("fold_batch_norms", lambda path: fold_batch_norms(subclassed)),
+        ("export_tflite", lambda path: export_tflite(subclassed, path / "m.tflite")),
+        ("export_onnx", lambda path: export_onnx(subclassed, path / "m.onnx")),
+        ("convert.from_keras", lambda path: convert.from_keras(subclassed)),
+        ("convert.to_keras", lambda path: convert.to_keras(subclassed)),
+    ]
+
+
+@pytest.mark.parametrize(
+    "entry",
+    ["fold_batch_norms", "export_tflite", "export_onnx", "convert.from_keras", "convert.to_keras"],
+)
+def test_a_subclassed_model_is_the_same_error_everywhere(entry, tmp_path):
+    """One type from the fold, both exporters and convert, caught by `except TypeError` and
+    by `except ValueError` alike (the types the older errors had)."""
+    act = dict(_structure_cases())[entry]
+    with pytest.raises(UnsupportedModelError, match="a subclassed _Subclassed: it has no layer"):
+        act(tmp_path)
+    for older in (TypeError, ValueError):
+        try:
+            act(tmp_path)
+        except older as error:
+            assert type(error) is UnsupportedModelError
+    assert keras_bn.UnsupportedModelError is UnsupportedModelError
+    assert os.listdir(tmp_path) == []
+
+
+def _unbuilt():
+    return keras.Sequential([keras.layers.Dense(3), keras_bn.BatchNormalization()])
+
+
+def _hidden_bn():
+    class Holder(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.bn = keras.layers.BatchNormalization()
+
+        def call(self, x):
+            return self.bn(x)
+
+    inputs = keras.Input((3,))
+    return keras.Model(inputs, Holder()(inputs))
+
+
+def _bn_subclass():
+    class Shifted(keras.layers.BatchNormalization):
+        pass
+
+    inputs = keras.Input((3,))
+    return keras.Model(inputs, Shifted()(inputs))
+
+
+def _unconfigurable():
+    inputs = keras.Input((4,))
+    return keras.Model(inputs, _Unconfigurable(2.0)(keras.layers.Dense(3)(inputs)))
+
+
+class _NotSerializable(keras.layers.Layer):
+    """A custom layer with an argument Keras cannot serialize and no get_config of its own:
+    Layer.get_config raises NotImplementedError."""
+
+    def __init__(self, table, **kwargs):
+        super().__init__(**kwargs)
+        self.table = table
+
+    def call(self, x):
+        return x
+
+
+def _not_serializable():
+    inputs = keras.Input((4,))
+    return keras.Model(inputs, _NotSerializable(object())(keras.layers.Dense(3)(inputs)))
+
+
+def _no_keras_momentum():
+    inputs = keras.Input((3,))
+    return keras.Model(inputs, keras_bn.BatchNormalization(momentum=None)(inputs))
+
+
+STRUCTURES = [
+    (
+        "unbuilt Sequential",
+        _unbuilt,
+        [fold_batch_norms, export_onnx, convert.from_keras],
+        "not built",
+    ),
+    ("BN inside a custom layer", _hidden_bn, [convert.from_keras], "inside its own code"),
+    ("BN subclass", _bn_subclass, [convert.from_keras], "subclass of BatchNormalization"),
+    (
+        "config that does not round-trip",
+        _unconfigurable,
+        [fold_batch_norms, export_onnx, export_tflite, convert.from_keras],
+        r"(?s)Cannot copy layer '.*' \(_Unconfigurable\) from its config.*unexpected keyword",
+    ),
+    (
+        "get_config not implemented",
+        _not_serializable,
+        [fold_batch_norms, export_onnx, convert.to_keras],
+        r"(?s)Cannot copy layer '.*' \(_NotSerializable\) from its config.*NotImplementedError",
+    ),
+    ("BN argument Keras cannot express", _no_keras_momentum, [convert.to_keras], "momentum=None"),
+]
+
+
+@pytest.mark.parametrize("name,make,entries,message", STRUCTURES, ids=[c[0] for c in STRUCTURES])
+def test_every_structure_that_cannot_be_taken_is_an_unsupported_model_error(
+    name, make, entries, message, tmp_path
+):
+    model = make()
+    for entry in entries:
+        args = (tmp_path / "m.out",) if entry in (export_onnx, export_tflite) else ()
+        with pytest.raises(UnsupportedModelError, match=message):
+            entry(model, *args)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_failing_layer_that_is_not_a_config_problem_propagates():
+    """Only what a non-round-tripping config raises becomes UnsupportedModelError: a bug in a
+    layer's get_config (here a RuntimeError) keeps its own type."""
+
+    class Broken(keras.layers.Layer):
+        def get_config(self):
+            raise RuntimeError("a bug in get_config")
+
+        def call(self, x):
+            return x
+
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, Broken()(keras.layers.Dense(3)(inputs)))
+    with pytest.raises(RuntimeError, match="a bug in get_config") as info:
+        fold_batch_norms(model)
+    assert not isinstance(info.value, UnsupportedModelError)
+
+
+def test_no_decision_reads_an_exception_message():
+    """The error contract is by type: nothing in keras_bn/ or export/ branches on an
+    exception's text."""
+    import re
+
+    pattern = re.compile(r"in str\((error|exc|e|err)\)|\.args\[0\]\s*(==|in)")
+    for folder in ("keras_bn", "export"):
+        for name in os.listdir(os.path.join(ROOT, folder)):
+            if name.endswith(".py"):
+                with open(os.path.join(ROOT, folder, name), encoding="utf-8") as file:
+                    found = pattern.findall(file.read())
+                assert not found, f"{folder}/{name} decides by message text: {found}"
 
 
 # --------------------------------------------------------------------------- the CLI

@@ -3,6 +3,8 @@ the unfolded Keras model; folding removes the BN ops the converters would otherw
 file over its tolerance never replaces anything; models with several inputs and outputs."""
 
 import os
+import re
+import warnings
 
 import keras
 import numpy as np
@@ -15,7 +17,9 @@ from helpers import assert_close, randomise_batch_norms
 from keras_bn.export import (
     ExportReport,
     FoldReport,
+    UnsupportedModelError,
     VerificationError,
+    defaults,
     export_onnx,
     export_tflite,
     fold_batch_norms,
@@ -42,7 +46,7 @@ def test_tflite_float32_matches_keras_with_no_bn_ops(cnn, tmp_path):
     path = tmp_path / "cnn.tflite"
     probe = _probe()
     report = export_tflite(cnn, path, probe=probe)
-    assert report.relative_error <= 1e-4 and report.passed and report.atol == 1e-4
+    assert report.relative_error <= 1e-4 and report.passed and report.scale_tolerance == 1e-4
     assert report.path == str(path) and report.size_bytes == os.path.getsize(path)
     assert "MUL" not in report.op_histogram and report.op_histogram["CONV_2D"] == 2
     assert not any(op.startswith("Flex") or op == "CUSTOM" for op in report.op_histogram)
@@ -64,8 +68,9 @@ def test_quantized_files_meet_their_default_tolerance(cnn, tmp_path, quantizatio
     report = export_tflite(
         cnn, tmp_path / "q.tflite", quantization=quantization, representative_data=data
     )  # raises VerificationError if over
-    assert report.atol == tflite_export.DEFAULT_ATOL[quantization]
-    assert report.quantization == quantization and 0 < report.relative_error <= report.atol
+    assert report.scale_tolerance == defaults.SCALE_TOLERANCES[quantization]
+    assert report.quantization == quantization
+    assert 0 < report.relative_error <= report.scale_tolerance
     float_size = export_tflite(cnn, tmp_path / "f.tflite", probe=data).size_bytes
     assert report.size_bytes < 0.6 * float_size
     if quantization == "int8":
@@ -84,17 +89,23 @@ def test_mobilenet_v2_int8_meets_the_default_tolerance(tmp_path):
     report = export_tflite(
         model, tmp_path / "m.tflite", quantization="int8", representative_data=data
     )
-    assert report.passed and report.relative_error <= tflite_export.DEFAULT_ATOL["int8"] / 3
+    assert report.passed and report.relative_error <= defaults.SCALE_TOLERANCES["int8"] / 3
 
 
 def test_bad_arguments_raise_naming_them(cnn, tmp_path):
-    with pytest.raises(ValueError, match="quantization must be one of .* received 'int4'"):
+    with pytest.raises(ValueError, match=r"quantization must be one of .* received 'int4'"):
         export_tflite(cnn, tmp_path / "x.tflite", quantization="int4")
     with pytest.raises(ValueError, match="needs representative_data"):
         export_tflite(cnn, tmp_path / "x.tflite", quantization="int8")
-    for atol in (0.0, -1e-3, float("nan"), "1e-4"):
-        with pytest.raises(ValueError, match=f"atol must be .* received atol={atol!r}"):
-            export_onnx(cnn, tmp_path / "x.onnx", atol=atol)
+    for tolerance in (0.0, -1e-3, float("nan"), "1e-4", True):
+        with pytest.raises(
+            ValueError,
+            match=re.escape(
+                f"scale_tolerance must be a positive finite number; received "
+                f"scale_tolerance={tolerance!r}."
+            ),
+        ):
+            export_onnx(cnn, tmp_path / "x.onnx", scale_tolerance=tolerance)
     with pytest.raises(ValueError, match="strict must be True or False; received strict=1"):
         export_onnx(cnn, tmp_path / "x.onnx", strict=1)
     with pytest.raises(ValueError, match=r"probe for input '.*' has shape \(2, 8, 8\)"):
@@ -135,7 +146,7 @@ def test_onnx_matches_keras_with_optimisation_off_and_on(cnn, tmp_path):
 
 def test_onnx_mlp_bn_residue_without_fold_and_none_with_it(tmp_path):
     """tf2onnx leaves a Mul per Dense→BN (ORT does not fuse MatMul→Mul); folding removes it."""
-    layers = [l for _ in range(4) for l in (L.Dense(16), L.BatchNormalization())]
+    layers = [layer for _ in range(4) for layer in (L.Dense(16), L.BatchNormalization())]
     model = randomise_batch_norms(keras.Sequential([keras.Input((12,)), *layers]))
     raw = export_onnx(model, tmp_path / "raw.onnx", fold=False)
     folded = export_onnx(model, tmp_path / "folded.onnx")
@@ -182,7 +193,7 @@ def test_a_nan_error_that_is_not_first_never_passes():
         1,
         errors={"a": {"ort_disabled": 1e-7, "ort_enabled": float("nan")}},
         output_scales={"a": 1.0},
-        atol=1e-4,
+        scale_tolerance=1e-4,
         op_histogram={},
     )
     assert np.isnan(fold_report.relative_error) and np.isnan(fold_report.max_abs_error)
@@ -193,14 +204,14 @@ def test_a_nan_error_that_is_not_first_never_passes():
         1,
         errors={"a": {"ort_enabled": 1e-7}},
         output_scales={"a": float("inf")},
-        atol=1e-4,
+        scale_tolerance=1e-4,
         op_histogram={},
     )
     assert not infinite.passed
 
 
 def test_fold_report_shows_a_nan_output():
-    folded, report = fold_batch_norms(_nan_head_model())
+    _, report = fold_batch_norms(_nan_head_model())
     assert report.errors["good"] < 1e-5 and np.isnan(report.errors["log"])
     assert np.isnan(report.relative_error)
 
@@ -224,9 +235,10 @@ def test_file_over_tolerance_never_replaces_the_existing_file(fmt, tmp_path):
 
 
 def test_tolerance_is_the_callers(cnn, tmp_path):
-    """A float32 file is off by about 1e-7 of the output scale: atol=1e-12 refuses it."""
-    with pytest.raises(VerificationError, match=r"over atol=1e-12") as info:
-        export_tflite(cnn, tmp_path / "m.tflite", probe=_probe(), atol=1e-12)
+    """A float32 file is off by about 1e-7 of the output scale: scale_tolerance=1e-12 refuses
+    it, and the error names the argument."""
+    with pytest.raises(VerificationError, match=r"over scale_tolerance=1e-12") as info:
+        export_tflite(cnn, tmp_path / "m.tflite", probe=_probe(), scale_tolerance=1e-12)
     assert 0 < info.value.report.relative_error <= 1e-4
     assert os.listdir(tmp_path) == []
 
@@ -246,9 +258,9 @@ def test_mixed_precision_model_exports_to_onnx_and_gets_a_clear_tflite_refusal(t
         )
     )
     report = export_onnx(model, tmp_path / "m.onnx")  # float16 rounding: about 5e-4
-    assert report.atol == 1e-2 and 0 < report.relative_error <= report.atol
+    assert report.scale_tolerance == 1e-2 and 0 < report.relative_error <= 1e-2
     with pytest.raises(
-        ValueError, match="TFLite cannot convert layer 'conv', which computes in float16"
+        UnsupportedModelError, match="TFLite cannot convert layer 'conv', which computes in float16"
     ):
         export_tflite(model, tmp_path / "m.tflite")
     assert os.listdir(tmp_path) == ["m.onnx"]
@@ -439,13 +451,13 @@ def test_input_keys_tensorflow_cannot_name_an_argument_are_renamed(tmp_path):
 
 @pytest.mark.parametrize("fmt", sorted(EXPORTERS))
 def test_a_probe_without_samples_is_refused(fmt, tmp_path):
-    """Zero samples compare nothing: the file "passed" even at atol=1e-30."""
+    """Zero samples compare nothing: the file "passed" even at scale_tolerance=1e-30."""
     model = randomise_batch_norms(
         keras.Sequential([keras.Input((4,)), L.Dense(3), keras_bn.BatchNormalization()])
     )
     empty = np.zeros((0, 4), "float32")
     with pytest.raises(ValueError, match=r"probe has no samples \(shapes \[\(0, 4\)\]\)"):
-        EXPORTERS[fmt](model, tmp_path / "m.out", probe=empty, atol=1e-30)
+        EXPORTERS[fmt](model, tmp_path / "m.out", probe=empty, scale_tolerance=1e-30)
     with pytest.raises(ValueError, match="representative_data has no samples"):
         export_tflite(model, tmp_path / "m.out", representative_data=empty)
     with pytest.raises(ValueError, match="probe has no samples"):
@@ -470,3 +482,36 @@ def test_a_probe_in_the_models_own_nested_structure(nesting, tmp_path):
     assert report.relative_error <= 1e-5
     assert_close(folded(probe), model(probe, training=False), 1e-5)
     assert export_onnx(model, tmp_path / "m.onnx", probe=probe).passed
+
+
+def _ours(caught, text):
+    """The warnings of `caught` whose message contains `text` (TF and tf2onnx warn too)."""
+    return [w for w in caught if text in str(w.message)]
+
+
+@pytest.mark.parametrize("fmt", sorted(EXPORTERS))
+def test_atol_is_a_deprecated_name_of_scale_tolerance(fmt, cnn, tmp_path):
+    """atol= still works, with a DeprecationWarning at the caller's line that names the new
+    argument; ExportReport.atol reads scale_tolerance the same way; both at once is an error."""
+    with pytest.warns(DeprecationWarning) as caught:
+        report = EXPORTERS[fmt](cnn, tmp_path / "m.out", probe=_probe(), atol=2e-4)
+    (warning,) = _ours(caught, "atol is deprecated: pass scale_tolerance instead")
+    assert warning.filename == __file__  # the stack level points at this call
+    assert report.scale_tolerance == 2e-4 and report.to_dict()["scale_tolerance"] == 2e-4
+    assert "atol" not in report.to_dict()
+
+    with pytest.warns(DeprecationWarning) as caught:
+        assert report.atol == 2e-4
+    (warning,) = _ours(caught, "ExportReport.atol is deprecated: read ExportReport.scale_tol")
+    assert warning.filename == __file__
+    with pytest.raises(AttributeError):
+        report.atol = 1.0  # read-only
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # refused before any warning
+        with pytest.raises(
+            ValueError,
+            match=r"Pass scale_tolerance only: .* received scale_tolerance=0.001 and atol=0.002",
+        ):
+            EXPORTERS[fmt](cnn, tmp_path / "x.out", scale_tolerance=1e-3, atol=2e-3)
+    assert os.listdir(tmp_path) == ["m.out"]

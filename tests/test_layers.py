@@ -1,6 +1,7 @@
 """keras_bn.BatchNormalization: numpy references, keras.layers.BatchNormalization parity,
 training semantics, guards, serialisation, mixed precision and XLA."""
 
+import json
 import os
 import re
 import subprocess
@@ -237,7 +238,7 @@ def test_synchronized_masked_count_is_global():
 
     two = np.zeros((4, 3), bool)
     two[0, 1] = two[3, 2] = True  # one value on each replica
-    y, mean, var = numpy_bn_train(x.astype(np.float64), gamma, beta, [2], mask=two[..., None])
+    y, _, var = numpy_bn_train(x.astype(np.float64), gamma, beta, [2], mask=two[..., None])
     assert_close(run(two), y, 1e-5)
     assert_close(layer.moving_variance, var * 2.0, 1e-5)  # m/(m−1) = 2
     before = [w.numpy().copy() for w in layer.non_trainable_weights]
@@ -572,18 +573,57 @@ def test_wrong_rank_after_build():
 
 
 def test_integer_input():
-    with pytest.raises(TypeError, match="floating-point inputs.*int32"):
+    with pytest.raises(TypeError, match=r"floating-point inputs.*int32"):
         keras_bn.BatchNormalization()(tf.ones([4, 3], tf.int32), training=True)
 
 
-def test_non_tensorflow_backend_is_an_import_error():
+_BACKEND_GUARD_SCRIPT = """
+import importlib, json, sys
+
+import keras_bn  # lazy: no backend is needed yet
+
+found = {"keras imported by import keras_bn": "keras" in sys.modules}
+uses = {
+    "keras_bn.BatchNormalization": lambda: keras_bn.BatchNormalization,
+    "keras_bn.convert": lambda: keras_bn.convert,
+    "keras_bn.export.fold_batch_norms": lambda: importlib.import_module(
+        "keras_bn.export"
+    ).fold_batch_norms,
+    "import keras_bn.layers": lambda: importlib.import_module("keras_bn.layers"),
+}
+for name, use in uses.items():
+    try:
+        use()
+        found[name] = "no error"
+    except ImportError as error:
+        found[name] = str(error)
+import keras
+
+found["backend"] = keras.backend.backend()
+print(json.dumps(found))
+"""
+
+
+def test_non_tensorflow_backend_is_an_import_error_on_first_use():
+    """Under JAX, `import keras_bn` works (it is lazy), and the first use of a keras_bn name,
+    or an import of keras_bn.layers, raises the guard's ImportError before any layer exists."""
     env = {**os.environ, "KERAS_BACKEND": "jax"}
     result = subprocess.run(
-        [sys.executable, "-c", "import keras_bn"], env=env, capture_output=True, text=True
+        [sys.executable, "-c", _BACKEND_GUARD_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
-    assert result.returncode != 0
-    assert "ImportError: keras_bn needs the TensorFlow Keras backend" in result.stderr
-    assert "'jax'" in result.stderr
+    assert result.returncode == 0, result.stderr
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    assert found.pop("keras imported by import keras_bn") is False
+    assert found.pop("backend") == "jax"
+    message = (
+        "keras_bn needs the TensorFlow Keras backend, but Keras is using 'jax'. Set "
+        "KERAS_BACKEND=tensorflow before importing keras."
+    )
+    assert found == dict.fromkeys(found, message) and len(found) == 4
 
 
 # --------------------------------------------------------------------------- serialisation

@@ -1,0 +1,78 @@
+"""The export's default numbers and the check of a tolerance, in one module that imports nothing
+heavy: the exporters use them, and `keras-bn-export --help` shows them without loading
+TensorFlow. docs/guide/export.md states the same numbers (tests/test_cli.py checks).
+
+A tolerance (`scale_tolerance`) is the largest error allowed as a fraction of each output's
+scale, max |output| of the Keras model on the probe: not an absolute tolerance.
+"""
+
+import math
+
+# By TFLite quantization (None: a float32 file, TFLite or ONNX). float32 is exact up to
+# rounding. The quantized ones are 3x or more the worst error measured on correct exports of
+# the trained digits demo CNN, the digits CNN with random BN statistics and MobileNetV2 (alpha
+# 0.35, 96 px, random weights and BN statistics): float16 2.8e-4, dynamic 6.7e-3, int8 1.5e-2
+# (docs/guide/export.md, "Tolerances"); a wrong file (a misplaced bias, a wrong layout) is off
+# by 0.1 to 1.
+SCALE_TOLERANCES = {None: 1e-4, "float16": 1e-3, "dynamic": 2e-2, "int8": 5e-2}
+FLOAT32_SCALE_TOLERANCE = SCALE_TOLERANCES[None]
+# A model that computes in float16 or bfloat16 (a mixed-precision policy) rounds to 2^-11 or
+# 2^-8 at every layer, in Keras and in the file alike, but not in the same places: its default
+# is at least this.
+HALF_PRECISION_SCALE_TOLERANCE = 1e-2
+HALF_PRECISION_DTYPES = ("float16", "bfloat16")
+# The default probe is the first PROBE_SAMPLES representative samples; int8 calibrates on the
+# first CALIBRATION_SAMPLES.
+PROBE_SAMPLES = 64
+CALIBRATION_SAMPLES = 200
+
+
+def check_scale_tolerance(value, name="scale_tolerance"):
+    """`value` as a float, if it is a positive finite number.
+
+    Args:
+        value: the tolerance given.
+        name: how the caller spells the argument ("scale_tolerance", "--scale-tolerance"),
+            for the message.
+
+    Returns:
+        float.
+
+    Raises:
+        ValueError: `value` is not a positive finite int or float (a bool, a string, 0, a
+            negative number, NaN or inf), naming `name` and the value.
+    """
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not (math.isfinite(value) and value > 0)
+    ):
+        raise ValueError(f"{name} must be a positive finite number; received {name}={value!r}.")
+    return float(value)
+
+
+def short(number):
+    """A tolerance as the docs write it: 1e-4, 5e-2 (one significant digit, no padded exponent).
+
+    Args:
+        number: a positive float.
+
+    Returns:
+        str.
+    """
+    mantissa, exponent = f"{number:.0e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def describe_scale_tolerances():
+    """The defaults in words, for the CLI's help.
+
+    Returns:
+        str, e.g. "1e-4 float32, 1e-3 float16, 2e-2 dynamic, 5e-2 int8; at least 1e-2 for a
+        mixed-precision model".
+    """
+    each = ", ".join(
+        f"{short(tolerance)} {quantization or 'float32'}"
+        for quantization, tolerance in SCALE_TOLERANCES.items()
+    )
+    return f"{each}; at least {short(HALF_PRECISION_SCALE_TOLERANCE)} for a mixed-precision model"

@@ -1,0 +1,129 @@
+"""The models keras_bn can walk, and copies of their layers, for the fold, the exporters and
+`keras_bn.convert`.
+
+Only a Sequential or Functional model has a layer graph to read (what feeds what, its inputs
+and outputs before it is called); a subclassed model has only its `call` code. Which is which
+is decided here, by type, and so is the copy of a layer from its config; what cannot be taken
+raises `UnsupportedModelError`, with the model or layer named.
+"""
+
+import keras
+from keras.src.models.functional import Functional
+
+from keras_bn._errors import UnsupportedModelError
+
+# What a layer whose config does not round-trip raises, found by trying: Layer.get_config's
+# NotImplementedError (an `__init__` argument it cannot serialize, and no get_config of the
+# layer's own); from_config's TypeError (Keras wraps any failure of the class's `__init__` in
+# one: an argument missing from the config, or one `__init__` does not take; also a nested
+# object of a class Keras cannot locate); ValueError from a layer's own from_config or from
+# deserializing a nested object (an initializer, a constraint) Keras cannot interpret. Anything
+# else is not the config's fault and propagates.
+CONFIG_ERRORS = (NotImplementedError, TypeError, ValueError)
+
+
+def has_layer_graph(model):
+    """True for a Sequential or Functional model: those have a layer graph to read.
+
+    Args:
+        model: a Keras layer or model.
+
+    Returns:
+        bool.
+    """
+    return isinstance(model, (keras.Sequential, Functional))
+
+
+def layer_graph(model, action):
+    """The Functional graph behind a built Sequential or Functional model.
+
+    Args:
+        model: a Keras model.
+        action: what was asked, for the message ("fold batch norms in", "export").
+
+    Returns:
+        The Functional model itself, or a Sequential's Functional graph.
+
+    Raises:
+        UnsupportedModelError: `model` is subclassed (it has no layer graph), or is an unbuilt
+            Sequential.
+    """
+    if not has_layer_graph(model):
+        raise UnsupportedModelError(
+            f"Cannot {action} '{model.name}', a subclassed {type(model).__name__}: it has no "
+            f"layer graph to inspect. Build it as a Sequential or Functional model."
+        )
+    if isinstance(model, Functional):
+        return model
+    graph = getattr(model, "_functional", None)
+    if graph is None:
+        raise UnsupportedModelError(
+            f"Cannot {action} '{model.name}': the Sequential model is not built. Give it a "
+            f"keras.Input (or call build()) first."
+        )
+    return graph
+
+
+def from_config(layer, config, cls=None):
+    """A new layer of `cls` (default: the layer's own class) from `config`.
+
+    Args:
+        layer: the layer copied, for the message.
+        config: the config to build from (`layer.get_config()`, possibly edited).
+        cls: the class to build; default `type(layer)`.
+
+    Returns:
+        The new, unbuilt layer.
+
+    Raises:
+        UnsupportedModelError: the config does not round-trip (CONFIG_ERRORS), naming the
+            layer and the cause.
+    """
+    cls = type(layer) if cls is None else cls
+    try:
+        return cls.from_config(config)
+    except CONFIG_ERRORS as error:
+        raise _not_round_tripping(layer, error) from error
+
+
+def config_of(layer):
+    """`layer.get_config()`.
+
+    Args:
+        layer: a Keras layer.
+
+    Returns:
+        dict.
+
+    Raises:
+        UnsupportedModelError: the layer has no config that round-trips (CONFIG_ERRORS).
+    """
+    try:
+        return layer.get_config()
+    except CONFIG_ERRORS as error:
+        raise _not_round_tripping(layer, error) from error
+
+
+def _not_round_tripping(layer, error):
+    return UnsupportedModelError(
+        f"Cannot copy layer '{layer.name}' ({type(layer).__name__}) from its config, which does "
+        f"not round-trip (give the layer a get_config that its from_config accepts): "
+        f"{type(error).__name__}: {error}"
+    )
+
+
+def unique_name(name, taken):
+    """`name`, or `name_1`, `name_2`, ... : the first not in `taken`.
+
+    Args:
+        name: the name wanted.
+        taken: the names in use (any container).
+
+    Returns:
+        str.
+    """
+    unique, count = name, 0
+    while unique in taken:
+        count += 1
+        unique = f"{name}_{count}"
+    return unique
