@@ -59,7 +59,14 @@ def validate_bits(bits, name, allow_none=False):
 
 
 def q_max(bits):
-    """The largest |q| of the symmetric narrow-range k-bit weight grid: 2^(k−1) − 1."""
+    """The largest |q| of the symmetric narrow-range k-bit weight grid.
+
+    Args:
+        bits: 2..8.
+
+    Returns:
+        2^(bits−1) − 1.
+    """
     return 2 ** (bits - 1) - 1
 
 
@@ -111,8 +118,9 @@ def fake_quant_activations(x, minimum, maximum, bits):
 
     Args:
         x: float32 tensor.
-        minimum, maximum: float32 scalars with minimum ≤ 0 ≤ maximum (widened here to at
-            least MIN_RANGE apart).
+        minimum: float32 scalar ≤ 0, the range's low end.
+        maximum: float32 scalar ≥ 0, the range's high end (widened here to at least
+            MIN_RANGE above `minimum`).
         bits: 2..8.
 
     Returns:
@@ -129,8 +137,8 @@ def nudged_grid(minimum, maximum, bits, narrow_range):
     """The grid TensorFlow's FakeQuant ops use for [minimum, maximum], in float32 numpy.
 
     Args:
-        minimum, maximum: arrays (or scalars) of the same shape, minimum ≤ 0 ≤ maximum,
-            minimum < maximum.
+        minimum: array (or scalar) ≤ 0, the ranges' low ends.
+        maximum: array of minimum's shape, > minimum and ≥ 0, the high ends.
         bits: 2..8.
         narrow_range: whether the lowest integer is left out (the weights' symmetric grid).
 
@@ -160,7 +168,8 @@ def quantize(x, minimum, maximum, bits, narrow_range):
 
     Args:
         x: array whose last axis lines up with the ranges when they are vectors.
-        minimum, maximum: scalars, or vectors of x's last axis (per channel).
+        minimum: the ranges' low ends, a scalar or a vector of x's last axis (per channel).
+        maximum: the high ends, of minimum's shape.
         bits: 2..8.
         narrow_range: as in `nudged_grid`.
 

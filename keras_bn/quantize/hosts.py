@@ -17,6 +17,8 @@ linear activation (the QAT layer applies ReLU/ReLU6 after batch norm), no LoRA a
 quantization.
 """
 
+import json
+
 import keras
 from keras import ops
 
@@ -77,9 +79,11 @@ def deserialize(host):
 
 
 def config_only(serialized):
-    """A `keras.layers.serialize` dict without its build state: deserializing one with a
-    "build_config" builds the layer at once, and the QAT layer builds its copies itself."""
-    return {k: v for k, v in serialized.items() if k not in ("build_config", "compile_config")}
+    """A `keras.layers.serialize` dict without its build state (deserializing one with a
+    "build_config" builds the layer at once, and the QAT layer builds its copies itself), in
+    its JSON form (tuples as lists), so that the config is the same after a `.keras` load."""
+    kept = {k: v for k, v in serialized.items() if k not in ("build_config", "compile_config")}
+    return json.loads(json.dumps(kept))
 
 
 def channel_axis(host):
