@@ -39,6 +39,11 @@ HOSTS = {
         lambda: L.SeparableConv2D(4, 3, depth_multiplier=2, padding="same"),
         (3, 5, 5, 3),
     ),
+    "depthwise_m2_no_bias": (
+        lambda: L.DepthwiseConv2D(3, depth_multiplier=2, use_bias=False),
+        (3, 5, 5, 3),
+    ),
+    "conv2d_no_bias": (lambda: L.Conv2D(3, 2, use_bias=False), (3, 5, 5, 2)),
     "dense": (lambda: L.Dense(5), (6, 4)),
     # Width 7, not 6: on a 4×4 output, Keras's own bias add (ops.add → bias_add) takes the last
     # axis for the channels (filters = width = 4) and the float reference would be wrong.
@@ -75,7 +80,7 @@ def _random_weights(host, rng, bits, per_channel, zero_gamma=False):
         gamma[0] = 0.0
     weights = {
         "kernel": rng.normal(size=folded.shape),
-        "bias": rng.normal(size=channels) * 0.3,
+        "bias": rng.normal(size=channels) * 0.3 if host.use_bias else np.zeros(channels),
         "gamma": gamma,
         "beta": rng.normal(size=channels) * 0.5,
         "mean": rng.normal(size=channels) * 0.2,
@@ -100,7 +105,8 @@ def _assign(layer, weights):
     kernel.assign(weights["kernel"].astype("float32"))
     if "depthwise_kernel" in weights:
         host.depthwise_kernel.assign(weights["depthwise_kernel"].astype("float32"))
-    host.bias.assign(weights["bias"].astype("float32"))
+    if host.bias is not None:
+        host.bias.assign(weights["bias"].astype("float32"))
     for name, value in (("gamma", "gamma"), ("beta", "beta")):
         getattr(bn, name).assign(weights[value].astype("float32"))
     bn.moving_mean.assign(weights["mean"].astype("float32"))
@@ -214,7 +220,8 @@ def _float_reference(host_name, with_relu=True):
     weights["beta"][0] = 0.7  # after ReLU, the γ = 0 channel still passes a gradient
     for variable, value in zip(host.weights, [w for w in host.get_weights()]):
         variable.assign(rng.normal(size=value.shape).astype("float32"))
-    host.bias.assign(weights["bias"].astype("float32"))
+    if host.bias is not None:
+        host.bias.assign(weights["bias"].astype("float32"))
     bn.gamma.assign(weights["gamma"].astype("float32"))
     bn.beta.assign(weights["beta"].astype("float32"))
     bn.moving_mean.assign(weights["mean"].astype("float32"))

@@ -96,6 +96,14 @@ def folded_kernel(host):
     return host.pointwise_kernel if kind_of(host) == SEPARABLE else host.kernel
 
 
+def output_channels(host):
+    """How many output channels the host has (C·M for a depthwise convolution)."""
+    kernel = folded_kernel(host)
+    if kind_of(host) == DEPTHWISE:
+        return kernel.shape[-2] * kernel.shape[-1]
+    return kernel.shape[-1]
+
+
 def channels_last(kernel, kind):
     """`kernel` viewed with its output channels on the last axis (see the module docstring)."""
     if kind != DEPTHWISE:

@@ -140,7 +140,7 @@ class _QuantizedHostLayer(keras.layers.Layer):
     def _host_bias(self):
         """The host's bias as float32 (zeros without one)."""
         if self.host.bias is None:
-            return tf.zeros(hosts.folded_kernel(self.host).shape[-1:], tf.float32)
+            return tf.zeros([hosts.output_channels(self.host)], tf.float32)
         return tf.cast(self.host.bias, tf.float32)
 
     def _finish(self, outputs, training):
