@@ -1,0 +1,33 @@
+"""Quantization-aware training (QAT) with batch norm folded during training.
+
+A host layer (Dense or a convolution) followed by batch norm and optionally ReLU/ReLU6 becomes
+one `QuantizedHostBatchNorm`, whose weights are fake-quantized after the fold, so training sees
+the integer weights an int8 file holds (Krishnamoorthi, "Quantizing deep convolutional networks
+for efficient inference: A whitepaper", 2018, section 3.2; Jacob et al., "Quantization and
+Training of Neural Networks for Efficient Integer-Arithmetic-Only Inference", 2018). It
+trains like batch-statistics BN until `freeze_batch_norm` (or the `FreezeBatchNorm` callback)
+switches it to the folded BN for good.
+
+- `fake_quant`: the k-bit grids (TensorFlow FakeQuant ops, and the same grid in numpy).
+- `QuantizedHostBatchNorm`, `QuantizedHost` (no BN), `ActivationQuantizer` (model inputs,
+  Add/Concatenate/pooling outputs).
+- `from_layers`: a QAT layer from existing host, BN and activation layers, weights copied.
+- `FreezeBatchNorm`, `freeze_batch_norm`, `freeze_ranges`.
+"""
+
+from keras_bn.quantize import fake_quant
+from keras_bn.quantize.activation import ActivationQuantizer
+from keras_bn.quantize.factory import from_layers
+from keras_bn.quantize.freeze import FreezeBatchNorm, freeze_batch_norm, freeze_ranges
+from keras_bn.quantize.layers import QuantizedHost, QuantizedHostBatchNorm
+
+__all__ = [
+    "ActivationQuantizer",
+    "FreezeBatchNorm",
+    "QuantizedHost",
+    "QuantizedHostBatchNorm",
+    "fake_quant",
+    "freeze_batch_norm",
+    "freeze_ranges",
+    "from_layers",
+]

@@ -1,0 +1,139 @@
+"""ActivationQuantizer: per-tensor asymmetric fake quantization over an EMA range."""
+
+import keras
+import tensorflow as tf
+
+from keras_bn.quantize import fake_quant
+
+
+@keras.saving.register_keras_serializable(package="keras_bn.quantize")
+class ActivationQuantizer(keras.layers.Layer):
+    """Fake-quantizes a tensor to `bits` bits over a range learned from the training batches.
+
+    The range [range_min, range_max] is an exponential moving average of each training
+    batch's min and max (as in Jacob et al. 2018, section 3.1), initialised from the first
+    batch, and always holds 0 (range_min ≤ 0 ≤ range_max) so that zero padding is exact::
+
+        range_min ← momentum·range_min + (1 − momentum)·min(x)     (then min(·, 0))
+        range_max ← momentum·range_max + (1 − momentum)·max(x)     (then max(·, 0))
+
+    In training the updated range quantizes the batch; at inference (`training=False`, or the
+    layer not trainable) the stored one does. A batch whose min or max is not finite leaves the
+    range unchanged. Once `ranges_frozen` is set (`keras_bn.quantize.freeze_ranges`, or the
+    `FreezeBatchNorm` callback) the range no longer moves. Until a training batch has been
+    seen (`range_initialized` false) the layer passes its input through unchanged: there is no
+    range to quantize to yet.
+
+    The state is four non-trainable weights, saved with the model: `range_min`, `range_max`
+    (float32 scalars), `range_initialized` and `ranges_frozen` (bool scalars).
+
+    Use it on a model's input and on the outputs of Add, Concatenate and pooling layers; the
+    QAT layers hold their own for their outputs.
+
+    Args:
+        bits: 2..8, the grid's size 2^bits.
+        momentum: weight of the old value in the range averages, in [0, 1).
+        **kwargs: base layer arguments (`name`, `trainable`, ...).
+
+    Raises:
+        ValueError: `bits` or `momentum` out of range (the message names the value).
+    """
+
+    def __init__(self, bits=8, momentum=0.99, **kwargs):
+        super().__init__(**kwargs)
+        self.bits = fake_quant.validate_bits(bits, "bits")
+        self.momentum = validate_momentum(momentum, "momentum")
+        self.range_min = self.range_max = None
+        self.range_initialized = self.ranges_frozen = None
+
+    def build(self, input_shape):
+        """Create the range and its two flags (the range does not depend on the shape).
+
+        Args:
+            input_shape: the input's shape.
+        """
+        for name in ("range_min", "range_max"):
+            setattr(self, name, self._state(name, "float32"))
+        for name in ("range_initialized", "ranges_frozen"):
+            setattr(self, name, self._state(name, "bool"))
+
+    def _state(self, name, dtype):
+        return self.add_weight(
+            shape=(),
+            name=name,
+            dtype=dtype,
+            initializer="zeros",
+            trainable=False,
+            autocast=False,
+        )
+
+    def call(self, inputs, training=None):
+        """Fake-quantize `inputs`, first moving the range in training.
+
+        Args:
+            inputs: float tensor.
+            training: Python bool or None; true (and the layer trainable) updates the range
+                from this batch unless it is frozen.
+
+        Returns:
+            The fake-quantized tensor (the input itself while no range has been observed).
+        """
+        x = tf.cast(inputs, tf.float32)
+        low, high = tf.convert_to_tensor(self.range_min), tf.convert_to_tensor(self.range_max)
+        initialized = tf.convert_to_tensor(self.range_initialized)
+        if training and self.trainable:
+            low, high, initialized = self._observe(x, low, high, initialized)
+        quantized = fake_quant.fake_quant_activations(x, low, high, self.bits)
+        return tf.cast(tf.where(initialized, quantized, x), self.compute_dtype)
+
+    def _observe(self, x, low, high, initialized):
+        """Move the stored range toward this batch's (unless frozen or not finite); return the
+        range and flag to quantize with."""
+        batch_low, batch_high = tf.reduce_min(x), tf.reduce_max(x)
+        keep = self.momentum
+        new_low = tf.where(initialized, keep * low + (1.0 - keep) * batch_low, batch_low)
+        new_high = tf.where(initialized, keep * high + (1.0 - keep) * batch_high, batch_high)
+        new_low, new_high = tf.minimum(new_low, 0.0), tf.maximum(new_high, 0.0)
+        usable = (
+            tf.math.is_finite(batch_low)
+            & tf.math.is_finite(batch_high)
+            & tf.logical_not(tf.convert_to_tensor(self.ranges_frozen))
+        )
+        low, high = tf.where(usable, new_low, low), tf.where(usable, new_high, high)
+        initialized = initialized | usable
+        self.range_min.assign(low)
+        self.range_max.assign(high)
+        self.range_initialized.assign(initialized)
+        return low, high, initialized
+
+    def compute_output_shape(self, input_shape):
+        """The output shape: `input_shape` itself.
+
+        Args:
+            input_shape: the input's shape.
+
+        Returns:
+            `input_shape`.
+        """
+        return input_shape
+
+    def get_config(self):
+        """Every constructor argument, for `from_config` and saving.
+
+        Returns:
+            A dict with the base layer's config, `bits` and `momentum`.
+        """
+        return {**super().get_config(), "bits": self.bits, "momentum": self.momentum}
+
+
+def validate_momentum(momentum, name):
+    """A float in [0, 1).
+
+    Raises:
+        ValueError: not a real number in [0, 1) (bools included); the message names it.
+    """
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)):
+        raise ValueError(f"{name} must be a float in [0, 1); received {name}={momentum!r}.")
+    if not 0.0 <= momentum < 1.0:
+        raise ValueError(f"{name} must be in [0, 1); received {name}={momentum!r}.")
+    return float(momentum)

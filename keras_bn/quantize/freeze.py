@@ -1,0 +1,148 @@
+"""Freezing QAT: batch norm to its moving statistics, activation ranges to their values.
+
+Both are flags in the layers' non-trainable weights (`batch_norm_frozen`, `ranges_frozen`),
+read inside the layers' graphs: setting them between steps takes effect in compiled `fit`
+(graph or XLA) without retracing, and they save with the model.
+
+Freezing batch norm after some steps of QAT is the whitepaper's recipe (Krishnamoorthi,
+"Quantizing deep convolutional networks for efficient inference", 2018, section 3.2): the
+layer then computes exactly the folded BN an int8 file holds, and the last steps fine-tune
+that. Freezing the ranges stops the activation grids from moving for the final steps.
+"""
+
+import keras
+
+from keras_bn.quantize.activation import ActivationQuantizer
+from keras_bn.quantize.layers import QuantizedHostBatchNorm
+
+
+def freeze_batch_norm(model):
+    """Switch every QuantizedHostBatchNorm of `model` to its moving statistics, for good.
+
+    Args:
+        model: a Keras model or layer (nested models and layers are searched).
+
+    Returns:
+        The list of QuantizedHostBatchNorm layers frozen.
+
+    Raises:
+        ValueError: `model` holds no QuantizedHostBatchNorm, or one is not built yet.
+    """
+    layers = _find(model, QuantizedHostBatchNorm)
+    for layer in layers:
+        layer.batch_norm_frozen.assign(True)
+    return layers
+
+
+def freeze_ranges(model):
+    """Stop every activation range of `model` from moving (each ActivationQuantizer's, those
+    inside the QAT layers included).
+
+    Args:
+        model: a Keras model or layer (nested models and layers are searched).
+
+    Returns:
+        The list of ActivationQuantizer layers frozen.
+
+    Raises:
+        ValueError: `model` holds no ActivationQuantizer, one is not built yet, or one has not
+            observed a training batch yet (frozen, it would never get a range).
+    """
+    layers = _find(model, ActivationQuantizer)
+    unobserved = [layer.name for layer in layers if not bool(layer.range_initialized.numpy())]
+    if unobserved:
+        raise ValueError(
+            f"Activation quantizer(s) {unobserved} of '{model.name}' have not seen a training "
+            f"batch, so they have no range to freeze; train a few steps first."
+        )
+    for layer in layers:
+        layer.ranges_frozen.assign(True)
+    return layers
+
+
+def _find(model, cls):
+    """Every built `cls` layer inside `model` (itself included); a ValueError if none, or if
+    one is not built."""
+    layers = [layer for layer in model._flatten_layers(include_self=True) if isinstance(layer, cls)]
+    if not layers:
+        raise ValueError(f"'{model.name}' holds no {cls.__name__} layer: nothing to freeze.")
+    unbuilt = [layer.name for layer in layers if not layer.built]
+    if unbuilt:
+        raise ValueError(
+            f"{cls.__name__} layer(s) {unbuilt} of '{model.name}' are not built yet; call or "
+            f"build the model first."
+        )
+    return layers
+
+
+def _validate_steps(value, name, minimum, allow_none=False):
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(
+            f"{name} must be an int ≥ {minimum}{' or None' if allow_none else ''}; "
+            f"received {name}={value!r}."
+        )
+    return value
+
+
+class FreezeBatchNorm(keras.callbacks.Callback):
+    """Freeze the QAT batch norms (and optionally the activation ranges) after some steps.
+
+    Before each training batch the callback reads `model.optimizer.iterations` (the number of
+    optimizer steps applied so far, across `fit` calls); once it reaches `after_steps` it runs
+    `freeze_batch_norm(model)`, so exactly `after_steps` steps train with batch statistics.
+    Likewise `freeze_ranges(model)` once it reaches `freeze_ranges_after_steps`. With
+    `steps_per_execution` > 1 the callback runs once per execution, so the freeze lands on the
+    first execution boundary at or after the step.
+
+    Args:
+        after_steps: int ≥ 0, the optimizer step from which batch norm is frozen (0: from the
+            start).
+        freeze_ranges_after_steps: None (never), or an int ≥ 1, the optimizer step from which
+            the activation ranges are frozen (at least one batch must have set them).
+
+    Raises:
+        ValueError: an argument that is not an int in range (bools included); the message
+            names the value.
+
+    Example::
+
+        model.fit(data, epochs=3, callbacks=[FreezeBatchNorm(after_steps=1000)])
+    """
+
+    def __init__(self, after_steps, freeze_ranges_after_steps=None):
+        super().__init__()
+        self.after_steps = _validate_steps(after_steps, "after_steps", 0)
+        self.freeze_ranges_after_steps = _validate_steps(
+            freeze_ranges_after_steps, "freeze_ranges_after_steps", 1, allow_none=True
+        )
+        self._done = {"batch_norm": False, "ranges": False}
+
+    def on_train_begin(self, logs=None):
+        """Freeze at once what a resumed run has already passed.
+
+        Args:
+            logs: unused (Keras's callback signature).
+        """
+        self._done = {"batch_norm": False, "ranges": False}
+        self._freeze_due()
+
+    def on_train_batch_begin(self, batch, logs=None):
+        """Freeze what is due at this optimizer step.
+
+        Args:
+            batch: the batch index in the epoch (unused; the optimizer's step counts).
+            logs: unused (Keras's callback signature).
+        """
+        self._freeze_due()
+
+    def _freeze_due(self):
+        step = int(self.model.optimizer.iterations.numpy())
+        if not self._done["batch_norm"] and step >= self.after_steps:
+            freeze_batch_norm(self.model)
+            self._done["batch_norm"] = True
+        due = self.freeze_ranges_after_steps
+        if not self._done["ranges"] and due is not None and step >= due:
+            freeze_ranges(self.model)
+            self._done["ranges"] = True

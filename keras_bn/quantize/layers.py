@@ -1,0 +1,480 @@
+"""The QAT layers: a host (Dense or a convolution) with fake-quantized weights, with or without
+the batch norm that follows it folded in.
+
+`QuantizedHostBatchNorm` computes host → BN (→ ReLU/ReLU6) as one layer whose weights are
+fake-quantized *after* the fold, so training sees the weights an int8 file will hold
+(Krishnamoorthi, "Quantizing deep convolutional networks for efficient inference: A
+whitepaper", 2018, section 3.2; Jacob et al., "Quantization and Training of Neural Networks for
+Efficient Integer-Arithmetic-Only Inference", 2018). With σ = √(v + ε) from the moving variance
+v and s = γ/σ per output channel:
+
+    z = host(x, FQ_w(W·s))                                   (no bias)
+    training, before the freeze:
+        μ_B, σ²_B = biased two-pass moments of z/s,  σ_B = √(σ²_B + ε)
+        y = z·σ/σ_B + (β − γ·μ_B/σ_B)                        (= γ·(z/s − μ_B)/σ_B + β)
+    after the freeze, and at inference:
+        y = z + (β + s·(b − μ))                              (the folded BN, b the host bias)
+    then ReLU/ReLU6, then the output's fake quantization.
+
+Before the freeze the layer therefore trains like batch-statistics BN (the host bias cancels),
+with gradients by autodiff through the batch moments (as PyTorch's
+`torch.ao.nn.intrinsic.qat.ConvBn2d` does) and straight-through for the rounding. The moving
+statistics follow keras_bn.BatchNormalization: μ ← momentum·μ + (1 − momentum)·(μ_B + b) and
+v ← momentum·v + (1 − momentum)·m/(m − 1)·σ²_B, skipped for a non-finite batch or m ≤ 1. The
+mean is that of the host's output with its bias, so that the folded form's b − μ is BN's.
+
+γ = 0 makes s = 0, so z/s would divide 0 by 0. Such a channel's output is β whatever its
+kernel, but its γ still needs the gradient Σg·x̂. So the kernel is scaled by
+s' = γ'/σ with γ' = 1 where γ = 0 (s' = s elsewhere), z/s' normalizes, and z is multiplied by
+s/s', which is exactly 1 where γ ≠ 0 and 0 where γ = 0. Per-tensor weight ranges are taken from
+W·s itself, so a γ = 0 channel never widens the other channels' grid.
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras import ops
+
+from keras_bn import statistics
+from keras_bn._bn_layers import KERAS_BN, KERAS_BN_BN
+from keras_bn.convert import _translate
+from keras_bn.layers import _average_into, _usable
+from keras_bn.quantize import fake_quant, hosts
+from keras_bn.quantize.activation import ActivationQuantizer, validate_momentum
+
+ACTIVATIONS = ("relu", "relu6")
+
+
+class _QuantizedHostLayer(keras.layers.Layer):
+    """What both QAT layers share: the host, its weights' fake quantization, the activation and
+    the activation quantizers."""
+
+    def __init__(
+        self,
+        host,
+        activation=None,
+        weight_bits=8,
+        activation_bits=8,
+        per_channel=True,
+        range_momentum=0.99,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        self.host, self._host_config = hosts.deserialize(host)
+        self.kind = hosts.kind_of(self.host)
+        self.activation = validate_activation(activation)
+        self.weight_bits = fake_quant.validate_bits(weight_bits, "weight_bits", allow_none=True)
+        self.activation_bits = fake_quant.validate_bits(
+            activation_bits, "activation_bits", allow_none=True
+        )
+        if not isinstance(per_channel, bool):
+            raise ValueError(
+                f"per_channel must be True or False; received per_channel={per_channel!r}."
+            )
+        self.per_channel = per_channel
+        self.range_momentum = validate_momentum(range_momentum, "range_momentum")
+        self.output_quantizer = self.intermediate_quantizer = None
+        if self.activation_bits is not None:
+            self.output_quantizer = self._quantizer("output_quantizer")
+            if self.kind == hosts.SEPARABLE:  # the depthwise output is a tensor of the file
+                self.intermediate_quantizer = self._quantizer("intermediate_quantizer")
+
+    def _quantizer(self, name):
+        return ActivationQuantizer(self.activation_bits, self.range_momentum, name=name)
+
+    def build(self, input_shape):
+        """Build the host for `input_shape`, then the quantizers (and the batch norm).
+
+        Args:
+            input_shape: the input's shape.
+        """
+        self.host.build(input_shape)
+        for quantizer in (self.output_quantizer, self.intermediate_quantizer):
+            if quantizer is not None:
+                quantizer.build(())
+
+    def compute_output_shape(self, input_shape):
+        """The host's output shape.
+
+        Args:
+            input_shape: the input's shape.
+
+        Returns:
+            The output shape.
+        """
+        return self.host.compute_output_shape(input_shape)
+
+    def _channel_axes(self, outputs):
+        return [hosts.channel_axis(self.host) % outputs.shape.rank]
+
+    def _kernel_view(self):
+        """The folded kernel with its output channels on the last axis (float32)."""
+        kernel = tf.cast(hosts.folded_kernel(self.host), tf.float32)
+        return hosts.channels_last(kernel, self.kind)
+
+    def _fake_quant(self, view, max_abs):
+        """FQ_w of a channels-last kernel view (unchanged with weight_bits=None)."""
+        if self.weight_bits is None:
+            return view
+        return fake_quant.fake_quant_weights(view, max_abs, self.weight_bits)
+
+    def _linear(self, inputs, view, training):
+        """The host's map without bias, with the fake-quantized channels-last kernel `view`."""
+        kernel = hosts.from_channels_last(view, hosts.folded_kernel(self.host).shape)
+        depthwise, between = None, None
+        if self.kind == hosts.SEPARABLE:
+            depthwise_view = hosts.channels_last(
+                tf.cast(self.host.depthwise_kernel, tf.float32), hosts.DEPTHWISE
+            )
+            depthwise_view = self._fake_quant(
+                depthwise_view, fake_quant.weight_max_abs(depthwise_view, self.per_channel)
+            )
+            depthwise = hosts.from_channels_last(depthwise_view, self.host.depthwise_kernel.shape)
+            if self.intermediate_quantizer is not None:
+
+                def between(middle):
+                    return self.intermediate_quantizer(middle, training=training)
+
+        return hosts.linear(self.host, inputs, kernel, depthwise, between)
+
+    def _host_bias(self):
+        """The host's bias as float32 (zeros without one)."""
+        if self.host.bias is None:
+            return tf.zeros([hosts.output_channels(self.host)], tf.float32)
+        return tf.cast(self.host.bias, tf.float32)
+
+    def _finish(self, outputs, training):
+        """ReLU/ReLU6 if fused, then the output's fake quantization."""
+        if self.activation == "relu":
+            outputs = ops.relu(outputs)
+        elif self.activation == "relu6":
+            outputs = ops.relu6(outputs)
+        if self.output_quantizer is not None:
+            outputs = self.output_quantizer(outputs, training=training)
+        return tf.cast(outputs, self.compute_dtype)
+
+    def get_config(self):
+        """Every constructor argument, for `from_config` and saving.
+
+        Returns:
+            A dict with the base layer's config, the host's serialized config and the
+            quantization arguments.
+        """
+        return {
+            **super().get_config(),
+            "host": self._host_config,
+            "activation": self.activation,
+            "weight_bits": self.weight_bits,
+            "activation_bits": self.activation_bits,
+            "per_channel": self.per_channel,
+            "range_momentum": self.range_momentum,
+        }
+
+
+@keras.saving.register_keras_serializable(package="keras_bn.quantize")
+class QuantizedHost(_QuantizedHostLayer):
+    """A host layer (Dense or a convolution) with fake-quantized weights and output, no BN.
+
+    y = FQ_a(act(host(x, FQ_w(W)) + b)): for hosts no batch norm follows (a classifier's last
+    Dense, for instance).
+
+    Args:
+        host: the host layer, or its `keras.layers.serialize` dict: exactly Dense, Conv1D,
+            Conv2D, Conv3D, DepthwiseConv1D, DepthwiseConv2D, SeparableConv1D or
+            SeparableConv2D, with a linear activation. Only its config is used; the QAT layer
+            builds its own copy (use `keras_bn.quantize.from_layers` to copy weights).
+        activation: None, "relu" or "relu6", applied before the output's fake quantization.
+        weight_bits: 2..8, or None for float weights (no weight fake quantization).
+        activation_bits: 2..8, or None for no activation fake quantization.
+        per_channel: one weight range per output channel (True) or one per tensor.
+        range_momentum: the activation ranges' EMA momentum, in [0, 1).
+        **kwargs: base layer arguments (`name`, `trainable`, ...).
+
+    Raises:
+        ValueError: an unsupported or non-linear host, or an argument out of range (the
+            message names the value).
+    """
+
+    def __init__(
+        self,
+        host,
+        activation=None,
+        weight_bits=8,
+        activation_bits=8,
+        per_channel=True,
+        range_momentum=0.99,
+        **kwargs,
+    ):
+        super().__init__(
+            host, activation, weight_bits, activation_bits, per_channel, range_momentum, **kwargs
+        )
+
+    def call(self, inputs, training=None):
+        """act(host(x, FQ_w(W)) + b), fake-quantized.
+
+        Args:
+            inputs: float tensor, the host's input.
+            training: Python bool or None; true (and trainable) moves the activation ranges.
+
+        Returns:
+            The output tensor.
+        """
+        view = self._kernel_view()
+        view = self._fake_quant(view, fake_quant.weight_max_abs(view, self.per_channel))
+        outputs = self._linear(tf.cast(inputs, tf.float32), view, training)
+        axes = self._channel_axes(outputs)
+        outputs = outputs + statistics.per_channel(self._host_bias(), outputs, axes)
+        return self._finish(outputs, training)
+
+    def folded_weights(self):
+        """The float kernel and bias an int8 file quantizes: the host's own.
+
+        Returns:
+            (kernel, bias) as float32 numpy arrays, the kernel in the host's layout (for a
+            separable host, the pointwise kernel), the bias zeros when the host has none.
+        """
+        return (
+            np.asarray(hosts.folded_kernel(self.host), np.float32),
+            np.asarray(self._host_bias()),
+        )
+
+
+@keras.saving.register_keras_serializable(package="keras_bn.quantize")
+class QuantizedHostBatchNorm(_QuantizedHostLayer):
+    """Host → batch norm (→ ReLU/ReLU6) as one QAT layer, the BN folded into the weights that
+    are fake-quantized; see the module docstring for the maths.
+
+    The batch norm's weights (γ, β, moving mean and variance) live in `batch_norm`, a
+    keras_bn.BatchNormalization that is never called: its config gives momentum, epsilon,
+    center, scale, initializers, regularizers and constraints, and its moving variance is the
+    unbiased estimate. The non-trainable bool weight `batch_norm_frozen` switches the layer to
+    the folded form (moving statistics, no update) in training too; set it with
+    `keras_bn.quantize.freeze_batch_norm` or the `FreezeBatchNorm` callback. Inference
+    (`training=False`, or the layer not trainable) always uses the folded form, which is what
+    an int8 file computes.
+
+    Args:
+        host: the host layer, or its `keras.layers.serialize` dict (see `QuantizedHost`).
+        batch_norm: None (a default keras_bn.BatchNormalization on the host's channel axis),
+            a keras_bn or keras.layers BatchNormalization, or its serialized dict. Only its
+            config is used; Keras's is translated to keras_bn's.
+        activation: None, "relu" or "relu6", applied after batch norm.
+        weight_bits: 2..8, or None for float weights (no weight fake quantization).
+        activation_bits: 2..8, or None for no activation fake quantization.
+        per_channel: one weight range per output channel (True) or one per tensor.
+        range_momentum: the activation ranges' EMA momentum, in [0, 1).
+        **kwargs: base layer arguments (`name`, `trainable`, ...).
+
+    Raises:
+        ValueError: an unsupported or non-linear host; a batch norm that is not one of the two
+            classes, or uses renorm, virtual_batch_size, synchronized=True or momentum=None
+            (which the fold cannot train); when built, a batch-norm axis other than the
+            host's channel axis; in training, a static batch with m ≤ 1 values per channel;
+            or an argument out of range (the message names the value).
+    """
+
+    def __init__(
+        self,
+        host,
+        batch_norm=None,
+        activation=None,
+        weight_bits=8,
+        activation_bits=8,
+        per_channel=True,
+        range_momentum=0.99,
+        **kwargs,
+    ):
+        super().__init__(
+            host, activation, weight_bits, activation_bits, per_channel, range_momentum, **kwargs
+        )
+        self.batch_norm = _keras_bn_copy(batch_norm, hosts.channel_axis(self.host))
+        self.batch_norm_frozen = None
+
+    def build(self, input_shape):
+        """Build the host, the batch norm on the host's output and the freeze flag.
+
+        Args:
+            input_shape: the input's shape.
+
+        Raises:
+            ValueError: the batch norm's axis is not the host's channel axis.
+        """
+        super().build(input_shape)
+        output_shape = self.host.compute_output_shape(input_shape)
+        self.batch_norm.build(output_shape)
+        expected = [hosts.channel_axis(self.host) % len(output_shape)]
+        if list(self.batch_norm._channel_axes) != expected:
+            raise ValueError(
+                f"The batch norm '{self.batch_norm.name}' has axis={self.batch_norm.axis}, "
+                f"but host '{self.host.name}' puts its channels on axis {expected[0]} of its "
+                f"output (shape {tuple(output_shape)}): the fold needs them to agree."
+            )
+        self.batch_norm_frozen = self.add_weight(
+            shape=(),
+            name="batch_norm_frozen",
+            dtype="bool",
+            initializer="zeros",
+            trainable=False,
+            autocast=False,
+        )
+
+    def _bn_parameters(self):
+        """γ, β, μ, v and the host bias as float32 vectors (γ = 1, β = 0 when absent)."""
+        bn = self.batch_norm
+        mean = tf.convert_to_tensor(bn.moving_mean)
+        gamma = tf.ones_like(mean) if bn.gamma is None else tf.convert_to_tensor(bn.gamma)
+        beta = tf.zeros_like(mean) if bn.beta is None else tf.convert_to_tensor(bn.beta)
+        return gamma, beta, mean, tf.convert_to_tensor(bn.moving_variance), self._host_bias()
+
+    def _scaled_kernel(self, gamma, sigma):
+        """(s, s', the kernel view scaled by s', its weight range); see the module docstring."""
+        scale = gamma / sigma
+        safe_scale = tf.where(gamma == 0.0, 1.0 / sigma, scale)
+        view = self._kernel_view()
+        # Per channel, a γ = 0 channel's own range (from s') is the one its rounding needs;
+        # per tensor, the range is W·s's, which that channel (0 there) does not widen.
+        ranged = view * safe_scale if self.per_channel else view * scale
+        return (
+            scale,
+            safe_scale,
+            view * safe_scale,
+            fake_quant.weight_max_abs(ranged, self.per_channel),
+        )
+
+    def call(self, inputs, training=None):
+        """The folded host → BN → activation, fake-quantized.
+
+        Args:
+            inputs: float tensor, the host's input.
+            training: Python bool or None; true (and trainable) normalizes with the batch's
+                statistics (until frozen), updates the moving ones and moves the activation
+                ranges.
+
+        Returns:
+            The output tensor.
+
+        Raises:
+            ValueError: in training, a static batch with m ≤ 1 values per channel.
+        """
+        gamma, beta, mean, variance, bias = self._bn_parameters()
+        sigma = tf.sqrt(variance + self.batch_norm.epsilon)
+        scale, safe_scale, view, max_abs = self._scaled_kernel(gamma, sigma)
+        z = self._linear(tf.cast(inputs, tf.float32), self._fake_quant(view, max_abs), training)
+        axes = self._channel_axes(z)
+
+        def per_channel(t):
+            return statistics.per_channel(t, z, axes)
+
+        ratio = scale / safe_scale  # exactly 1 where γ ≠ 0, 0 where γ = 0
+        multiplier, offset = ratio, beta + scale * (bias - mean)  # the folded BN
+        if training and self.trainable:
+            batch_mean, batch_variance = statistics.moments(z / per_channel(safe_scale), axes)
+            batch_mean = tf.reshape(batch_mean, [-1])
+            batch_variance = tf.reshape(batch_variance, [-1])
+            batch_sigma = tf.sqrt(batch_variance + self.batch_norm.epsilon)
+            frozen = tf.convert_to_tensor(self.batch_norm_frozen)
+            multiplier = tf.where(frozen, multiplier, ratio * sigma / batch_sigma)
+            offset = tf.where(frozen, offset, beta - gamma * batch_mean / batch_sigma)
+            self._update_moving_statistics(z, axes, batch_mean + bias, batch_variance, frozen)
+        outputs = z * per_channel(multiplier) + per_channel(offset)
+        return self._finish(outputs, training)
+
+    def _update_moving_statistics(self, z, axes, mean, variance, frozen):
+        """keras_bn.BatchNormalization's update: EMA of the mean and of the unbiased
+        m/(m−1)·σ²_B, skipped for a non-finite batch, m ≤ 1 or a frozen layer."""
+        count = statistics.element_count(z, axes)
+        if isinstance(count, int):
+            if count < 2:
+                raise ValueError(
+                    f"Layer '{self.name}' in training mode needs at least 2 values per channel "
+                    f"to estimate a batch variance, but this batch gives m={count} (output "
+                    f"shape {z.shape}). Use a larger batch, or call it with training=False."
+                )
+            unbiased, enough = variance * (count / (count - 1)), True
+        else:
+            unbiased, enough = variance * count / (count - 1.0), count > 1.0
+        usable = _usable([mean, unbiased], enough) & tf.logical_not(frozen)
+        momentum = self.batch_norm.momentum
+        _average_into(self.batch_norm.moving_mean, mean, momentum, usable)
+        _average_into(self.batch_norm.moving_variance, unbiased, momentum, usable)
+
+    def folded_weights(self):
+        """The float kernel and bias an int8 file quantizes: W·s and β + s·(b − μ).
+
+        Computed with the same float32 ops as `call`, so `fake_quant.weight_grid` of the kernel
+        (viewed channels-last) gives the integers the layer's inference rounds to.
+
+        Returns:
+            (kernel, bias) as float32 numpy arrays, the kernel in the host's layout (for a
+            separable host, the pointwise kernel).
+        """
+        gamma, beta, mean, variance, bias = self._bn_parameters()
+        scale = gamma / tf.sqrt(variance + self.batch_norm.epsilon)
+        kernel = hosts.from_channels_last(
+            self._kernel_view() * scale, hosts.folded_kernel(self.host).shape
+        )
+        return np.asarray(kernel), np.asarray(beta + scale * (bias - mean))
+
+    def get_config(self):
+        """Every constructor argument, for `from_config` and saving.
+
+        Returns:
+            A dict with the base layer's config, the host's and the batch norm's serialized
+            configs and the quantization arguments.
+        """
+        return {
+            **super().get_config(),
+            "batch_norm": hosts.config_only(keras.layers.serialize(self.batch_norm)),
+        }
+
+
+def validate_activation(activation):
+    """None ("linear" is taken as None), "relu" or "relu6".
+
+    Raises:
+        ValueError: anything else; the message names it.
+    """
+    if activation in (None, "linear"):
+        return None
+    if activation not in ACTIVATIONS:
+        raise ValueError(
+            f"activation must be None, 'relu' or 'relu6'; received activation={activation!r}."
+        )
+    return activation
+
+
+def _keras_bn_copy(batch_norm, axis):
+    """A fresh, unbuilt keras_bn.BatchNormalization with `batch_norm`'s config (None: defaults
+    on `axis`); Keras's BN config is translated (its biased moving variance is then read as the
+    unbiased one, as keras_bn.convert does)."""
+    if batch_norm is None:
+        return KERAS_BN_BN(axis=axis, name="batch_norm")
+    if isinstance(batch_norm, dict):
+        batch_norm = keras.layers.deserialize(hosts.config_only(batch_norm))
+    if type(batch_norm) not in (KERAS_BN, KERAS_BN_BN):
+        raise ValueError(
+            f"batch_norm must be a keras_bn.BatchNormalization or a "
+            f"keras.layers.BatchNormalization (exactly); received {type(batch_norm).__name__} "
+            f"'{getattr(batch_norm, 'name', batch_norm)}'."
+        )
+    config = batch_norm.get_config()
+    if type(batch_norm) is KERAS_BN:
+        config = _translate(config, KERAS_BN, KERAS_BN_BN)
+    copy = KERAS_BN_BN.from_config(config)
+    refused = {
+        "renorm": copy.renorm,
+        "virtual_batch_size": copy.virtual_batch_size,
+        "synchronized": copy.synchronized,
+    }
+    for name, value in refused.items():
+        if value:
+            raise ValueError(
+                f"Batch norm '{copy.name}' has {name}={value!r}, which the folded QAT layer "
+                f"cannot train (it normalizes each batch as a whole, on one replica)."
+            )
+    if copy.momentum is None:
+        raise ValueError(
+            f"Batch norm '{copy.name}' has momentum=None (a cumulative average); the folded "
+            f"QAT layer keeps exponential moving averages: give a momentum in [0, 1)."
+        )
+    return copy

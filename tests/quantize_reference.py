@@ -1,0 +1,206 @@
+"""Independent numpy references for the QAT tests: k-bit fake quantization from its definition,
+convolutions as sums over the kernel taps, and the folded-BN QAT forward pass in float64.
+
+Nothing here imports keras_bn: the grids are written from the definitions (symmetric weights
+w ↦ clip(round(w/Δ), ±q_max)·Δ with Δ = max|w|/q_max; asymmetric activations over [lo, hi]
+with the zero point rounded onto the integer grid), not from TensorFlow's nudging arithmetic.
+Rounding is half up, as ⌊u + ½⌋.
+"""
+
+import numpy as np
+
+KERNEL_LAST = ("conv", "dense", "separable")
+
+
+def q_max(bits):
+    return 2 ** (bits - 1) - 1
+
+
+def weight_scale(kernel, bits, per_channel):
+    """Δ per output channel (the last axis) or per tensor, for a channels-last kernel view."""
+    magnitude = np.abs(np.asarray(kernel, np.float64))
+    if per_channel:
+        largest = magnitude.reshape(-1, kernel.shape[-1]).max(axis=0)
+    else:
+        largest = magnitude.max()
+    return np.maximum(largest, 1e-8) / q_max(bits)
+
+
+def fake_quant_weights(kernel, bits, per_channel, scale=None):
+    """Symmetric narrow-range k-bit fake quantization (Δ from the kernel unless given)."""
+    kernel = np.asarray(kernel, np.float64)
+    scale = weight_scale(kernel, bits, per_channel) if scale is None else scale
+    q = np.clip(np.floor(kernel / scale + 0.5), -q_max(bits), q_max(bits))
+    return q * scale
+
+
+def activation_grid(lo, hi, bits):
+    """(Δ, zero point) of the asymmetric grid of [lo, hi] ∋ 0, the zero point an integer."""
+    levels = 2**bits - 1
+    scale = (hi - lo) / levels
+    zero_point = np.clip(np.floor(-lo / scale + 0.5), 0, levels)
+    return scale, zero_point
+
+
+def fake_quant_activations(x, lo, hi, bits):
+    """Asymmetric per-tensor k-bit fake quantization of x over [lo, hi]."""
+    scale, zero_point = activation_grid(lo, hi, bits)
+    q = np.clip(np.floor(np.asarray(x, np.float64) / scale + 0.5) + zero_point, 0, 2**bits - 1)
+    return (q - zero_point) * scale
+
+
+def distance_to_rounding_boundary(x, lo, hi, bits):
+    """How far each x/Δ lies from a half-integer (in steps): where it is tiny, float32 rounding
+    may put the value on either neighbouring grid point."""
+    scale, _ = activation_grid(lo, hi, bits)
+    u = np.asarray(x, np.float64) / scale
+    return np.abs(u - np.floor(u) - 0.5)
+
+
+def channels_last_view(kernel, kind):
+    """Output channels on the last axis: a depthwise (*k, C, M) kernel as (*k, 1, C·M)."""
+    if kind != "depthwise":
+        return kernel
+    return kernel.reshape(kernel.shape[:-2] + (1, kernel.shape[-2] * kernel.shape[-1]))
+
+
+def away_from_ties(kernel, kind, scale_per_channel, bits, per_channel):
+    """`kernel` with every entry whose scaled value lies within 0.02 steps of a rounding
+    boundary moved 0.05 steps away, so that float32 and float64 round it alike."""
+    kernel = np.array(kernel, np.float64)
+    view = channels_last_view(kernel, kind)
+    scaled = view * scale_per_channel
+    step = weight_scale(scaled, bits, per_channel)
+    u = scaled / step
+    near = np.abs(u - np.floor(u) - 0.5) < 0.02
+    u = np.where(near, u - 0.05 * np.sign(u), u)  # toward 0: the largest |u| stays the largest
+    divisor = np.where(scale_per_channel == 0, 1.0, scale_per_channel)
+    view = np.where(scale_per_channel == 0, view, u * step / divisor)
+    return view.reshape(kernel.shape)
+
+
+def _same_padding(size, kernel, stride, dilation):
+    span = (kernel - 1) * dilation + 1
+    out = -(-size // stride)
+    total = max((out - 1) * stride + span - size, 0)
+    return total // 2, total - total // 2
+
+
+def _taps(x, kernel_size, strides, padding, dilation):
+    """Yield (tap index, the strided input slice it multiplies), channels-last x (N, *S, C)."""
+    spatial = x.shape[1:-1]
+    if padding == "same":
+        pads = [
+            _same_padding(s, k, st, d)
+            for s, k, st, d in zip(spatial, kernel_size, strides, dilation)
+        ]
+    elif padding == "causal":
+        pads = [((kernel_size[0] - 1) * dilation[0], 0)]
+    else:
+        pads = [(0, 0)] * len(spatial)
+    x = np.pad(x, [(0, 0), *pads, (0, 0)])
+    padded = x.shape[1:-1]
+    out = [
+        (p - ((k - 1) * d + 1)) // st + 1
+        for p, k, st, d in zip(padded, kernel_size, strides, dilation)
+    ]
+    for tap in np.ndindex(*kernel_size):
+        index = tuple(
+            slice(t * d, t * d + (o - 1) * st + 1, st)
+            for t, d, o, st in zip(tap, dilation, out, strides)
+        )
+        yield tap, x[(slice(None), *index, slice(None))]
+
+
+def conv(x, kernel, strides, padding, dilation):
+    """Channels-last convolution, kernel (*k, C_in, C_out)."""
+    total = 0.0
+    for tap, window in _taps(x, kernel.shape[:-2], strides, padding, dilation):
+        total = total + window @ kernel[tap]
+    return total
+
+
+def depthwise(x, kernel, strides, padding, dilation):
+    """Channels-last depthwise convolution, kernel (*k, C, M), output channel c·M + m."""
+    total = 0.0
+    for tap, window in _taps(x, kernel.shape[:-2], strides, padding, dilation):
+        product = window[..., :, None] * kernel[tap]
+        total = total + product.reshape(product.shape[:-2] + (-1,))
+    return total
+
+
+def host_output(spec, x, kernel, depthwise_kernel=None, between=None):
+    """The host's output without bias, channels-last x; `spec` a dict of the host's geometry."""
+    kind = spec["kind"]
+    if kind == "dense":
+        return x @ kernel
+    args = (spec["strides"], spec["padding"], spec["dilation"])
+    if kind == "conv":
+        return conv(x, kernel, *args)
+    if kind == "depthwise":
+        return depthwise(x, kernel, *args)
+    middle = depthwise(x, depthwise_kernel, *args)
+    if between is not None:
+        middle = between(middle)
+    ones = (1,) * (kernel.ndim - 2)
+    return conv(middle, kernel, ones, "valid", ones)
+
+
+def qat_forward(
+    spec, x, weights, bits, per_channel, training, epsilon, activation=None, between=None
+):
+    """The folded-BN QAT layer's output before its output quantizer, in float64.
+
+    Args:
+        spec: the host's geometry ("kind", "strides", "padding", "dilation").
+        x: channels-last input.
+        weights: dict with "kernel" (the folded one: pointwise for separable), optional
+            "depthwise_kernel", "bias", "gamma", "beta", "mean", "variance".
+        bits: weight bits, or None for float weights.
+        per_channel: weight ranges per output channel.
+        training: batch statistics (before the freeze) rather than the folded form.
+        epsilon: the batch norm's epsilon.
+        activation: None, "relu" or "relu6".
+        between: for a separable host, a function of the depthwise output (its quantizer).
+
+    Returns:
+        (y, batch mean of the host output with bias, biased batch variance); the batch
+        statistics are None when not training.
+    """
+    x = np.asarray(x, np.float64)
+    w = {k: np.asarray(v, np.float64) for k, v in weights.items()}
+    kind = spec["kind"]
+    gamma, beta, mean, var, bias = w["gamma"], w["beta"], w["mean"], w["variance"], w["bias"]
+    sigma = np.sqrt(var + epsilon)
+    s = gamma / sigma
+    view = channels_last_view(w["kernel"], kind) * s
+    if bits is not None:
+        view = fake_quant_weights(view, bits, per_channel)
+    kernel = view.reshape(w["kernel"].shape)
+    dw = w.get("depthwise_kernel")
+    if dw is not None and bits is not None:
+        dw = fake_quant_weights(channels_last_view(dw, "depthwise"), bits, per_channel)
+        dw = dw.reshape(w["depthwise_kernel"].shape)
+    z = host_output(spec, x, kernel, dw, between)
+    batch_mean = batch_var = None
+    if training:
+        live = gamma != 0
+        z_orig = z[..., live] / s[live]
+        axes = tuple(range(z.ndim - 1))
+        mu = z_orig.mean(axis=axes)
+        v = ((z_orig - mu) ** 2).mean(axis=axes)
+        sigma_b = np.sqrt(v + epsilon)
+        y = np.broadcast_to(beta, z.shape).copy()  # a γ = 0 channel outputs β
+        y[..., live] = z[..., live] * (sigma[live] / sigma_b) + (
+            beta[live] - gamma[live] * mu / sigma_b
+        )
+        batch_mean = np.zeros_like(gamma)
+        batch_var = np.zeros_like(gamma)
+        batch_mean[live], batch_var[live] = mu + bias[live], v
+    else:
+        y = z + (beta + s * (bias - mean))
+    if activation == "relu":
+        y = np.maximum(y, 0.0)
+    elif activation == "relu6":
+        y = np.clip(y, 0.0, 6.0)
+    return y, batch_mean, batch_var

@@ -1,0 +1,245 @@
+"""keras_bn.quantize's API: the `from_layers` factory (either BN class, weights copied, the
+originals untouched, the fused activations), every argument check naming the bad value, and
+the public names' Google-style docstrings (the checks of tests/test_docstrings.py)."""
+
+import inspect
+
+import keras
+import numpy as np
+import pytest
+from test_docstrings import (
+    _entries,
+    _own_doc,
+    _parameters,
+    _raised_directly,
+    _returns_value,
+    _sections,
+)
+
+import keras_bn
+from helpers import assert_close
+from keras_bn import _bn_layers
+from keras_bn.export import fold
+from keras_bn.quantize import (
+    QuantizedHost,
+    QuantizedHostBatchNorm,
+    fake_quant,
+    from_layers,
+)
+
+L = keras.layers
+
+
+def _built(host, shape, bn=None, seed=0):
+    """`host` (and `bn` after it) built on `shape`, with random weights and statistics."""
+    rng = np.random.default_rng(seed)
+    host.build(shape)
+    for weight in host.weights:
+        weight.assign(rng.normal(size=weight.shape).astype("float32"))
+    if bn is not None:
+        bn.build(host.compute_output_shape(shape))
+        channels = bn.moving_mean.shape
+        bn.gamma.assign(rng.uniform(0.5, 1.5, channels).astype("float32"))
+        bn.beta.assign(rng.normal(size=channels).astype("float32"))
+        bn.moving_mean.assign(rng.normal(size=channels).astype("float32"))
+        bn.moving_variance.assign(rng.uniform(0.5, 2.0, channels).astype("float32"))
+    return host, bn
+
+
+def _snapshot(*layers):
+    return [[np.array(w) for w in layer.weights] for layer in layers]
+
+
+@pytest.mark.parametrize("bn_class", [keras_bn.BatchNormalization, L.BatchNormalization])
+def test_from_layers_copies_weights_and_keeps_the_float_inference(bn_class):
+    """With fake quantization off, the QAT layer's inference is the original host → BN → ReLU's;
+    the moving variance is copied as it is (either convention) and the originals keep their
+    weights; with it on, `folded_weights` is the project's fold of the same layers."""
+    host, bn = _built(L.Conv2D(4, 3, padding="same"), (2, 6, 6, 3), bn_class(epsilon=1e-4))
+    before = _snapshot(host, bn)
+    configs = [host.get_config(), bn.get_config()]
+    x = np.random.default_rng(1).normal(size=(2, 6, 6, 3)).astype("float32")
+    expected = np.maximum(np.asarray(bn(host(x), training=False)), 0.0)
+
+    layer = from_layers(host, bn, L.ReLU(), weight_bits=None, activation_bits=None)
+    assert isinstance(layer, QuantizedHostBatchNorm) and layer.activation == "relu"
+    assert type(layer.batch_norm) is keras_bn.BatchNormalization
+    assert layer.batch_norm.epsilon == 1e-4
+    np.testing.assert_array_equal(layer.batch_norm.moving_variance, bn.moving_variance)
+    assert_close(np.asarray(layer(x, training=False)), expected, 1e-5)
+    assert layer.host is not host and layer.batch_norm is not bn
+
+    quantized = from_layers(host, bn, "relu", weight_bits=4)
+    kernel, bias = quantized.folded_weights()
+    scale, shift = _bn_layers.inference_affine(bn)
+    want_kernel, want_bias = fold.fold_conv(
+        np.asarray(host.kernel), np.asarray(host.bias), scale, shift
+    )
+    np.testing.assert_allclose(kernel, want_kernel, rtol=1e-6)
+    np.testing.assert_allclose(bias, want_bias, rtol=1e-5, atol=1e-6)
+    # Training the copies changes nothing in the originals.
+    layer(x, training=True)
+    layer.host.kernel.assign(layer.host.kernel * 2)
+    for old, new in zip(before, _snapshot(host, bn)):
+        for a, b in zip(old, new):
+            np.testing.assert_array_equal(a, b)
+    assert [host.get_config(), bn.get_config()] == configs
+
+
+@pytest.mark.parametrize(
+    "activation, name",
+    [
+        (L.ReLU(), "relu"),
+        (L.ReLU(max_value=6), "relu6"),
+        (L.Activation("relu6"), "relu6"),
+        (L.Activation("linear"), None),
+        ("relu6", "relu6"),
+        (None, None),
+    ],
+)
+def test_from_layers_fuses_relu_and_relu6(activation, name):
+    host, bn = _built(L.Dense(3), (4, 5), keras_bn.BatchNormalization())
+    assert from_layers(host, bn, activation).activation == name
+
+
+@pytest.mark.parametrize(
+    "activation", [L.LeakyReLU(), L.ReLU(negative_slope=0.1), L.ReLU(max_value=4), "sigmoid"]
+)
+def test_from_layers_refuses_other_activations(activation):
+    host, bn = _built(L.Dense(3), (4, 5), keras_bn.BatchNormalization())
+    with pytest.raises(ValueError, match="relu6"):
+        from_layers(host, bn, activation)
+
+
+def test_without_batch_norm_a_host_relu_moves_to_the_qat_layer():
+    host, _ = _built(L.Dense(3, activation="relu"), (4, 5))
+    layer = from_layers(host, weight_bits=None, activation_bits=None)
+    assert isinstance(layer, QuantizedHost) and layer.activation == "relu"
+    assert keras.activations.serialize(layer.host.activation) == "linear"
+    assert host.get_config()["activation"] == "relu"  # the original keeps its own
+    x = np.random.default_rng(2).normal(size=(4, 5)).astype("float32")
+    assert_close(np.asarray(layer(x)), np.asarray(host(x)), 1e-6)
+    with pytest.raises(ValueError, match="already applies 'relu'"):
+        from_layers(host, activation="relu")
+
+
+def test_from_layers_refuses_what_it_cannot_fold():
+    unbuilt = L.Conv2D(2, 3)
+    with pytest.raises(ValueError, match=f"'{unbuilt.name}' is not built"):
+        from_layers(unbuilt)
+    host, _ = _built(L.Dense(3), (4, 5))
+    for bn, message in [
+        (keras_bn.BatchNormalization(renorm=True), "renorm=True"),
+        (keras_bn.BatchNormalization(virtual_batch_size=2), "virtual_batch_size=2"),
+        (L.BatchNormalization(synchronized=True), "synchronized=True"),
+        (keras_bn.BatchNormalization(momentum=None), "momentum=None"),
+    ]:
+        bn.build((4, 3))
+        with pytest.raises(ValueError, match=message):
+            from_layers(host, bn)
+    dense, _ = _built(L.Dense(3), (4, 3))
+    with pytest.raises(ValueError, match="batch_norm must be a batch-norm layer"):
+        from_layers(host, dense)
+
+
+@pytest.mark.parametrize(
+    "host, message",
+    [
+        (L.Conv2DTranspose(2, 3), "Conv2DTranspose"),
+        (L.Conv2D(2, 3, activation="relu"), "activation='relu'"),
+        (L.Dense(2, lora_rank=2), "LoRA"),
+    ],
+)
+def test_unsupported_hosts_are_refused_by_name(host, message):
+    with pytest.raises(ValueError, match=message):
+        QuantizedHostBatchNorm(host)
+
+
+def test_a_batch_norm_off_the_hosts_channel_axis_is_refused_at_build():
+    layer = QuantizedHostBatchNorm(L.Conv2D(4, 3), keras_bn.BatchNormalization(axis=1))
+    with pytest.raises(ValueError, match=r"axis=1.*channels on axis 3"):
+        layer.build((2, 6, 6, 3))
+
+
+@pytest.mark.parametrize(
+    "kwargs, shown",
+    [
+        ({"weight_bits": 1}, "weight_bits=1"),
+        ({"weight_bits": 9}, "weight_bits=9"),
+        ({"weight_bits": 8.0}, "weight_bits=8.0"),
+        ({"weight_bits": True}, "weight_bits=True"),
+        ({"weight_bits": "8"}, "weight_bits='8'"),
+        ({"activation_bits": 0}, "activation_bits=0"),
+        ({"per_channel": 1}, "per_channel=1"),
+        ({"range_momentum": 1.0}, "range_momentum=1.0"),
+        ({"range_momentum": -0.1}, "range_momentum=-0.1"),
+        ({"activation": "sigmoid"}, "activation='sigmoid'"),
+        ({"batch_norm": "bn"}, "str"),
+    ],
+)
+def test_bad_arguments_raise_value_error_naming_the_value(kwargs, shown):
+    with pytest.raises(ValueError, match=shown.replace(".", r"\.")):
+        QuantizedHostBatchNorm(L.Dense(3), **kwargs)
+
+
+# The public names: the package's, the fake_quant module's functions, and the public methods
+# the classes define themselves.
+def _public():
+    import keras_bn.quantize as package
+
+    found = {}
+    for module, names in ((package, package.__all__), (fake_quant, None)):
+        names = names or [
+            n
+            for n, v in vars(module).items()
+            if not n.startswith("_") and inspect.isfunction(v) and v.__module__ == module.__name__
+        ]
+        for name in names:
+            value = getattr(module, name)
+            found[f"{module.__name__}.{name}"] = value
+            if inspect.isclass(value):
+                for member, attribute in vars(value).items():
+                    if not member.startswith("_") and inspect.isfunction(attribute):
+                        found[f"{module.__name__}.{name}.{member}"] = attribute
+    return found
+
+
+PUBLIC = {n: o for n, o in _public().items() if inspect.isclass(o) or inspect.isfunction(o)}
+# Exceptions raised by helpers that the callable's own body does not show.
+RAISES = {
+    "keras_bn.quantize.QuantizedHostBatchNorm": {"ValueError"},
+    "keras_bn.quantize.QuantizedHost": {"ValueError"},
+    "keras_bn.quantize.ActivationQuantizer": {"ValueError"},
+    "keras_bn.quantize.FreezeBatchNorm": {"ValueError"},
+    "keras_bn.quantize.from_layers": {"ValueError"},
+    "keras_bn.quantize.freeze_batch_norm": {"ValueError"},
+}
+
+
+def test_the_walk_finds_the_public_api():
+    for name in (
+        "keras_bn.quantize.from_layers",
+        "keras_bn.quantize.QuantizedHostBatchNorm.call",
+        "keras_bn.quantize.QuantizedHostBatchNorm.folded_weights",
+        "keras_bn.quantize.FreezeBatchNorm.on_train_batch_begin",
+        "keras_bn.quantize.fake_quant.weight_grid",
+    ):
+        assert name in PUBLIC, name
+    assert set(RAISES) <= set(PUBLIC)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLIC))
+def test_public_names_have_google_style_docstrings(name):
+    obj = PUBLIC[name]
+    doc = _own_doc(obj)
+    assert doc and len(doc.split()) >= 5, f"{name} has no docstring"
+    sections = _sections(doc)
+    args = _entries(sections.get("Args", []))
+    parameters = _parameters(obj)
+    assert sorted(args) == sorted(parameters), (name, args, parameters)
+    if inspect.isfunction(obj) and _returns_value(obj):
+        assert "Returns" in sections, f"{name} has no Returns section"
+    function = obj.__init__ if inspect.isclass(obj) and "__init__" in vars(obj) else obj
+    raised = RAISES.get(name, set()) | _raised_directly(function)
+    documented = {e.rsplit(".", 1)[-1] for e in _entries(sections.get("Raises", []))}
+    assert raised <= documented, (name, raised - documented)

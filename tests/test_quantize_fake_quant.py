@@ -1,0 +1,172 @@
+"""The fake-quant maths (TensorFlow ops and the numpy grid the exporters read) and the
+ActivationQuantizer's EMA range, against numpy written from the definitions."""
+
+import numpy as np
+import pytest
+import quantize_reference as ref
+import tensorflow as tf
+
+from keras_bn.quantize import ActivationQuantizer, fake_quant
+
+
+@pytest.mark.parametrize("bits", range(2, 9))
+@pytest.mark.parametrize("per_channel", [True, False], ids=["per_channel", "per_tensor"])
+def test_weight_grid_gives_tensorflows_integers(bits, per_channel):
+    """weight_grid's q·Δ is the TF op's output (to float32 rounding), its integers are the
+    definition's, |q| ≤ 2^(k−1) − 1, and each channel's (or the tensor's) extreme is ±q_max."""
+    rng = np.random.default_rng(bits)
+    kernel = (rng.normal(size=(3, 3, 4, 6)) * rng.uniform(0.1, 3.0, 6)).astype(np.float32)
+    max_abs = fake_quant.weight_max_abs(kernel, per_channel)
+    fake = np.asarray(fake_quant.fake_quant_weights(tf.constant(kernel), max_abs, bits))
+    q, scale = fake_quant.weight_grid(kernel, bits, per_channel)
+    assert q.dtype == np.int8
+    limit = fake_quant.q_max(bits)
+    assert np.abs(q).max() == limit
+    if per_channel:
+        assert scale.shape == (6,)
+        assert (np.abs(q).reshape(-1, 6).max(axis=0) == limit).all()
+    np.testing.assert_allclose(q * scale, fake, rtol=0, atol=2 * np.spacing(np.abs(kernel).max()))
+    step = ref.weight_scale(kernel, bits, per_channel)
+    np.testing.assert_allclose(scale, step, rtol=1e-6)
+    u = kernel / step
+    decided = np.abs(u - np.floor(u) - 0.5) > 1e-4  # off the rounding boundaries
+    np.testing.assert_array_equal(q[decided], np.floor(u[decided] + 0.5))
+
+
+def test_activation_grid_matches_the_op_and_the_definition():
+    rng = np.random.default_rng(0)
+    for bits in (2, 3, 4, 8):
+        x = rng.normal(size=4000).astype(np.float32) * 2
+        lo, hi = np.float32(-1.3), np.float32(2.9)
+        fake = np.asarray(fake_quant.fake_quant_activations(tf.constant(x), lo, hi, bits))
+        q, scale, zero_point = fake_quant.quantize(x, lo, hi, bits, narrow_range=False)
+        np.testing.assert_allclose(q * scale, fake, atol=4 * np.spacing(np.float32(hi)))
+        assert 0 <= zero_point <= 2**bits - 1 and q.min() >= -zero_point
+        assert q.max() <= 2**bits - 1 - zero_point
+        step, ref_zero_point = ref.activation_grid(float(lo), float(hi), bits)
+        assert zero_point == ref_zero_point
+        np.testing.assert_allclose(scale, step, rtol=1e-6)
+        expected = ref.fake_quant_activations(x, float(lo), float(hi), bits)
+        decided = ref.distance_to_rounding_boundary(x, float(lo), float(hi), bits) > 1e-4
+        np.testing.assert_allclose(fake[decided], expected[decided], atol=1e-5)
+
+
+def test_zero_is_on_every_grid():
+    for bits in (2, 5, 8):
+        out = fake_quant.fake_quant_activations(tf.zeros(3), -0.37, 1.91, bits)
+        np.testing.assert_array_equal(np.asarray(out), 0.0)
+        kernel = tf.constant([[0.0, 1.0], [0.3, 0.0]])
+        out = fake_quant.fake_quant_weights(kernel, fake_quant.weight_max_abs(kernel, True), bits)
+        assert float(out[0, 0]) == 0.0 and float(out[1, 1]) == 0.0
+
+
+def test_an_all_zero_channel_quantizes_to_zero():
+    kernel = np.zeros((3, 2), np.float32)
+    kernel[:, 1] = [0.5, -1.0, 0.25]
+    q, _ = fake_quant.weight_grid(kernel, 4, True)
+    np.testing.assert_array_equal(q[:, 0], 0)
+    out = fake_quant.fake_quant_weights(kernel, fake_quant.weight_max_abs(kernel, True), 4)
+    np.testing.assert_array_equal(np.asarray(out)[:, 0], 0.0)
+
+
+def test_weight_gradient_is_straight_through():
+    kernel = tf.Variable(np.random.default_rng(1).normal(size=(4, 3)).astype(np.float32))
+    upstream = tf.constant(np.random.default_rng(2).normal(size=(4, 3)).astype(np.float32))
+    with tf.GradientTape() as tape:
+        out = fake_quant.fake_quant_weights(kernel, fake_quant.weight_max_abs(kernel, True), 3)
+        loss = tf.reduce_sum(out * upstream)
+    np.testing.assert_array_equal(np.asarray(tape.gradient(loss, kernel)), np.asarray(upstream))
+
+
+@pytest.mark.parametrize("bad", [1, 9, 0, -8, 8.0, True, "8", None])
+def test_bits_out_of_range_are_refused_by_name_and_value(bad):
+    with pytest.raises(ValueError, match=r"bits.*2 to 8.*" + repr(bad).replace(".", r"\.")):
+        fake_quant.validate_bits(bad, "bits")
+
+
+def _observed(quantizer):
+    return float(quantizer.range_min), float(quantizer.range_max)
+
+
+def test_activation_range_is_an_ema_that_holds_zero():
+    """First batch initialises; then range ← 0.9·range + 0.1·batch; 0 stays inside; the output
+    is the numpy grid of the updated range."""
+    rng = np.random.default_rng(4)
+    quantizer = ActivationQuantizer(bits=4, momentum=0.9)
+    batches = [
+        rng.normal(size=(8, 5)) + 3.0,
+        rng.normal(size=(8, 5)) - 1.0,
+        rng.normal(size=(8, 5)),
+    ]
+    lo = hi = None
+    for batch in batches:
+        batch = batch.astype(np.float32)
+        y = np.asarray(quantizer(batch, training=True))
+        if lo is None:
+            lo, hi = batch.min(), batch.max()
+        else:
+            lo, hi = 0.9 * lo + 0.1 * batch.min(), 0.9 * hi + 0.1 * batch.max()
+        lo, hi = min(lo, 0.0), max(hi, 0.0)
+        np.testing.assert_allclose(_observed(quantizer), (lo, hi), rtol=1e-6, atol=1e-7)
+        expected = ref.fake_quant_activations(batch, lo, hi, 4)
+        decided = ref.distance_to_rounding_boundary(batch, lo, hi, 4) > 1e-4
+        np.testing.assert_allclose(y[decided], expected[decided], atol=1e-5)
+    assert _observed(quantizer)[0] < 0.0 < _observed(quantizer)[1]
+    # Inference quantizes with the stored range and moves nothing.
+    before = _observed(quantizer)
+    wide = batches[0].astype(np.float32) * 5
+    y = np.asarray(quantizer(wide, training=False))
+    assert _observed(quantizer) == before
+    expected = ref.fake_quant_activations(wide, *before, 4)
+    decided = ref.distance_to_rounding_boundary(wide, *before, 4) > 1e-4
+    np.testing.assert_allclose(y[decided], expected[decided], atol=1e-5)
+    assert (wide > before[1] + 1).any()  # clipped to the grid's top
+
+
+def test_first_all_positive_batch_starts_the_range_at_zero():
+    quantizer = ActivationQuantizer()
+    quantizer(np.array([[1.0, 2.0, 3.0]], np.float32), training=True)
+    assert _observed(quantizer) == (0.0, 3.0)
+
+
+def test_a_non_finite_batch_and_a_frozen_range_change_nothing():
+    quantizer = ActivationQuantizer(bits=8)
+    quantizer(np.array([[-1.0, 2.0]], np.float32), training=True)
+    before = _observed(quantizer)
+    y = quantizer(np.array([[np.nan, 5.0]], np.float32), training=True)
+    assert _observed(quantizer) == before
+    assert np.isnan(np.asarray(y)[0, 0])
+    quantizer.ranges_frozen.assign(True)
+    quantizer(np.array([[-7.0, 9.0]], np.float32), training=True)
+    assert _observed(quantizer) == before
+
+
+def test_before_any_training_batch_the_input_passes_through():
+    quantizer = ActivationQuantizer(bits=2)
+    x = np.array([[0.123, -4.56]], np.float32)
+    np.testing.assert_array_equal(np.asarray(quantizer(x, training=False)), x)
+    assert not quantizer.range_initialized.numpy()
+
+
+def test_activation_gradient_passes_inside_the_range_and_stops_outside():
+    quantizer = ActivationQuantizer(bits=8)
+    quantizer(np.array([[-1.0, 1.0]], np.float32), training=True)
+    x = tf.constant([[-5.0, -0.5, 0.25, 0.9, 5.0]])
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = quantizer(x, training=False)
+    np.testing.assert_array_equal(np.asarray(tape.gradient(y, x)), [[0.0, 1.0, 1.0, 1.0, 0.0]])
+
+
+@pytest.mark.parametrize(
+    "kwargs, value",
+    [
+        ({"bits": 1}, "1"),
+        ({"bits": 2.5}, "2.5"),
+        ({"momentum": 1.0}, "1.0"),
+        ({"momentum": True}, "True"),
+    ],
+)
+def test_activation_quantizer_refuses_bad_arguments(kwargs, value):
+    with pytest.raises(ValueError, match=value):
+        ActivationQuantizer(**kwargs)

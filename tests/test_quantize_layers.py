@@ -1,0 +1,398 @@
+"""The QAT layers against independent references: the folded-BN forward pass in numpy (every
+host kind, per channel and per tensor, 8/4/3/2 bits, before and after the freeze), the float
+host + keras_bn BN with fake quantization off (outputs, gradients, moving statistics), γ = 0,
+and the activation quantizers in the chain."""
+
+import zlib
+
+import keras
+import numpy as np
+import pytest
+import quantize_reference as ref
+import tensorflow as tf
+
+import keras_bn
+from helpers import assert_close
+from keras_bn.quantize import (
+    QuantizedHost,
+    QuantizedHostBatchNorm,
+    fake_quant,
+    freeze_batch_norm,
+    from_layers,
+)
+
+L = keras.layers
+EPSILON = 1e-3
+MOMENTUM = 0.9
+
+# name: (host factory, input shape). Geometry that exercises strides, "same"/"valid"/"causal"
+# padding, dilation, depth multipliers and channels_first.
+HOSTS = {
+    "conv1d": (lambda: L.Conv1D(4, 3, padding="causal", dilation_rate=2), (3, 9, 3)),
+    "conv2d": (lambda: L.Conv2D(5, 3, strides=2, padding="same"), (3, 7, 7, 3)),
+    "depthwise_m1": (lambda: L.DepthwiseConv2D(3, padding="valid"), (3, 6, 6, 3)),
+    "depthwise_m2": (
+        lambda: L.DepthwiseConv2D(3, depth_multiplier=2, padding="same"),
+        (3, 5, 5, 3),
+    ),
+    "separable": (
+        lambda: L.SeparableConv2D(4, 3, depth_multiplier=2, padding="same"),
+        (3, 5, 5, 3),
+    ),
+    "depthwise_m2_no_bias": (
+        lambda: L.DepthwiseConv2D(3, depth_multiplier=2, use_bias=False),
+        (3, 5, 5, 3),
+    ),
+    "conv2d_no_bias": (lambda: L.Conv2D(3, 2, use_bias=False), (3, 5, 5, 2)),
+    "dense": (lambda: L.Dense(5), (6, 4)),
+    # Width 7, not 6: on a 4×4 output, Keras's own bias add (ops.add → bias_add) takes the last
+    # axis for the channels (filters = width = 4) and the float reference would be wrong.
+    "conv2d_channels_first": (lambda: L.Conv2D(4, 3, data_format="channels_first"), (3, 3, 6, 7)),
+}
+
+
+def _spec(host):
+    kind = {L.Dense: "dense", L.DepthwiseConv2D: "depthwise", L.SeparableConv2D: "separable"}
+    spec = {"kind": kind.get(type(host), "conv")}
+    if spec["kind"] != "dense":
+        spec.update(strides=host.strides, padding=host.padding, dilation=host.dilation_rate)
+    return spec
+
+
+def _channels_first(host):
+    return getattr(host, "data_format", None) == "channels_first"
+
+
+def _to_last(x, host):
+    return np.moveaxis(x, 1, -1) if _channels_first(host) else x
+
+
+def _to_host_layout(y, host):
+    return np.moveaxis(y, -1, 1) if _channels_first(host) else y
+
+
+def _random_weights(host, rng, bits, per_channel, zero_gamma=False):
+    """Weights for the QAT layer (float64 numpy), the kernels moved off rounding boundaries."""
+    folded = host.pointwise_kernel if isinstance(host, L.SeparableConv2D) else host.kernel
+    channels = folded.shape[-1] * (folded.shape[-2] if isinstance(host, L.DepthwiseConv2D) else 1)
+    gamma = rng.uniform(0.5, 1.5, channels) * rng.choice([-1.0, 1.0], channels)
+    if zero_gamma:
+        gamma[0] = 0.0
+    weights = {
+        "kernel": rng.normal(size=folded.shape),
+        "bias": rng.normal(size=channels) * 0.3 if host.use_bias else np.zeros(channels),
+        "gamma": gamma,
+        "beta": rng.normal(size=channels) * 0.5,
+        "mean": rng.normal(size=channels) * 0.2,
+        "variance": rng.uniform(0.5, 2.0, channels),
+    }
+    s = gamma / np.sqrt(weights["variance"] + EPSILON)
+    kind = _spec(host)["kind"]
+    if bits is not None:
+        weights["kernel"] = ref.away_from_ties(weights["kernel"], kind, s, bits, per_channel)
+    if isinstance(host, L.SeparableConv2D):
+        depthwise = rng.normal(size=host.depthwise_kernel.shape)
+        if bits is not None:
+            depthwise = ref.away_from_ties(depthwise, "depthwise", 1.0, bits, per_channel)
+        weights["depthwise_kernel"] = depthwise
+    return weights
+
+
+def _assign(layer, weights):
+    """Put `weights` into a built QuantizedHostBatchNorm (float32)."""
+    host, bn = layer.host, layer.batch_norm
+    kernel = host.pointwise_kernel if isinstance(host, L.SeparableConv2D) else host.kernel
+    kernel.assign(weights["kernel"].astype("float32"))
+    if "depthwise_kernel" in weights:
+        host.depthwise_kernel.assign(weights["depthwise_kernel"].astype("float32"))
+    if host.bias is not None:
+        host.bias.assign(weights["bias"].astype("float32"))
+    for name, value in (("gamma", "gamma"), ("beta", "beta")):
+        getattr(bn, name).assign(weights[value].astype("float32"))
+    bn.moving_mean.assign(weights["mean"].astype("float32"))
+    bn.moving_variance.assign(weights["variance"].astype("float32"))
+
+
+def _make(host_name, bits, per_channel, activation="relu", activation_bits=None, **options):
+    """(QAT layer, the host config it copies, weights, input), all from a fixed seed."""
+    factory, shape = HOSTS[host_name]
+    rng = np.random.default_rng(zlib.crc32(f"{host_name} {bits} {per_channel}".encode()))
+    zero_gamma = options.pop("zero_gamma", False)
+    host = factory()
+    host.build(shape)
+    layer = QuantizedHostBatchNorm(
+        host,
+        keras_bn.BatchNormalization(
+            axis=1 if _channels_first(host) else -1, momentum=MOMENTUM, epsilon=EPSILON
+        ),
+        activation=activation,
+        weight_bits=bits,
+        activation_bits=activation_bits,
+        per_channel=per_channel,
+        **options,
+    )
+    layer.build(shape)
+    weights = _random_weights(host, rng, bits, per_channel, zero_gamma)
+    _assign(layer, weights)
+    x = (rng.normal(size=shape) * 1.5 + 0.3).astype("float32")
+    return layer, host, weights, x
+
+
+def _reference(host, x, weights, bits, per_channel, training, activation="relu", between=None):
+    y, mean, var = ref.qat_forward(
+        _spec(host),
+        _to_last(x, host),
+        weights,
+        bits,
+        per_channel,
+        training,
+        EPSILON,
+        activation,
+        between,
+    )
+    return _to_host_layout(y, host), mean, var
+
+
+def _moving(layer):
+    return (
+        np.array(layer.batch_norm.moving_mean, np.float64),
+        np.array(layer.batch_norm.moving_variance, np.float64),
+    )
+
+
+@pytest.mark.parametrize("bits", [8, 4, 3, 2])
+@pytest.mark.parametrize("per_channel", [True, False], ids=["per_channel", "per_tensor"])
+@pytest.mark.parametrize("host_name", list(HOSTS))
+def test_forward_matches_numpy_before_and_after_the_freeze(host_name, per_channel, bits):
+    layer, host, weights, x = _make(host_name, bits, per_channel)
+    # Inference: the folded BN on the fake-quantized W·s.
+    expected, _, _ = _reference(host, x, weights, bits, per_channel, training=False)
+    inference = np.asarray(layer(x, training=False))
+    assert_close(inference, expected, 1e-5)
+    # Frozen, training computes that same folded form bit for bit and moves nothing.
+    before = _moving(layer)
+    freeze_batch_norm(layer)
+    np.testing.assert_array_equal(np.asarray(layer(x, training=True)), inference)
+    for old, new in zip(before, _moving(layer)):
+        np.testing.assert_array_equal(old, new)
+    layer.batch_norm_frozen.assign(False)
+    # Before the freeze: batch statistics of z/s, then the moving update (unbiased variance).
+    expected, batch_mean, batch_var = _reference(host, x, weights, bits, per_channel, True)
+    assert_close(np.asarray(layer(x, training=True)), expected, 1e-5)
+    m = expected.size // weights["gamma"].size
+    mean, variance = _moving(layer)
+    assert_close(mean, MOMENTUM * weights["mean"] + (1 - MOMENTUM) * batch_mean, 1e-5)
+    unbiased = batch_var * m / (m - 1)
+    assert_close(variance, MOMENTUM * weights["variance"] + (1 - MOMENTUM) * unbiased, 1e-5)
+
+
+def test_weight_grid_is_the_k_bit_grid_of_the_folded_kernel():
+    """`folded_weights` and `fake_quant.weight_grid` give the integers of the reference's grid:
+    |q| ≤ 2^(k−1) − 1, one scale per output channel c·M + m of a depthwise kernel with
+    multiplier 2, each channel reaching the grid's end."""
+    bits = 3
+    layer, _, weights, _ = _make("depthwise_m2", bits, True)
+    kernel, bias = layer.folded_weights()
+    s = weights["gamma"] / np.sqrt(weights["variance"] + EPSILON)
+    np.testing.assert_allclose(
+        bias, weights["beta"] + s * (weights["bias"] - weights["mean"]), 1e-6
+    )
+    q, scale = fake_quant.weight_grid(ref.channels_last_view(kernel, "depthwise"), bits, True)
+    view = ref.channels_last_view(weights["kernel"], "depthwise") * s
+    step = ref.weight_scale(view, bits, True)
+    assert q.dtype == np.int8 and q.shape == (3, 3, 1, 6)
+    np.testing.assert_array_equal(q, ref.fake_quant_weights(view, bits, True) / step)
+    np.testing.assert_allclose(scale, step, rtol=1e-6)
+    assert (np.abs(q).reshape(-1, 6).max(axis=0) == ref.q_max(bits)).all()
+
+
+def _float_reference(host_name, with_relu=True):
+    """A QAT layer with fake quantization off, and the float host + keras_bn BN it copies."""
+    factory, shape = HOSTS[host_name]
+    rng = np.random.default_rng(7)
+    host = factory()
+    host.build(shape)
+    bn = keras_bn.BatchNormalization(
+        axis=1 if _channels_first(host) else -1, momentum=MOMENTUM, epsilon=EPSILON
+    )
+    bn.build(host.compute_output_shape(shape))
+    weights = _random_weights(host, rng, None, True, zero_gamma=True)
+    weights["beta"][0] = 0.7  # after ReLU, the γ = 0 channel still passes a gradient
+    for variable, value in zip(host.weights, [w for w in host.get_weights()]):
+        variable.assign(rng.normal(size=value.shape).astype("float32"))
+    if host.bias is not None:
+        host.bias.assign(weights["bias"].astype("float32"))
+    bn.gamma.assign(weights["gamma"].astype("float32"))
+    bn.beta.assign(weights["beta"].astype("float32"))
+    bn.moving_mean.assign(weights["mean"].astype("float32"))
+    bn.moving_variance.assign(weights["variance"].astype("float32"))
+    layer = from_layers(
+        host, bn, "relu" if with_relu else None, weight_bits=None, activation_bits=None
+    )
+    x = (rng.normal(size=shape) * 1.5 + 0.3).astype("float32")
+    return layer, host, bn, x
+
+
+def _kernels(host):
+    if isinstance(host, L.SeparableConv2D):
+        return [host.depthwise_kernel, host.pointwise_kernel]
+    return [host.kernel]
+
+
+@pytest.mark.parametrize("host_name", list(HOSTS))
+def test_without_fake_quant_training_is_float_host_then_batch_norm(host_name):
+    """Fake quantization off: outputs, gradients (input, kernels, γ, β) and the moving update
+    equal the float host → keras_bn BN → ReLU in training mode, γ = 0 channel included."""
+    layer, host, bn, x = _float_reference(host_name)
+    x = tf.constant(x)
+    upstream = tf.constant(np.random.default_rng(3).normal(size=layer(x).shape), tf.float32)
+
+    def run(forward, variables):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = forward()
+            loss = tf.reduce_sum(y * upstream)
+        return y, tape.gradient(loss, [x, *variables])
+
+    y_qat, g_qat = run(
+        lambda: layer(x, training=True),
+        [*_kernels(layer.host), layer.batch_norm.gamma, layer.batch_norm.beta],
+    )
+    y_ref, g_ref = run(
+        lambda: tf.nn.relu(bn(host(x), training=True)), [*_kernels(host), bn.gamma, bn.beta]
+    )
+    assert_close(y_qat, y_ref, 1e-5)
+    beta_0 = float(bn.beta[0])
+    channel_0 = np.take(np.asarray(y_qat), 0, axis=1 if _channels_first(host) else -1)
+    np.testing.assert_allclose(channel_0, max(beta_0, 0.0), atol=1e-6)  # γ = 0: β, then ReLU
+    for got, want in zip(g_qat, g_ref):
+        assert_close(got, want, 1e-5)
+    assert float(np.abs(g_ref[-2][0])) > 1e-3  # γ = 0 still has a gradient, and it matches
+    assert_close(layer.batch_norm.moving_mean, bn.moving_mean, 1e-5)
+    assert_close(layer.batch_norm.moving_variance, bn.moving_variance, 1e-5)
+    assert not np.allclose(np.asarray(bn.moving_mean), 0.0)
+
+
+@pytest.mark.parametrize("per_channel", [True, False], ids=["per_channel", "per_tensor"])
+def test_zero_gamma_channel_outputs_beta_and_leaves_the_others_alone(per_channel):
+    """γ = 0 (s = 0) divides nothing by zero: that channel outputs β in training and inference,
+    everything stays finite, and the other channels match the numpy reference, whose per-tensor
+    range comes from W·s (the zero channel does not widen it)."""
+    layer, host, weights, x = _make("conv2d", 4, per_channel, activation=None, zero_gamma=True)
+    for training in (False, True):
+        expected, batch_mean, _ = _reference(host, x, weights, 4, per_channel, training, None)
+        with tf.GradientTape() as tape:
+            y = layer(x, training=training)
+        grads = tape.gradient(y, layer.trainable_variables)
+        assert all(np.isfinite(np.asarray(g)).all() for g in grads)
+        np.testing.assert_allclose(np.asarray(y)[..., 0], weights["beta"][0], atol=1e-6)
+        assert_close(np.asarray(y), expected, 1e-5)
+    live = weights["gamma"] != 0
+    mean, _ = _moving(layer)
+    expected_mean = MOMENTUM * weights["mean"] + (1 - MOMENTUM) * batch_mean
+    assert_close(mean[live], expected_mean[live], 1e-5)
+
+
+@pytest.mark.parametrize("activation_bits", [8, 4])
+@pytest.mark.parametrize("host_name", ["conv2d", "dense", "separable"])
+def test_activation_quantizers_in_the_chain(host_name, activation_bits):
+    """Output (and a separable conv's intermediate) quantized on the EMA range, first batch's
+    range, then one EMA step; inference uses the stored range. Compared with the numpy grid;
+    an element whose value lies within 1e-4 steps of a rounding boundary may land on either
+    neighbour (float32 vs float64), and the data are such that none of the intermediate's do."""
+    bits = 4
+    layer, host, weights, x = _make(
+        host_name, bits, True, activation="relu6", activation_bits=activation_bits
+    )
+    ranges = {}
+
+    def quantize(name, values):
+        lo, hi = min(values.min(), 0.0), max(values.max(), 0.0)
+        if name in ranges:
+            old_lo, old_hi = ranges[name]
+            lo = min(0.99 * old_lo + 0.01 * values.min(), 0.0)
+            hi = max(0.99 * old_hi + 0.01 * values.max(), 0.0)
+        ranges[name] = (lo, hi)
+        return values, lo, hi
+
+    def intermediate(middle):
+        middle, lo, hi = quantize("intermediate", middle)
+        assert ref.distance_to_rounding_boundary(middle, lo, hi, activation_bits).min() > 1e-4
+        return ref.fake_quant_activations(middle, lo, hi, activation_bits)
+
+    between = intermediate if host_name == "separable" else None
+    for step, batch in enumerate([x, x * 0.5 + 0.2]):
+        y = np.asarray(layer(batch, training=True))
+        # Back to the initial moving statistics, which the reference's W·s uses.
+        layer.batch_norm.moving_mean.assign(weights["mean"].astype("float32"))
+        layer.batch_norm.moving_variance.assign(weights["variance"].astype("float32"))
+        pre, _, _ = _reference(host, batch, weights, bits, True, True, "relu6", between)
+        _, lo, hi = quantize("output", pre)
+        _assert_quantized(y, pre, lo, hi, activation_bits)
+        quantizer = layer.output_quantizer
+        np.testing.assert_allclose(
+            [float(quantizer.range_min), float(quantizer.range_max)], [lo, hi], rtol=1e-5, atol=1e-7
+        )
+        assert step > 0 or lo == 0.0  # ReLU6: the range starts at 0
+    lo, hi = ranges["output"]
+    if host_name == "separable":
+        lo_i, hi_i = ranges["intermediate"]
+
+        def between(middle):
+            return ref.fake_quant_activations(middle, lo_i, hi_i, activation_bits)
+
+    pre, _, _ = _reference(host, x, weights, bits, True, False, "relu6", between)
+    _assert_quantized(np.asarray(layer(x, training=False)), pre, lo, hi, activation_bits)
+
+
+def _assert_quantized(actual, pre, lo, hi, bits):
+    expected = ref.fake_quant_activations(pre, lo, hi, bits)
+    step, _ = ref.activation_grid(lo, hi, bits)
+    near = ref.distance_to_rounding_boundary(pre, lo, hi, bits) < 1e-4
+    difference = np.abs(actual - expected)
+    assert (difference[~near] <= 1e-5 * max(1.0, abs(hi))).all(), difference[~near].max()
+    assert (difference[near] <= step * 1.0001).all()
+    assert near.mean() < 0.01
+
+
+def test_quantized_host_matches_numpy():
+    """No batch norm: FQ_w(W) per channel, the bias, ReLU; then the output grid."""
+    rng = np.random.default_rng(11)
+    host = L.Conv2D(3, 3, padding="same")
+    host.build((2, 5, 5, 2))
+    layer = QuantizedHost(host, activation="relu", weight_bits=3, activation_bits=None)
+    layer.build((2, 5, 5, 2))
+    kernel = ref.away_from_ties(rng.normal(size=(3, 3, 2, 3)), "conv", 1.0, 3, True)
+    bias = rng.normal(size=3)
+    layer.host.kernel.assign(kernel.astype("float32"))
+    layer.host.bias.assign(bias.astype("float32"))
+    x = rng.normal(size=(2, 5, 5, 2)).astype("float32")
+    expected = ref.conv(
+        x.astype(np.float64), ref.fake_quant_weights(kernel, 3, True), (1, 1), "same", (1, 1)
+    )
+    expected = np.maximum(expected + bias, 0.0)
+    for training in (True, False):
+        assert_close(np.asarray(layer(x, training=training)), expected, 1e-5)
+
+
+def test_a_static_batch_of_one_value_per_channel_is_refused_in_training():
+    layer = QuantizedHostBatchNorm(L.Dense(3), activation_bits=None)
+    with pytest.raises(ValueError, match="m=1"):
+        layer(np.ones((1, 4), "float32"), training=True)
+
+
+def test_a_dynamic_batch_of_one_leaves_the_moving_statistics_alone():
+    """A batch size known only at run time: m = 1 outputs β (x − μ_B = 0) and skips the update."""
+    layer = QuantizedHostBatchNorm(L.Dense(3), activation_bits=None)
+    layer.build((None, 4))
+    layer.batch_norm.beta.assign([0.5, -1.0, 2.0])
+    before = _moving(layer)
+    step = tf.function(
+        lambda x: layer(x, training=True), input_signature=[tf.TensorSpec((None, 4))]
+    )
+    y = step(tf.ones((1, 4)))
+    np.testing.assert_allclose(np.asarray(y), [[0.5, -1.0, 2.0]], atol=1e-5)
+    for old, new in zip(before, _moving(layer)):
+        np.testing.assert_array_equal(old, new)
+    step(tf.ones((2, 4)) * [[1.0], [2.0]])
+    assert not np.array_equal(before[0], _moving(layer)[0])
