@@ -456,9 +456,9 @@ class BatchNormalization(keras.layers.Layer):
             keep, weight = _cumulative_weights(self.num_batches_tracked, var_dtype)
             self.num_batches_tracked.assign_add(tf.cast(updated, "int64"))
         else:
-            keep, weight = self.momentum, 1.0 - self.momentum
+            keep, weight = self.momentum, None
         for moving, batch_value in zip((self.moving_mean, self.moving_variance), batch):
-            _average_into(moving, batch_value, keep, weight, updated)
+            _average_into(moving, batch_value, keep, updated, weight)
         if self.renorm:
             self._update_renorm_statistics(batch[0], batch[2], updated)
 
@@ -475,7 +475,7 @@ class BatchNormalization(keras.layers.Layer):
         """
         context = None if self.synchronized else _several_replicas()
         if context is None:
-            return batch, _updated_channels(batch, enough)
+            return batch, _usable(batch, enough)
         weight = (
             count
             if self.virtual_batch_size is None
@@ -487,9 +487,8 @@ class BatchNormalization(keras.layers.Layer):
         """Keras's renorm state: renorm_mean and renorm_stddev average μ_B and √(σ²_B + ε) with
         renorm_momentum (they give r and d). moving_stddev is kept at √(moving_variance + ε),
         the relation Keras maintains, so the weights carry over to Keras unchanged."""
-        keep, weight = self.renorm_momentum, 1.0 - self.renorm_momentum
         for moving, batch_value in ((self.renorm_mean, mean), (self.renorm_stddev, stddev)):
-            _average_into(moving, batch_value, keep, weight, updated)
+            _average_into(moving, batch_value, self.renorm_momentum, updated)
         # Only in the channels updated: a skipped one leaves every weight as it was.
         self.moving_stddev.assign(
             tf.where(updated, tf.sqrt(self.moving_variance + self.epsilon), self.moving_stddev)
@@ -587,7 +586,7 @@ def _several_replicas():
     return context
 
 
-def _updated_channels(values, enough):
+def _usable(values, enough):
     """Which channels a moving-statistics update reaches: those with m ≥ 2 (`enough`: True when
     m was checked statically, else a boolean tensor, scalar or per channel), provided that
     every value of those channels is finite (a non-finite one skips the whole batch)."""
@@ -621,7 +620,7 @@ def _count_weighted_average(context, values, weight, enough):
     )
     some = total_weight > 0
     averages = [t / tf.where(some, total_weight, tf.ones_like(total_weight)) for t in totals]
-    return averages, _updated_channels(averages, some)
+    return averages, _usable(averages, some)
 
 
 def _cumulative_weights(counter, dtype):
@@ -632,11 +631,12 @@ def _cumulative_weights(counter, dtype):
     return tf.cast(seen / (seen + 1.0), dtype), tf.cast(1.0 / (seen + 1.0), dtype)
 
 
-def _average_into(moving, value, keep, weight, updated):
-    """moving ← keep·moving + weight·value where `updated` (per channel), else unchanged."""
+def _average_into(moving, value, momentum, usable, weight=None):
+    """moving ← momentum·moving + weight·value where `usable` (per channel, or one boolean),
+    else unchanged; `weight` is 1 − momentum unless given (momentum=None's exact pair)."""
     old = tf.convert_to_tensor(moving)
-    new = keep * old + weight * value
-    moving.assign(tf.where(updated, new, old))
+    new = momentum * old + (1.0 - momentum if weight is None else weight) * value
+    moving.assign(tf.where(usable, new, old))
 
 
 def _sqrt_of(initializer):
