@@ -6,7 +6,10 @@ with the same meaning, except:
   int axis, which may be negative;
 - γ and β: either class may lack them (`scale=False`, `center=False`), standing for 1 and 0;
 - the variance convention: keras_bn's moving variance is the unbiased m/(m−1)·E_B[σ²_B]
-  (Algorithm 2), Keras's the biased E_B[σ²_B].
+  (Algorithm 2), Keras's the biased E_B[σ²_B];
+- masks: both read a mask of the input's rank − 1 as Keras does (the leading axes, broadcast
+  over the last); keras_bn also reads one over the non-channel axes where Keras's reading
+  does not fit (`statistics.expand_mask`).
 
 Folding (keras_bn.export), `recalibrate` and `convert` all work from this one description.
 """
@@ -59,6 +62,12 @@ def channel_axes(layer, rank):
 def unbiased_variance(layer):
     """True when the moving variance is the unbiased m/(m−1) estimate (keras_bn), False when it
     is the biased one (Keras)."""
+    return isinstance(layer, KERAS_BN_BN)
+
+
+def reads_channel_masks(layer):
+    """True when the layer also reads a mask over its non-channel axes (keras_bn), False when
+    it reads only Keras's (the leading axes, rank − 1)."""
     return isinstance(layer, KERAS_BN_BN)
 
 

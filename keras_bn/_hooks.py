@@ -75,8 +75,8 @@ class BatchNormCalls:
 
         Returns:
             dict: {layer index: (mean, variance, count)} for each BN the pass called, the
-            biased variance, shaped as the layer's moving statistics; count is m, the values
-            per channel.
+            biased variance, shaped as the layer's moving statistics; count is m_c, the values
+            in each channel (equal unless a mask leaves the channels different counts).
         """
         self._recorded = {}
         try:
@@ -89,15 +89,23 @@ class BatchNormCalls:
 
 def batch_moments(layer, inputs, mask):
     """(mean, biased variance, m) of a BN layer's input over its reduced axes (unmasked values
-    only), in the layer's statistics dtype and its moving statistics' shape."""
+    only), in the layer's statistics dtype and its moving statistics' shape; m per channel.
+
+    The mask is read as the layer itself reads it in training (`statistics.expand_mask`):
+    Keras's reading for both classes, keras_bn's non-channel reading only for keras_bn's
+    layer, so that the moments are those the layer's own training step computes.
+    """
     x = tf.cast(inputs, statistics.statistics_dtype(inputs.dtype))
     channel_axes = _bn_layers.channel_axes(layer, x.shape.rank)
     if mask is not None:
-        mask = statistics.expand_mask(mask, x, channel_axes)
+        mask = statistics.expand_mask(
+            mask, x, channel_axes, channel_reading=_bn_layers.reads_channel_masks(layer)
+        )
     mean, variance = statistics.moments(x, channel_axes, mask)
-    count = tf.cast(statistics.element_count(x, channel_axes, mask), x.dtype)
+    # m_c per channel: a mask may leave the channels different counts.
+    count = tf.zeros_like(mean) + tf.cast(statistics.element_count(x, channel_axes, mask), x.dtype)
     shape = tf.shape(layer.moving_mean)
-    return tf.reshape(mean, shape), tf.reshape(variance, shape), count
+    return tuple(tf.reshape(t, shape) for t in (mean, variance, count))
 
 
 class Snapshot:

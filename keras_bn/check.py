@@ -89,21 +89,22 @@ def check_batchnorm(model, data=None, *, batch_size=32, steps=None):
       smaller than the input's variance (both + epsilon). The input is what the layer gets at
       inference (upstream BNs use their moving statistics); its mean and variance are pooled
       over the batches of `data` in the layer's own convention (within-batch variances,
-      m/(m−1) for keras_bn), which is what the moving average estimates. For a frozen BN
-      (trainable=False) the message says so rather than advise recalibrating: the layers after
-      it are trained for its statistics.
+      m/(m−1) for keras_bn; a mask read as the layer reads it, per channel, as
+      `keras_bn.recalibrate` pools), which is what the moving average estimates; a channel no
+      batch gives 2 values is not compared. For a frozen BN (trainable=False) the message says
+      so rather than advise recalibrating: the layers after it are trained for its statistics.
     - `non_finite`: on `data` (itself finite), the layer's input is NaN or inf: an upstream
       weight or statistic is not finite.
     - `small_batch`: the batches of `data` give a layer fewer than `MIN_VALUES_PER_CHANNEL` =
       16 values per channel (batch size × spatial positions, unmasked only; the median over
-      batches, so a short last batch does not count): its batch mean and variance are too noisy
-      to train with.
+      batches of each batch's median channel, so a short last batch does not count): its
+      batch mean and variance are too noisy to train with.
     - `train_inference_gap`: on `data`, the model's outputs with every BN in training mode
       (batch statistics; the other layers, Dropout included, infer) differ from its inference
       outputs by more than `GAP_THRESHOLD` = 0.5, measured as the RMS difference over the RMS
       spread of the inference outputs around their batch mean (all outputs pooled; a batch
-      that leaves some BN m ≤ 1 values, e.g. a last batch of one sample, is left out: it has
-      no batch statistics, and BN outputs β for it). Batch noise
+      that leaves some BN channel m ≤ 1 values, e.g. a last batch of one sample, is left out:
+      it has no batch statistics, and BN outputs β for it). Batch noise
       alone gives some gap (more for Dense→BN, whose m is the batch size, than after a
       convolution); the threshold sits above it for healthy models. Reported once, for the
       model; the message names the BN whose statistics are furthest from its input's.
@@ -217,8 +218,8 @@ def _at_initial_values(layer):
 
 def _data_findings(model, layers, paths, batches, skip):
     """stale_statistics (far from the data), small_batch and train_inference_gap on `data`."""
-    sums = [PooledMoments() for _ in layers]
-    counts = [[] for _ in layers]  # values per channel, per batch
+    sums = [PooledMoments.for_layer(layer) for layer in layers]
+    counts = [[] for _ in layers]  # each batch's values per channel (the median m_c)
     difference = spread = 0.0
     training_statistics = _hooks.bn_statistics(model)
     # One shadowing of the BN calls for both passes: `record` makes the BNs infer and records
@@ -241,12 +242,12 @@ def _data_findings(model, layers, paths, batches, skip):
                 trained = _flat(train(x))
             finally:
                 training_statistics.restore()
-            degenerate = False  # some BN got m ≤ 1: no batch statistics, it output β
+            degenerate = False  # some BN channel got m ≤ 1: no batch statistics, it output β
             for index, (mean, variance, count) in recorded.items():
-                count = float(count)
-                counts[index].append(count)
+                count = count.numpy()
+                counts[index].append(float(np.median(count)))
                 sums[index].add(mean.numpy(), variance.numpy(), count)  # skips m ≤ 1
-                degenerate = degenerate or count < 2
+                degenerate = degenerate or bool(np.any(count < 2))
             if degenerate:  # its training-mode outputs are the guard's, not batch statistics
                 continue
             for a, b in zip(trained, inferred):
@@ -271,8 +272,10 @@ def _data_findings(model, layers, paths, batches, skip):
             )
         if sums[index].batches == 0:
             continue
+        # Only the channels some batch gave 2 values: the others have no statistics to compare.
+        seen = sums[index].seen
         mean, variance = sums[index].population(_bn_layers.unbiased_variance(layer))
-        if not (np.all(np.isfinite(mean)) and np.all(np.isfinite(variance))):
+        if not (np.all(np.isfinite(mean[seen])) and np.all(np.isfinite(variance[seen]))):
             findings.append(
                 Finding(
                     path,
@@ -284,7 +287,7 @@ def _data_findings(model, layers, paths, batches, skip):
                 )
             )
             continue
-        distance, message = _distance_from_data(layer, mean, variance)
+        distance, message = _distance_from_data(layer, mean, variance, seen)
         furthest = max(furthest, (distance, path), key=lambda pair: pair[0])
         if message and path not in skip:
             findings.append(Finding(path, "stale_statistics", message))
@@ -336,13 +339,17 @@ def _check_finite(x, number):
             )
 
 
-def _distance_from_data(layer, mean, variance):
+def _distance_from_data(layer, mean, variance, seen):
     """(largest standardized distance, message or None) between the moving statistics and the
-    input's pooled statistics on `data`."""
+    input's pooled statistics on `data`, in the channels `seen` (the others score 0)."""
     epsilon = layer.epsilon
     moving_mean = layer.moving_mean.numpy().astype(np.float64).ravel()
     moving_variance = layer.moving_variance.numpy().astype(np.float64).ravel()
-    mean, variance = mean.ravel(), variance.ravel()
+    seen = np.broadcast_to(seen, np.shape(mean)).ravel()
+    mean, variance = (
+        np.where(seen, mean.ravel(), moving_mean),
+        np.where(seen, variance.ravel(), moving_variance),
+    )
     shift = np.abs(moving_mean - mean) / np.sqrt(variance + epsilon)
     ratio = (moving_variance + epsilon) / (variance + epsilon)
     fold = np.maximum(ratio, 1 / ratio)

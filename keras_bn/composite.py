@@ -8,9 +8,10 @@ the chain rule (notation of keras_bn/statistics.py):
 
     ∂l/∂β = Σg,   ∂l/∂γ = Σg·x̂,   ∂l/∂x = γ·inv·(g − w·(Σg + x̂·Σg·x̂) / m)
 
-where w is the mask (1 everywhere without one). Sums run over every position, masked or not,
-because every output depends on μ and σ². The statistics are outputs without gradient. With a
-replica context, Σg and Σg·x̂ are all-reduced as the forward sums are.
+where w is the mask broadcast to x (1 everywhere without one) and m each channel's count m_c
+(a mask over a channel axis gives each channel its own). Sums run over every position, masked
+or not, because every output depends on μ and σ². The statistics are outputs without gradient.
+With a replica context, Σg and Σg·x̂ are all-reduced as the forward sums are.
 
 This module imports only the leaf keras_bn/statistics.py.
 """

@@ -16,7 +16,8 @@ _backend.require_tensorflow()  # before any keras_bn layer can be built under an
 class BatchNormalization(keras.layers.Layer):
     """Batch normalization with a hand-written gradient and unbiased population statistics.
 
-    For each channel, over the m values reduced (batch × spatial, unmasked only under a mask)::
+    For each channel, over the m values reduced (batch × spatial; under a mask the unmasked
+    ones, m_c per channel, see `call`)::
 
         training:   y = γ·(x − μ_B)/√(σ²_B + ε) + β,   μ_B = mean(x),  σ²_B = mean((x − μ_B)²)
         inference:  y = γ·(x − E[x])/√(Var[x] + ε) + β = a·x + b
@@ -36,9 +37,11 @@ class BatchNormalization(keras.layers.Layer):
     Guards:
 
     - m ≤ 1 in training cannot estimate a variance. Known when traced (a static batch of 1)
-      it raises a ValueError. Known only at run time (a mask that leaves at most one value, a
-      dynamic batch of 1) the output is β for that batch, as in Keras, and the moving
-      statistics and batch counter are left unchanged; eager, graph and XLA alike.
+      it raises a ValueError. Known only at run time (a mask that leaves a channel at most one
+      value, a dynamic batch of 1) the output is β in each such channel, and its moving
+      statistics are left unchanged; eager, graph and XLA alike. The other channels of the
+      batch normalize and update as usual, except with `momentum=None`, where the whole
+      batch is skipped and not counted, so that the one batch counter stays exact.
     - A batch whose mean or variance is not finite leaves the moving statistics unchanged; the
       output still shows the NaN or inf.
 
@@ -48,7 +51,8 @@ class BatchNormalization(keras.layers.Layer):
     Beyond Keras's BN (each adds weights only when it is on, after the four above):
 
     - `momentum=None`: the moving statistics are the plain average over the (finite) batches
-      seen, as in PyTorch; the count is the int64 weight `num_batches_tracked`.
+      seen, as in PyTorch; the count is the int64 weight `num_batches_tracked`, and the new
+      batch's weight 1/(n+1) is divided in float64, exact at any count.
     - `renorm=True`: batch renormalization (Ioffe, "Batch Renormalization", 2017), with
       Keras's arguments and weights (`moving_stddev`, `renorm_mean`, `renorm_stddev`).
       Inference and the moving statistics are as without it.
@@ -96,10 +100,10 @@ class BatchNormalization(keras.layers.Layer):
             `synchronized=True` with `virtual_batch_size`; when built, an `axis` out of range,
             named twice or covering every axis, a channel axis of unknown size, or
             `virtual_batch_size` with axis 0 as a channel axis; when called in training, a
-            static batch with m ≤ 1 values per channel, a mask that does not fit the input, a
-            mask with `virtual_batch_size`, or a static batch size that `virtual_batch_size`
-            does not divide. An unknown initializer, regularizer or constraint name raises
-            Keras's own error.
+            static batch with m ≤ 1 values per channel, a mask that fits neither of `call`'s
+            readings, a mask with `virtual_batch_size`, or a static batch size that
+            `virtual_batch_size` does not divide. An unknown initializer, regularizer or
+            constraint name raises Keras's own error.
         TypeError: `axis` is not an int or a non-empty list/tuple of ints; or the input is
             not a floating-point tensor.
         tf.errors.InvalidArgumentError: a batch size known only at run time that
@@ -260,9 +264,17 @@ class BatchNormalization(keras.layers.Layer):
             inputs: floating tensor.
             training: Python bool or None; true (and the layer trainable) uses the batch
                 statistics and updates the moving ones.
-            mask: optional boolean tensor with the input's shape less its channel axes, or any
-                shape of that rank that broadcasts to it (size-1 dimensions); only the True
-                (non-zero) positions enter the statistics (all positions are normalized).
+            mask: optional boolean tensor; only the True (non-zero) positions enter the
+                statistics (all positions are normalized). It is read as Keras reads it
+                wherever that fits: a mask of the input's rank − 1 covers its leading axes
+                and broadcasts over the last, e.g. (batch, time) for (batch, time, features).
+                The channel axis may then be a masked one (`axis=1` there: a channel per
+                time step), and each channel c has its own count m_c. Only where Keras's
+                reading does not fit, a mask over the non-channel axes in order, broadcast
+                over the channel axes, is read: (batch, time) for (batch, channels, time)
+                with `axis=1` when time ≠ channels (when they are equal, Keras's reading,
+                (batch, channels), wins). In both readings a dimension of size 1 broadcasts.
+                A channel left m_c ≤ 1 values outputs β (see the class's guards).
 
         Returns:
             The normalized tensor, of the input's shape, in the layer's compute dtype.
@@ -270,8 +282,9 @@ class BatchNormalization(keras.layers.Layer):
         Raises:
             TypeError: `inputs` is not floating-point.
             ValueError: in training, a static batch with m ≤ 1 values per channel, a mask
-                that does not fit the input, or a `virtual_batch_size` that the static batch
-                size is not a multiple of (or a mask with it).
+                that fits neither reading (the message names both shapes), or a
+                `virtual_batch_size` that the static batch size is not a multiple of (or a
+                mask with it).
         """
         if not inputs.dtype.is_floating:
             raise TypeError(
@@ -341,6 +354,8 @@ class BatchNormalization(keras.layers.Layer):
         mask = None if mask is None else statistics.expand_mask(mask, batch, channel_axes)
         replicas = self._replica_context()
         count = statistics.element_count(batch, channel_axes, mask, replicas)
+        if mask is not None:  # m_c per channel, shaped like the weights
+            count = tf.reshape(count, tf.shape(gamma))
         gamma = self._zero_unless_enough(gamma, batch, count)
         if not (self.renorm or self.virtual_batch_size):
             y, mean, variance = ops.batch_norm_train(
@@ -397,12 +412,13 @@ class BatchNormalization(keras.layers.Layer):
         return tf.cast(variable, dtype)
 
     def _zero_unless_enough(self, gamma, x, count):
-        """γ, or 0 for a batch with m ≤ 1 values per channel, which has no variance.
+        """γ, or 0 in each channel with m_c ≤ 1 values, which has no variance.
 
         m ≤ 1 known when traced (a static batch of 1) is the caller's mistake: ValueError.
-        Known only at run time (a mask that leaves ≤ 1 value, a dynamic batch of 1) it is
-        legitimate data: γ = 0 makes the output β and the gradients to x and γ zero (x̂ stays
-        finite, see statistics.divisor), and _update_moving_statistics skips the batch (count > 1).
+        Known only at run time (a mask that leaves a channel ≤ 1 value, a dynamic batch of 1)
+        it is legitimate data: γ = 0 makes that channel's output β and its gradients to x and
+        γ zero (x̂ stays finite, see statistics.divisor), and _update_moving_statistics leaves
+        its statistics alone (count > 1).
         """
         if isinstance(count, int):
             if count < 2:
@@ -418,6 +434,10 @@ class BatchNormalization(keras.layers.Layer):
     def _update_moving_statistics(self, inputs, mean, variance, count):
         """EMA of μ_B and of the unbiased m/(m−1)·σ²_B; a non-finite batch changes nothing.
 
+        `count` is m: an int, a scalar, or (under a mask) m_c per channel. A channel with
+        m_c ≤ 1 has no variance and keeps its statistics; with a momentum the other channels
+        still update, while `momentum=None` skips the whole batch (uncounted), so that the
+        single batch counter stays the number of batches every channel's average holds.
         Under a strategy every replica applies the same update, decided together: see
         `_pool_replicas`.
         """
@@ -427,29 +447,33 @@ class BatchNormalization(keras.layers.Layer):
             unbiased, enough = variance * (count / (count - 1)), True
         else:
             count = tf.cast(count, var_dtype)
-            unbiased, enough = variance * count / (count - 1.0), count > 1.0
+            enough = count > 1.0
+            # A channel with m ≤ 1 is not updated; the divisor only keeps its value finite.
+            unbiased = variance * count / tf.maximum(count - 1.0, 1.0)
         # Renorm's stddev average, √(σ²_B + ε), pools like the moving statistics.
         batch = [mean, unbiased] + ([tf.sqrt(variance + self.epsilon)] if self.renorm else [])
-        batch, usable = self._pool_replicas(inputs, count, batch, enough)
-        momentum = self.momentum
-        if momentum is None:  # cumulative average: the n-th usable batch gets weight 1/n
-            seen = tf.cast(self.num_batches_tracked, var_dtype)
-            momentum = seen / (seen + 1.0)
-            self.num_batches_tracked.assign_add(tf.cast(usable, "int64"))
+        batch, updated = self._pool_replicas(inputs, count, batch, enough)
+        if self.momentum is None:  # cumulative average: the n-th counted batch gets weight 1/n
+            updated = tf.reduce_all(updated)
+            keep, weight = _cumulative_weights(self.num_batches_tracked, var_dtype)
+            self.num_batches_tracked.assign_add(tf.cast(updated, "int64"))
+        else:
+            keep, weight = self.momentum, None
         for moving, batch_value in zip((self.moving_mean, self.moving_variance), batch):
-            _average_into(moving, batch_value, momentum, usable)
+            _average_into(moving, batch_value, keep, updated, weight)
         if self.renorm:
-            self._update_renorm_statistics(batch[0], batch[2], usable)
+            self._update_renorm_statistics(batch[0], batch[2], updated)
 
     def _pool_replicas(self, inputs, count, batch, enough):
-        """The per-channel `batch` values every replica averages in, and whether they are
-        usable (all finite, m ≥ 2).
+        """The per-channel `batch` values every replica averages in, and which channels take
+        them (a boolean, scalar or per channel): those with m ≥ 2, if every such value of the
+        batch is finite.
 
         Synchronized BN's statistics are already global, and one replica has nothing to
         pool: the values are returned as they are. Otherwise (synchronized=False, several
         replicas) one all-reduce gives each replica the same count-weighted average
-        Σ mᵢ·vᵢ / Σ mᵢ over the replicas i, mᵢ being the number of values replica i reduced
-        (all ghosts together); see `_count_weighted_average`.
+        Σ mᵢ·vᵢ / Σ mᵢ over the replicas i, per channel, mᵢ being the number of values
+        replica i reduced (all ghosts together); see `_count_weighted_average`.
         """
         context = None if self.synchronized else _several_replicas()
         if context is None:
@@ -461,15 +485,15 @@ class BatchNormalization(keras.layers.Layer):
         )
         return _count_weighted_average(context, batch, weight, enough)
 
-    def _update_renorm_statistics(self, mean, stddev, usable):
+    def _update_renorm_statistics(self, mean, stddev, updated):
         """Keras's renorm state: renorm_mean and renorm_stddev average μ_B and √(σ²_B + ε) with
         renorm_momentum (they give r and d). moving_stddev is kept at √(moving_variance + ε),
         the relation Keras maintains, so the weights carry over to Keras unchanged."""
         for moving, batch_value in ((self.renorm_mean, mean), (self.renorm_stddev, stddev)):
-            _average_into(moving, batch_value, self.renorm_momentum, usable)
-        # Only for a usable batch: a skipped one leaves every weight as it was.
+            _average_into(moving, batch_value, self.renorm_momentum, updated)
+        # Only in the channels updated: a skipped one leaves every weight as it was.
         self.moving_stddev.assign(
-            tf.where(usable, tf.sqrt(self.moving_variance + self.epsilon), self.moving_stddev)
+            tf.where(updated, tf.sqrt(self.moving_variance + self.epsilon), self.moving_stddev)
         )
 
     def compute_output_shape(self, input_shape):
@@ -565,39 +589,55 @@ def _several_replicas():
 
 
 def _usable(values, enough):
-    """Whether a moving-statistics update may be applied: every value finite and m ≥ 2
-    (`enough`: True when m was checked statically, else a boolean tensor)."""
+    """Which channels a moving-statistics update reaches: those with m ≥ 2 (`enough`: True when
+    m was checked statically, else a boolean tensor, scalar or per channel), provided that
+    every value of those channels is finite (a non-finite one skips the whole batch)."""
+    if enough is not True:
+        values = [tf.where(enough, v, tf.zeros_like(v)) for v in values]
     finite = tf.reduce_all(tf.math.is_finite(tf.stack(values)))
     return finite if enough is True else enough & finite
 
 
 def _count_weighted_average(context, values, weight, enough):
     """Across the replicas of `context`: (Σᵢ wᵢ·vᵢ / Σᵢ wᵢ for each per-channel tensor v in
-    `values`, whether the result is usable), identical on every replica.
+    `values`, which channels take it), identical on every replica.
 
-    A replica whose m < 2 (`enough` false; possible at run time) has no variance: it counts
-    with weight 0, and if no replica has m ≥ 2 the result is unusable. A non-finite value on
-    any other replica makes its sum non-finite, so all replicas skip the update together.
-    One all-reduce of the packed vector [w, w·v...].
+    The weight wᵢ is replica i's count, a scalar or per channel. A replica's channel with
+    m < 2 (`enough` false; possible at run time) has no variance: it counts with weight 0, and
+    a channel that no replica gives m ≥ 2 is not updated. A non-finite value on any replica
+    makes its channel's sum non-finite, so all replicas skip the batch together. One
+    all-reduce of the packed vector [w, w·v...], per channel.
     """
-    dtype = values[0].dtype
-    weight = tf.cast(weight, dtype)
+    dtype, shape = values[0].dtype, tf.shape(values[0])
+    weight = tf.broadcast_to(tf.cast(weight, dtype), shape)
     if enough is not True:
         weight = tf.where(enough, weight, tf.zeros_like(weight))
         values = [tf.where(enough, v, tf.zeros_like(v)) for v in values]
-    packed = tf.concat([weight[None]] + [tf.reshape(weight * v, [-1]) for v in values], 0)
-    total = context.all_reduce(tf.distribute.ReduceOp.SUM, packed)
-    averages = [
-        tf.reshape(part, tf.shape(v)) / total[0]  # 0/0 = NaN, unusable, when all weigh 0
-        for part, v in zip(tf.split(total[1:], len(values)), values)
-    ]
-    return averages, _usable(averages, True)
+    packed = tf.concat([tf.reshape(t, [-1]) for t in [weight] + [weight * v for v in values]], 0)
+    total_weight, *totals = (
+        tf.reshape(part, shape)
+        for part in tf.split(
+            context.all_reduce(tf.distribute.ReduceOp.SUM, packed), 1 + len(values)
+        )
+    )
+    some = total_weight > 0
+    averages = [t / tf.where(some, total_weight, tf.ones_like(total_weight)) for t in totals]
+    return averages, _usable(averages, some)
 
 
-def _average_into(moving, value, momentum, usable):
-    """moving ← momentum·moving + (1 − momentum)·value where `usable`, else unchanged."""
+def _cumulative_weights(counter, dtype):
+    """(n/(n+1), 1/(n+1)) for `momentum=None`, n the int64 batch counter: divided in float64,
+    then cast. Formed in float32, n/(n+1) loses the new batch's weight (0.14% off at 1e5
+    batches, 4.6% at 4e6) and rounds to 1 from n = 2²⁴, where the average would stop."""
+    seen = tf.cast(counter, tf.float64)
+    return tf.cast(seen / (seen + 1.0), dtype), tf.cast(1.0 / (seen + 1.0), dtype)
+
+
+def _average_into(moving, value, momentum, usable, weight=None):
+    """moving ← momentum·moving + weight·value where `usable` (per channel, or one boolean),
+    else unchanged; `weight` is 1 − momentum unless given (momentum=None's exact pair)."""
     old = tf.convert_to_tensor(moving)
-    new = momentum * old + (1.0 - momentum) * value
+    new = momentum * old + (1.0 - momentum if weight is None else weight) * value
     moving.assign(tf.where(usable, new, old))
 
 

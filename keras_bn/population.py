@@ -11,6 +11,10 @@ which is the same for equal batches and is the pooled within-batch estimate othe
 
     E[x] = Σ m_B·μ_B / Σ m_B        Var[x] = Σ m_B·σ²_B / Σ (m_B − 1)
 
+per channel: under a mask each channel c has its own count m_B,c, and a batch that leaves a
+channel at most one value is left out of that channel (of every channel for keras_bn's
+`momentum=None`), as the layer's training step leaves it out; see `PooledMoments`.
+
 `keras.layers.BatchNormalization` stores the biased variance, so its layers get
 Σ m_B·σ²_B / Σ m_B, the same convention as their own moving average.
 
@@ -45,9 +49,12 @@ class LayerChange:
         new_mean: `moving_mean` after.
         old_variance: `moving_variance` before.
         new_variance: `moving_variance` after.
-        batches_used: the batches whose statistics entered; fewer than the report's `batches`
-            where some left this layer m ≤ 1 values per channel (skipped, as training skips
+        batches_used: the batches whose statistics entered (at least one channel; every
+            channel for keras_bn's `momentum=None`); fewer than the report's `batches` where
+            some left this layer m ≤ 1 values in every channel (skipped, as training skips
             them).
+        unchanged_channels: flat indices of the channels that no batch gave 2 values (a time
+            step that is padding in every sequence, under a mask): they keep their statistics.
     """
 
     name: str
@@ -57,6 +64,7 @@ class LayerChange:
     old_variance: np.ndarray
     new_variance: np.ndarray
     batches_used: int = None
+    unchanged_channels: tuple = ()
 
     @property
     def mean_change(self):
@@ -105,6 +113,11 @@ class RecalibrationReport:
         }
         if skipped:
             lines.append(f"Batches skipped (m ≤ 1 values per channel), per layer: {skipped}")
+        unchanged = {
+            c.name: list(c.unchanged_channels) for c in self.layers if c.unchanged_channels
+        }
+        if unchanged:
+            lines.append(f"Channels no batch gave 2 values (unchanged), per layer: {unchanged}")
         if self.not_called:
             lines.append(f"Not called by the forward pass (unchanged): {list(self.not_called)}")
         return "\n".join(lines)
@@ -121,16 +134,25 @@ def recalibrate(model, data, steps=None, progress=True, batch_size=32):
         Var[x] = Σ m_B·σ²_B / Σ (m_B − 1)     keras_bn.BatchNormalization (unbiased)
         Var[x] = Σ m_B·σ²_B / Σ m_B           keras.layers.BatchNormalization (biased)
 
+    Each layer reads a mask as its own training step does (Keras's reading, the input's
+    leading axes, for both classes; see `keras_bn.BatchNormalization.call`), so these are the
+    statistics that Keras's own `fit` averages for a Keras layer. The sums are per channel:
+    a mask can leave the channels different counts m_B,c (a (batch, time) mask with `axis=1`
+    on (batch, time, features)).
+
     The layers are recalibrated one at a time in the order the forward pass calls them, with
     every pass in inference mode, so each layer's statistics describe the input it gets at
     inference (upstream layers already use their new statistics). This costs one pass over
     `data` per BN layer.
     Only `moving_mean` and `moving_variance` change (and the bookkeeping that follows them:
     `moving_stddev` = √(moving_variance + ε) for renorm layers, the batch counter for
-    `momentum=None`); trainable weights are untouched. A batch that gives a layer at most one
-    value per channel (a last batch of one sample, a mask leaving one token) has no variance
-    and is skipped for that layer, as training skips it; `LayerChange.batches_used` counts the
-    rest. The layers are recalibrated whether or not they are trainable.
+    `momentum=None`); trainable weights are untouched. A batch that gives a layer's channel at
+    most one value (a last batch of one sample, a mask leaving one token) has no variance
+    there and is left out of that channel, as training leaves it out (of every channel, for
+    a keras_bn layer with `momentum=None`); `LayerChange.batches_used` counts the batches
+    used. A channel that no batch gives 2 values keeps its statistics
+    (`LayerChange.unchanged_channels`). The layers are recalibrated whether or not they are
+    trainable.
 
     Args:
         model: a built Keras model (Sequential, Functional, subclassed, nested).
@@ -181,7 +203,7 @@ def _recalibrate_layers(model, layers, batches, progress):
             for index in order:
                 layer = layers[index]
                 bar.set_description(layer.name)
-                sums = PooledMoments()
+                sums = PooledMoments.for_layer(layer)
                 for x in batches:
                     sums.add(*[t.numpy() for t in forward(x)[index]])
                     bar.update(1)
@@ -200,46 +222,102 @@ def _recalibrate_layers(model, layers, batches, progress):
 
 
 class PooledMoments:
-    """Algorithm 2's pooling of one layer's batch moments, as running float64 sums over
-    batches: Σm, Σm·μ, Σm·σ² and the batch count; a batch with m ≤ 1 (no variance) is only
-    counted as skipped."""
+    """Algorithm 2's pooling of one layer's batch moments, per channel, as running float64
+    sums over batches: Σm, Σm·μ, Σm·σ² and the batches each channel used.
 
-    def __init__(self):
+    A batch leaves out each channel where its count m_c ≤ 1 (no variance), as the layer's
+    moving update does. With `whole_batches` (keras_bn's `momentum=None`, whose one batch
+    counter must count every channel's batches) a batch with such a channel is left out of
+    every channel. A batch left out of every channel is only counted as skipped.
+
+    Args:
+        whole_batches: use a batch in every channel or in none.
+
+    Attributes:
+        batches: the batches used (in at least one channel).
+        skipped: the batches used in no channel.
+    """
+
+    def __init__(self, whole_batches=False):
+        self.whole_batches = whole_batches
         self.batches = 0
         self.skipped = 0
-        self.count = 0.0
-        self.weighted_mean = 0.0
-        self.weighted_variance = 0.0
+        self._channel_batches = np.float64(0.0)
+        self._count = np.float64(0.0)
+        self._weighted_mean = np.float64(0.0)
+        self._weighted_variance = np.float64(0.0)
+
+    @classmethod
+    def for_layer(cls, layer):
+        """The pooling that matches `layer`'s own moving update: whole batches for a keras_bn
+        layer with `momentum=None`, per channel otherwise.
+
+        Args:
+            layer: a BN layer of either class.
+
+        Returns:
+            An empty `PooledMoments`.
+        """
+        return cls(whole_batches=getattr(layer, "num_batches_tracked", None) is not None)
 
     def add(self, mean, variance, count):
-        """Pool one batch's mean and biased variance, of `count` values per channel."""
-        count = float(count)
-        if count < 2:
+        """Pool one batch's mean and biased variance over `count` values in each channel.
+
+        Args:
+            mean: the batch's per-channel mean.
+            variance: the batch's per-channel biased variance.
+            count: m_c, per channel or one number for all.
+        """
+        mean = np.asarray(mean, np.float64)
+        count = np.broadcast_to(np.asarray(count, np.float64), mean.shape)
+        used = count >= 2
+        if self.whole_batches and not used.all():
+            used = np.zeros_like(used)
+        if not used.any():
             self.skipped += 1
             return
         self.batches += 1
-        self.count += count
-        self.weighted_mean = self.weighted_mean + count * mean.astype(np.float64)
-        self.weighted_variance = self.weighted_variance + count * variance.astype(np.float64)
+        weight = np.where(used, count, 0.0)
+        self._channel_batches = self._channel_batches + used
+        self._count = self._count + weight
+        self._weighted_mean = self._weighted_mean + weight * np.where(used, mean, 0.0)
+        self._weighted_variance = self._weighted_variance + weight * np.where(
+            used, np.asarray(variance, np.float64), 0.0
+        )
+
+    @property
+    def seen(self):
+        """Per channel, whether some batch was used in it (its population is defined)."""
+        return np.asarray(self._channel_batches) > 0
 
     def population(self, unbiased):
-        """(E[x], Var[x]) over the batches pooled: Σm·σ² / Σ(m − 1) when `unbiased`, else
-        Σm·σ² / Σm."""
-        mean = self.weighted_mean / self.count
-        divisor = self.count - self.batches if unbiased else self.count
-        return mean, self.weighted_variance / divisor
+        """(E[x], Var[x]) per channel over the batches pooled, NaN where none was (see `seen`).
+
+        Args:
+            unbiased: Σm·σ² / Σ(m − 1), keras_bn's convention, when True; else Σm·σ² / Σm.
+
+        Returns:
+            (mean, variance) as float64 arrays.
+        """
+        divisor = self._count - self._channel_batches if unbiased else self._count
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return self._weighted_mean / self._count, self._weighted_variance / divisor
 
 
 def _assign(layer, sums):
+    """Set `layer`'s statistics to the pooled ones in the channels some batch reached."""
     mean, variance = sums.population(_bn_layers.unbiased_variance(layer))
+    seen = sums.seen
     old_mean = layer.moving_mean.numpy().astype(np.float64)
     old_variance = layer.moving_variance.numpy().astype(np.float64)
+    mean, variance = np.where(seen, mean, old_mean), np.where(seen, variance, old_variance)
     layer.moving_mean.assign(mean.astype(layer.moving_mean.dtype))
     layer.moving_variance.assign(variance.astype(layer.moving_variance.dtype))
     # Renorm layers (both classes) keep moving_stddev = √(moving_variance + ε) for Keras.
     if getattr(layer, "moving_stddev", None) is not None:
-        layer.moving_stddev.assign(np.sqrt(variance + layer.epsilon).astype("float32"))
-    # momentum=None: the cumulative average now stands for these batches.
+        stddev = np.where(seen, np.sqrt(variance + layer.epsilon), layer.moving_stddev.numpy())
+        layer.moving_stddev.assign(stddev.astype("float32"))
+    # momentum=None: the cumulative average now stands for these batches (whole ones).
     if getattr(layer, "num_batches_tracked", None) is not None:
         layer.num_batches_tracked.assign(sums.batches)
     return LayerChange(
@@ -250,6 +328,7 @@ def _assign(layer, sums):
         old_variance=old_variance,
         new_variance=layer.moving_variance.numpy().astype(np.float64),
         batches_used=sums.batches,
+        unchanged_channels=tuple(int(i) for i in np.flatnonzero(~seen)),
     )
 
 

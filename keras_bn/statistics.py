@@ -1,7 +1,8 @@
 """Per-channel batch statistics: the moments, the count m, masks and per-channel shapes.
 
 Notation (Ioffe & Szegedy 2015; docs/architecture.md, "The maths"). For one channel, over the
-m elements reduced (batch × spatial, or the unmasked ones under a mask):
+m elements reduced (batch × spatial, or the unmasked ones under a mask, whose count m_c may
+differ per channel; see `expand_mask`):
 
     μ = Σx / m,   σ² = Σ(x − μ)² / m          (biased: this is what normalizes)
 
@@ -42,54 +43,93 @@ def per_channel(t, x, channel_axes):
     return tf.reshape(t, _broadcast_shape(x, channel_axes))
 
 
-def expand_mask(mask, x, channel_axes):
-    """A mask over the non-channel axes, as a 0/1 tensor of x's dtype broadcastable to x.
+def expand_mask(mask, x, channel_axes, channel_reading=True):
+    """A mask as a 0/1 tensor of x's rank and statistics dtype, broadcastable to x.
 
-    The mask has the rank of x's shape without the channel axes, and each of its dimensions is
-    that dimension of x or 1 (it broadcasts, as Keras's masks do): for one trailing channel
-    axis, `x.shape[:-1]` or e.g. (batch, 1, ...). A lower rank is refused rather than aligned
-    from the right, which would silently pair a per-sample mask with another axis. Non-zero
-    values count as True, as in Keras. The result takes the statistics dtype (float16 cannot
-    count past 2048 exactly) and the full non-channel shape, so that summing it counts m.
+    A mask covers some axes of x, in order, and broadcasts over the others. It is read as:
+
+    1. Keras's reading, which wins wherever it fits: the input's leading axes, shape
+       `x.shape[:-1]`, broadcast over the last axis (`keras.layers.BatchNormalization` does
+       `expand_dims(mask, -1)`). The last axis need not be a channel axis: with `axis=1` on
+       (batch, time, features) a (batch, time) mask covers channel axis 1, so each channel
+       (time step) has its own count m_c.
+    2. Only where Keras's reading does not fit, and when `channel_reading`: the non-channel
+       axes, shape x's shape without its channel axes, broadcast over the channel axes (e.g.
+       (batch, time) for (batch, channels, time) with `axis=1`, when time ≠ channels).
+
+    "Fits" means the same rank, and each dimension that size of x or 1 (a size-1 dimension
+    broadcasts, as Keras's do); an unknown dimension fits. A lower rank is never aligned from
+    the right, which would silently pair a per-sample mask with another axis. Non-zero values
+    count as True, as in Keras. The result has the statistics dtype (float16 cannot count
+    past 2048 exactly).
+
+    Args:
+        mask: the mask, of any dtype.
+        x: the input it masks.
+        channel_axes: sorted non-negative channel axes of x.
+        channel_reading: whether reading 2 is allowed (keras_bn's layer); False for
+            `keras.layers.BatchNormalization`, which has only Keras's reading.
+
+    Returns:
+        The mask as 0/1 of x's rank, size 1 on the axes it broadcasts over.
+
+    Raises:
+        ValueError: the mask fits no allowed reading; the message names each reading's shape.
     """
     mask = tf.convert_to_tensor(mask)
     rank = x.shape.rank
-    if mask.shape.rank != rank - len(channel_axes):
+    readings = [list(range(rank - 1))]
+    if channel_reading:
+        readings.append(reduction_axes(rank, channel_axes))
+    covered = next((axes for axes in readings if _fits(mask.shape, x.shape, axes)), None)
+    if covered is None:
+        shapes = [f"{[x.shape[i] for i in axes]} (axes {axes})" for axes in readings]
         raise ValueError(
-            f"The mask must have the input's shape without its channel axes: input shape "
-            f"{x.shape}, channel axes {list(channel_axes)}, so a mask of rank "
-            f"{rank - len(channel_axes)}; received a mask of shape {mask.shape}."
+            f"The mask's shape {mask.shape} fits no reading of a mask for the input shape "
+            f"{x.shape} with channel axes {list(channel_axes)}: Keras's, the input's leading "
+            f"axes {shapes[0]}"
+            + (f", or the non-channel axes {shapes[1]}" if channel_reading else "")
+            + "; each dimension must be that size or 1."
         )
-    axes = reduction_axes(rank, channel_axes)
-    expected = [x.shape[i] for i in axes]
-    for got, want in zip(mask.shape, expected):
-        if got is not None and want is not None and got not in (want, 1):
-            raise ValueError(
-                f"The mask's shape {mask.shape} does not match the input's non-channel "
-                f"dimensions {expected} (input shape {x.shape}): each dimension must be "
-                f"that size or 1."
-            )
     if mask.dtype != tf.bool:
         mask = tf.cast(mask, tf.bool)
-    if mask.shape.as_list() != expected or None in expected:
-        mask = tf.broadcast_to(mask, tf.gather(tf.shape(x), axes))
-    for axis in channel_axes:
-        mask = tf.expand_dims(mask, axis)
+    for axis in range(rank):
+        if axis not in covered:
+            mask = tf.expand_dims(mask, axis)
     return tf.cast(mask, statistics_dtype(x.dtype))
+
+
+def _fits(mask_shape, x_shape, axes):
+    """Whether a mask of `mask_shape` can cover x's `axes`: same rank, each dimension that of
+    x or 1 (unknown dimensions fit)."""
+    if mask_shape.rank != len(axes):
+        return False
+    return all(
+        got is None or want is None or got in (want, 1)
+        for got, want in zip(mask_shape, (x_shape[i] for i in axes))
+    )
 
 
 def element_count(x, channel_axes, mask=None, replica_context=None):
     """m: how many elements each channel's statistics are taken over.
 
-    A Python int when the shape is static, there is no mask and no replica context (so callers
-    can check it at trace time); otherwise a scalar tensor of `statistics_dtype(x.dtype)`,
-    which may be 0 or 1 (see `divisor`). `mask` is the output of `expand_mask`. With a
-    `replica_context` (synchronized BN) it is the count over every replica's batch.
+    Without a mask every channel has the same m: a Python int when the shape is static and
+    there is no replica context (so callers can check it at trace time), else a scalar tensor
+    of `statistics_dtype(x.dtype)`. With a mask (the output of `expand_mask`) the counts m_c
+    may differ per channel: a tensor of the per-channel shape broadcastable to x (channel
+    dims kept, others 1), each count the broadcast mask's True positions in that channel. A
+    count may be 0 or 1 at run time (see `divisor`). With a `replica_context` (synchronized
+    BN) it is the count over every replica's batch.
     """
     axes = reduction_axes(x.shape.rank, channel_axes)
     dims = [x.shape[i] for i in axes]
     if mask is not None:
-        local = tf.reduce_sum(mask)
+        local = tf.reduce_sum(mask, axes, keepdims=True)
+        # A size-1 mask dimension stands for every position of x's axis that it covers.
+        mask_shape, x_shape = tf.shape(mask), tf.shape(x)
+        for axis in axes:
+            local *= tf.cast(tf.where(mask_shape[axis] == 1, x_shape[axis], 1), local.dtype)
+        local = tf.broadcast_to(local, _broadcast_shape(x, channel_axes))
     elif all(d is not None for d in dims):
         local = 1
         for d in dims:
@@ -105,9 +145,9 @@ def element_count(x, channel_axes, mask=None, replica_context=None):
 
 
 def divisor(count):
-    """`element_count` as a divisor: a run-time m of 0 (a fully masked batch) divides as 1, so
-    its statistics and gradient are 0 rather than NaN. Such a batch (any m ≤ 1) outputs β and
-    leaves the moving statistics alone; see BatchNormalization."""
+    """`element_count` as a divisor: a run-time m of 0 (a fully masked batch or channel)
+    divides as 1, so its statistics and gradient are 0 rather than NaN. Such a channel (any
+    m_c ≤ 1) outputs β and its moving statistics are left alone; see BatchNormalization."""
     return count if isinstance(count, int) else tf.maximum(count, tf.ones_like(count))
 
 
@@ -130,6 +170,7 @@ def channel_sums(tensors, axes, mask=None, replica_context=None):
 def moments(x, channel_axes, mask=None, replica_context=None):
     """Per-channel mean and biased variance (corrected two-pass), kept broadcastable to x.
 
+    Under a mask each channel's moments are over its own unmasked values (its count m_c).
     With a replica context the sums run over every replica's batch: the global statistics.
     """
     axes = reduction_axes(x.shape.rank, channel_axes)

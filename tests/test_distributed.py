@@ -277,11 +277,28 @@ def test_non_finite_batch_on_one_replica_updates_no_replica(
         ([[1.0, 2.0], [np.nan, 4.0]], [5, 1], [True, False], [1.0, 2.0]),
         ([[1.0, 2.0], [np.nan, 4.0]], [5, 3], [True, True], None),  # a NaN with m ≥ 2: skip
         ([[1.0, 2.0], [3.0, 4.0]], [1, 0], [False, False], None),  # nobody has m ≥ 2: skip
+        # Per-channel counts (a mask over a channel axis): each channel pools its own weights.
+        (
+            [[1.0, 2.0], [3.0, 4.0]],
+            [[5, 1], [3, 3]],
+            [[True, False], [True, True]],
+            [1.75, 4.0],
+        ),
+        # A channel no replica gives m ≥ 2 is not updated; the others are (NaN there or not).
+        (
+            [[1.0, np.nan], [3.0, 4.0]],
+            [[5, 1], [3, 0]],
+            [[True, False], [True, False]],
+            [1.75, None],
+        ),
+        # A NaN in a channel some replica counts skips every channel.
+        ([[1.0, np.nan], [3.0, 4.0]], [[5, 2], [3, 3]], [[True, True], [True, True]], None),
     ],
 )
 def test_count_weighted_average_across_real_replicas(values, weights, enough, expected):
     """The pooling function alone, on 2 replicas: every replica gets Σwᵢvᵢ/Σwᵢ over the
-    replicas with m ≥ 2, and the same verdict on whether to update (None: skip)."""
+    replicas with m ≥ 2, per channel, and the same verdict on which channels to update (None:
+    skip all; a None entry: skip that channel)."""
     strategy = mirrored_strategy(2)
 
     def shard(context):
@@ -294,19 +311,21 @@ def test_count_weighted_average_across_real_replicas(values, weights, enough, ex
 
     def pool(args):
         value, weight, has_enough = args
-        averages, usable = keras_bn.layers._count_weighted_average(
+        averages, updated = keras_bn.layers._count_weighted_average(
             tf.distribute.get_replica_context(), [value], weight, has_enough
         )
-        return averages[0], usable
+        return averages[0], tf.broadcast_to(updated, tf.shape(value))
 
-    averages, usable = tf.function(lambda d: strategy.run(pool, args=(d,)))(
+    averages, updated = tf.function(lambda d: strategy.run(pool, args=(d,)))(
         strategy.experimental_distribute_values_from_function(shard)
     )
-    verdicts = [bool(u) for u in strategy.experimental_local_results(usable)]
-    assert verdicts == [expected is not None] * 2
-    if expected is not None:
-        for average in strategy.experimental_local_results(averages):
-            assert_close(average, expected, 1e-7)
+    expected = [None, None] if expected is None else expected
+    for verdict in strategy.experimental_local_results(updated):
+        np.testing.assert_array_equal(verdict, [e is not None for e in expected])
+    for average in strategy.experimental_local_results(averages):
+        for channel, want in enumerate(expected):
+            if want is not None:
+                assert_close(average[channel], want, 1e-7)
 
 
 UNEQUAL = {  # (global batch shape, layer arguments)

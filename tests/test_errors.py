@@ -308,7 +308,7 @@ ERROR_CASES = [
         "layer",
         "wrong-shaped mask",
         ValueError,
-        r"does not match the input's non-channel",
+        r"The mask's shape \(4, 3\) fits no reading of a mask for the input shape \(4, 5, 3\)",
         _wrong_mask,
     ),
     (

@@ -42,10 +42,7 @@ KERAS_BN_TESTS = "keras.src.layers.normalization.batch_normalization_test"
 DIFFERENCES = {
     (KERAS_BN_TESTS, "test_correctness"): (
         "rewritten: after momentum-0 training moving_variance is Keras's 1.0 times m/(m−1) "
-        "(the unbiased variance), so inference equals training once it is divided by m/(m−1); "
-        "and for axis=1 the mask from layers.Masking (Keras's convention: the input's shape "
-        "less its last axis) is refused with a ValueError, keras_bn's mask being the input's "
-        "shape less its channel axis (given instead)"
+        "(the unbiased variance), so inference equals training once it is divided by m/(m−1)"
     ),
     (KERAS_BN_TESTS, "test_bachnorm_ignore_masked_values"): (
         "rewritten: moving_variance is Keras's [0.25, 0] times m/(m−1), m = 20 unmasked values"
@@ -164,12 +161,6 @@ def _must_construct_keras_bn(method):
 # --------------------------------------------------------------------------- the rewrites
 
 
-def _mask_of_our_convention(x, axis):
-    """What layers.Masking means, as keras_bn's mask: a position (every non-channel index)
-    is kept unless its values are all 0."""
-    return np.any(x != 0.0, axis=axis)
-
-
 class _Rewrites(testing.TestCase):
     """Keras's tests listed in DIFFERENCES, each with its difference applied. LAYER and
     UNBIASED are set by the classes that run them."""
@@ -240,12 +231,7 @@ class _Rewrites(testing.TestCase):
         unmasked_out = layer(x, training=False)
         x[:, 1, :] = 0.0
         masked = keras_layers.Masking()(x)
-        if self.UNBIASED and axis != -1:
-            with self.assertRaisesRegex(ValueError, "mask"):
-                layer(masked, training=True)
-            masked_out = layer(x, training=True, mask=_mask_of_our_convention(x, axis))
-        else:
-            masked_out = layer(masked, training=True)
+        masked_out = layer(masked, training=True)
         self.assertNotAllClose(unmasked_out, masked_out)
 
     @parameterized.product(run_eagerly=(True, False), mask_value=(0.0, 0.1, 1))

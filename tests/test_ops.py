@@ -30,11 +30,17 @@ def _inputs(shape, channel_axes, dtype=np.float64, seed=0):
     return x, gamma, beta
 
 
-def _random_mask(shape, channel_axes, seed=1):
-    """A 0/1 mask over the non-channel axes, in expand_mask's broadcastable form."""
+def _random_mask(shape, channel_axes, seed=1, reading="channels"):
+    """A 0/1 mask in expand_mask's broadcastable form: over the non-channel axes ("channels",
+    the same count m in every channel), or Keras's reading, over the leading axes
+    ("leading": where a channel axis is not last, each channel has its own count m_c)."""
     rng = np.random.default_rng(seed)
-    mask = rng.uniform(size=_bshape_inverse(shape, channel_axes)) > 0.3
-    mask.flat[:2] = True  # at least two elements survive
+    if reading == "channels":
+        mask = rng.uniform(size=_bshape_inverse(shape, channel_axes)) > 0.3
+        mask.flat[:2] = True  # at least two elements survive
+    else:
+        mask = rng.uniform(size=tuple(shape[:-1]) + (1,)) > 0.5
+        mask[:2] = True  # the first two samples are kept: m_c ≥ 2 in every channel
     return mask
 
 
@@ -59,12 +65,16 @@ def _autodiff_grads(x, gamma, beta, channel_axes, upstream, mask=None):
     return tape.gradient(loss, [x, gamma, beta])
 
 
+MASKS = [None, "channels", "leading"]
+MASK_IDS = ["nomask", "mask", "leading_mask"]
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
+@pytest.mark.parametrize("masked", MASKS, ids=MASK_IDS)
 def test_forward_matches_numpy(layout, masked):
     shape, axes = LAYOUTS[layout]
     x, gamma, beta = _inputs(shape, axes)
-    mask = _random_mask(shape, axes) if masked else None
+    mask = _random_mask(shape, axes, reading=masked) if masked else None
     y, mean, var = ops.batch_norm_train(
         tf.constant(x),
         tf.constant(gamma),
@@ -80,12 +90,12 @@ def test_forward_matches_numpy(layout, masked):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
+@pytest.mark.parametrize("masked", MASKS, ids=MASK_IDS)
 def test_custom_gradient_matches_autodiff(layout, masked):
     shape, axes = LAYOUTS[layout]
     x, gamma, beta = _inputs(shape, axes)
     upstream = np.random.default_rng(2).normal(size=shape)
-    mask = _random_mask(shape, axes) if masked else None
+    mask = _random_mask(shape, axes, reading=masked) if masked else None
     tf_mask = None if mask is None else tf.constant(mask, tf.float64)
     got = _custom_grads(x, gamma, beta, axes, upstream, tf_mask)
     want = _autodiff_grads(x, gamma, beta, axes, upstream, mask)
@@ -94,12 +104,18 @@ def test_custom_gradient_matches_autodiff(layout, masked):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_custom_gradient_matches_finite_differences(layout):
+@pytest.mark.parametrize("masked", MASKS, ids=MASK_IDS)
+def test_custom_gradient_matches_finite_differences(layout, masked):
     shape, axes = LAYOUTS[layout]
     x, gamma, beta = _inputs(shape, axes)
+    mask = (
+        None
+        if masked is None
+        else tf.constant(_random_mask(shape, axes, reading=masked), tf.float64)
+    )
 
     def f(x, gamma, beta):
-        return ops.batch_norm_train(x, gamma, beta, axes, EPS)[0]
+        return ops.batch_norm_train(x, gamma, beta, axes, EPS, mask)[0]
 
     theoretical, numerical = tf.test.compute_gradient(
         f, [tf.constant(x), tf.constant(gamma), tf.constant(beta)], delta=1e-6
@@ -169,7 +185,7 @@ def test_element_count():
     assert statistics.element_count(x, [3]) == 24
     assert statistics.element_count(x, [1, 3]) == 8
     mask = statistics.expand_mask(tf.constant(np.arange(24).reshape(4, 3, 2) % 3 == 0), x, [3])
-    assert float(statistics.element_count(x, [3], mask)) == 8.0
+    np.testing.assert_array_equal(statistics.element_count(x, [3], mask), np.full([1, 1, 1, 5], 8))
     dynamic = tf.function(
         lambda t: statistics.element_count(t, [1]), input_signature=[tf.TensorSpec([None, 5])]
     )
@@ -178,22 +194,23 @@ def test_element_count():
 
 def test_expand_mask_rejects_wrong_shape():
     x = tf.zeros([4, 6, 5])
-    with pytest.raises(ValueError, match=r"rank 2"):
-        statistics.expand_mask(tf.ones([4, 6, 5], tf.bool), x, [2])
-    with pytest.raises(ValueError, match=r"does not match"):
-        statistics.expand_mask(tf.ones([4, 7], tf.bool), x, [2])
-    with pytest.raises(ValueError, match=r"rank 2"):  # not aligned from the right
-        statistics.expand_mask(tf.ones([6], tf.bool), x, [2])
+    for shape in ([4, 6, 5], [4, 7], [6]):  # [6]: not aligned from the right
+        with pytest.raises(ValueError, match=rf"shape \({shape[0]},.*fits no reading"):
+            statistics.expand_mask(tf.ones(shape, tf.bool), x, [2])
 
 
 def test_expand_mask_broadcasts_size_one_dimensions():
     x = tf.zeros([4, 6, 5])
     per_sample = np.array([[True], [False], [True], [True]])
     mask = statistics.expand_mask(tf.constant(per_sample), x, [2])
-    assert mask.shape == (4, 6, 1)
-    np.testing.assert_array_equal(mask[..., 0], np.broadcast_to(per_sample, (4, 6)))
-    assert float(statistics.element_count(x, [2], mask)) == 18.0
+    assert mask.shape == (4, 1, 1)  # broadcastable: the count spreads the size-1 dimensions
+    np.testing.assert_array_equal(mask[..., 0], per_sample)
+    np.testing.assert_array_equal(statistics.element_count(x, [2], mask), np.full([1, 1, 5], 18))
+    # (1, 3) does not fit Keras's reading of (2, 5, 3), (2, 5); it covers the non-channel axes.
     channels_first = statistics.expand_mask(
         tf.constant([[1.0, 0.0, 2.5]]), tf.zeros([2, 5, 3]), [1]
     )
-    np.testing.assert_array_equal(channels_first, [[[1.0, 0.0, 1.0]]] * 2)
+    np.testing.assert_array_equal(channels_first, [[[1.0, 0.0, 1.0]]])
+    np.testing.assert_array_equal(
+        statistics.element_count(tf.zeros([2, 5, 3]), [1], channels_first), np.full([1, 5, 1], 4)
+    )

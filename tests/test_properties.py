@@ -53,7 +53,12 @@ def bn_cases(draw):
     channel_axes = sorted(a % rank for a in ([axis] if isinstance(axis, int) else axis))
     if len(channel_axes) == rank - 1 and shape[0] < 2:
         shape[0] = 2
-    masked = draw(st.booleans())
+    # A mask read Keras's way (over the leading axes: m_c per channel where a channel axis is
+    # not last), or over the non-channel axes (only where Keras's reading does not fit).
+    mask_reading = draw(st.sampled_from([None, "leading", "channels"]))
+    non_channel = [d for i, d in enumerate(shape) if i not in channel_axes]
+    if mask_reading == "channels" and _fits_leading(non_channel, shape):
+        mask_reading = "leading"
     return {
         "shape": tuple(shape),
         "axis": axis,
@@ -61,20 +66,42 @@ def bn_cases(draw):
         "dtype": draw(st.sampled_from(sorted(POLICY))),
         "center": draw(st.booleans()),
         "scale": draw(st.booleans()),
-        "masked": masked,
+        "mask_reading": mask_reading,
         "seed": draw(st.integers(0, 2**31)),
         "momentum": draw(st.sampled_from([0.0, 0.5, 0.9])),
     }
 
 
+def _fits_leading(mask_shape, shape):
+    """Whether a mask of `mask_shape` fits Keras's reading for an input of `shape`: the
+    leading axes, shape[:-1], each dimension that size or 1."""
+    return len(mask_shape) == len(shape) - 1 and all(
+        m in (s, 1) for m, s in zip(mask_shape, shape[:-1])
+    )
+
+
+def _mask(case, rng):
+    """(mask, the mask expanded to the input's rank as the reading means it), or Nones."""
+    shape, channel_axes = case["shape"], case["channel_axes"]
+    if case["mask_reading"] == "channels":
+        mask = rng.uniform(size=[d for i, d in enumerate(shape) if i not in channel_axes]) > 0.4
+        mask.flat[:2] = True  # at least two values survive: m ≥ 2, the same in every channel
+        expanded = mask
+        for a in channel_axes:
+            expanded = np.expand_dims(expanded, a)
+        return mask, expanded
+    if case["mask_reading"] == "leading":
+        mask = rng.uniform(size=shape[:-1]) > 0.4
+        mask[:2] = True  # two whole samples survive: m_c ≥ 2 in every channel
+        return mask, mask[..., None]
+    return None, None
+
+
 def _setup(case):
     rng = np.random.default_rng(case["seed"])
-    shape, channel_axes = case["shape"], case["channel_axes"]
+    shape = case["shape"]
     x = tf.cast(rng.normal(rng.uniform(-3, 3), rng.uniform(0.5, 3), shape), case["dtype"])
-    mask = None
-    if case["masked"]:
-        mask = rng.uniform(size=[d for i, d in enumerate(shape) if i not in channel_axes]) > 0.4
-        mask.flat[:2] = True  # at least two values per channel survive: m ≥ 2
+    mask, case["expanded_mask"] = _mask(case, rng)
     layer = keras_bn.BatchNormalization(
         axis=case["axis"],
         momentum=case["momentum"],
@@ -93,14 +120,6 @@ def _params(layer, channel_axes, shape):
     gamma = layer.gamma.numpy().astype(np.float64) if layer.scale else np.ones(pshape)
     beta = layer.beta.numpy().astype(np.float64) if layer.center else np.zeros(pshape)
     return gamma, beta
-
-
-def _expanded_mask(mask, shape, channel_axes):
-    if mask is None:
-        return None
-    for a in channel_axes:
-        mask = np.expand_dims(mask, a)
-    return mask
 
 
 def _runner(fn, jit):
@@ -135,7 +154,7 @@ def _check_forward_and_inference(case, jit):
         beta,
         case["channel_axes"],
         EPS,
-        _expanded_mask(mask, case["shape"], case["channel_axes"]),
+        case["expanded_mask"],
     )
     paths = []
 
@@ -145,7 +164,7 @@ def _check_forward_and_inference(case, jit):
 
     y = _runner(train, jit)(x)
     if jit:  # axis 0 is always reduced here, so only a mask keeps the composite path
-        assert paths == ["composite" if case["masked"] else "xla_cpu"]
+        assert paths == ["composite" if mask is not None else "xla_cpu"]
     assert y.dtype == x.dtype
     assert_close(tf.cast(y, tf.float64), expected, FORWARD_TOL[case["dtype"]])
 
@@ -196,14 +215,14 @@ def _check_gradients(case, jit):
             *ref_params,
             case["channel_axes"],
             EPS,
-            _expanded_mask(mask, case["shape"], case["channel_axes"]),
+            case["expanded_mask"],
         )
         loss = tf.reduce_sum(ref * upstream)
     dx, dgamma, dbeta = tape.gradient(loss, [x64] + ref_params)
     tol = GRADIENT_TOL[case["dtype"]]
     # ∂l/∂x is a difference of terms of size γ·g/σ that can cancel almost exactly (at m = 2,
     # x̂ = ±1 whatever x is), so its error is measured against those terms, not its own size.
-    full_mask = _expanded_mask(mask, case["shape"], case["channel_axes"])
+    full_mask = case["expanded_mask"]
     x_hat, _, batch_var = numpy_bn_train(
         x64.numpy(),
         np.ones_like(gamma),
@@ -242,18 +261,17 @@ def _check_moving_statistics(case, jit):
     mean = layer.moving_mean.numpy().astype(np.float64)
     var = layer.moving_variance.numpy().astype(np.float64)
     momentum = case["momentum"]
-    full_mask = _expanded_mask(mask, case["shape"], case["channel_axes"])
+    full_mask = case["expanded_mask"]
+    reduced = tuple(i for i in range(len(case["shape"])) if i not in case["channel_axes"])
+    # m_c per channel (a mask over a channel axis gives each channel its own count).
+    m = np.ones(case["shape"]) if full_mask is None else np.broadcast_to(full_mask, case["shape"])
+    m = m.sum(axis=reduced).reshape(mean.shape)
     for step in range(2):
         batch = x if step == 0 else tf.cast(rng.normal(1.0, 2.0, case["shape"]), x.dtype)
         train(batch)
         x64 = tf.cast(batch, tf.float64).numpy()
         _, batch_mean, batch_var = numpy_bn_train(
             x64, np.ones_like(mean), np.zeros_like(mean), case["channel_axes"], EPS, full_mask
-        )
-        m = (
-            np.broadcast_to(full_mask, x64.shape).sum() / mean.size
-            if mask is not None
-            else x64.size / mean.size
         )
         mean = momentum * mean + (1 - momentum) * batch_mean
         var = momentum * var + (1 - momentum) * batch_var * m / (m - 1)
@@ -270,20 +288,24 @@ def _check_moving_statistics(case, jit):
 def test_strategy_covers_the_space():
     """The generator reaches every kind of case (hypothesis would silently narrow if not)."""
     seen = {"dtype": set(), "rank": set(), "kind": set(), "masked": set(), "grouped": set()}
+    counts = set()  # whether a case's per-channel counts differ
 
     @given(bn_cases())
     def collect(case):
         seen["dtype"].add(case["dtype"])
         seen["rank"].add(len(case["shape"]))
         seen["kind"].add(type(case["axis"]).__name__ + str(case["axis"] == 1))
-        seen["masked"].add(case["masked"])
+        seen["masked"].add(case["mask_reading"])
+        if case["mask_reading"] == "leading" and case["channel_axes"] != [len(case["shape"]) - 1]:
+            counts.add(True)
         seen["grouped"].add(case["shape"][0] % xla.GROUPS == 0)
 
     collect()
     assert seen["dtype"] == set(POLICY)
     assert seen["rank"] == {2, 3, 4, 5}
     assert {"listFalse", "intTrue", "intFalse"} <= seen["kind"]
-    assert seen["masked"] == {True, False}
+    assert seen["masked"] == {None, "leading", "channels"}
+    assert counts == {True}  # some masks reach per-channel counts
     assert seen["grouped"] == {True, False}  # XLA's grouped sums, split evenly and padded
     keras.mixed_precision.set_global_policy("float32")
 
