@@ -5,7 +5,7 @@ enabled; one thread each. Runs are interleaved (one call of each variant per rou
 table shows medians, so drift on a shared machine hits every variant alike. Also times
 fold_batch_norms on ResNet50 (64 px, weights=None), verification run included.
 
-    python benchmarks/bench_export.py            # the README table
+    python benchmarks/bench_export.py            # the table of docs/guide/performance.md
     python benchmarks/bench_export.py --smoke    # tiny sizes, one round: CI checks it runs
 """
 

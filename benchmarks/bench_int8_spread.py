@@ -12,7 +12,7 @@ TFLite four ways, and run in LiteRT on the test split:
 
 Errors are max |LiteRT − Keras| over the test split, as a fraction of max |Keras output|.
 
-    python benchmarks/bench_int8_spread.py            # the README table
+    python benchmarks/bench_int8_spread.py            # the table of docs/guide/export.md
     python benchmarks/bench_int8_spread.py --smoke    # two scales, one epoch: CI checks it runs
 """
 

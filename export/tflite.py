@@ -21,8 +21,9 @@ QUANTIZATIONS = (None, "float16", "dynamic", "int8")
 # Defaults for `atol`, as a fraction of each output's scale. float32 is exact up to rounding.
 # The quantized ones are 3x or more the worst error measured on correct exports of the trained
 # digits demo CNN, the digits CNN with random BN statistics and MobileNetV2 (alpha 0.35, 96 px,
-# random weights and BN statistics): float16 2.8e-4, dynamic 6.7e-3, int8 1.5e-2 (README,
-# "Export"); a wrong file (a misplaced bias, a wrong layout) is off by 0.1 to 1.
+# random weights and BN statistics): float16 2.8e-4, dynamic 6.7e-3, int8 1.5e-2
+# (docs/guide/export.md, "Tolerances"); a wrong file (a misplaced bias, a wrong layout) is off by
+# 0.1 to 1.
 DEFAULT_ATOL = {None: pipeline.FLOAT32_ATOL, "float16": 1e-3, "dynamic": 2e-2, "int8": 5e-2}
 CALIBRATION_SAMPLES = 200
 PROBE_SAMPLES = 64
