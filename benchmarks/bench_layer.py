@@ -28,6 +28,7 @@ import numpy as np
 import tensorflow as tf
 
 import keras_bn
+from keras_bn.export import atomic
 
 # name, shape, axis
 SHAPES = [
@@ -229,7 +230,7 @@ def _format_row(row):
 
 def write_json(path, rows, ranks, started, argv):
     """The run's rows (medians in ms), machine, command and UTC times as JSON at `path`,
-    written to a temporary file first so that an interrupted run leaves the old file."""
+    written atomically, so that an interrupted run leaves the old file."""
     record = {
         "command": "python benchmarks/bench_layer.py " + " ".join(argv),
         "machine": machine_description(),
@@ -248,10 +249,7 @@ def write_json(path, rows, ranks, started, argv):
         "targets": target_results(rows, ranks),
     }
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(record, f, indent=1)
-        f.write("\n")
-    os.replace(path + ".tmp", path)
+    atomic.write_text(path, json.dumps(record, indent=1) + "\n")
 
 
 def main(argv=None):

@@ -44,7 +44,7 @@ def test_bench_layer_smoke(tmp_path):
         assert float(cells[4]) == pytest.approx(row["keras_bn_ms"], abs=0.006)
         assert float(cells[5]) == pytest.approx(row["keras_ms"], abs=0.006)
     assert [t["met"] for t in record["targets"]] == [v == "yes" for v in verdicts]
-    assert not list(tmp_path.glob("*.tmp"))
+    assert [p.name for p in tmp_path.iterdir()] == ["layer.json"]  # no temporary left
 
 
 @pytest.mark.slow
