@@ -8,7 +8,7 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 DEMO := artifacts/demo
 EXPORT := $(VENV)/bin/keras-bn-export
 
-.PHONY: demo test docs bench bench-export notebooks clean
+.PHONY: demo test docs bench bench-export gpu-check notebooks clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -51,6 +51,12 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_layer.py --json benchmarks/results/bench_layer.json
 	$(PY) benchmarks/bench_model.py
 	$(PY) benchmarks/bench_sync.py
+
+# GPU readiness, in at most 8 minutes: the exactness tests and the layer benchmark on the GPU,
+# JSON results into build/gpu_check/. No venv prerequisite: it runs with .venv's Python if there
+# is one, else python3 (PYTHON=... picks another), and says in one line when it cannot run.
+gpu-check:
+	benchmarks/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info
