@@ -8,7 +8,7 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 DEMO := artifacts/demo
 EXPORT := $(VENV)/bin/keras-bn-export
 
-.PHONY: demo test docs bench bench-export gpu-check notebooks clean
+.PHONY: demo test test-fast docs bench bench-export gpu-check notebooks clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -34,6 +34,14 @@ bench-export: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The inner loop, under 3 minutes on 2 cores: the suite less the notebooks, the docs build, the
+# slow tests, and the three costliest of the rest: the CLI's end-to-end runs (each a new Python
+# importing TensorFlow), the property-based tests (700 examples a property) and bench_export's
+# smoke run. `make test` stays the full suite, which CI runs.
+FAST_SKIP := test_notebooks test_docs test_cli test_properties test_bench_export
+test-fast: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS) -m "not slow" $(FAST_SKIP:%=--ignore=tests/%.py)
 
 # The documentation site, into $(DOCS)/html. Executes every notebook (full size unless
 # KERAS_BN_SMALL=1; cached per size in $(DOCS)); any warning fails the build.
