@@ -8,7 +8,7 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 DEMO := artifacts/demo
 EXPORT := $(VENV)/bin/keras-bn-export
 
-.PHONY: demo test lint typecheck docs bench bench-export notebooks clean
+.PHONY: demo test test-fast lint typecheck docs bench bench-export gpu-check notebooks clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -34,6 +34,14 @@ bench-export: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The inner loop, under 3 minutes on 2 cores: the suite less the notebooks, the docs build, the
+# slow tests, and the three costliest of the rest: the CLI's end-to-end runs (each a new Python
+# importing TensorFlow), the property-based tests (700 examples a property) and bench_export's
+# smoke run. `make test` stays the full suite, which CI runs.
+FAST_SKIP := test_notebooks test_docs test_cli test_properties test_bench_export
+test-fast: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS) -m "not slow" $(FAST_SKIP:%=--ignore=tests/%.py)
 
 # Lint, format check and type check (.ci/run runs it before the tests).
 lint: $(STAMP)
@@ -66,6 +74,12 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_layer.py --json benchmarks/results/bench_layer.json
 	$(PY) benchmarks/bench_model.py
 	$(PY) benchmarks/bench_sync.py
+
+# GPU readiness, in at most 8 minutes: the exactness tests and the layer benchmark on the GPU,
+# JSON results into build/gpu_check/. No venv prerequisite: it runs with .venv's Python if there
+# is one, else python3 (PYTHON=... picks another), and says in one line when it cannot run.
+gpu-check:
+	benchmarks/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

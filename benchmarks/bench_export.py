@@ -5,7 +5,7 @@ enabled; one thread each. Runs are interleaved (one call of each variant per rou
 table shows medians, so drift on a shared machine hits every variant alike. Also times
 fold_batch_norms on ResNet50 (64 px, weights=None), verification run included.
 
-    python benchmarks/bench_export.py            # the README table
+    python benchmarks/bench_export.py            # the table of docs/guide/performance.md
     python benchmarks/bench_export.py --smoke    # tiny sizes, one round: CI checks it runs
 """
 
@@ -18,9 +18,7 @@ import sys
 import tempfile
 import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-
+import _tf_env  # noqa: F401  (before TensorFlow: its environment)
 import keras
 import numpy as np
 import onnxruntime as ort
@@ -171,7 +169,7 @@ def machine():
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as info:
-            cpu = next(l.split(":", 1)[1].strip() for l in info if l.startswith("model name"))
+            cpu = next(s.split(":", 1)[1].strip() for s in info if s.startswith("model name"))
     except (OSError, StopIteration):
         pass
     return f"{cpu}, {os.cpu_count()} cores visible, {platform.system()} {platform.release()}"

@@ -12,7 +12,7 @@ TFLite four ways, and run in LiteRT on the test split:
 
 Errors are max |LiteRT − Keras| over the test split, as a fraction of max |Keras output|.
 
-    python benchmarks/bench_int8_spread.py            # the README table
+    python benchmarks/bench_int8_spread.py            # the table of docs/guide/export.md
     python benchmarks/bench_int8_spread.py --smoke    # two scales, one epoch: CI checks it runs
 """
 
@@ -22,8 +22,8 @@ import os
 import sys
 import tempfile
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+import _tf_env  # noqa: F401  (before TensorFlow: its environment)
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 
 import numpy as np

@@ -11,6 +11,8 @@ on the same medians.
     python benchmarks/bench_layer.py --smoke    # tiny shapes, one repetition: CI's check
     python benchmarks/bench_layer.py --json benchmarks/results/bench_layer.json
                                                 # also the rows as JSON (the docs' plot reads it)
+    python benchmarks/bench_layer.py --device /GPU:0    # inputs and every contender on that
+                                                # device (default: TensorFlow's placement)
 """
 
 import argparse
@@ -28,6 +30,7 @@ import numpy as np
 import tensorflow as tf
 
 import keras_bn
+from keras_bn.export import atomic
 
 # name, shape, axis
 SHAPES = [
@@ -56,10 +59,15 @@ def machine_description():
     except OSError:
         pass
     onednn = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "unset")
+    gpus = [
+        tf.config.experimental.get_device_details(gpu).get("device_name", gpu.name)
+        for gpu in tf.config.list_physical_devices("GPU")
+    ]
     return (
-        f"{model}, {os.cpu_count()} cores; TensorFlow {tf.__version__}, "
-        f"Keras {keras.__version__}, Python {platform.python_version()}; "
-        f"TF_ENABLE_ONEDNN_OPTS={onednn}"
+        f"{model}, {os.cpu_count()} cores; "
+        + (f"GPU {', '.join(gpus)}; " if gpus else "")
+        + f"TensorFlow {tf.__version__}, Keras {keras.__version__}, "
+        f"Python {platform.python_version()}; TF_ENABLE_ONEDNN_OPTS={onednn}"
     )
 
 
@@ -144,11 +152,14 @@ def time_row(functions, x, reps, inner):
 
 
 def run(shapes, reps, inner, jit_modes=(False, True)):
+    """Time every row; the input (and so each contender's ops) on the current device."""
     rows = []
     for label, shape, axis in shapes:
         for policy in POLICIES:
             compute = keras.mixed_precision.Policy(policy).compute_dtype
-            x = tf.constant(np.random.default_rng(0).normal(1.0, 2.0, shape), compute)
+            # An op's output, so that x lives on the current device (not host memory copied to
+            # it at every call).
+            x = tf.identity(tf.constant(np.random.default_rng(0).normal(1.0, 2.0, shape), compute))
             for mode in ("train", "inference"):
                 for jit in jit_modes:
                     functions = {
@@ -227,12 +238,13 @@ def _format_row(row):
     )
 
 
-def write_json(path, rows, ranks, started, argv):
+def write_json(path, rows, ranks, started, argv, device):
     """The run's rows (medians in ms), machine, command and UTC times as JSON at `path`,
-    written to a temporary file first so that an interrupted run leaves the old file."""
+    written atomically, so that an interrupted run leaves the old file."""
     record = {
         "command": "python benchmarks/bench_layer.py " + " ".join(argv),
         "machine": machine_description(),
+        "device": device,
         "started_utc": started,
         "finished_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
         "rows": [
@@ -248,10 +260,7 @@ def write_json(path, rows, ranks, started, argv):
         "targets": target_results(rows, ranks),
     }
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(record, f, indent=1)
-        f.write("\n")
-    os.replace(path + ".tmp", path)
+    atomic.write_text(path, json.dumps(record, indent=1) + "\n")
 
 
 def main(argv=None):
@@ -260,17 +269,32 @@ def main(argv=None):
     parser.add_argument("--reps", type=int, default=15, help="timed samples per contender")
     parser.add_argument("--inner", type=int, default=3, help="calls per sample")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
+    parser.add_argument(
+        "--device", help="run on this device, e.g. /GPU:0 (default: TensorFlow's placement)"
+    )
+    parser.add_argument(
+        "--max-shapes", type=int, metavar="N", help="only the first N shapes (of 4)"
+    )
     args = parser.parse_args(argv)
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes")
+    shapes, reps, inner = (SMOKE_SHAPES, 1, 1) if args.smoke else (SHAPES, args.reps, args.inner)
+    if args.max_shapes is not None:
+        if args.max_shapes < 1:
+            parser.error(f"--max-shapes must be at least 1; received {args.max_shapes}")
+        shapes = shapes[: args.max_shapes]
+    with tf.device(args.device):  # None: TensorFlow's own placement
+        device = tf.identity(0.0).device
     print(f"machine: {machine_description()}")
+    print(f"device: {device}")
     print("raw = FusedBatchNormV3 + its gradient (train), x*a+b (inference); medians\n")
     print(HEADER, flush=True)
-    shapes, reps, inner = (SMOKE_SHAPES, 1, 1) if args.smoke else (SHAPES, args.reps, args.inner)
-    rows = run(shapes, reps, inner)
+    with tf.device(args.device):
+        rows = run(shapes, reps, inner)
     ranks = {label: len(shape) for label, shape, _ in shapes}
     print("\n" + target_summary(rows, ranks))
     if args.json:
-        write_json(args.json, rows, ranks, started, argv if argv is not None else sys.argv[1:])
+        argv = argv if argv is not None else sys.argv[1:]
+        write_json(args.json, rows, ranks, started, argv, device)
     return 0
 
 

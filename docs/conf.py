@@ -23,13 +23,27 @@ os.environ.pop("MPLBACKEND", None)
 
 
 def _kernel_for_this_python():
-    """A 'python3' kernelspec that launches sys.executable, searched before any other."""
+    """A 'python3' kernelspec that launches sys.executable, searched before any other.
+
+    The kernel leaves its file descriptors alone (capture_fd_output=False): what C++ libraries
+    write there, TensorFlow's logging above all, goes to the build's stderr, not into the pages.
+    TF_CPP_MIN_LOG_LEVEL cannot keep it out: TensorFlow 2.21 prints "oneDNN custom operations
+    are on" and "Could not find cuda drivers" before it reads the variable. What Python writes
+    to sys.stderr (a warning a cell raises) is still shown.
+    """
     spec_dir = BUILD / "kernels" / "python3"
     spec_dir.mkdir(parents=True, exist_ok=True)
     (spec_dir / "kernel.json").write_text(
         json.dumps(
             {
-                "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+                "argv": [
+                    sys.executable,
+                    "-m",
+                    "ipykernel_launcher",
+                    "--IPKernelApp.capture_fd_output=False",
+                    "-f",
+                    "{connection_file}",
+                ],
                 "display_name": "keras-bn (docs)",
                 "language": "python",
             }

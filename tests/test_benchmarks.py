@@ -44,7 +44,7 @@ def test_bench_layer_smoke(tmp_path):
         assert float(cells[4]) == pytest.approx(row["keras_bn_ms"], abs=0.006)
         assert float(cells[5]) == pytest.approx(row["keras_ms"], abs=0.006)
     assert [t["met"] for t in record["targets"]] == [v == "yes" for v in verdicts]
-    assert not list(tmp_path.glob("*.tmp"))
+    assert [p.name for p in tmp_path.iterdir()] == ["layer.json"]  # no temporary left
 
 
 @pytest.mark.slow
@@ -65,3 +65,77 @@ def test_bench_sync_smoke():
 def test_bench_cli_smoke():
     out = _run("bench_cli.py")
     assert out.startswith("keras-bn-export --help: median ") and "over 1 run(s)" in out
+
+
+GPU_CHECK = os.path.join(ROOT, "benchmarks", "gpu_check.sh")
+
+
+def _gpu_check(out, *extra, python=sys.executable):
+    result = subprocess.run(
+        ["bash", GPU_CHECK, *extra, str(out)],
+        env={**os.environ, "PYTHON": python},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    return result, json.loads((out / "gpu_check.json").read_text())
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_runs_every_step_and_writes_its_json(tmp_path):
+    import tensorflow as tf
+
+    result, record = _gpu_check(tmp_path, "--dry-run")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert record["status"] == "passed" and record["reason"] is None and record["dry_run"]
+    assert record["tensorflow"]["version"] == tf.__version__
+    assert record["python"] and record["device"]
+    tests = record["tests"]
+    # One test per file of the exactness files, each run, on the CPU, TF32 off.
+    assert (tests["passed"], tests["failed"], tests["errors"]) == (len(tests["files"]), 0, 0)
+    assert tests["placement"]["default_device"].endswith("CPU:0") and tests["tf32"] is False
+    bench = record["bench"]
+    assert bench["device"].endswith("CPU:0") and bench["exit_code"] == 0
+    # One shape: both policies x (train, inference) x (graph, XLA), every median positive.
+    assert len(bench["rows"]) == 8
+    assert {(r["policy"], r["step"], r["tf_function"]) for r in bench["rows"]} == {
+        (policy, step, mode)
+        for policy in ("float32", "mixed_float16")
+        for step in ("train", "inference")
+        for mode in ("graph", "XLA")
+    }
+    assert all(r["keras_bn_ms"] > 0 and r["keras_ms"] > 0 for r in bench["rows"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "bench_layer.json",
+        "bench_layer.log",
+        "gpu_check.json",
+        "probe.log",
+        "tests.json",
+        "tests.log",
+    ]
+
+
+def test_gpu_check_without_tensorflow_stops_with_one_line(tmp_path):
+    # A new virtual environment of the same Python, without pip or any package.
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "venv")], check=True
+    )
+    result, record = _gpu_check(tmp_path / "out", python=str(tmp_path / "venv" / "bin" / "python"))
+    assert result.returncode == 2
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("gpu_check: FAILED: TensorFlow is not importable by "), line
+    assert "No module named 'tensorflow'" in line
+    assert record["status"] == "failed" and record["reason"] in line
+    assert "nvidia_smi" in record and record["tests"] is None and record["bench"] is None
+
+
+def test_gpu_check_without_a_gpu_stops_with_one_line(tmp_path):
+    import tensorflow as tf
+
+    if tf.config.list_physical_devices("GPU"):
+        pytest.skip("TensorFlow sees a GPU here")
+    result, record = _gpu_check(tmp_path)
+    assert result.returncode == 2
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"gpu_check: FAILED: TensorFlow {tf.__version__} sees no GPU"), line
+    assert record["status"] == "failed" and record["tensorflow"]["gpus"] == []

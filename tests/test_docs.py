@@ -6,6 +6,7 @@ Debian's (`chromium`, `chromium-driver`), which .ci/run installs; where they are
 browser test is skipped, except under KERAS_BN_REQUIRE_BROWSER=1 (set by .ci/run), where it fails.
 """
 
+import html
 import os
 import pathlib
 import re
@@ -16,6 +17,7 @@ import time
 
 import keras
 import pytest
+from test_notebooks import TENSORFLOW_LOG_LINE, kernel_environment
 
 import keras_bn
 import keras_bn.export
@@ -33,7 +35,7 @@ def site(tmp_path_factory):
     # Its own notebook cache and kernelspec, not build/docs: nothing is shared with a
     # `make docs` (or another build) running at the same time.
     env = {
-        **os.environ,
+        **kernel_environment(),  # the build `make docs` makes, outside pytest
         "KERAS_BN_SMALL": "1",
         "KERAS_BN_DOCS_BUILD": str(tmp_path_factory.mktemp("docs_build")),
     }
@@ -140,6 +142,20 @@ def test_api_page_lists_every_public_name(site, browser):
         name for name in expected if name not in anchors and f"module-{name}" not in anchors
     )
     assert not missing, f"API page lacks {missing}"
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("docs_site")
+def test_no_page_shows_tensorflow_log_lines(site):
+    """TensorFlow's C++ logging (what it prints to the process's stderr as it loads and runs)
+    stays out of the pages; Python warnings that a cell raises are still shown."""
+    logged = []
+    for page in sorted(site.rglob("*.html")):
+        for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
+            text = html.unescape(re.sub(r"<[^>]*>", "", line))
+            if TENSORFLOW_LOG_LINE.search(text):
+                logged.append(f"{page.relative_to(site)}:{number}: {text.strip()[:100]}")
+    assert not logged, f"{len(logged)} TensorFlow log line(s):\n" + "\n".join(logged)
 
 
 @pytest.mark.slow

@@ -25,13 +25,30 @@ CELL_TIMEOUT_S = int(os.environ.get("KERAS_BN_CELL_TIMEOUT", "300"))
 EXECUTED_DIR = os.environ.get("KERAS_BN_EXECUTED_DIR")
 
 
+def kernel_environment():
+    """This process's environment less PYTEST_CURRENT_TEST, for a kernel (or a process that
+    starts kernels): ipykernel forwards the output written to the kernel's file descriptors
+    (a C++ library's logging) into the notebook, except under pytest, which it detects by that
+    variable. Without it a kernel started here does what it does in `make docs`."""
+    return {key: value for key, value in os.environ.items() if key != "PYTEST_CURRENT_TEST"}
+
+
 @pytest.fixture
 def kernel_for_this_python(tmp_path, monkeypatch):
-    """A 'python3' kernelspec that launches sys.executable; JUPYTER_PATH is searched first."""
+    """A 'python3' kernelspec that launches sys.executable; JUPYTER_PATH is searched first.
+    The kernel does not capture its file descriptors' output, as in docs/conf.py: TensorFlow's
+    C++ logging goes to this process's stderr, not into the executed notebook."""
     spec_dir = tmp_path / "kernels" / "python3"
     spec_dir.mkdir(parents=True)
     spec = {
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "argv": [
+            sys.executable,
+            "-m",
+            "ipykernel_launcher",
+            "--IPKernelApp.capture_fd_output=False",
+            "-f",
+            "{connection_file}",
+        ],
         "display_name": "keras-bn (tests)",
         "language": "python",
     }
@@ -54,6 +71,28 @@ def test_every_reference_claim_has_a_notebook():
         "06_population_statistics",
     }
     assert expected <= stems, sorted(expected - stems)
+
+
+# TensorFlow's C++ log lines, which belong in the kernel's own stderr, never in a cell's output:
+# absl's "I0000 00:00:1795684180.819180    6517 port.cc:153] ..." (TF 2.21), TF's older
+# "2026-01-30 22:44:42.456316: I tensorflow/core/util/port.cc:153] ...", and the messages
+# TensorFlow prints as it loads (some before it reads TF_CPP_MIN_LOG_LEVEL).
+TENSORFLOW_LOG_LINE = re.compile(
+    r"^\s*[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ \S+:\d+\]"
+    r"|\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: [IWEF] \S+:\d+\]"
+    r"|absl::InitializeLog\(\)|oneDNN custom operations are on|Could not find cuda drivers"
+    r"|cudart_stub|cpu_feature_guard|cuInit"
+)
+
+
+def tensorflow_log_lines(notebook):
+    """(cell index, line) of every TensorFlow C++ log line in an executed notebook's outputs."""
+    found = []
+    for index, cell in enumerate(notebook.cells):
+        for output in cell.get("outputs", []):
+            lines = output.get("text", "").splitlines()  # stream outputs carry text
+            found += [(index, line) for line in lines if TENSORFLOW_LOG_LINE.search(line)]
+    return found
 
 
 # Documents a clone of the project does not have; notebooks cite papers instead.
@@ -101,9 +140,12 @@ def test_notebook_runs_and_its_checks_hold(path, kernel_for_this_python):
         resources={"metadata": {"path": str(EXAMPLES)}},  # cwd, so `import digits` works
     )
     try:
-        client.execute()  # raises CellExecutionError on any failing cell, asserts included
+        # raises CellExecutionError on any failing cell, asserts included
+        client.execute(env=kernel_environment())
     finally:
         if EXECUTED_DIR:
             pathlib.Path(EXECUTED_DIR).mkdir(parents=True, exist_ok=True)
             nbformat.write(notebook, pathlib.Path(EXECUTED_DIR) / path.name)
     assert any(cell.get("outputs") for cell in notebook.cells if cell.cell_type == "code")
+    logged = tensorflow_log_lines(notebook)
+    assert not logged, f"{path.name} shows TensorFlow's C++ log lines: {logged[:10]}"

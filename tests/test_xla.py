@@ -282,8 +282,8 @@ def test_group_axis_prefers_a_static_axis_that_groups_divide():
 
 
 def test_empty_batch_known_only_at_run_time_changes_nothing_under_xla():
-    """XLA compiles the m ≥ 2 assert away (see README's Errors): an empty batch gives an empty
-    output and leaves the moving statistics alone, as the composite path does."""
+    """Under XLA an empty batch (m ≤ 1 known only at run time: docs/guide/errors.md) gives an
+    empty output and leaves the moving statistics alone, as the composite path does."""
     for fused in (None, False):
         layer = _layer((4, 5, 3), -1)
         layer._fused = fused

@@ -1,0 +1,109 @@
+"""pytest plugin of benchmarks/gpu_check.py: where the tests' ops run, and what the tests gave.
+
+Options (gpu_check.py passes them, with `-p gpu_check_plugin` and benchmarks/ on PYTHONPATH):
+
+    --gpu-check-report PATH   JSON of the outcome counts, the failed tests' ids, the GPUs
+                              TensorFlow sees and the device an op without a device scope runs
+                              on; rewritten after every test, so a run stopped at its deadline
+                              still leaves its counts.
+    --gpu-check-expect KIND   GPU or CPU: before the first test, stop the session (exit code 3)
+                              unless an op without a device scope runs on a device of that kind.
+    --gpu-check-one-per-file  keep only the first test of each file (gpu_check's dry run).
+    --gpu-check-tf32-off      turn TensorFloat-32 off before the first test (the report says
+                              whether it is on).
+
+TensorFlow is imported in the hooks, never at import: tests/conftest.py sets its environment and
+logical devices first.
+"""
+
+import json
+
+import pytest
+from gpu_check import atomic, tensorflow_devices
+
+PLACEMENT_EXIT_CODE = 3
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("gpu_check")
+    group.addoption("--gpu-check-report", metavar="PATH", help="write the outcome JSON here")
+    group.addoption(
+        "--gpu-check-expect", choices=("GPU", "CPU"), help="the kind of the default device"
+    )
+    group.addoption(
+        "--gpu-check-one-per-file", action="store_true", help="the first test of each file only"
+    )
+    group.addoption("--gpu-check-tf32-off", action="store_true", help="turn TF32 off")
+
+
+def pytest_configure(config):
+    if config.getoption("--gpu-check-report"):
+        config.pluginmanager.register(_Recorder(config), "gpu_check_recorder")
+
+
+class _Recorder:
+    def __init__(self, config):
+        self.path = config.getoption("--gpu-check-report")
+        self.expect = config.getoption("--gpu-check-expect")
+        self.one_per_file = config.getoption("--gpu-check-one-per-file")
+        self.tf32_off = config.getoption("--gpu-check-tf32-off")
+        self.record = {
+            "passed": 0,
+            "failed": 0,
+            "errors": 0,
+            "skipped": 0,
+            "xfailed": 0,
+            "xpassed": 0,
+            "failed_tests": [],
+            "placement": None,
+            "exit_status": None,
+        }
+
+    def _write(self):
+        atomic.write_text(self.path, json.dumps(self.record, indent=1) + "\n")
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, session, config, items):
+        if self.one_per_file:
+            first = {}
+            for item in items:
+                first.setdefault(item.path, item)
+            kept = set(first.values())
+            config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+            items[:] = [item for item in items if item in kept]
+
+    def pytest_collection_finish(self, session):
+        import tensorflow as tf
+
+        if self.tf32_off:
+            tf.config.experimental.enable_tensor_float_32_execution(False)
+        self.record["tf32"] = tf.config.experimental.tensor_float_32_execution_enabled()
+        placement = tensorflow_devices()
+        self.record["placement"] = placement
+        self.record["collected"] = len(session.items)
+        self._write()
+        kind = placement["default_device"].rsplit(":", 2)[-2]  # ".../device:GPU:0" -> "GPU"
+        if self.expect and kind != self.expect:
+            self.record["stopped"] = (
+                f"the tests' ops would run on {placement['default_device']}, not a "
+                f"{self.expect} (TensorFlow sees GPUs: {[g['name'] for g in placement['gpus']]})"
+            )
+            self._write()
+            pytest.exit(self.record["stopped"], returncode=PLACEMENT_EXIT_CODE)
+
+    def pytest_runtest_logreport(self, report):
+        if report.when == "call" or report.outcome != "passed":
+            if hasattr(report, "wasxfail"):
+                key = "xfailed" if report.skipped else "xpassed"
+            elif report.when != "call" and report.failed:
+                key = "errors"
+            else:
+                key = report.outcome  # passed, failed, skipped
+            self.record[key] += 1
+            if report.failed:
+                self.record["failed_tests"].append(report.nodeid)
+            self._write()
+
+    def pytest_sessionfinish(self, session, exitstatus):
+        self.record["exit_status"] = int(exitstatus)
+        self._write()
