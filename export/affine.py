@@ -17,6 +17,12 @@ _backend.require_tensorflow()  # before either layer can be built under another 
 class _PerChannelMap(keras.layers.Layer):
     """A map applied channel by channel: the output has the input's shape."""
 
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        # An elementwise map keeps every position: a mask passes through, as it passes through
+        # the BN this layer replaces (a masked LSTM after it must still see it).
+        self.supports_masking = True
+
     def compute_output_shape(self, input_shape):
         """The output shape: `input_shape` itself.
 

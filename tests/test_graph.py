@@ -3,6 +3,8 @@
 Each folded model is compared with running the original (unfolded) model on the same input.
 """
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -445,3 +447,30 @@ def test_bn_under_a_mask_folds_and_the_mask_still_reaches_later_layers():
         ("backward_bn", "host", "backward"),
     }
     assert report.kept == [] and _bn_layers(folded) == []
+
+
+def test_a_kept_bn_passes_the_mask_on_to_the_layers_after_it():
+    """Embedding(mask_zero) → BN (kept: it reads no host) → LSTM: the LSTM of the folded model
+    must still skip the padding, or its last state differs from the original's."""
+    ids = keras.Input((7,), dtype="int32")
+    x = keras.layers.Embedding(20, 6, mask_zero=True)(ids)
+    x = keras_bn.BatchNormalization()(x)
+    y = keras.layers.LSTM(5)(x)
+    model = keras.Model(ids, y)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, 20, size=(16, 7)).astype("int32")
+    tokens[:, 4:] = 0  # padding at the end of every sequence
+    for layer in model.layers:
+        if isinstance(layer, keras_bn.BatchNormalization):
+            layer.moving_mean.assign(rng.normal(size=6).astype("float32"))
+            layer.moving_variance.assign(rng.uniform(0.5, 2.0, size=6).astype("float32"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        folded, report = fold_batch_norms(model, tokens)
+    # Keras warns when a layer that does not support masking is passed a mask.
+    assert not [w for w in caught if "destroy the mask" in str(w.message)]
+    assert [k.kind for k in report.kept] == ["not_a_host"]
+    np.testing.assert_allclose(
+        folded.predict(tokens, verbose=0), model.predict(tokens, verbose=0), atol=1e-6
+    )
+    assert report.relative_error < 1e-5
