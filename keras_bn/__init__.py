@@ -10,6 +10,7 @@
 - `convert`: swap Keras's and keras_bn's BN layers in a model, weights kept.
 - `keras_bn.export`: fold BN into Dense/Conv layers and write verified TFLite and ONNX files.
 - `UnsupportedModelError`: a model structure the fold, the exporters or `convert` cannot take.
+- `KerasBNWarning`: what keras_bn warns with (something ran, but probably not as intended).
 
 `import keras_bn` is light: each name is imported on first use, and needs the TensorFlow
 Keras backend (under any other, that first use raises ImportError). Once Keras is imported,
@@ -20,7 +21,7 @@ that hold them.
 import typing
 
 from keras_bn import _lazy, _registration
-from keras_bn._errors import UnsupportedModelError
+from keras_bn._errors import KerasBNWarning, UnsupportedModelError
 
 if typing.TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from keras_bn import callbacks, convert, diagnostics
@@ -29,6 +30,7 @@ if typing.TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
 
 __all__ = [
     "BatchNormalization",
+    "KerasBNWarning",
     "LayerChange",
     "RecalibrationReport",
     "UnsupportedModelError",

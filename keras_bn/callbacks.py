@@ -13,7 +13,8 @@ import keras
 
 from keras_bn import _bn_layers, _hooks
 from keras_bn._batches import Batches
-from keras_bn.population import _recalibrate_layers
+from keras_bn._errors import KerasBNWarning
+from keras_bn.population import recalibrate_layers
 
 __all__ = ["Recalibrate"]
 
@@ -130,6 +131,7 @@ class Recalibrate(keras.callbacks.Callback):
             warnings.warn(
                 "Recalibrate(before_validation=True, at_train_end=False) did nothing: this fit "
                 "ran no validation (give fit validation_data or validation_split).",
+                KerasBNWarning,
                 stacklevel=2,
             )
 
@@ -164,7 +166,7 @@ class Recalibrate(keras.callbacks.Callback):
         # statistics all through fit, and the layers after it were trained for them.
         layers = [layer for layer in _bn_layers.in_model(self.model) if layer.trainable]
         if layers:
-            self.last_report = _recalibrate_layers(
+            self.last_report = recalibrate_layers(
                 self.model,
                 layers,
                 self._batches.fresh(),

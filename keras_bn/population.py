@@ -184,10 +184,10 @@ def recalibrate(model, data, steps=None, progress=True, batch_size=32):
     layers = _bn_layers.in_model(model)
     if not layers:
         raise ValueError(f"Model '{model.name}' has no BatchNormalization layer to recalibrate.")
-    return _recalibrate_layers(model, layers, Batches(data, steps, batch_size), progress)
+    return recalibrate_layers(model, layers, Batches(data, steps, batch_size), progress)
 
 
-def _recalibrate_layers(model, layers, batches, progress):
+def recalibrate_layers(model, layers, batches, progress):
     """`recalibrate` for the BN `layers` of `model` only, over `Batches`; the other BN layers
     keep their statistics (and normalize with them while the chosen ones are gathered)."""
     with BatchNormCalls(layers) as statistics:

@@ -292,7 +292,7 @@ def test_before_validation_alone_warns_when_fit_runs_no_validation():
     """The constructor refuses a callback that would do nothing; a fit without validation data
     makes before_validation=True, at_train_end=False do nothing too, so it says so."""
     callback = Recalibrate(X, batch_size=BATCH, at_train_end=False, before_validation=True)
-    with pytest.warns(UserWarning, match="ran no validation"):
+    with pytest.warns(keras_bn.KerasBNWarning, match="ran no validation"):
         _model().fit(
             X[:BATCH], Y[:BATCH], batch_size=BATCH, epochs=1, verbose=0, callbacks=[callback]
         )
