@@ -5,7 +5,11 @@ Train step = forward, backward (to the input and the weights) and a sum-of-squar
 layers also update their moving statistics. The raw baseline for training is TensorFlow's
 FusedBatchNormV3 with its registered gradient (FusedBatchNormGradV3); for inference it is
 `x*a + b` on the same tensor. A second table checks the keras_bn / Keras BN targets (TARGETS)
-on the same medians.
+on the same medians. A third table times the fused path's re-centring (keras_bn/fused.py: a
+tf.cond that re-runs the kernel on x minus the first pass's per-channel mean when some channel's
+mean is far from zero) in the keras_bn train step: as shipped (on this data the test says no),
+with the re-centring off (twice: the second is the noise control), and with the re-run forced;
+each cost is the median over reps of the per-rep ratio to the step without it.
 
     python benchmarks/bench_layer.py            # full table (a few minutes on 2 cores)
     python benchmarks/bench_layer.py --smoke    # tiny shapes, one repetition: CI's check
@@ -13,6 +17,7 @@ on the same medians.
                                                 # also the rows as JSON (the docs' plot reads it)
     python benchmarks/bench_layer.py --device /GPU:0    # inputs and every contender on that
                                                 # device (default: TensorFlow's placement)
+    python benchmarks/bench_layer.py --recentring-only   # the third table alone
 """
 
 import argparse
@@ -30,6 +35,7 @@ import numpy as np
 import tensorflow as tf
 
 import keras_bn
+from keras_bn import fused
 from keras_bn.export import atomic
 
 # name, shape, axis
@@ -135,8 +141,77 @@ def contenders(shape, axis, policy, mode):
     }
 
 
-def time_row(functions, x, reps, inner):
-    """Median seconds per call for each function, the functions interleaved rep by rep."""
+def _traced_with_recentre_ratio(ratio, step):
+    """`step`, to be traced with keras_bn.fused.RECENTRE_RATIO = ratio (read at trace time:
+    None turns the re-centring off, 0 forces the subtraction)."""
+
+    def traced(x):
+        shipped = fused.RECENTRE_RATIO
+        fused.RECENTRE_RATIO = ratio
+        try:
+            return step(x)
+        finally:
+            fused.RECENTRE_RATIO = shipped
+
+    return traced
+
+
+def recentring_contenders(shape, axis, policy):
+    """{name: tf.function of x}: the keras_bn train step (graph; the fused path never runs
+    under XLA) as shipped ("shipped"), without the re-centring ("off", and again as "off_again",
+    the noise control), and with the subtraction forced ("forced")."""
+    functions = {}
+    for name, ratio in (
+        ("shipped", fused.RECENTRE_RATIO),
+        ("off", None),
+        ("forced", 0.0),
+        ("off_again", None),
+    ):
+        layer = keras_bn.BatchNormalization(axis=axis, dtype=policy)
+        layer.build(shape)
+        step = _layer_train_step(layer, tf.float32)
+        functions[name] = tf.function(_traced_with_recentre_ratio(ratio, step))
+    return functions
+
+
+def run_recentring(shapes, reps, inner):
+    """[(label, policy, medians, costs)]: the re-centring table's rows. A cost is the median
+    over reps of (contender / off) − 1, each rep's contenders timed back to back, which a
+    machine whose speed drifts between reps leaves alone."""
+    rows = []
+    for label, shape, axis in shapes:
+        for policy in POLICIES:
+            compute = keras.mixed_precision.Policy(policy).compute_dtype
+            x = tf.constant(np.random.default_rng(0).normal(1.0, 2.0, shape), compute)
+            samples = time_samples(recentring_contenders(shape, axis, policy), x, reps, inner)
+            costs = {
+                name: statistics.median(
+                    t / off - 1 for t, off in zip(samples[name], samples["off"])
+                )
+                for name in ("shipped", "forced", "off_again")
+            }
+            medians = {name: statistics.median(s) for name, s in samples.items()}
+            rows.append((label, policy, medians, costs))
+            print(_format_recentring_row(rows[-1]), flush=True)
+    return rows
+
+
+RECENTRING_HEADER = (
+    "| shape | policy | keras_bn train ms | re-centring off ms | test's cost "
+    "| re-run's cost (forced) | off vs off (noise) |\n|---|---|---|---|---|---|---|"
+)
+
+
+def _format_recentring_row(row):
+    label, policy, t, costs = row
+    return (
+        f"| {label} | {policy} | {t['shipped'] * 1e3:.2f} | {t['off'] * 1e3:.2f} | "
+        f"{costs['shipped']:+.1%} | {costs['forced']:+.1%} | {costs['off_again']:+.1%} |"
+    )
+
+
+def time_samples(functions, x, reps, inner):
+    """{name: [seconds per call, one per rep]}, the functions interleaved rep by rep."""
     for f in functions.values():  # trace, compile and warm up
         for _ in range(2):
             tf.nest.map_structure(lambda t: t.numpy(), f(x))
@@ -148,6 +223,12 @@ def time_row(functions, x, reps, inner):
                 out = f(x)
             tf.nest.map_structure(lambda t: t.numpy(), out)  # wait for the result
             samples[name].append((time.perf_counter() - start) / inner)
+    return samples
+
+
+def time_row(functions, x, reps, inner):
+    """Median seconds per call for each function, the functions interleaved rep by rep."""
+    samples = time_samples(functions, x, reps, inner)
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
@@ -238,7 +319,7 @@ def _format_row(row):
     )
 
 
-def write_json(path, rows, ranks, started, argv, device):
+def write_json(path, rows, ranks, started, argv, device, recentring=()):
     """The run's rows (medians in ms), machine, command and UTC times as JSON at `path`,
     written atomically, so that an interrupted run leaves the old file."""
     record = {
@@ -258,6 +339,15 @@ def write_json(path, rows, ranks, started, argv, device):
             for label, policy, mode, jit, t in rows
         ],
         "targets": target_results(rows, ranks),
+        "recentring": [
+            {
+                "shape": label,
+                "policy": policy,
+                **{f"{name}_ms": round(t[name] * 1e3, 4) for name in t},
+                **{f"{name}_cost": round(cost, 4) for name, cost in costs.items()},
+            }
+            for label, policy, t, costs in recentring
+        ],
     }
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     atomic.write_text(path, json.dumps(record, indent=1) + "\n")
@@ -275,7 +365,10 @@ def main(argv=None):
     parser.add_argument(
         "--max-shapes", type=int, metavar="N", help="only the first N shapes (of 4)"
     )
+    parser.add_argument("--recentring-only", action="store_true", help="only the re-centring table")
     args = parser.parse_args(argv)
+    if args.recentring_only and args.json:
+        parser.error("--json writes every table's rows; run it without --recentring-only")
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes")
     shapes, reps, inner = (SMOKE_SHAPES, 1, 1) if args.smoke else (SHAPES, args.reps, args.inner)
     if args.max_shapes is not None:
@@ -286,15 +379,22 @@ def main(argv=None):
         device = tf.identity(0.0).device
     print(f"machine: {machine_description()}")
     print(f"device: {device}")
-    print("raw = FusedBatchNormV3 + its gradient (train), x*a+b (inference); medians\n")
-    print(HEADER, flush=True)
+    rows, ranks = [], {label: len(shape) for label, shape, _ in shapes}
     with tf.device(args.device):
-        rows = run(shapes, reps, inner)
-    ranks = {label: len(shape) for label, shape, _ in shapes}
-    print("\n" + target_summary(rows, ranks))
+        if not args.recentring_only:
+            print("raw = FusedBatchNormV3 + its gradient (train), x*a+b (inference); medians\n")
+            print(HEADER, flush=True)
+            rows = run(shapes, reps, inner)
+            print("\n" + target_summary(rows, ranks))
+        print(
+            "\nThe fused path's re-centring (keras_bn/fused.py), train step, graph; costs are "
+            "medians of per-rep ratios to 'off'\n"
+        )
+        print(RECENTRING_HEADER, flush=True)
+        recentring = run_recentring(shapes, reps, inner)
     if args.json:
         argv = argv if argv is not None else sys.argv[1:]
-        write_json(args.json, rows, ranks, started, argv, device)
+        write_json(args.json, rows, ranks, started, argv, device, recentring)
     return 0
 
 

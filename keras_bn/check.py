@@ -11,7 +11,7 @@ import dataclasses
 import numpy as np
 import tensorflow as tf
 
-from keras_bn import _bn_layers, _hooks
+from keras_bn import _augmentation, _bn_layers, _hooks
 from keras_bn._batches import Batches
 from keras_bn._errors import UnsupportedModelError
 from keras_bn.population import PooledMoments
@@ -91,8 +91,14 @@ def check_batchnorm(model, data=None, *, batch_size=32, steps=None):
       over the batches of `data` in the layer's own convention (within-batch variances,
       m/(m−1) for keras_bn; a mask read as the layer reads it, per channel, as
       `keras_bn.recalibrate` pools), which is what the moving average estimates; a channel no
-      batch gives 2 values is not compared. For a frozen BN (trainable=False) the message says
-      so rather than advise recalibrating: the layers after it are trained for its statistics.
+      batch gives 2 values is not compared. Training-time augmentation makes the statistics far
+      from un-augmented `data` as well: when layers that change their input only in training
+      (Keras's random image preprocessing layers, e.g. RandomTranslation or RandomFlip, and
+      GaussianNoise, GaussianDropout, AlphaDropout, Dropout) are upstream of the BN, the message
+      names them and advises recalibrating on un-augmented data; without them it names
+      augmentation in the input pipeline as a possible cause. For a frozen BN (trainable=False)
+      the message says so rather than advise recalibrating: the layers after it are trained for
+      its statistics.
     - `non_finite`: on `data` (itself finite), the layer's input is NaN or inf: an upstream
       weight or statistic is not finite.
     - `small_batch`: the batches of `data` give a layer fewer than `MIN_VALUES_PER_CHANNEL` =
@@ -254,8 +260,10 @@ def _data_findings(model, layers, paths, batches, skip):
                 difference += float(np.sum(np.square(a - b)))
                 spread += float(np.sum(np.square(b - b.mean(axis=0))))
     findings, furthest = [], (0.0, None)
+    upstream = _augmentation.upstream_augmentation(model)
     for index in statistics.order:
         layer, path = layers[index], paths[id(layers[index])]
+        augmentation = upstream.get(id(layer), [])
         typical = float(np.median(counts[index]))
         if typical < MIN_VALUES_PER_CHANNEL:
             findings.append(
@@ -287,7 +295,7 @@ def _data_findings(model, layers, paths, batches, skip):
                 )
             )
             continue
-        distance, message = _distance_from_data(layer, mean, variance, seen)
+        distance, message = _distance_from_data(layer, mean, variance, seen, augmentation)
         furthest = max(furthest, (distance, path), key=lambda pair: pair[0])
         if message and path not in skip:
             findings.append(Finding(path, "stale_statistics", message))
@@ -339,9 +347,11 @@ def _check_finite(x, number):
             )
 
 
-def _distance_from_data(layer, mean, variance, seen):
+def _distance_from_data(layer, mean, variance, seen, augmentation=()):
     """(largest standardized distance, message or None) between the moving statistics and the
-    input's pooled statistics on `data`, in the channels `seen` (the others score 0)."""
+    input's pooled statistics on `data`, in the channels `seen` (the others score 0);
+    `augmentation` names the training-time augmentation layers upstream of the layer, for the
+    advice."""
     epsilon = layer.epsilon
     moving_mean = layer.moving_mean.numpy().astype(np.float64).ravel()
     moving_variance = layer.moving_variance.numpy().astype(np.float64).ravel()
@@ -381,11 +391,21 @@ def _distance_from_data(layer, mean, variance, seen):
     distance = max(float(shift.max()), float(np.log(fold.max())))
     if not problems:
         return distance, None
-    advice = (
-        ": keep training in training mode, or run keras_bn.recalibrate"
-        if layer.trainable
-        else _FROZEN
-    )
+    if not layer.trainable:
+        advice = _FROZEN
+    elif augmentation:
+        advice = (
+            f"; the model has training-time augmentation layer(s) {list(augmentation)} before "
+            "this BN: its moving statistics averaged augmented inputs; if `data` is "
+            "un-augmented, recalibrate on it: keras_bn.recalibrate(model, data)"
+        )
+    else:
+        advice = (
+            ": keep training in training mode, or run keras_bn.recalibrate; if training "
+            "augments the inputs outside the model (in the input pipeline), the moving "
+            "statistics averaged augmented inputs: recalibrate on un-augmented data, "
+            "keras_bn.recalibrate(model, data)"
+        )
     return distance, "; ".join(problems) + advice
 
 

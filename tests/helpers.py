@@ -12,6 +12,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+import keras_bn
 from keras_bn.export import fold
 
 L = keras.layers
@@ -57,6 +58,61 @@ def tf_reference_bn(x, gamma, beta, channel_axes, eps=1e-3, mask=None):
     mean = tf.reduce_sum(w * x, axes, keepdims=True) / m
     var = tf.reduce_sum(w * tf.square(x - mean), axes, keepdims=True) / m
     return tf.reshape(gamma, bshape) * (x - mean) / tf.sqrt(var + eps) + tf.reshape(beta, bshape)
+
+
+def large_offset_errors(shape, axis, mode, composite=False):
+    """One train step of a momentum-0 keras_bn layer on x ~ N(1e3, 1e-2²) in float32 (resolution
+    6e-5 at 1e3, σ/160), against float64: numpy's y, μ and σ² (`numpy_bn_train`) and
+    autodiff's ∂l/∂x (`tf_reference_bn`), for l = Σ y·u with a random u.
+
+    Args:
+        shape, axis: the input's shape and the layer's channel axis.
+        mode: "eager", "graph" (tf.function) or "xla" (jit_compile=True); it and the layout
+            pick the path (`keras_bn.ops.train_path`).
+        composite: force the composite path (the layer's `_fused = False`).
+
+    Returns:
+        {"y", "dx", "moving_mean", "moving_variance"}: max |error| / max |reference|, the
+        moving variance against m/(m−1)·σ².
+    """
+    rng = np.random.default_rng(7)
+    x = (1e3 + 1e-2 * rng.standard_normal(shape)).astype("float32")
+    upstream = rng.standard_normal(shape)
+    channel_axes = [axis % len(shape)]
+    ones, zeros = np.ones(shape[axis]), np.zeros(shape[axis])
+    expected_y, mean, variance = numpy_bn_train(x.astype(np.float64), ones, zeros, channel_axes)
+    x64 = tf.constant(x, tf.float64)
+    with tf.GradientTape() as tape:
+        tape.watch(x64)
+        loss = tf.reduce_sum(tf_reference_bn(x64, ones, zeros, channel_axes) * upstream)
+    expected_dx = tape.gradient(loss, x64).numpy()
+    layer = keras_bn.BatchNormalization(axis=axis, momentum=0.0)
+    layer.build(shape)
+    layer._fused = False if composite else None
+    x, upstream = tf.constant(x), tf.constant(upstream, tf.float32)
+
+    def train_step():
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x, training=True)
+            loss = tf.reduce_sum(y * upstream)
+        return y, tape.gradient(loss, x)
+
+    y, dx = (
+        train_step() if mode == "eager" else tf.function(train_step, jit_compile=mode == "xla")()
+    )
+    m = x.shape.num_elements() / shape[axis]
+
+    def relative(actual, expected):
+        actual = np.asarray(actual, np.float64)
+        return float(np.abs(actual - expected).max() / np.abs(expected).max())
+
+    return {
+        "y": relative(y, expected_y),
+        "dx": relative(dx, expected_dx),
+        "moving_mean": relative(layer.moving_mean, mean),
+        "moving_variance": relative(layer.moving_variance, variance * m / (m - 1)),
+    }
 
 
 def randomise_batch_norms(model, seed=0):

@@ -12,6 +12,7 @@ import tensorflow as tf
 import digits
 import keras_bn
 from helpers import docs_page, randomise_batch_norms
+from keras_bn import _augmentation
 from keras_bn._errors import UnsupportedModelError
 from keras_bn.diagnostics import Finding, Findings, check_batchnorm
 from keras_bn.export import fold_batch_norms, graph
@@ -439,3 +440,135 @@ def test_a_frozen_bn_is_not_sent_to_recalibrate():
     (stale,) = [f for f in check_batchnorm(model, x) if f.layer == "ours"]
     assert "standard deviations from its input's mean" in stale.message
     assert "frozen (trainable=False)" in stale.message
+
+
+def test_statistics_averaged_over_in_model_augmentation_name_it_and_recalibration_clears_them():
+    """A digits CNN trained with a strong RandomTranslation (zeros shifted in) has moving
+    statistics that averaged translated images: on the clean training images the BN after
+    the Dense is stale, and the advice names the augmentation layer and recalibrating on
+    un-augmented data, which removes the finding."""
+    x_train, y_train, _, _ = digits.load()
+    model = keras.Sequential(
+        [
+            keras.Input((8, 8, 1)),
+            keras.layers.RandomTranslation(
+                0.3, 0.3, fill_mode="constant", name="random_translation"
+            ),
+            keras.layers.Conv2D(16, 3, padding="same", use_bias=False),
+            keras_bn.BatchNormalization(momentum=0.9, name="conv_bn"),
+            keras.layers.ReLU(),
+            keras.layers.MaxPooling2D(),
+            keras.layers.Flatten(),
+            keras.layers.Dense(32, use_bias=False),
+            keras_bn.BatchNormalization(momentum=0.9, name="dense_bn"),
+            keras.layers.ReLU(),
+            keras.layers.Dense(10, activation="softmax"),
+        ]
+    )
+    model.compile(keras.optimizers.Adam(3e-3), "sparse_categorical_crossentropy")
+    model.fit(x_train, y_train, batch_size=64, epochs=3, verbose=0)
+    stale = [
+        f for f in check_batchnorm(model, x_train, batch_size=64) if f.kind == "stale_statistics"
+    ]
+    assert "dense_bn" in [f.layer for f in stale], stale
+    for finding in stale:
+        assert (
+            "the model has training-time augmentation layer(s) ['random_translation'] before "
+            "this BN: its moving statistics averaged augmented inputs; if `data` is "
+            "un-augmented, recalibrate on it: keras_bn.recalibrate(model, data)"
+        ) in finding.message, finding.message
+    keras_bn.recalibrate(model, x_train, batch_size=64, progress=False)
+    after = check_batchnorm(model, x_train, batch_size=64)
+    assert [f for f in after if f.kind == "stale_statistics"] == [], str(after)
+
+
+def _branches():
+    """Functional: image → Resizing (deterministic: not augmentation) → nested "augment"
+    [RandomFlip, GaussianNoise] → Conv → BN "after"; vector → Dense → BN "beside"; both
+    joined by a Dense head."""
+    image, vector = keras.Input((8, 8, 1), name="image"), keras.Input((6,), name="vector")
+    augment = keras.Sequential(
+        [
+            keras.Input((8, 8, 1)),
+            keras.layers.RandomFlip(name="random_flip"),
+            keras.layers.GaussianNoise(0.1, name="gaussian_noise"),
+        ],
+        name="augment",
+    )
+    h = keras.layers.Resizing(8, 8, name="resizing")(image)
+    h = keras.layers.Conv2D(4, 3, padding="same")(augment(h))
+    h = keras.layers.BatchNormalization(name="after")(h)
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    v = keras.layers.Dense(4)(vector)
+    v = keras_bn.BatchNormalization(name="beside")(v)
+    out = keras.layers.Dense(2)(keras.layers.Concatenate()([h, v]))
+    return keras.Model([image, vector], out, name="branches")
+
+
+def test_augmentation_is_named_only_for_the_bns_after_it():
+    model = _branches()
+    rng = np.random.default_rng(5)
+    data = {
+        "image": rng.normal(size=(64, 8, 8, 1)).astype("float32"),
+        "vector": rng.normal(size=(64, 6)).astype("float32"),
+    }
+    keras_bn.recalibrate(model, data, batch_size=32, progress=False)
+    for name in ("after", "beside"):  # statistics 10 input standard deviations off
+        layer = model.get_layer(name)
+        layer.moving_mean.assign(layer.moving_mean + 10 * tf.sqrt(layer.moving_variance))
+    findings = check_batchnorm(model, data, batch_size=32)
+    stale = {f.layer: f.message for f in findings if f.kind == "stale_statistics"}
+    assert list(stale) == ["after", "beside"], str(findings)
+    assert (
+        "the model has training-time augmentation layer(s) ['augment/random_flip', "
+        "'augment/gaussian_noise'] before this BN" in stale["after"]
+    ), stale["after"]
+    assert "resizing" not in stale["after"]
+    assert "training-time augmentation layer" not in stale["beside"]
+    assert (
+        "keep training in training mode, or run keras_bn.recalibrate; if training augments "
+        "the inputs outside the model (in the input pipeline)" in stale["beside"]
+    ), stale["beside"]
+    assert "recalibrate on un-augmented data" in stale["beside"]
+    # A frozen BN keeps the frozen advice, augmentation or not.
+    model.get_layer("after").trainable = False
+    (frozen,) = [
+        f
+        for f in check_batchnorm(model, data, batch_size=32)
+        if f.layer == "after" and f.kind == "stale_statistics"
+    ]
+    assert "frozen (trainable=False)" in frozen.message
+    assert "augmentation" not in frozen.message
+
+
+def test_upstream_augmentation_follows_the_graph_and_the_layer_order():
+    model = _branches()
+    found = _augmentation.upstream_augmentation(model)
+    assert found[id(model.get_layer("after"))] == ["augment/random_flip", "augment/gaussian_noise"]
+    assert found[id(model.get_layer("beside"))] == []
+    # Sequential, nested: the BN inside "block" sees the noise before the block, and the
+    # dropout inside the block before it, not the one after it.
+    block = keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dropout(0.1, name="inside_before"),
+            keras.layers.BatchNormalization(name="bn"),
+            keras.layers.Dropout(0.1, name="inside_after"),
+        ],
+        name="block",
+    )
+    model = keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras_bn.BatchNormalization(name="first"),
+            keras.layers.GaussianDropout(0.1, name="noise"),
+            block,
+            keras.layers.RandomContrast(0.1, name="not_before_any_bn"),
+        ]
+    )
+    found = _augmentation.upstream_augmentation(model)
+    assert found[id(model.get_layer("first"))] == []
+    assert found[id(block.get_layer("bn"))] == ["noise", "block/inside_before"]
+    assert _augmentation.is_augmentation(model.get_layer("not_before_any_bn"))
+    for deterministic in (keras.layers.Resizing(4, 4), keras.layers.CenterCrop(2, 2)):
+        assert not _augmentation.is_augmentation(deterministic)

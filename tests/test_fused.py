@@ -7,8 +7,8 @@ import pytest
 import tensorflow as tf
 
 import keras_bn
-from helpers import assert_close
-from keras_bn import ops
+from helpers import assert_close, large_offset_errors, numpy_bn_train
+from keras_bn import fused, ops
 from keras_bn.fused import fused_data_format
 
 # (shape, axis): every layout the fast path takes.
@@ -154,3 +154,79 @@ def test_inference_matches_affine_reference(layout, mode, dtype):
     )
     tol = {"float32": 1e-6, "float16": 1e-3, "bfloat16": 1e-2}[dtype]
     assert_close(tf.cast(y, tf.float64), expected, tol)
+
+
+# Mean 1e3, std 1e-2 in float32 (resolution 6e-5 at 1e3, σ/160): each path's documented
+# accuracy there (docs/guide/layer.md, "Far from zero"), scale-relative, against float64.
+LARGE_OFFSET_BOUNDS = {  # path: (output and ∂l/∂x, moving variance)
+    "fused": (1e-5, 1e-5),  # the kernel re-run on re-centred x (keras_bn/fused.py)
+    "xla_cpu": (1e-5, 1e-5),
+    "composite": (3e-3, 1e-4),  # its float32 mean, ~3e-5 off at 1e3, is subtracted from x
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("layout", FUSED_LAYOUTS)
+def test_each_path_keeps_its_documented_accuracy_at_a_large_offset(layout, mode):
+    shape, axis = FUSED_LAYOUTS[layout]
+    automatic = "xla_cpu" if mode == "xla" else "fused"
+    for path, composite in ((automatic, False), ("composite", True)):
+        errors = large_offset_errors(shape, axis, mode, composite)
+        output_bound, variance_bound = LARGE_OFFSET_BOUNDS[path]
+        assert errors["y"] < output_bound, (path, errors)
+        assert errors["dx"] < max(output_bound, 2e-4), (path, errors)
+        assert errors["moving_variance"] < variance_bound, (path, errors)
+        assert errors["moving_mean"] < 1e-6, (path, errors)  # float32 resolution: 6e-8
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_without_recentring_the_fused_kernel_is_off_at_a_large_offset(monkeypatch, mode):
+    """The kernel's own accuracy there (docs/guide/layer.md): what the re-centring fixes."""
+    monkeypatch.setattr(fused, "RECENTRE_RATIO", None)
+    errors = large_offset_errors(*FUSED_LAYOUTS["nhwc"], mode)
+    assert errors["y"] > 1e-3 and errors["moving_variance"] > 1e-4, errors
+    assert errors["y"] < 2e-2 and errors["moving_variance"] < 5e-3, errors  # the documented
+
+
+def _fused_train(x, channel_axes, mode):
+    channels = x.shape[channel_axes[0]]
+    data_format = fused_data_format(x, channel_axes, 1e-3)
+    return _run(
+        lambda: fused.batch_norm_train(
+            x, tf.ones([channels]), tf.zeros([channels]), channel_axes, 1e-3, data_format
+        ),
+        mode,
+    )
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+@pytest.mark.parametrize("shape,axis", [((16, 4, 4, 3), 3), ((16, 3, 4, 4), 1)])
+def test_recentring_reruns_the_kernel_only_where_a_channel_is_far_from_zero(
+    monkeypatch, shape, axis, mode
+):
+    rng = np.random.default_rng(8)
+    usual = rng.normal(1.0, 2.0, shape).astype("float32")  # |μ|/σ = 0.5
+    shipped = _fused_train(tf.constant(usual), [axis], mode)
+    monkeypatch.setattr(fused, "RECENTRE_RATIO", None)
+    off = _fused_train(tf.constant(usual), [axis], mode)
+    monkeypatch.undo()
+    for a, b in zip(shipped, off):  # the first pass stands: bit for bit
+        np.testing.assert_array_equal(a, b)
+    # Channel 1 at |μ|/σ = 1e5, channel 0 NaN at one position: channel 1 re-centred and
+    # exact, channel 0 left as it is (NaN, as without the re-centring), channel 2 unharmed.
+    far = usual.copy()
+    index = [slice(None)] * len(shape)
+    index[axis] = 1
+    far[tuple(index)] = 1e3 + 1e-2 * far[tuple(index)]
+    nan_at = [0] * len(shape)
+    nan_at[axis] = 0
+    far[tuple(nan_at)] = np.nan
+    y, mean, variance = (t.numpy() for t in _fused_train(tf.constant(far), [axis], mode))
+    expected, expected_mean, expected_variance = numpy_bn_train(
+        far.astype(np.float64), np.ones(3), np.zeros(3), [axis]
+    )
+    assert np.all(np.isnan(np.take(y, 0, axis))) and np.isnan(mean[0]) and np.isnan(variance[0])
+    for channel in (1, 2):
+        assert_close(np.take(y, channel, axis), np.take(expected, channel, axis), 1e-5)
+        assert_close(variance[channel], expected_variance[channel], 1e-5)
+        assert abs(mean[channel] - expected_mean[channel]) <= 1e-7 * abs(expected_mean[channel])
