@@ -19,10 +19,10 @@ This module imports only the leaf keras_bn/statistics.py.
 import tensorflow as tf
 
 from keras_bn.statistics import (
+    centered_moments,
     channel_sums,
     divisor,
     element_count,
-    moments,
     per_channel,
     reduction_axes,
     statistics_dtype,
@@ -53,15 +53,19 @@ def batch_norm_train(x, gamma, beta, channel_axes, epsilon, mask=None, replica_c
 
     @tf.custom_gradient
     def _normalize(x, gamma, beta):
-        mean, variance = moments(x, channel_axes, mask, replica_context)
+        shift, residual, variance = centered_moments(x, channel_axes, mask, replica_context)
         inv = tf.math.rsqrt(variance + epsilon)
         gamma_b = per_channel(gamma, x, channel_axes)
-        y = (x - mean) * inv * gamma_b + per_channel(beta, x, channel_axes)
+
+        def normalized(x):  # x̂, centred in two steps (see statistics.centered_moments)
+            return ((x - shift) - residual) * inv
+
+        y = normalized(x) * gamma_b + per_channel(beta, x, channel_axes)
 
         def grad(dy, *_unused_statistic_grads):
             # x̂ is recomputed from x rather than saved: one tensor less to keep alive, and
             # XLA fuses the recomputation into the reductions below.
-            x_hat = (x - mean) * inv
+            x_hat = normalized(x)
             sum_dy, sum_dy_xhat = channel_sums([dy, dy * x_hat], axes)
             total_dy, total_dy_xhat = sum_dy, sum_dy_xhat
             if replica_context is not None:
@@ -71,7 +75,8 @@ def batch_norm_train(x, gamma, beta, channel_axes, epsilon, mask=None, replica_c
             dx = (gamma_b * inv) * (dy - weight * (total_dy + x_hat * total_dy_xhat) / m)
             return dx, tf.reshape(sum_dy_xhat, param_shape), tf.reshape(sum_dy, param_shape)
 
-        return (y, tf.reshape(mean, param_shape), tf.reshape(variance, param_shape)), grad
+        mean = tf.reshape(shift + residual, param_shape)
+        return (y, mean, tf.reshape(variance, param_shape)), grad
 
     y, mean, variance = _normalize(x, gamma, beta)
     return y, tf.stop_gradient(mean), tf.stop_gradient(variance)

@@ -173,6 +173,18 @@ def moments(x, channel_axes, mask=None, replica_context=None):
     Under a mask each channel's moments are over its own unmasked values (its count m_c).
     With a replica context the sums run over every replica's batch: the global statistics.
     """
+    shift, residual, variance = centered_moments(x, channel_axes, mask, replica_context)
+    return shift + residual, variance
+
+
+def centered_moments(x, channel_axes, mask=None, replica_context=None):
+    """`moments` in parts: (shift, residual, variance), with mean = shift + residual.
+
+    The shift is the first pass's mean and the residual the second pass's correction to it
+    (its rounding error). Centre x as (x − shift) − residual, never as x − mean: far from zero
+    the mean itself rounds (by ~6e-5 at 1e3 in float32), which x − mean would carry into every
+    output, while x − shift is exact there and the residual is small.
+    """
     axes = reduction_axes(x.shape.rank, channel_axes)
     if mask is None and replica_context is None:
 
@@ -188,7 +200,7 @@ def moments(x, channel_axes, mask=None, replica_context=None):
     centered = x - shift
     residual, mean_square = average(centered, tf.square(centered))  # residual: pass 1's error
     variance = tf.maximum(mean_square - tf.square(residual), 0.0)
-    return shift + residual, variance
+    return shift, residual, variance
 
 
 def statistics_dtype(dtype):
