@@ -386,27 +386,34 @@ def test_probe_that_does_not_fit_the_inputs_is_named(tmp_path):
             model, tmp_path / "m.onnx", probe={"features": data["features"], "idz": data["ids"]}
         )
     with pytest.raises(ValueError, match="is float32, but the input is int32"):
-        export_onnx(model, tmp_path / "m.onnx", probe=[data["features"]] * 2)
+        export_onnx(
+            model,
+            tmp_path / "m.onnx",
+            probe={"features": data["features"]} | {"ids": data["features"][:, :3]},
+        )
     with pytest.raises(ValueError, match="one array, but the model has 2 inputs"):
         fold_batch_norms(model, data["features"])
     assert os.listdir(tmp_path) == []
 
 
 @pytest.mark.parametrize("fmt", sorted(EXPORTERS))
-def test_an_output_named_like_an_input_gets_its_own_name(fmt, tmp_path):
-    """A model that also returns its inputs (or a dict output keyed like an input): a file's
-    output names must differ from its input names (tf2onnx failed "graph input 'ids' not
-    exist")."""
+def test_an_output_named_like_an_input_keeps_its_name(fmt, tmp_path):
+    """A model that also returns its inputs, with a dict output keyed like an input: the
+    user's output names are kept; in ONNX, whose inputs and outputs share one namespace
+    (tf2onnx failed "graph input 'ids' not exist"), the input, named after its layer, yields."""
     features = keras.Input((6,), name="features")
     ids = keras.Input((3,), dtype="int32", name="ids")
     h = L.BatchNormalization()(L.Dense(4, use_bias=False)(features))
     model = randomise_batch_norms(keras.Model([features, ids], {"ids": h, "echo": ids}))
     data = _multi_io_data(8)
     report = EXPORTERS[fmt](model, tmp_path / f"m.{fmt}", probe=data)
-    assert list(report.errors) == ["echo", "ids_1"] and report.passed
-    actual = RUNNERS[fmt](tmp_path / f"m.{fmt}", data)
+    assert list(report.errors) == ["echo", "ids"] and report.passed
+    ids_input = "ids" if fmt == "tflite" else "ids_1"
+    actual = RUNNERS[fmt](
+        tmp_path / f"m.{fmt}", {"features": data["features"], ids_input: data["ids"]}
+    )
     np.testing.assert_array_equal(actual["echo"], data["ids"])
-    assert_close(actual["ids_1"], model(data, training=False)["ids"], 1e-4)
+    assert_close(actual["ids"], model(data, training=False)["ids"], 1e-4)
 
 
 def test_onnx_file_the_checker_rejects_is_named_by_its_target_path(tmp_path):
@@ -420,10 +427,13 @@ def test_onnx_file_the_checker_rejects_is_named_by_its_target_path(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def test_input_keys_tensorflow_cannot_name_an_argument_are_renamed(tmp_path):
+def test_input_keys_tensorflow_cannot_name_an_argument_are_refused_in_tflite_kept_in_onnx(
+    tmp_path,
+):
     """A signature argument must start with a letter, digit or '.': dict keys "_private" and
-    "-offset" failed the TFLite export ("non-flat/non-unique argument names"). The files name
-    them "private" and "offset"; a probe still takes the model's own keys."""
+    "-offset" failed the TFLite export ("non-flat/non-unique argument names"). TFLite refuses
+    them by name (renaming a key the user chose could hand it to another tensor); ONNX takes
+    any name and keeps them. A probe takes the model's own keys."""
     private, offset = keras.Input((4,), name="_private"), keras.Input((4,), name="-offset")
     h = L.BatchNormalization()(L.Dense(4)(private))
     model = randomise_batch_norms(
@@ -434,12 +444,15 @@ def test_input_keys_tensorflow_cannot_name_an_argument_are_renamed(tmp_path):
         "_private": rng.normal(size=(8, 4)).astype("float32"),
         "-offset": rng.normal(size=(8, 4)).astype("float32"),
     }
-    # The probe is keyed as model.predict takes it: by the model's own keys.
-    report = export_tflite(model, tmp_path / "m.tflite", probe=data)
+    with pytest.raises(
+        UnsupportedModelError,
+        match=r"TFLite cannot name an input '-offset' \(the model's input dict key\): its input "
+        r"names must start with a letter, a digit or '\.'",
+    ):
+        export_tflite(model, tmp_path / "m.tflite", probe=data)
+    report = export_onnx(model, tmp_path / "m.onnx", probe=data)
     assert report.passed
-    actual = tflite_export.run(
-        tmp_path / "m.tflite", {"private": data["_private"], "offset": data["-offset"]}
-    )
+    actual = onnx_export.run(tmp_path / "m.onnx", data)
     assert_close(next(iter(actual.values())), model(data, training=False), 1e-4)
     with pytest.raises(
         ValueError,
@@ -447,6 +460,7 @@ def test_input_keys_tensorflow_cannot_name_an_argument_are_renamed(tmp_path):
         r"\['-offset'\], unknown \['offzet'\]",
     ):
         fold_batch_norms(model, {"_private": data["_private"], "offzet": data["-offset"]})
+    assert os.listdir(tmp_path) == ["m.onnx"]
 
 
 @pytest.mark.parametrize("fmt", sorted(EXPORTERS))
