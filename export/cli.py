@@ -79,10 +79,12 @@ def _parser():
     parser.add_argument(
         "--representative-data",
         metavar="X.npy|X.npz",
-        help="inputs (first axis: samples) to calibrate int8 (the first "
-        f"{defaults.CALIBRATION_SAMPLES}) and to verify on (the first "
-        f"{defaults.PROBE_SAMPLES}): .npy for a single-input model, .npz with one array per "
-        "input name otherwise",
+        help="inputs (first axis: samples) to verify on and to calibrate int8: .npy for a "
+        "single-input model, .npz with one array per input name otherwise. Files are "
+        f"verified on {defaults.PROBE_SAMPLES} samples spread over them; int8 holds out a "
+        f"quarter (at most {defaults.PROBE_SAMPLES}) to verify on, calibrates on up to "
+        f"{defaults.CALIBRATION_SAMPLES} of the rest, and needs {defaults.INT8_MIN_SAMPLES} "
+        "or more",
     )
     parser.add_argument(
         "--report",
@@ -217,6 +219,7 @@ def _export(args, stage):
         export_tflite,
         fold_batch_norms,
         pipeline,
+        trace,
     )
 
     for output in (args.tflite, args.onnx, args.report):
@@ -228,12 +231,9 @@ def _export(args, stage):
         raise _UsageError(f"cannot load model file {args.model}: {_told(error)}") from error
     data = probe = None
     if args.representative_data:
-        data = _load_arrays(np, args.representative_data)
-        probe = (
-            {name: _first_samples(np, array) for name, array in data.items()}
-            if isinstance(data, dict)
-            else _first_samples(np, data)
-        )
+        path = args.representative_data
+        data = _representative(trace, model, _load_arrays(np, path), path)
+        probe = trace.spread_samples(data, defaults.PROBE_SAMPLES)
     exporters = []
     if args.tflite:
         exporters.append(
@@ -243,9 +243,8 @@ def _export(args, stage):
                     model,
                     args.tflite,
                     quantization=args.quantize,
-                    representative_data=data,
+                    representative_data=data,  # the probe comes from it (held out, int8)
                     fold=not args.no_fold,
-                    probe=probe,
                     scale_tolerance=args.scale_tolerance,
                     on_stage=on_stage,
                 ),
@@ -326,9 +325,25 @@ def _load_arrays(np, path):
     return data
 
 
-def _first_samples(np, array):
-    """The default probe's samples of one array (a scalar as it is: the export names it)."""
-    return array[: defaults.PROBE_SAMPLES] if np.ndim(array) else array
+def _representative(trace, model, data, path):
+    """--representative-data `path` (its `data`) as a Feed for `model`, named by the flag in
+    every message about it (the exporters' too); _UsageError, suggesting the file the model
+    needs, if it does not fit."""
+    sig = trace.signature(model)
+    flag = f"--representative-data {path}"
+    names = list(sig.input_keys)
+    if len(names) > 1:
+        needed = f"an .npz with one array per input name: {', '.join(names)}"
+    else:
+        needed = f"an .npy of the samples, or an .npz with one array named {names[0]}"
+    if not isinstance(data, dict) and len(names) > 1:
+        raise _UsageError(
+            f"{flag} is one array (.npy), but the model has {len(names)} inputs: give {needed}"
+        )
+    try:
+        return trace.feed(sig, data, flag)
+    except ValueError as error:
+        raise _UsageError(f"{one_line(error)} --representative-data takes {needed}") from error
 
 
 def _finite_json(value):
@@ -351,7 +366,7 @@ def _human_summary(summary):
     else:
         lines.append(
             f"batch norms: {len(fold['folded'])} folded, {len(fold['kept'])} kept; "
-            f"folded model error {fold['relative_error']:.2e} of output scale"
+            f"folded model error {fold['relative_error']:.2e} of output scale (worst channel)"
         )
         lines += [f"  folded {f['bn']} -> {f['host']} ({f['direction']})" for f in fold["folded"]]
         lines += [f"  kept   {k['bn']}: {k['reason']}" for k in fold["kept"]]
@@ -364,9 +379,12 @@ def _human_summary(summary):
         )
         for output, relative in report["relative_errors"].items():
             settings = ", ".join(f"{k} {v:.2e}" for k, v in report["errors"][output].items())
+            channel = report["worst_channels"].get(output)
+            where = "" if channel is None else f", worst in channel {channel['channel']}"
             lines.append(
-                f"  output {output}: error {relative:.2e} of its scale (max abs: {settings})"
+                f"  output {output}: error {relative:.2e} of its scale{where} (max abs: {settings})"
             )
+        lines.append(_samples_line(report))
         lines.append(f"  ops: {ops}")
         if report["passed"]:
             lines.append(f"  passed (tolerance {report['scale_tolerance']:g} of output scale)")
@@ -378,6 +396,17 @@ def _human_summary(summary):
     verdict = "passed" if summary["passed"] else "FAILED"
     lines.append(f"verification {verdict}")
     return "\n".join(lines)
+
+
+def _samples_line(report):
+    """Which samples a file was verified on (and, for int8, its error on calibration ones)."""
+    if report["calibration_samples"] is None:
+        return f"  verified on {report['probe_samples']} samples"
+    return (
+        f"  verified on {report['probe_samples']} samples held out from calibration "
+        f"({report['calibration_samples']} calibrated); on calibration samples: error "
+        f"{report['in_sample_relative_error']:.2e} of scale"
+    )
 
 
 def _int8_readiness(fold):
