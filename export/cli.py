@@ -387,10 +387,12 @@ def _human_summary(summary):
         lines.append(_samples_line(report))
         lines.append(f"  ops: {ops}")
         if report["passed"]:
-            lines.append(f"  passed (tolerance {report['scale_tolerance']:g} of output scale)")
+            lines.append(
+                f"  passed (tolerance {report['scale_tolerance']:g} of each channel's scale)"
+            )
         else:
             lines.append(
-                f"  FAILED (tolerance {report['scale_tolerance']:g} of output scale): not "
+                f"  FAILED (tolerance {report['scale_tolerance']:g} of each channel's scale): not "
                 f"written; any existing file at the path is unchanged"
             )
     verdict = "passed" if summary["passed"] else "FAILED"

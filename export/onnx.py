@@ -128,43 +128,50 @@ class _ONNX(pipeline.Format):
         return [node.op_type for node in onnx.load(path).graph.node]
 
 
-class _PlainConvolution:
-    """A Conv1D/2D/3D whose convolution is one TensorFlow op, never an XLA-compiled function.
+def _plain_convolution(layer, inputs, kernel):
+    """A Conv1D/2D/3D's convolution as one TensorFlow op, never an XLA-compiled function.
 
-    TensorFlow cannot run it on a CPU: it is only traced, for tf2onnx.
+    TensorFlow cannot run a grouped one on a CPU: it is only traced, for tf2onnx.
     """
-
-    def convolution_op(self, inputs, kernel):
-        spatial = "DHW"[-self.rank :]  # NWC, NHWC, NDHWC; NCW, NCHW, NCDHW
-        first = self.data_format == "channels_first"
-        return tf.nn.convolution(
-            inputs,
-            kernel,
-            strides=list(self.strides),
-            padding="VALID" if self.padding == "causal" else self.padding.upper(),
-            data_format=f"NC{spatial}" if first else f"N{spatial}C",
-            dilations=list(self.dilation_rate),
-        )
+    spatial = "DHW"[-layer.rank :]  # NWC, NHWC, NDHWC; NCW, NCHW, NCDHW
+    first = layer.data_format == "channels_first"
+    return tf.nn.convolution(
+        inputs,
+        kernel,
+        strides=list(layer.strides),
+        padding="VALID" if layer.padding == "causal" else layer.padding.upper(),
+        data_format=f"NC{spatial}" if first else f"N{spatial}C",
+        dilations=list(layer.dilation_rate),
+    )
 
 
-class _PlainConv1D(_PlainConvolution, L.Conv1D):
+class _PlainConv1D(keras.layers.Conv1D):
     def call(self, inputs):
         # Conv1D's own call pads a causal input, then calls ops.conv directly; BaseConv's call
         # goes through convolution_op.
         if self.padding == "causal":
             inputs = keras.ops.pad(inputs, self._compute_causal_padding())
-        return super(L.Conv1D, self).call(inputs)
+        return super(keras.layers.Conv1D, self).call(inputs)
+
+    def convolution_op(self, inputs, kernel):
+        return _plain_convolution(self, inputs, kernel)
 
 
-class _PlainConv2D(_PlainConvolution, L.Conv2D):
-    pass
+class _PlainConv2D(keras.layers.Conv2D):
+    def convolution_op(self, inputs, kernel):
+        return _plain_convolution(self, inputs, kernel)
 
 
-class _PlainConv3D(_PlainConvolution, L.Conv3D):
-    pass
+class _PlainConv3D(keras.layers.Conv3D):
+    def convolution_op(self, inputs, kernel):
+        return _plain_convolution(self, inputs, kernel)
 
 
-PLAIN_CONVOLUTIONS = {L.Conv1D: _PlainConv1D, L.Conv2D: _PlainConv2D, L.Conv3D: _PlainConv3D}
+PLAIN_CONVOLUTIONS: dict[type, type[keras.layers.Layer]] = {
+    L.Conv1D: _PlainConv1D,
+    L.Conv2D: _PlainConv2D,
+    L.Conv3D: _PlainConv3D,
+}
 
 
 def _needs_xla(layer):
