@@ -61,11 +61,11 @@ class WorstChannel:
 
     A channel is an index on the output's last axis (an output of shape (batch,) is one
     channel). It is judged against its own scale, max |Keras output| in that channel over the
-    probe, but never against less than `channel_scale_floor` of its output's scale: the float32
-    tolerance (1e-4) of the output's scale, as a fraction of the tolerance. So a channel must be
-    within the tolerance of its own scale or within 1e-4 of its output's scale, whichever
-    allows more: float32 rounding is proportional to the output's values, not to a near-zero
-    channel's (zero channels, such as a dead ReLU unit, included).
+    probe, but never against less than 1e-4 / scale_tolerance of its output's scale
+    (`channel_scale_floor`; at most the output's scale). So a channel passes when it is within
+    the tolerance of its own scale or within 1e-4, float32's tolerance, of its output's scale:
+    float32 rounding follows the output's values, not a near-zero channel's. A channel whose
+    own scale is 0 (constant zero, such as a dead ReLU unit) is judged against that floor.
 
     Attributes:
         channel: the channel's index on the last axis.
