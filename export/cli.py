@@ -132,14 +132,17 @@ def _arguments(argv):
     if args.quantize and not args.tflite:
         raise _UsageError("--quantize applies to TFLite: give --tflite OUT too")
     if args.quantize == "int8" and not args.representative_data:
-        raise _UsageError("--quantize int8 needs --representative-data X.npy to calibrate")
+        raise _UsageError(
+            "--quantize int8 needs --representative-data X.npy (X.npz for several inputs) to "
+            "calibrate"
+        )
     if not os.path.isfile(args.model):
         raise _UsageError(f"cannot read model file {args.model}: no such file")
     if args.model.endswith(".keras") and not zipfile.is_zipfile(args.model):
         raise _UsageError(f"{args.model} is not a valid .keras file (not a zip archive)")
     if args.representative_data and not os.path.isfile(args.representative_data):
         raise _UsageError(
-            f"cannot read representative data {args.representative_data}: no such file"
+            f"cannot read --representative-data {args.representative_data}: no such file"
         )
     backend = os.environ["KERAS_BACKEND"]
     if backend != "tensorflow" and "keras" not in sys.modules:
@@ -321,7 +324,7 @@ def _load_arrays(np, path):
         if hasattr(data, "files"):  # .npz: one array per input name
             data = {name: data[name] for name in data.files}
     except LOAD_ERRORS as error:
-        raise _UsageError(f"cannot read representative data {path}: {_told(error)}") from error
+        raise _UsageError(f"cannot read --representative-data {path}: {_told(error)}") from error
     return data
 
 

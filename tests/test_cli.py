@@ -333,7 +333,7 @@ def test_bad_representative_data_and_an_unwritable_path_exit_2(saved, tmp_path):
     )
     assert result.returncode == 2 and "Traceback" not in result.stderr
     (error,) = _error_lines(result)
-    assert error.startswith(f"keras-bn-export: error: cannot read representative data {tmp_path}")
+    assert error.startswith(f"keras-bn-export: error: cannot read --representative-data {tmp_path}")
     result = run_cli(saved / "cnn.keras", "--onnx", tmp_path)  # a folder: OSError, up front
     assert result.returncode == 2 and "Traceback" not in result.stderr
     (error,) = _error_lines(result)
