@@ -9,8 +9,9 @@ In short::
 
 Each exporter folds first, converts, writes a temporary file next to the target, runs it in
 the real runtime (LiteRT, onnxruntime) against the Keras model, and renames it over the target
-only when every output is within tolerance (else VerificationError, and the target keeps what
-it had). Models may have several inputs and outputs; the reports have one error per output.
+only when every output channel is within tolerance of its own scale (else VerificationError,
+and the target keeps what it had); int8 files are judged on samples held out from calibration.
+Models may have several inputs and outputs; the reports have one error per output.
 A model structure the fold or an exporter cannot take raises `UnsupportedModelError`.
 
 The names are imported on first use (so the `keras-bn-export` command starts without loading
@@ -32,6 +33,7 @@ if typing.TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
         ExportReport,
         FoldReport,
         VerificationError,
+        WorstChannel,
     )
     from keras_bn.export.tflite import export_tflite
 
@@ -46,6 +48,7 @@ __all__ = [
     "KeptBN",
     "UnsupportedModelError",
     "VerificationError",
+    "WorstChannel",
     "export_onnx",
     "export_tflite",
     "fold_batch_norms",
@@ -65,6 +68,7 @@ __getattr__, __dir__ = _lazy.attach(
         "ExportReport": ("keras_bn.export.report", "ExportReport"),
         "FoldReport": ("keras_bn.export.report", "FoldReport"),
         "VerificationError": ("keras_bn.export.report", "VerificationError"),
+        "WorstChannel": ("keras_bn.export.report", "WorstChannel"),
         "export_tflite": ("keras_bn.export.tflite", "export_tflite"),
     },
 )

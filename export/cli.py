@@ -79,10 +79,12 @@ def _parser():
     parser.add_argument(
         "--representative-data",
         metavar="X.npy|X.npz",
-        help="inputs (first axis: samples) to calibrate int8 (the first "
-        f"{defaults.CALIBRATION_SAMPLES}) and to verify on (the first "
-        f"{defaults.PROBE_SAMPLES}): .npy for a single-input model, .npz with one array per "
-        "input name otherwise",
+        help="inputs (first axis: samples) to verify on and to calibrate int8: .npy for a "
+        "single-input model, .npz with one array per input name otherwise. Files are "
+        f"verified on {defaults.PROBE_SAMPLES} samples spread over them; int8 holds out a "
+        f"quarter (at most {defaults.PROBE_SAMPLES}) to verify on, calibrates on up to "
+        f"{defaults.CALIBRATION_SAMPLES} of the rest, and needs {defaults.INT8_MIN_SAMPLES} "
+        "or more",
     )
     parser.add_argument(
         "--report",
@@ -130,14 +132,17 @@ def _arguments(argv):
     if args.quantize and not args.tflite:
         raise _UsageError("--quantize applies to TFLite: give --tflite OUT too")
     if args.quantize == "int8" and not args.representative_data:
-        raise _UsageError("--quantize int8 needs --representative-data X.npy to calibrate")
+        raise _UsageError(
+            "--quantize int8 needs --representative-data X.npy (X.npz for several inputs) to "
+            "calibrate"
+        )
     if not os.path.isfile(args.model):
         raise _UsageError(f"cannot read model file {args.model}: no such file")
     if args.model.endswith(".keras") and not zipfile.is_zipfile(args.model):
         raise _UsageError(f"{args.model} is not a valid .keras file (not a zip archive)")
     if args.representative_data and not os.path.isfile(args.representative_data):
         raise _UsageError(
-            f"cannot read representative data {args.representative_data}: no such file"
+            f"cannot read --representative-data {args.representative_data}: no such file"
         )
     backend = os.environ["KERAS_BACKEND"]
     if backend != "tensorflow" and "keras" not in sys.modules:
@@ -217,6 +222,7 @@ def _export(args, stage):
         export_tflite,
         fold_batch_norms,
         pipeline,
+        trace,
     )
 
     for output in (args.tflite, args.onnx, args.report):
@@ -228,12 +234,9 @@ def _export(args, stage):
         raise _UsageError(f"cannot load model file {args.model}: {_told(error)}") from error
     data = probe = None
     if args.representative_data:
-        data = _load_arrays(np, args.representative_data)
-        probe = (
-            {name: _first_samples(np, array) for name, array in data.items()}
-            if isinstance(data, dict)
-            else _first_samples(np, data)
-        )
+        path = args.representative_data
+        data = _representative(trace, model, _load_arrays(np, path), path)
+        probe = trace.spread_samples(data, defaults.PROBE_SAMPLES)
     exporters = []
     if args.tflite:
         exporters.append(
@@ -243,9 +246,8 @@ def _export(args, stage):
                     model,
                     args.tflite,
                     quantization=args.quantize,
-                    representative_data=data,
+                    representative_data=data,  # the probe comes from it (held out, int8)
                     fold=not args.no_fold,
-                    probe=probe,
                     scale_tolerance=args.scale_tolerance,
                     on_stage=on_stage,
                 ),
@@ -322,13 +324,29 @@ def _load_arrays(np, path):
         if hasattr(data, "files"):  # .npz: one array per input name
             data = {name: data[name] for name in data.files}
     except LOAD_ERRORS as error:
-        raise _UsageError(f"cannot read representative data {path}: {_told(error)}") from error
+        raise _UsageError(f"cannot read --representative-data {path}: {_told(error)}") from error
     return data
 
 
-def _first_samples(np, array):
-    """The default probe's samples of one array (a scalar as it is: the export names it)."""
-    return array[: defaults.PROBE_SAMPLES] if np.ndim(array) else array
+def _representative(trace, model, data, path):
+    """--representative-data `path` (its `data`) as a Feed for `model`, named by the flag in
+    every message about it (the exporters' too); _UsageError, suggesting the file the model
+    needs, if it does not fit."""
+    sig = trace.signature(model)
+    flag = f"--representative-data {path}"
+    names = list(sig.input_keys)
+    if len(names) > 1:
+        needed = f"an .npz with one array per input name: {', '.join(names)}"
+    else:
+        needed = f"an .npy of the samples, or an .npz with one array named {names[0]}"
+    if not isinstance(data, dict) and len(names) > 1:
+        raise _UsageError(
+            f"{flag} is one array (.npy), but the model has {len(names)} inputs: give {needed}"
+        )
+    try:
+        return trace.feed(sig, data, flag)
+    except ValueError as error:
+        raise _UsageError(f"{one_line(error)} --representative-data takes {needed}") from error
 
 
 def _finite_json(value):
@@ -351,7 +369,7 @@ def _human_summary(summary):
     else:
         lines.append(
             f"batch norms: {len(fold['folded'])} folded, {len(fold['kept'])} kept; "
-            f"folded model error {fold['relative_error']:.2e} of output scale"
+            f"folded model error {fold['relative_error']:.2e} of output scale (worst channel)"
         )
         lines += [f"  folded {f['bn']} -> {f['host']} ({f['direction']})" for f in fold["folded"]]
         lines += [f"  kept   {k['bn']}: {k['reason']}" for k in fold["kept"]]
@@ -364,20 +382,36 @@ def _human_summary(summary):
         )
         for output, relative in report["relative_errors"].items():
             settings = ", ".join(f"{k} {v:.2e}" for k, v in report["errors"][output].items())
+            channel = report["worst_channels"].get(output)
+            where = "" if channel is None else f", worst in channel {channel['channel']}"
             lines.append(
-                f"  output {output}: error {relative:.2e} of its scale (max abs: {settings})"
+                f"  output {output}: error {relative:.2e} of its scale{where} (max abs: {settings})"
             )
+        lines.append(_samples_line(report))
         lines.append(f"  ops: {ops}")
         if report["passed"]:
-            lines.append(f"  passed (tolerance {report['scale_tolerance']:g} of output scale)")
+            lines.append(
+                f"  passed (tolerance {report['scale_tolerance']:g} of each channel's scale)"
+            )
         else:
             lines.append(
-                f"  FAILED (tolerance {report['scale_tolerance']:g} of output scale): not "
+                f"  FAILED (tolerance {report['scale_tolerance']:g} of each channel's scale): not "
                 f"written; any existing file at the path is unchanged"
             )
     verdict = "passed" if summary["passed"] else "FAILED"
     lines.append(f"verification {verdict}")
     return "\n".join(lines)
+
+
+def _samples_line(report):
+    """Which samples a file was verified on (and, for int8, its error on calibration ones)."""
+    if report["calibration_samples"] is None:
+        return f"  verified on {report['probe_samples']} samples"
+    return (
+        f"  verified on {report['probe_samples']} samples held out from calibration "
+        f"({report['calibration_samples']} calibrated); on calibration samples: error "
+        f"{report['in_sample_relative_error']:.2e} of scale"
+    )
 
 
 def _int8_readiness(fold):

@@ -22,7 +22,7 @@ import keras
 from keras.src.saving.serialization_lib import SafeModeScope
 
 from keras_bn import _bn_layers, _models
-from keras_bn.export import fold, report, trace
+from keras_bn.export import defaults, fold, report, trace
 from keras_bn.export.affine import ChannelBias, InferenceAffine
 from keras_bn.export.report import ChannelSpread, FoldReport
 
@@ -101,13 +101,16 @@ def fold_batch_norms(model, probe=None):
             and outputs allowed).
         probe: optional input on which the folded model is compared with the original, in
             any structure `model.predict` takes (an array, a list of arrays in input order,
-            or a dict keyed by input name); seeded random data when None.
+            or a dict keyed by input name: a dict for a model that takes a dict), with
+            outputs that differ between samples; seeded random data when None.
 
     Returns:
         (folded_model, FoldReport). BNs that cannot be folded are kept as InferenceAffine
         layers (BNs inside custom layers and BN subclasses: as they are) and listed in
         `report.kept` with the reason, so every BN is in `report.folded` or `report.kept`;
-        `report.errors` has the error of each output; `report.channel_spreads` has each
+        `report.errors` has the error of each output, `report.worst_channels` its channel
+        furthest from the original (relative to that channel's own scale), whose relative
+        error is `report.relative_errors`; `report.channel_spreads` has each
         folded host's int8 readiness (and `report.int8_risks` those over
         `INT8_SPREAD_THRESHOLD`).
 
@@ -115,8 +118,9 @@ def fold_batch_norms(model, probe=None):
         UnsupportedModelError: the model (or a nested one holding a BN) is subclassed or an
             unbuilt Sequential, or a layer's config does not round-trip; a TypeError and a
             ValueError.
-        ValueError: `probe` does not fit the model's inputs, or a BN to be folded has a
-            non-finite inference scale or shift (NaN or inf statistics or weights).
+        ValueError: `probe` does not fit the model's inputs (a list for a dict of several
+            inputs, say) or an output is the same for all its samples, or a BN to be folded
+            has a non-finite inference scale or shift (NaN or inf statistics or weights).
 
     Example::
 
@@ -129,10 +133,13 @@ def fold_batch_norms(model, probe=None):
     sig = trace.signature(model)
     inputs = trace.random_feed(sig) if probe is None else trace.feed(sig, probe)
     expected = trace.outputs(model, sig, inputs)
+    report.check_varies(expected, inputs.what)
     actual = trace.outputs(folded_model, sig, inputs)
-    errors = {name: report.max_abs_error(actual[name], expected[name]) for name in expected}
-    scales = {name: report.scale(expected[name]) for name in expected}
-    return folded_model, FoldReport(folded, kept, errors, scales, spreads)
+    errors, scales, channels = report.compare(
+        expected, {"folded": actual}, defaults.FLOAT32_SCALE_TOLERANCE
+    )
+    errors = {name: by_setting["folded"] for name, by_setting in errors.items()}
+    return folded_model, FoldReport(folded, kept, errors, scales, spreads, channels)
 
 
 def _contains_bn(model):

@@ -1,11 +1,21 @@
-"""export_onnx: the ONNX steps of the export pipeline (tf2onnx, onnx.checker, onnxruntime)."""
+"""export_onnx: the ONNX steps of the export pipeline (tf2onnx, onnx.checker, onnxruntime).
 
+Keras runs a grouped Conv1D/2D (and a channels_first Conv3D) on TensorFlow inside an
+XLA-compiled function, since TensorFlow's CPU kernels lack them; tf2onnx cannot convert that
+function ("No Op registered for StatefulPartitionedCall"). The model is therefore traced with
+those layers as one plain TensorFlow convolution op each (`plain_convolutions`), which tf2onnx
+converts to an ONNX Conv with its `group` attribute. A grouped Conv3D is refused: tf2onnx
+(1.17) writes it without its groups.
+"""
+
+import keras
 import numpy as np
 import onnx
 import onnxruntime as ort
+import tensorflow as tf
 import tf2onnx
 
-from keras_bn._errors import one_line
+from keras_bn._errors import UnsupportedModelError, one_line
 from keras_bn.export import pipeline, trace
 
 # Both ends of onnxruntime's optimiser: what the file says, and what ORT makes of it.
@@ -13,6 +23,9 @@ SESSION_SETTINGS = {
     "ort_disabled": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
     "ort_enabled": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
 }
+# An ONNX graph's inputs and outputs are values of one namespace; any string names them.
+NAMES = trace.NameRules(format="ONNX", one_namespace=True)
+L = keras.layers
 
 
 def export_onnx(
@@ -37,10 +50,12 @@ def export_onnx(
         opset: the ONNX opset.
         fold: fold the batch norms first (`fold_batch_norms`).
         probe: inputs on which the file is compared with `model`, in any structure
-            `model.predict` takes; seeded random by default.
-        scale_tolerance: the largest error allowed, as a fraction of each output's scale (max
-            abs(output) on the probe); default 1e-4 (`defaults.FLOAT32_SCALE_TOLERANCE`), or
-            1e-2 for a model that computes in float16 or bfloat16 (a mixed-precision policy).
+            `model.predict` takes, whose outputs differ between samples; seeded random by
+            default.
+        scale_tolerance: the largest error allowed, as a fraction of each output channel's
+            scale (max abs(output) in that channel on the probe); default 1e-4
+            (`defaults.FLOAT32_SCALE_TOLERANCE`), or 1e-2 for a model that computes in
+            float16 or bfloat16 (a mixed-precision policy).
         strict: raise VerificationError (and write nothing) when the file is over
             `scale_tolerance`; False writes it anyway and returns the report (`report.passed`
             is False).
@@ -49,17 +64,18 @@ def export_onnx(
         atol: the deprecated name of `scale_tolerance` (a DeprecationWarning).
 
     Returns:
-        ExportReport: the error of each output in onnxruntime with graph optimisation
-        disabled and enabled, the file's op histogram and its size.
+        ExportReport: the error of each output (and its worst channel) in onnxruntime with
+        graph optimisation disabled and enabled, the file's op histogram and its size.
 
     Raises:
         VerificationError: the file is over `scale_tolerance` (or not finite) and strict is
             True; any file at `path` is unchanged.
         UnsupportedModelError: a model structure the export cannot take (a subclassed or
-            unbuilt model, a layer whose config does not round-trip), named; a TypeError and
-            a ValueError.
+            unbuilt model, a layer whose config does not round-trip, an input and an output
+            dict key with the same name), named; a TypeError and a ValueError.
         ValueError: a bad argument (both `scale_tolerance` and `atol`, say), a probe that does
-            not fit the model, or a file that onnx.checker rejects.
+            not fit the model or on which an output is the same for every sample, or a file
+            that onnx.checker rejects.
         OSError: `path` cannot be written, or is a folder, FIFO or device (refused before
             converting).
     """
@@ -78,14 +94,25 @@ def export_onnx(
 
 class _ONNX(pipeline.Format):
     name = "onnx"
+    names = NAMES
 
     def __init__(self, opset):
         if isinstance(opset, bool) or not isinstance(opset, int) or opset < 1:
             raise ValueError(f"opset must be a positive int; received opset={opset!r}.")
         self.opset = opset
 
+    def check_model(self, model):
+        for layer in model._flatten_layers(include_self=False):
+            if type(layer) is L.Conv3D and layer.groups > 1:
+                raise UnsupportedModelError(
+                    f"ONNX export cannot convert layer '{layer.name}' (Conv3D with "
+                    f"groups={layer.groups}): tf2onnx writes a grouped 3-D convolution without "
+                    f"its groups. Build it as {layer.groups} Conv3D layers on slices of the "
+                    f"channels, concatenated."
+                )
+
     def convert(self, model, sig):
-        function = trace.inference_function(model, sig)
+        function = trace.inference_function(plain_convolutions(model), sig)
         proto, _ = tf2onnx.convert.from_function(
             function, input_signature=function.input_signature, opset=self.opset
         )
@@ -99,6 +126,86 @@ class _ONNX(pipeline.Format):
 
     def op_names(self, path):
         return [node.op_type for node in onnx.load(path).graph.node]
+
+
+def _plain_convolution(layer, inputs, kernel):
+    """A Conv1D/2D/3D's convolution as one TensorFlow op, never an XLA-compiled function.
+
+    TensorFlow cannot run a grouped one on a CPU: it is only traced, for tf2onnx.
+    """
+    spatial = "DHW"[-layer.rank :]  # NWC, NHWC, NDHWC; NCW, NCHW, NCDHW
+    first = layer.data_format == "channels_first"
+    return tf.nn.convolution(
+        inputs,
+        kernel,
+        strides=list(layer.strides),
+        padding="VALID" if layer.padding == "causal" else layer.padding.upper(),
+        data_format=f"NC{spatial}" if first else f"N{spatial}C",
+        dilations=list(layer.dilation_rate),
+    )
+
+
+class _PlainConv1D(keras.layers.Conv1D):
+    def call(self, inputs):
+        # Conv1D's own call pads a causal input, then calls ops.conv directly; BaseConv's call
+        # goes through convolution_op.
+        if self.padding == "causal":
+            inputs = keras.ops.pad(inputs, self._compute_causal_padding())
+        return super(keras.layers.Conv1D, self).call(inputs)
+
+    def convolution_op(self, inputs, kernel):
+        return _plain_convolution(self, inputs, kernel)
+
+
+class _PlainConv2D(keras.layers.Conv2D):
+    def convolution_op(self, inputs, kernel):
+        return _plain_convolution(self, inputs, kernel)
+
+
+class _PlainConv3D(keras.layers.Conv3D):
+    def convolution_op(self, inputs, kernel):
+        return _plain_convolution(self, inputs, kernel)
+
+
+PLAIN_CONVOLUTIONS: dict[type, type[keras.layers.Layer]] = {
+    L.Conv1D: _PlainConv1D,
+    L.Conv2D: _PlainConv2D,
+    L.Conv3D: _PlainConv3D,
+}
+
+
+def _needs_xla(layer):
+    """Keras's own test (its TensorFlow `conv`): grouped, or a channels_first Conv3D."""
+    return type(layer) in PLAIN_CONVOLUTIONS and (
+        layer.groups > 1 or (layer.rank == 3 and layer.data_format == "channels_first")
+    )
+
+
+def plain_convolutions(model):
+    """`model`, or a copy for tracing whose grouped convolutions (and channels_first Conv3Ds)
+    are one plain TensorFlow convolution op each; the copy shares every other layer.
+
+    Args:
+        model: a built Sequential or Functional model (nested models allowed).
+
+    Returns:
+        The model itself when it has no such layer, else the copy.
+    """
+    if not any(_needs_xla(layer) for layer in model._flatten_layers()):
+        return model
+    copies = []
+
+    def clone(layer):
+        if not _needs_xla(layer):
+            return layer
+        copy = PLAIN_CONVOLUTIONS[type(layer)].from_config(layer.get_config())
+        copies.append((layer, copy))
+        return copy
+
+    traced = keras.models.clone_model(model, clone_function=clone, recursive=True)
+    for layer, copy in copies:
+        copy.set_weights(layer.get_weights())
+    return traced
 
 
 def check(path, name=None):

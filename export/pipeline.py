@@ -1,18 +1,36 @@
 """The one export pipeline: fold → trace → convert → write a temporary file → run it →
 compare → rename it over the target.
 
-A `Format` (tflite.py, onnx.py) supplies only what differs between file formats: refusing
-layers its converter cannot take, converting the traced model to bytes, validating the
-written file, running it in its runtime and listing its ops. The file is judged before it
-replaces anything: a file over the tolerance raises `VerificationError` and the target path
-keeps what it had (strict=False writes it anyway).
+A `Format` (tflite.py, onnx.py) supplies only what differs between file formats: the names
+its files can hold, refusing layers its converter cannot take, the samples it calibrates on,
+converting the traced model to bytes, validating the written file, running it in its runtime
+and listing its ops. The verification is shared: the file is judged before it replaces
+anything, on a probe whose outputs vary (`report.check_varies`), each output channel against
+its own scale (`report.compare`); for a format that calibrates (int8), on samples held out from
+calibration, with the error on calibration samples reported beside it. A file over the
+tolerance raises `VerificationError` and the target path keeps what it had (strict=False
+writes it anyway).
 """
 
 import os
+import typing
 import warnings
 
 from keras_bn.export import atomic, defaults, report, trace
 from keras_bn.export.graph import fold_batch_norms
+
+
+class Samples(typing.NamedTuple):
+    """What a file is verified on.
+
+    Attributes:
+        probe: the Feed the file is judged on.
+        calibration: the Feed it was calibrated with (int8), or None; the report gives the
+            error on up to `defaults.PROBE_SAMPLES` of them beside the probe's.
+    """
+
+    probe: trace.Feed
+    calibration: trace.Feed | None = None
 
 
 class Format:
@@ -20,14 +38,16 @@ class Format:
 
     name = ""
     quantization = None
+    names = trace.ANY_NAMES  # the names its files can hold
 
     def default_scale_tolerance(self):
         """The tolerance when the caller gives none, as a fraction of each output's scale."""
         return defaults.FLOAT32_SCALE_TOLERANCE
 
-    def default_probe(self, sig):
-        """Inputs to verify on when the caller gives none; None for seeded random input."""
-        return None
+    def samples(self, sig, probe):
+        """The Samples to verify on: `probe` (a structure `model.predict` takes) when given,
+        else seeded random input; nothing calibrated."""
+        return Samples(trace.random_feed(sig) if probe is None else trace.feed(sig, probe))
 
     def check_model(self, model):
         """Raise a one-line UnsupportedModelError for a model the converter is known to get
@@ -64,39 +84,51 @@ def export(
     if not isinstance(strict, bool):
         raise ValueError(f"strict must be True or False; received strict={strict!r}.")
     atomic.target(path)  # a folder or a device fails here, not after the conversion
-    sig = trace.signature(model)
-    if probe is not None:
-        inputs = trace.feed(sig, probe)
-    else:
-        inputs = fmt.default_probe(sig) or trace.random_feed(sig)
+    sig = trace.signature(model, fmt.names)
     fmt.check_model(model)
+    samples = fmt.samples(sig, probe)
+    expected = trace.outputs(model, sig, samples.probe)
+    report.check_varies(expected, samples.probe.what)
+    in_sample = None
+    if samples.calibration is not None:
+        in_sample = trace.spread_samples(samples.calibration, defaults.PROBE_SAMPLES)
+        expected_in_sample = trace.outputs(model, sig, in_sample)
     stage = on_stage or (lambda name: None)
     if fold:
         stage("fold")
-    source, fold_report = fold_batch_norms(model, inputs) if fold else (model, None)
+    source, fold_report = (
+        fold_batch_norms(model, sig.pack(samples.probe)) if fold else (model, None)
+    )
     stage("convert")
     content = fmt.convert(source, sig)
-    expected = trace.outputs(model, sig, inputs)
 
     def verify(written):
         fmt.check_file(written, path)
-        actual = fmt.run(written, inputs)
+        errors, scales, channels = report.compare(
+            expected, fmt.run(written, samples.probe), scale_tolerance
+        )
+        in_sample_errors = in_sample_channels = None
+        if in_sample is not None:
+            in_sample_errors, _, in_sample_channels = report.compare(
+                expected_in_sample, fmt.run(written, in_sample), scale_tolerance
+            )
         result = report.ExportReport(
             format=fmt.name,
             path=os.path.abspath(path),
             size_bytes=len(content),
-            errors={
-                name: {
-                    setting: report.max_abs_error(outputs.get(name), value)
-                    for setting, outputs in actual.items()
-                }
-                for name, value in expected.items()
-            },
-            output_scales={name: report.scale(value) for name, value in expected.items()},
+            errors=errors,
+            output_scales=scales,
             scale_tolerance=scale_tolerance,
             op_histogram=report.histogram(fmt.op_names(written)),
             quantization=fmt.quantization,
             fold=fold_report,
+            worst_channels=channels,
+            in_sample_errors=in_sample_errors,
+            in_sample_worst_channels=in_sample_channels,
+            probe_samples=samples.probe.samples,
+            calibration_samples=(
+                None if samples.calibration is None else samples.calibration.samples
+            ),
         )
         if strict and not result.passed:
             raise report.VerificationError(result)

@@ -1,9 +1,16 @@
 """What the fold and the exporters report, and the comparison they share.
 
-Errors are kept per output name and measured against each output's own scale (max |output|
-of the Keras model on the probe), so a small head next to a large one is judged on its own
-scale. Any non-finite error, output or scale makes the relative error NaN, which never passes:
-`worst` is np.max, which propagates NaN, not Python's max, which drops one that is not first.
+Errors are kept per output name and judged per output channel (the last axis), each against
+its own scale: max |output| of the Keras model in that channel over the probe. A small head
+next to a large one, or a sigmoid column concatenated to a price column, is judged on its own
+scale, not hidden under the larger one. A channel whose own scale is 0 (constant zero, such
+as a dead ReLU unit) is judged against its output's scale: any error there counts at the size
+of the output's other values. Any non-finite error, output or scale makes the relative error
+NaN, which never passes: `worst` is np.max, which propagates NaN, not Python's max, which drops
+one that is not first.
+
+A probe whose outputs are the same for every sample is refused (`check_varies`): a file that
+ignores its input would match it.
 """
 
 import collections
@@ -12,12 +19,14 @@ import warnings
 
 import numpy as np
 
+from keras_bn.export import defaults
+
 #: int8 readiness: the channel spread (max / min over channels of max abs(w)) above which a
 #: folded host is an int8 risk. A weight tensor quantized per tensor has one int8 scale,
 #: max abs(w) / 127, so a channel whose largest weight is `spread` times smaller than the tensor's
 #: keeps only 127 / spread levels: above 10, under 13 (< 4 bits). On the digits MLP the
-#: per-tensor int8 file leaves the int8 tolerance (5e-2) between spreads 6.4 and 12.9; healthy
-#: trained hosts have spreads of 2 to 3 (benchmarks/bench_int8_spread.py).
+#: per-tensor int8 file's error passes 5e-2 of the output scale between spreads 6.4 and 12.9;
+#: healthy trained hosts have spreads of 2 to 3 (benchmarks/bench_int8_spread.py).
 INT8_SPREAD_THRESHOLD = 10.0
 
 
@@ -42,7 +51,139 @@ def worst(values):
 
 
 def relative(error, output_scale):
+    """`error` / `output_scale`; NaN when the scale is not finite (0 counts as 1e-30)."""
     return error / max(output_scale, 1e-30) if np.isfinite(output_scale) else float("nan")
+
+
+@dataclasses.dataclass(frozen=True)
+class WorstChannel:
+    """The channel of an output furthest from the Keras model, relative to its scale.
+
+    A channel is an index on the output's last axis (an output of shape (batch,) is one
+    channel). It is judged against its own scale, max |Keras output| in that channel over the
+    probe, but never against less than 1e-4 / scale_tolerance of its output's scale
+    (`channel_scale_floor`; at most the output's scale). So a channel passes when it is within
+    the tolerance of its own scale or within 1e-4, float32's tolerance, of its output's scale:
+    float32 rounding follows the output's values, not a near-zero channel's. A channel whose
+    own scale is 0 (constant zero, such as a dead ReLU unit) is judged against that floor.
+
+    Attributes:
+        channel: the channel's index on the last axis.
+        relative_error: its max abs error (the worst over runtime settings) / `scale`; NaN
+            when an error, output or scale is not finite.
+        max_abs_error: its max abs error.
+        scale: the scale it is judged against: its own, or the floor.
+    """
+
+    channel: int
+    relative_error: float
+    max_abs_error: float
+    scale: float
+
+
+def channel_scale_floor(scale_tolerance):
+    """The least a channel is judged against, as a fraction of its output's scale:
+    FLOAT32_SCALE_TOLERANCE / scale_tolerance, at most 1 (a float32 file: the output's scale).
+
+    Args:
+        scale_tolerance: the tolerance the channels are judged at.
+
+    Returns:
+        float in (0, 1].
+    """
+    return min(1.0, defaults.FLOAT32_SCALE_TOLERANCE / scale_tolerance)
+
+
+def _by_channel(array):
+    """(samples × positions, channels): the last axis is the channel axis."""
+    return array.reshape(-1, 1) if array.ndim < 2 else array.reshape(-1, array.shape[-1])
+
+
+def worst_channel(expected, actuals, scale_tolerance):
+    """The WorstChannel of one output.
+
+    Args:
+        expected: the Keras output, first axis the samples.
+        actuals: the runtime's output for each setting (None or a wrong shape: off by inf).
+        scale_tolerance: the tolerance it is judged at (it sets `channel_scale_floor`).
+
+    Returns:
+        WorstChannel: the first channel with a NaN relative error, else the largest.
+    """
+    expected = np.asarray(expected, np.float64)
+    by_channel = _by_channel(expected)
+    floor = scale(expected) * channel_scale_floor(scale_tolerance)  # NaN if a value is
+    scales = np.maximum(np.max(np.abs(by_channel), axis=0, initial=0.0), floor)  # keeps NaN
+    errors = np.zeros(by_channel.shape[1])
+    for actual in actuals:
+        actual = None if actual is None else np.asarray(actual, np.float64)
+        if actual is None or actual.shape != expected.shape:
+            channel_errors = np.full(by_channel.shape[1], np.inf)
+        else:
+            channel_errors = np.max(np.abs(_by_channel(actual) - by_channel), axis=0, initial=0.0)
+        errors = np.maximum(errors, channel_errors)  # propagates NaN
+    if not errors.size:
+        return WorstChannel(0, 0.0, 0.0, float(floor))
+    with np.errstate(invalid="ignore"):
+        ratios = np.where(np.isfinite(scales), errors / np.maximum(scales, 1e-30), np.nan)
+    nan = np.flatnonzero(np.isnan(ratios))
+    channel = int(nan[0]) if nan.size else int(np.argmax(ratios))
+    return WorstChannel(
+        channel, float(ratios[channel]), float(errors[channel]), float(scales[channel])
+    )
+
+
+def compare(expected, actual, scale_tolerance):
+    """Every output of every runtime setting against the Keras model.
+
+    Args:
+        expected: {output name: Keras output}.
+        actual: {runtime setting: {output name: array}}; an output a setting lacks is off by
+            inf.
+        scale_tolerance: the tolerance the outputs are judged at (for `channel_scale_floor`).
+
+    Returns:
+        (errors, output_scales, worst_channels): output name → {setting: max abs error};
+        output name → max |Keras output|; output name → WorstChannel.
+    """
+    errors, scales, channels = {}, {}, {}
+    for name, value in expected.items():
+        got = [outputs.get(name) for outputs in actual.values()]
+        errors[name] = {
+            setting: max_abs_error(outputs.get(name), value) for setting, outputs in actual.items()
+        }
+        scales[name] = scale(value)
+        channels[name] = worst_channel(value, got, scale_tolerance)
+    return errors, scales, channels
+
+
+def check_varies(expected, what):
+    """Refuse a probe on which an output is the same for every sample.
+
+    Such a probe verifies nothing: a file that ignores its input (a wrong kernel layout, a
+    dropped layer) matches it, and an all-zero output has scale 0.
+
+    Args:
+        expected: {output name: Keras output on the probe}.
+        what: the probe's name, for the message.
+
+    Raises:
+        ValueError: naming the first such output and the probe.
+    """
+    for name, value in expected.items():
+        value = np.asarray(value)
+        if len(value) < 2:
+            raise ValueError(
+                f"{what} has {len(value)} sample: on one sample, output '{name}' cannot vary "
+                f"with the input, and a file that ignores its input would match it. Give "
+                f"several different samples (real inputs)."
+            )
+        if np.all(value == value[:1]):  # NaN != NaN: a NaN output fails later, as NaN
+            raise ValueError(
+                f"Output '{name}' is the same for all {len(value)} samples of {what} (max "
+                f"|output| {scale(value):.3g}): a file that ignores its input would match it. "
+                f"Give samples on which the model's outputs differ (real inputs)."
+            )
 
 
 def histogram(op_names):
@@ -114,16 +255,20 @@ class _OutputErrors:
     # Fields of the dataclasses that use this base (a plain class: dataclass ignores these).
     errors: dict
     output_scales: dict
+    worst_channels: dict
 
     def _error_by_output(self):
         return self.errors
 
     @property
     def relative_errors(self):
-        """output name → its error (the worst over runtime settings, in an ExportReport) /
-        that output's scale."""
+        """output name → the relative error of its worst channel (`worst_channels`), the one
+        judged; for an output without one (a report built by hand), its error (the worst over
+        runtime settings, in an ExportReport) / its scale."""
         return {
-            name: relative(error, self.output_scales[name])
+            name: self.worst_channels[name].relative_error
+            if name in self.worst_channels
+            else relative(error, self.output_scales[name])
             for name, error in self._error_by_output().items()
         }
 
@@ -151,6 +296,8 @@ class FoldReport(_OutputErrors):
         output_scales: output name → max abs(original output) on the probe.
         channel_spreads: ChannelSpread per folded host, its int8 readiness; `int8_risks`
             lists those over INT8_SPREAD_THRESHOLD.
+        worst_channels: output name → WorstChannel: the channel (last axis) furthest from
+            the original relative to its own scale; `relative_errors` are theirs.
     """
 
     folded: list
@@ -158,6 +305,7 @@ class FoldReport(_OutputErrors):
     errors: dict
     output_scales: dict
     channel_spreads: list = dataclasses.field(default_factory=list)
+    worst_channels: dict = dataclasses.field(default_factory=dict)
 
     @property
     def int8_risks(self):
@@ -167,9 +315,9 @@ class FoldReport(_OutputErrors):
         return [spread for spread in self.channel_spreads if spread.int8_risk]
 
     def to_dict(self):
-        """The report as a JSON-ready dict: the fields (FoldedBN, KeptBN and ChannelSpread as
-        dicts), `relative_errors`, `relative_error`, `int8_spread_threshold` and `int8_risks`
-        (the names of the hosts at risk).
+        """The report as a JSON-ready dict: the fields (FoldedBN, KeptBN, ChannelSpread and
+        WorstChannel as dicts), `relative_errors`, `relative_error`, `int8_spread_threshold`
+        and `int8_risks` (the names of the hosts at risk).
 
         Returns:
             dict, as the CLI's `--report` file holds it under "fold".
@@ -188,6 +336,9 @@ class FoldReport(_OutputErrors):
 class ExportReport(_OutputErrors):
     """A written file, checked in its runtime against the Keras model.
 
+    The file is judged on the probe: for int8, samples it was not calibrated with (held out
+    from `representative_data`); each output channel (last axis) against its own scale.
+
     Attributes:
         format: "tflite" or "onnx".
         path: the file's absolute path.
@@ -196,10 +347,21 @@ class ExportReport(_OutputErrors):
             ("litert"; "ort_disabled" and "ort_enabled" for onnxruntime's optimiser).
         output_scales: output name → max abs(Keras output) on the probe.
         scale_tolerance: the tolerance: the largest error allowed, as a fraction of each
-            output's scale.
+            output channel's scale.
         op_histogram: op name → count in the file.
         quantization: the TFLite quantization, None for float32.
         fold: the FoldReport, or None when fold=False.
+        worst_channels: output name → WorstChannel on the probe: the channel furthest from
+            the Keras model relative to its own scale; `relative_errors` are theirs, and
+            `passed` judges them.
+        in_sample_errors: for int8, output name → {setting → max abs error} on calibration
+            samples (up to `defaults.PROBE_SAMPLES` of them), for comparison: a file much
+            better there than on `errors`' held-out samples fits its calibration set only.
+            None for other files.
+        in_sample_worst_channels: for int8, the WorstChannel of each output on those
+            calibration samples; None for other files.
+        probe_samples: the number of samples the file was verified on.
+        calibration_samples: for int8, the number of samples it was calibrated with.
     """
 
     format: str
@@ -211,15 +373,35 @@ class ExportReport(_OutputErrors):
     op_histogram: dict
     quantization: str | None = None
     fold: FoldReport | None = None
+    worst_channels: dict = dataclasses.field(default_factory=dict)
+    in_sample_errors: dict | None = None
+    in_sample_worst_channels: dict | None = None
+    probe_samples: int | None = None
+    calibration_samples: int | None = None
 
     def _error_by_output(self):
         return {name: worst(by_setting.values()) for name, by_setting in self.errors.items()}
 
     @property
     def passed(self):
-        """Every output of every runtime setting within `scale_tolerance` of its scale (NaN
-        fails)."""
+        """The worst channel of every output, in every runtime setting, within
+        `scale_tolerance` of its scale on the probe (NaN fails). The in-sample errors are
+        reported, not judged."""
         return bool(self.relative_error <= self.scale_tolerance)
+
+    @property
+    def in_sample_relative_errors(self):
+        """For int8, output name → its worst channel's relative error on calibration
+        samples; None for other files."""
+        if self.in_sample_worst_channels is None:
+            return None
+        return {name: c.relative_error for name, c in self.in_sample_worst_channels.items()}
+
+    @property
+    def in_sample_relative_error(self):
+        """For int8, the worst of `in_sample_relative_errors`; None for other files."""
+        by_output = self.in_sample_relative_errors
+        return None if by_output is None else worst(by_output.values())
 
     @property
     def atol(self):
@@ -233,8 +415,9 @@ class ExportReport(_OutputErrors):
         return self.scale_tolerance
 
     def to_dict(self):
-        """The report as a JSON-ready dict: the fields (`fold` as `FoldReport.to_dict`), plus
-        `max_abs_error`, `relative_errors`, `relative_error` and `passed`.
+        """The report as a JSON-ready dict: the fields (`fold` as `FoldReport.to_dict`,
+        WorstChannel as dicts), plus `max_abs_error`, `relative_errors`, `relative_error`,
+        `in_sample_relative_errors`, `in_sample_relative_error` and `passed`.
 
         Returns:
             dict, as the CLI's `--report` file lists it under "exports".
@@ -245,6 +428,8 @@ class ExportReport(_OutputErrors):
             max_abs_error=self.max_abs_error,
             relative_errors=self.relative_errors,
             relative_error=self.relative_error,
+            in_sample_relative_errors=self.in_sample_relative_errors,
+            in_sample_relative_error=self.in_sample_relative_error,
             passed=self.passed,
         )
         return data
@@ -255,7 +440,7 @@ class VerificationError(Exception):
 
     Raised by `export_tflite` and `export_onnx` with strict=True. The file was not put at its
     path (any existing file there is unchanged); the message names the worst output and its
-    error.
+    error, its worst channel and the samples it was measured on.
 
     Args:
         report: the ExportReport of the rejected file.
@@ -267,13 +452,22 @@ class VerificationError(Exception):
 
     def __init__(self, report):
         self.report = report
+        relative_errors = report.relative_errors
         worst_name = max(
-            report.relative_errors,
-            key=lambda n: np.nan_to_num(report.relative_errors[n], nan=np.inf),
+            relative_errors, key=lambda n: np.nan_to_num(relative_errors[n], nan=np.inf)
         )
+        where = ""
+        if worst_name in report.worst_channels:
+            where = f" (channel {report.worst_channels[worst_name].channel})"
+        samples = ""
+        if report.in_sample_relative_error is not None:
+            samples = (
+                f" on {report.probe_samples} held-out samples (on calibration samples: "
+                f"{report.in_sample_relative_error:.3g})"
+            )
         super().__init__(
             f"The {report.format} file for {report.path} differs from the Keras model: output "
-            f"'{worst_name}' is off by {report.relative_errors[worst_name]:.3g} of its scale, "
-            f"over scale_tolerance={report.scale_tolerance:g}; the file was not written (any "
-            f"existing file is unchanged). Pass strict=False to write it anyway."
+            f"'{worst_name}' is off by {relative_errors[worst_name]:.3g} of its scale{where}"
+            f"{samples}, over scale_tolerance={report.scale_tolerance:g}; the file was not "
+            f"written (any existing file is unchanged). Pass strict=False to write it anyway."
         )

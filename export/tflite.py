@@ -20,6 +20,14 @@ from keras_bn.export import defaults, pipeline, trace
 
 QUANTIZATIONS = tuple(defaults.SCALE_TOLERANCES)  # None (float32), "float16", "dynamic", "int8"
 SIGNATURE = "serve"
+# A SavedModel signature's argument names: TensorFlow's rule, without the '/' it allows, which
+# the export archive replaces by '_' (a name collision with another input). Its output keys
+# and LiteRT take any string.
+NAMES = trace.NameRules(
+    format="TFLite",
+    input_pattern=r"[A-Za-z0-9.][A-Za-z0-9_.-]*",
+    input_characters="a letter, a digit or '.', followed by letters, digits, '_', '.' and '-' only",
+)
 L = keras.layers
 # channels_first layers the TFLite converter cannot take (TF 2.21): it fails with a long MLIR
 # error, or (a bias-free Conv1D) writes a file whose output has the wrong shape.
@@ -57,16 +65,23 @@ def export_tflite(
         quantization: None (float32), "float16", "dynamic" (int8 weights) or "int8" (full
             integer ops, float input and output), which needs `representative_data`.
         representative_data: inputs (first axis: samples) in any structure `model.predict`
-            takes; the first 200 (`defaults.CALIBRATION_SAMPLES`) calibrate int8, and the
-            first 64 (`defaults.PROBE_SAMPLES`) are the default probe.
+            takes (a dict keyed by input name for a model that takes a dict). For int8, a
+            quarter of them, at most 64 (`defaults.PROBE_SAMPLES`), are held out and are the
+            default probe, so the file is verified on samples it was not calibrated with; up
+            to 200 (`defaults.CALIBRATION_SAMPLES`) of the rest calibrate; both are spread
+            evenly over the samples, and int8 needs at least 16
+            (`defaults.INT8_MIN_SAMPLES`). For the other quantizations, 64 of them spread
+            evenly are the default probe.
         fold: fold the batch norms first (`fold_batch_norms`).
         probe: inputs on which the file is compared with `model`, in any structure
-            `model.predict` takes; default: the first 64 representative samples, else seeded
-            random input.
-        scale_tolerance: the largest error allowed, as a fraction of each output's scale (max
-            abs(output) on the probe); default `defaults.SCALE_TOLERANCES[quantization]`: 1e-4
-            for float32, 1e-3 for float16, 2e-2 for dynamic, 5e-2 for int8 (at least 1e-2 for
-            a model that computes in float16 or bfloat16).
+            `model.predict` takes, whose outputs differ between samples; default: from
+            `representative_data` (above), else seeded random input. An int8 file's report
+            also gives its error on up to 64 calibration samples (`in_sample_errors`).
+        scale_tolerance: the largest error allowed, as a fraction of each output channel's
+            scale (max abs(output) in that channel on the probe); default
+            `defaults.SCALE_TOLERANCES[quantization]`: 1e-4 for float32, 1e-3 for float16,
+            2e-2 for dynamic, 1e-1 for int8 (at least 1e-2 for a model that computes in
+            float16 or bfloat16).
         strict: raise VerificationError (and write nothing) when the file is over
             `scale_tolerance`; False writes it anyway and returns the report (`report.passed`
             is False).
@@ -75,18 +90,20 @@ def export_tflite(
         atol: the deprecated name of `scale_tolerance` (a DeprecationWarning).
 
     Returns:
-        ExportReport: the LiteRT error of each output against `model`, the op histogram and
-        the file size.
+        ExportReport: the LiteRT error of each output (and its worst channel) against
+        `model`, the op histogram and the file size.
 
     Raises:
         VerificationError: the file is over `scale_tolerance` (or not finite) and strict is
             True; any file at `path` is unchanged.
         UnsupportedModelError: a model structure the export cannot take (a subclassed or
-            unbuilt model, a layer whose config does not round-trip), or a layer the converter
-            cannot write (channels_first 1D/3D and transposed convolutions, 16-bit compute
-            dtypes), named; a TypeError and a ValueError.
-        ValueError: a bad argument (both `scale_tolerance` and `atol`, say) or a probe that
-            does not fit the model.
+            unbuilt model, a layer whose config does not round-trip), an input dict key a
+            TFLite signature cannot name, or a layer the converter cannot write
+            (channels_first 1D/3D and transposed convolutions, a grouped Conv3D, 16-bit
+            compute dtypes), named; a TypeError and a ValueError.
+        ValueError: a bad argument (both `scale_tolerance` and `atol`, say), a probe or
+            representative data that does not fit the model, a probe on which an output is
+            the same for every sample, or fewer than 16 samples for int8.
         ConverterError: the converter failed (e.g. an op that is not a TFLite builtin).
         OSError: `path` cannot be written, or is a folder, FIFO or device (refused before
             converting).
@@ -113,6 +130,7 @@ def export_tflite(
 
 class _TFLite(pipeline.Format):
     name = "tflite"
+    names = NAMES
 
     def __init__(self, quantization, representative_data):
         self.quantization = quantization
@@ -121,14 +139,19 @@ class _TFLite(pipeline.Format):
     def default_scale_tolerance(self):
         return defaults.SCALE_TOLERANCES[self.quantization]
 
-    def _samples(self, sig):
-        if self._representative_data is None:
-            return None
+    def _representative(self, sig):
         return trace.feed(sig, self._representative_data, "representative_data")
 
-    def default_probe(self, sig):
-        samples = self._samples(sig)
-        return None if samples is None else trace.first_samples(samples, defaults.PROBE_SAMPLES)
+    def samples(self, sig, probe):
+        if self.quantization == "int8":  # held-out samples: not the ones it calibrates on
+            calibration, held_out = trace.held_out_split(self._representative(sig))
+            given = None if probe is None else trace.feed(sig, probe)
+            return pipeline.Samples(held_out if given is None else given, calibration)
+        if probe is None and self._representative_data is not None:
+            return pipeline.Samples(
+                trace.spread_samples(self._representative(sig), defaults.PROBE_SAMPLES)
+            )
+        return super().samples(sig, probe)
 
     def check_model(self, model):
         for layer in model._flatten_layers(include_self=False):
@@ -140,6 +163,12 @@ class _TFLite(pipeline.Format):
                     f"{layer.compute_dtype} (a mixed-precision policy): its TensorFlow ops have "
                     f"no TFLite builtin. Rebuild the model under the float32 policy (and use "
                     f'quantization="float16" for a half-size file), or export it to ONNX.'
+                )
+            if type(layer) is L.Conv3D and layer.groups > 1:
+                raise UnsupportedModelError(
+                    f"TFLite cannot convert layer '{layer.name}' (Conv3D with "
+                    f"groups={layer.groups}): LiteRT's CONV_3D has no groups. Build it as "
+                    f"{layer.groups} Conv3D layers on slices of the channels, concatenated."
                 )
             if (
                 type(layer) in CHANNELS_FIRST_UNCONVERTIBLE
@@ -177,11 +206,10 @@ class _TFLite(pipeline.Format):
         if self.quantization == "float16":
             converter.target_spec.supported_types = [tf.float16]
         if self.quantization == "int8":
-            samples = trace.first_samples(self._samples(sig), defaults.CALIBRATION_SAMPLES)
-            count = len(next(iter(samples.values())))
+            samples, _ = trace.held_out_split(self._representative(sig))
 
             def calibration():
-                for i in range(count):
+                for i in range(samples.samples):
                     yield {name: array[i : i + 1] for name, array in samples.items()}
 
             converter.representative_dataset = calibration

@@ -1,15 +1,27 @@
-"""A Keras model's inputs and outputs by name, and the model as a traced inference function.
+"""A Keras model's inputs and outputs by name, its samples, and the model as a traced
+inference function.
 
 Every exporter and the fold report work on flat {name: array} maps: the runtimes (LiteRT
 signatures, onnxruntime sessions) take and give named tensors, and a report needs one error
-per output name. `Signature` fixes those names once per model:
-- inputs: the key where the model takes a dict, else the Input layer's name (a feed may use
-  these, `Signature.input_keys`, even where the file's name differs);
-- outputs: the key where the model returns a dict, else the name of the layer that produces it
-  (`_1`, `_2` appended where two outputs would share a name, or an output an input's: a file's
-  tensors need distinct names, and a model may return one of its inputs).
-Either is made converter-safe: characters outside [A-Za-z0-9_.-] become "_", and a leading
-"_" or "-" is dropped (TensorFlow's signatures refuse such argument names).
+per output name. `Signature` fixes those names once per model and file format:
+- user-chosen names, the keys of a model's top-level input or output dict, are kept as they
+  are and keep their tensors;
+- every other name is generated: the dict keys along a nested path joined by "_", else the
+  name of the layer that produces the tensor (the Input layer's, for an input). A generated
+  name avoids every user-chosen name of its namespace and every other name: where its own is
+  taken it gets the first free `_1`, `_2`, ... suffix, and a suffix never takes a name another
+  tensor has as its own. Generated output names also avoid the model's input names (a model
+  may return one of its inputs).
+- a format's limits (`NameRules`): TFLite's input names are TensorFlow signature arguments
+  ([A-Za-z0-9.][A-Za-z0-9_.-]*): a generated one is cleaned to fit, a user-chosen one that
+  does not fit is refused (UnsupportedModelError naming it), never renamed. An ONNX graph's
+  inputs and outputs share one namespace: a generated input yields to a user-chosen output of
+  its name, and an input and an output with the same user-chosen name are refused. Output
+  names are any string in both formats, so they are the same in every file and report.
+
+A feed (`feed`, `Feed`) is checked against the model the way `model.predict` takes inputs,
+and remembers what the caller called it (for messages). `held_out_split` splits
+representative samples into calibration and held-out verification rows.
 
 The converters start from `inference_function`: a tf.function with an explicit signature and
 a dynamic batch dim (TFLite via a SavedModel, tf2onnx's from_function), which avoids the
@@ -24,16 +36,40 @@ import numpy as np
 import tensorflow as tf
 
 from keras_bn import _models
+from keras_bn._errors import UnsupportedModelError
+from keras_bn.export import defaults
 
 RANDOM_BATCH = 4
 UNKNOWN_DIM = 8  # a free non-batch dim in random input
 
 
 @dataclasses.dataclass(frozen=True)
+class NameRules:
+    """The names a file format can give its input and output tensors.
+
+    Attributes:
+        format: the format's name, for messages ("TFLite", "ONNX"); "" for no format.
+        input_pattern: a regular expression every input name must match in full, or None for
+            any string.
+        input_characters: `input_pattern` in words, for the refusal.
+        one_namespace: inputs and outputs share one namespace (an ONNX graph's values), so an
+            output cannot have an input's name.
+    """
+
+    format: str = ""
+    input_pattern: str | None = None
+    input_characters: str = ""
+    one_namespace: bool = False
+
+
+ANY_NAMES = NameRules()
+
+
+@dataclasses.dataclass(frozen=True)
 class Signature:
     """Names, shapes and dtypes of a model's inputs and outputs, in the model's flat order."""
 
-    input_names: tuple  # converter-safe and unique: the names in the files and in feeds
+    input_names: tuple  # unique, and valid in the format: the names in the files and in feeds
     input_keys: tuple  # the model's own name of each input (dict key path, or Input name)
     input_specs: tuple  # tf.TensorSpec per input, batch dim free, named as the input
     output_names: tuple
@@ -46,11 +82,17 @@ class Signature:
         )
 
 
-def signature(model):
+def signature(model, rules=ANY_NAMES):
     """The Signature of a built Sequential or Functional model (nested structures allowed).
 
-    Raises UnsupportedModelError for a subclassed model (its inputs are not known before it is
-    called) and for an unbuilt Sequential one.
+    Args:
+        model: the model.
+        rules: the NameRules of the file format the names are for (default: any name).
+
+    Raises:
+        UnsupportedModelError: a subclassed model (its inputs are not known before it is
+            called), an unbuilt Sequential one, or a user-chosen name `rules` cannot hold
+            (named, with the characters allowed).
     """
     _models.layer_graph(model, "export")
     inputs = getattr(model, "_inputs_struct", None)
@@ -59,54 +101,143 @@ def signature(model):
     outputs = getattr(model, "_outputs_struct", None)
     if outputs is None:
         outputs = model.outputs[0] if len(model.outputs) == 1 else list(model.outputs)
-    input_keys = _keys(inputs)
-    input_names = _safe_names(input_keys)
+    input_leaves, output_leaves = _leaves(inputs), _leaves(outputs)
+    user_inputs = [user for user, _ in input_leaves if user is not None]
+    user_outputs = [user for user, _ in output_leaves if user is not None]
+    _check_user_names(user_inputs, user_outputs, rules)
+    input_names = _names(
+        input_leaves,
+        reserved=user_outputs if rules.one_namespace else (),
+        clean=_cleaner(rules),
+    )
+    input_keys = tuple(base for _, base in input_leaves)  # a user-chosen name is its own base
+    output_names = _names(output_leaves, reserved=(*input_keys, *input_names))
     specs = tuple(
         tf.TensorSpec([None, *t.shape[1:]], t.dtype, name=name)
         for name, t in zip(input_names, keras.tree.flatten(inputs))
     )
-    output_names = _safe_names(_keys(outputs), taken=input_names)
     return Signature(input_names, input_keys, specs, output_names, inputs)
 
 
-def _keys(structure):
-    """Each leaf's own name: the dict keys along its path, else its producing layer's name."""
-    keys = []
+def _leaves(structure):
+    """(user-chosen name or None, generated base name) per leaf, in flat order.
+
+    A leaf's name is user-chosen when it is the value of a top-level dict key; otherwise it
+    is the dict keys along its path joined by "_", else its producing layer's name.
+    """
+    leaves = []
     for path, tensor in keras.tree.flatten_with_path(structure):
         along = [str(p) for p in path if isinstance(p, str)]
-        keys.append("_".join(along) if along else tensor._keras_history.operation.name)
-    return keys
+        user = path[0] if len(path) == 1 and isinstance(path[0], str) else None
+        base = "_".join(along) if along else tensor._keras_history.operation.name
+        leaves.append((user, base))
+    return leaves
 
 
-def _safe_names(keys, taken=()):
-    """One unique, converter-safe name per key; none of them in `taken`."""
-    names = list(taken)
-    for key in keys:
-        # TensorFlow's rule for a signature's argument names: [A-Za-z0-9.][A-Za-z0-9_.\-/]*.
-        name = re.sub(r"^[^A-Za-z0-9.]+", "", re.sub(r"[^A-Za-z0-9_.\-]", "_", key))
-        names.append(_models.unique_name(name or "tensor", names))
-    return tuple(names[len(taken) :])
+def _check_user_names(user_inputs, user_outputs, rules):
+    """Refuse a user-chosen name the format cannot hold: renaming it could hand it to, or
+    take it from, another tensor."""
+    if rules.input_pattern is not None:
+        for key in user_inputs:
+            if not re.fullmatch(rules.input_pattern, key):
+                raise UnsupportedModelError(
+                    f"{rules.format} cannot name an input {key!r} (the model's input dict "
+                    f"key): its input names must start with {rules.input_characters}. Rename "
+                    f"that key (the export does not rename a name you chose)."
+                )
+    both = sorted(set(user_inputs) & set(user_outputs))
+    if rules.one_namespace and both:
+        raise UnsupportedModelError(
+            f"{rules.format} cannot name both an input and an output {both[0]!r} (keys of the "
+            f"model's input and output dicts): a file's inputs and outputs share one "
+            f"namespace. Rename one of them (the export does not rename a name you chose)."
+        )
+
+
+def _cleaner(rules):
+    """A generated name made to fit `rules` (TensorFlow's argument names, for TFLite)."""
+    if rules.input_pattern is None:
+        return lambda name: name
+    return lambda name: (
+        re.sub(r"^[^A-Za-z0-9.]+", "", re.sub(r"[^A-Za-z0-9_.-]", "_", name)) or "input"
+    )
+
+
+def _names(leaves, reserved=(), clean=lambda name: name):
+    """One unique name per leaf: user-chosen ones as they are; generated ones (`clean`ed)
+    never a user-chosen name nor one in `reserved`.
+
+    Generated names that are free keep themselves first; only then do the rest get suffixes,
+    so that a suffix (`x_1`) never takes the name another tensor has as its own.
+    """
+    names = [user for user, _ in leaves]
+    taken = set(reserved) | {name for name in names if name is not None}
+    later = []
+    for index, (user, base) in enumerate(leaves):
+        if user is not None:
+            continue
+        base = clean(base)
+        if base in taken:
+            later.append((index, base))
+        else:
+            names[index] = base
+            taken.add(base)
+    for index, base in later:
+        names[index] = _models.unique_name(base, taken)
+        taken.add(names[index])
+    return tuple(names)
+
+
+class Feed(dict):
+    """{input name: array}, as `feed` returns it, with `what`: what the caller called these
+    samples ("probe", "representative_data", a CLI flag), for messages about them.
+
+    Args:
+        arrays: {input name: array}.
+        what: the name for messages.
+    """
+
+    def __init__(self, arrays, what):
+        super().__init__(arrays)
+        self.what = what
+
+    @property
+    def samples(self):
+        """The number of samples (the arrays' first dim)."""
+        return len(next(iter(self.values()))) if self else 0
+
+    def rows(self, indices, what=None):
+        """The Feed of these samples (an index array), named `what` (default: the same)."""
+        return Feed(
+            {name: array[indices] for name, array in self.items()},
+            self.what if what is None else what,
+        )
 
 
 def feed(sig, data, what="probe"):
-    """{input name: array} from `data` in any structure `model.predict` takes.
+    """A Feed ({input name: array}) from `data` in a structure `model.predict` takes.
 
     Args:
         sig: the model's Signature.
         data: the model's own input structure (nested lists and dicts as the model takes
             them), one array (single-input models), a flat list/tuple of arrays in the model's
-            input order, or a flat dict keyed by input name (the model's own keys, or the
-            converter-safe `sig.input_names` where they differ).
-        what: the argument's name, for error messages.
+            input order (not for a model that takes a dict of several inputs: the order would
+            be ambiguous, and `model.predict` refuses it), a flat dict keyed by input name (the
+            model's own keys, or the names in `sig.input_names` where they differ), or a Feed.
+        what: the argument's name, for error messages; a Feed keeps its own.
 
     Returns:
-        dict of numpy arrays in the inputs' dtypes, all with the same number of samples.
+        Feed of numpy arrays in the inputs' dtypes, all with the same number of samples.
 
     Raises:
-        ValueError naming the input when a name is missing or unknown, the count is wrong, the
-        sample counts differ or are 0, or a float array is given for an integer input.
+        ValueError naming the input when a name is missing or unknown, the count is wrong, a
+        list is given for a dict of inputs, the sample counts differ or are 0, or a float
+        array is given for an integer input.
     """
+    if isinstance(data, Feed):  # a dict subclass is a leaf to keras.tree: a plain dict
+        data, what = dict(data), data.what
     names = sig.input_names
+    takes_dict = isinstance(sig._inputs_struct, dict)
     if isinstance(data, (dict, list, tuple)) and _same_structure(data, sig._inputs_struct):
         arrays = keras.tree.flatten(data)  # the order of the model's inputs, nested or not
     elif isinstance(data, dict) or hasattr(data, "files"):  # dict, or np.load's NpzFile
@@ -126,18 +257,25 @@ def feed(sig, data, what="probe"):
             )
         arrays = [data[given[name][0]] for name in names]
     elif isinstance(data, (list, tuple)):
+        if takes_dict and len(names) > 1:
+            raise ValueError(
+                f"{what} is a list of {len(data)} arrays, but the model takes a dict of inputs "
+                f"{list(sig.input_keys)}: the order of a list is ambiguous (model.predict "
+                f"refuses it too). Pass a dict keyed by the input names."
+            )
         if len(data) != len(names):
             raise ValueError(
                 f"{what} has {len(data)} arrays, but the model has {len(names)} inputs "
-                f"{list(names)}."
+                f"{list(sig.input_keys)}."
             )
         arrays = list(data)
     elif len(names) == 1:
         arrays = [data]
     else:
+        order = "" if takes_dict else "a list in that order or "
         raise ValueError(
-            f"{what} is one array, but the model has {len(names)} inputs {list(names)}: give a "
-            f"list in that order or a dict keyed by those names."
+            f"{what} is one array, but the model has {len(names)} inputs "
+            f"{list(sig.input_keys)}: give {order}a dict keyed by those names."
         )
     result = {}
     for name, array, spec in zip(names, arrays, sig.input_specs):
@@ -150,7 +288,7 @@ def feed(sig, data, what="probe"):
             f"{what} has no samples (shapes "
             f"{[a.shape for a in result.values()]}): nothing to verify on."
         )
-    return result
+    return Feed(result, what)
 
 
 def _same_structure(data, structure):
@@ -182,7 +320,8 @@ def _as_input(name, array, spec, what):
 
 def random_feed(sig, batch=RANDOM_BATCH, seed=0):
     """Seeded input for every model input: standard normal for floats, 0s and 1s for integer
-    and bool inputs (valid ids and masks for any vocabulary); free dims get 8."""
+    and bool inputs (valid ids and masks for any vocabulary); free dims get 8. A Feed named
+    "the seeded random probe"."""
     rng = np.random.default_rng(seed)
     result = {}
     for name, spec in zip(sig.input_names, sig.input_specs):
@@ -192,7 +331,7 @@ def random_feed(sig, batch=RANDOM_BATCH, seed=0):
             result[name] = rng.standard_normal(shape).astype(dtype)
         else:
             result[name] = rng.integers(0, 2, shape).astype(dtype)
-    return result
+    return Feed(result, "the seeded random probe")
 
 
 def by_input_name(inputs, names, path):
@@ -208,9 +347,52 @@ def by_input_name(inputs, names, path):
     return {names[0]: inputs}
 
 
-def first_samples(inputs, count):
-    """The first `count` samples of every array of a feed."""
-    return {name: array[:count] for name, array in inputs.items()}
+def evenly_spaced(count, total):
+    """`count` distinct indices spread evenly over range(total), first and last included
+    (all of them when count >= total)."""
+    if count >= total:
+        return np.arange(total)
+    return np.linspace(0, total - 1, count).round().astype(int)  # steps >= 1: distinct
+
+
+def spread_samples(samples, count, what=None):
+    """Up to `count` samples of a Feed, spread evenly over it (sorted data stays covered)."""
+    return samples.rows(evenly_spaced(count, samples.samples), what)
+
+
+def held_out_split(samples):
+    """(calibration rows, held-out rows) of representative samples: int8 is verified on
+    samples it was not calibrated with.
+
+    A quarter of the samples (`defaults.HELD_OUT_FRACTION`), at most `defaults.PROBE_SAMPLES`,
+    are held out; up to `defaults.CALIBRATION_SAMPLES` of the rest calibrate. Both are spread
+    evenly over the samples, so data sorted by class or by time is covered by both.
+
+    Args:
+        samples: a Feed.
+
+    Returns:
+        (Feed, Feed), disjoint.
+
+    Raises:
+        ValueError: fewer than `defaults.INT8_MIN_SAMPLES` samples, naming `samples.what`.
+    """
+    total = samples.samples
+    if total < defaults.INT8_MIN_SAMPLES:
+        raise ValueError(
+            f"{samples.what} has {total} samples; int8 needs at least "
+            f"{defaults.INT8_MIN_SAMPLES}: a quarter of them are held out to verify the file "
+            f"on samples it was not calibrated with, and the rest calibrate."
+        )
+    held_out = evenly_spaced(
+        min(defaults.PROBE_SAMPLES, int(total * defaults.HELD_OUT_FRACTION)), total
+    )
+    rest = np.setdiff1d(np.arange(total), held_out)
+    calibration = rest[evenly_spaced(defaults.CALIBRATION_SAMPLES, len(rest))]
+    return (
+        samples.rows(calibration, f"{samples.what} (calibration samples)"),
+        samples.rows(held_out, f"{samples.what} (held-out samples)"),
+    )
 
 
 def outputs(model, sig, inputs):

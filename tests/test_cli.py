@@ -74,7 +74,7 @@ def test_int8_passes_its_default_tolerance(saved, tmp_path):
     assert result.returncode == 0, result.stderr
     (export,) = json.loads((tmp_path / "r.json").read_text())["exports"]
     assert (
-        export["scale_tolerance"] == 5e-2 and export["passed"] and export["relative_error"] > 1e-4
+        export["scale_tolerance"] == 1e-1 and export["passed"] and export["relative_error"] > 1e-4
     )
 
 
@@ -333,7 +333,7 @@ def test_bad_representative_data_and_an_unwritable_path_exit_2(saved, tmp_path):
     )
     assert result.returncode == 2 and "Traceback" not in result.stderr
     (error,) = _error_lines(result)
-    assert error.startswith(f"keras-bn-export: error: cannot read representative data {tmp_path}")
+    assert error.startswith(f"keras-bn-export: error: cannot read --representative-data {tmp_path}")
     result = run_cli(saved / "cnn.keras", "--onnx", tmp_path)  # a folder: OSError, up front
     assert result.returncode == 2 and "Traceback" not in result.stderr
     (error,) = _error_lines(result)
@@ -390,7 +390,7 @@ def test_an_internal_error_exits_3_with_its_traceback(saved, tmp_path):
 
         from keras_bn.export import cli, trace
 
-        def signature(model):
+        def signature(model, rules=None):
             raise KeyError("a bug")
 
         trace.signature = signature
@@ -449,8 +449,11 @@ def test_help_shows_the_defaults_and_the_exit_codes():
     assert result.returncode == 0
     text = " ".join(result.stdout.split())
     assert defaults.describe_scale_tolerances() in text
-    assert "1e-4 float32, 1e-3 float16, 2e-2 dynamic, 5e-2 int8; at least 1e-2" in text
-    assert f"the first {defaults.PROBE_SAMPLES}" in text
+    assert "1e-4 float32, 1e-3 float16, 2e-2 dynamic, 1e-1 int8; at least 1e-2" in text
+    assert f"verified on {defaults.PROBE_SAMPLES} samples spread over them" in text
+    assert f"holds out a quarter (at most {defaults.PROBE_SAMPLES})" in text
+    assert f"up to {defaults.CALIBRATION_SAMPLES} of the rest" in text
+    assert f"needs {defaults.INT8_MIN_SAMPLES} or more" in text
     for code in ("0 success", "1 a file differs", "2 bad usage or bad input", "3 an internal"):
         assert code in text
 
@@ -469,9 +472,13 @@ def test_the_docs_state_the_defaults_and_the_exit_codes():
         f'{short(tolerances["dynamic"])} for `"dynamic"` and {short(tolerances["int8"])} for '
         f'`"int8"`',
         f"gets at least {short(defaults.HALF_PRECISION_SCALE_TOLERANCE)}",
-        f"the first {defaults.PROBE_SAMPLES} `representative_data` samples",
-        f"the first {defaults.CALIBRATION_SAMPLES} calibrate",
+        f"needs at least {defaults.INT8_MIN_SAMPLES} `representative_data` samples: a quarter "
+        f"of them, at most {defaults.PROBE_SAMPLES}, are held out to verify on, and up to "
+        f"{defaults.CALIBRATION_SAMPLES} of the rest calibrate",
+        f"Files of the other quantizations are verified on {defaults.PROBE_SAMPLES} samples",
+        f"less than `{short(defaults.FLOAT32_SCALE_TOLERANCE)} / scale_tolerance` of its output",
     )
+    assert defaults.HELD_OUT_FRACTION == 0.25  # "a quarter", in the docs and the help
     for sentence in stated:
         assert sentence in page, sentence
     segment = page.split("Exit codes: ")[1].split("`--no-fold`")[0]
@@ -480,8 +487,9 @@ def test_the_docs_state_the_defaults_and_the_exit_codes():
     docstring = " ".join(export_tflite.__doc__.split())
     for quantization, tolerance in tolerances.items():
         assert f"{short(tolerance)} for {quantization or 'float32'}" in docstring
-    assert f"first {defaults.CALIBRATION_SAMPLES}" in docstring
-    assert f"first {defaults.PROBE_SAMPLES}" in docstring
+    assert f"up to {defaults.CALIBRATION_SAMPLES} (`defaults.CALIBRATION_SAMPLES`)" in docstring
+    assert f"at most {defaults.PROBE_SAMPLES} (`defaults.PROBE_SAMPLES`)" in docstring
+    assert f"at least {defaults.INT8_MIN_SAMPLES}" in docstring
     assert f"default {short(tolerances[None])}" in " ".join(export_onnx.__doc__.split())
     module_doc = " ".join(cli.__doc__.split())
     for code in cli.EXIT_CODES:

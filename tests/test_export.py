@@ -78,7 +78,11 @@ def test_quantized_files_meet_their_default_tolerance(cnn, tmp_path, quantizatio
 
 
 @pytest.mark.slow
-def test_mobilenet_v2_int8_meets_the_default_tolerance(tmp_path):
+def test_mobilenet_v2_int8_report_matches_litert(tmp_path):
+    """MobileNetV2 (random weights and BN statistics) converts to int8 and its report is what
+    LiteRT gives on the held-out samples. Its logits ignore the input (they vary by 2.4e-7 of
+    their scale), so the near-zero ones, lost to int8's one scale per tensor, fail the
+    per-channel check: the default tolerance is not asserted, the whole output's error is."""
     keras.utils.set_random_seed(0)
     model = randomise_batch_norms(
         keras.applications.MobileNetV2(
@@ -86,10 +90,18 @@ def test_mobilenet_v2_int8_meets_the_default_tolerance(tmp_path):
         )
     )
     data = np.random.default_rng(0).uniform(-1, 1, (64, 96, 96, 3)).astype("float32")
-    report = export_tflite(
-        model, tmp_path / "m.tflite", quantization="int8", representative_data=data
-    )
-    assert report.passed and report.relative_error <= defaults.SCALE_TOLERANCES["int8"] / 3
+    path = tmp_path / "m.tflite"
+    report = export_tflite(model, path, quantization="int8", representative_data=data, strict=False)
+    assert report.op_histogram["QUANTIZE"] >= 1 and path.exists()
+    (output,) = report.errors
+    assert report.errors[output]["litert"] / report.output_scales[output] <= 5e-2 / 3
+    held_out = np.linspace(0, 63, 16).round().astype(int)  # a quarter, spread evenly
+    (actual,) = tflite_export.run(path, data[held_out]).values()
+    expected = np.asarray(model(data[held_out], training=False), np.float64)
+    floor = np.abs(expected).max() * defaults.FLOAT32_SCALE_TOLERANCE / report.scale_tolerance
+    by_channel = np.abs(actual - expected).max(0) / np.maximum(np.abs(expected).max(0), floor)
+    assert report.relative_error == pytest.approx(by_channel.max(), rel=1e-6)
+    assert report.worst_channels[output].channel == by_channel.argmax()
 
 
 def test_bad_arguments_raise_naming_them(cnn, tmp_path):
@@ -386,27 +398,34 @@ def test_probe_that_does_not_fit_the_inputs_is_named(tmp_path):
             model, tmp_path / "m.onnx", probe={"features": data["features"], "idz": data["ids"]}
         )
     with pytest.raises(ValueError, match="is float32, but the input is int32"):
-        export_onnx(model, tmp_path / "m.onnx", probe=[data["features"]] * 2)
+        export_onnx(
+            model,
+            tmp_path / "m.onnx",
+            probe={"features": data["features"]} | {"ids": data["features"][:, :3]},
+        )
     with pytest.raises(ValueError, match="one array, but the model has 2 inputs"):
         fold_batch_norms(model, data["features"])
     assert os.listdir(tmp_path) == []
 
 
 @pytest.mark.parametrize("fmt", sorted(EXPORTERS))
-def test_an_output_named_like_an_input_gets_its_own_name(fmt, tmp_path):
-    """A model that also returns its inputs (or a dict output keyed like an input): a file's
-    output names must differ from its input names (tf2onnx failed "graph input 'ids' not
-    exist")."""
+def test_an_output_named_like_an_input_keeps_its_name(fmt, tmp_path):
+    """A model that also returns its inputs, with a dict output keyed like an input: the
+    user's output names are kept; in ONNX, whose inputs and outputs share one namespace
+    (tf2onnx failed "graph input 'ids' not exist"), the input, named after its layer, yields."""
     features = keras.Input((6,), name="features")
     ids = keras.Input((3,), dtype="int32", name="ids")
     h = L.BatchNormalization()(L.Dense(4, use_bias=False)(features))
     model = randomise_batch_norms(keras.Model([features, ids], {"ids": h, "echo": ids}))
     data = _multi_io_data(8)
     report = EXPORTERS[fmt](model, tmp_path / f"m.{fmt}", probe=data)
-    assert list(report.errors) == ["echo", "ids_1"] and report.passed
-    actual = RUNNERS[fmt](tmp_path / f"m.{fmt}", data)
+    assert list(report.errors) == ["echo", "ids"] and report.passed
+    ids_input = "ids" if fmt == "tflite" else "ids_1"
+    actual = RUNNERS[fmt](
+        tmp_path / f"m.{fmt}", {"features": data["features"], ids_input: data["ids"]}
+    )
     np.testing.assert_array_equal(actual["echo"], data["ids"])
-    assert_close(actual["ids_1"], model(data, training=False)["ids"], 1e-4)
+    assert_close(actual["ids"], model(data, training=False)["ids"], 1e-4)
 
 
 def test_onnx_file_the_checker_rejects_is_named_by_its_target_path(tmp_path):
@@ -420,10 +439,13 @@ def test_onnx_file_the_checker_rejects_is_named_by_its_target_path(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def test_input_keys_tensorflow_cannot_name_an_argument_are_renamed(tmp_path):
+def test_input_keys_tensorflow_cannot_name_an_argument_are_refused_in_tflite_kept_in_onnx(
+    tmp_path,
+):
     """A signature argument must start with a letter, digit or '.': dict keys "_private" and
-    "-offset" failed the TFLite export ("non-flat/non-unique argument names"). The files name
-    them "private" and "offset"; a probe still takes the model's own keys."""
+    "-offset" failed the TFLite export ("non-flat/non-unique argument names"). TFLite refuses
+    them by name (renaming a key the user chose could hand it to another tensor); ONNX takes
+    any name and keeps them. A probe takes the model's own keys."""
     private, offset = keras.Input((4,), name="_private"), keras.Input((4,), name="-offset")
     h = L.BatchNormalization()(L.Dense(4)(private))
     model = randomise_batch_norms(
@@ -434,12 +456,15 @@ def test_input_keys_tensorflow_cannot_name_an_argument_are_renamed(tmp_path):
         "_private": rng.normal(size=(8, 4)).astype("float32"),
         "-offset": rng.normal(size=(8, 4)).astype("float32"),
     }
-    # The probe is keyed as model.predict takes it: by the model's own keys.
-    report = export_tflite(model, tmp_path / "m.tflite", probe=data)
+    with pytest.raises(
+        UnsupportedModelError,
+        match=r"TFLite cannot name an input '-offset' \(the model's input dict key\): its input "
+        r"names must start with a letter, a digit or '\.'",
+    ):
+        export_tflite(model, tmp_path / "m.tflite", probe=data)
+    report = export_onnx(model, tmp_path / "m.onnx", probe=data)
     assert report.passed
-    actual = tflite_export.run(
-        tmp_path / "m.tflite", {"private": data["_private"], "offset": data["-offset"]}
-    )
+    actual = onnx_export.run(tmp_path / "m.onnx", data)
     assert_close(next(iter(actual.values())), model(data, training=False), 1e-4)
     with pytest.raises(
         ValueError,
@@ -447,6 +472,7 @@ def test_input_keys_tensorflow_cannot_name_an_argument_are_renamed(tmp_path):
         r"\['-offset'\], unknown \['offzet'\]",
     ):
         fold_batch_norms(model, {"_private": data["_private"], "offzet": data["-offset"]})
+    assert os.listdir(tmp_path) == ["m.onnx"]
 
 
 @pytest.mark.parametrize("fmt", sorted(EXPORTERS))
