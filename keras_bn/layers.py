@@ -8,6 +8,8 @@ from keras import constraints, initializers, regularizers
 
 from keras_bn import _backend, ghost, ops, statistics
 from keras_bn import renorm as renormalization
+from keras_bn._moving_average import average_into as _average_into
+from keras_bn._moving_average import usable as _usable
 
 _backend.require_tensorflow()  # before any keras_bn layer can be built under another backend
 
@@ -564,13 +566,6 @@ def _several_replicas():
     return context
 
 
-def _usable(values, enough):
-    """Whether a moving-statistics update may be applied: every value finite and m ≥ 2
-    (`enough`: True when m was checked statically, else a boolean tensor)."""
-    finite = tf.reduce_all(tf.math.is_finite(tf.stack(values)))
-    return finite if enough is True else enough & finite
-
-
 def _count_weighted_average(context, values, weight, enough):
     """Across the replicas of `context`: (Σᵢ wᵢ·vᵢ / Σᵢ wᵢ for each per-channel tensor v in
     `values`, whether the result is usable), identical on every replica.
@@ -592,13 +587,6 @@ def _count_weighted_average(context, values, weight, enough):
         for part, v in zip(tf.split(total[1:], len(values)), values)
     ]
     return averages, _usable(averages, True)
-
-
-def _average_into(moving, value, momentum, usable):
-    """moving ← momentum·moving + (1 − momentum)·value where `usable`, else unchanged."""
-    old = tf.convert_to_tensor(moving)
-    new = momentum * old + (1.0 - momentum) * value
-    moving.assign(tf.where(usable, new, old))
 
 
 def _sqrt_of(initializer):

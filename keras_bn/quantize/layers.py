@@ -35,10 +35,9 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
-from keras_bn import statistics
+from keras_bn import _models, statistics
 from keras_bn._bn_layers import KERAS_BN, KERAS_BN_BN
-from keras_bn.convert import _translate
-from keras_bn.layers import _average_into, _usable
+from keras_bn._moving_average import average_into, usable
 from keras_bn.quantize import fake_quant, hosts
 from keras_bn.quantize.activation import ActivationQuantizer, validate_momentum
 
@@ -393,10 +392,10 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
             unbiased, enough = variance * (count / (count - 1)), True
         else:
             unbiased, enough = variance * count / (count - 1.0), count > 1.0
-        usable = _usable([mean, unbiased], enough) & tf.logical_not(frozen)
+        update = usable([mean, unbiased], enough) & tf.logical_not(frozen)
         momentum = self.batch_norm.momentum
-        _average_into(self.batch_norm.moving_mean, mean, momentum, usable)
-        _average_into(self.batch_norm.moving_variance, unbiased, momentum, usable)
+        average_into(self.batch_norm.moving_mean, mean, momentum, update)
+        average_into(self.batch_norm.moving_variance, unbiased, momentum, update)
 
     def folded_weights(self):
         """The float kernel and bias an int8 file quantizes: W·s and β + s·(b − μ).
@@ -459,7 +458,7 @@ def _keras_bn_copy(batch_norm, axis):
         )
     config = batch_norm.get_config()
     if type(batch_norm) is KERAS_BN:
-        config = _translate(config, KERAS_BN, KERAS_BN_BN)
+        config = _models.translate_config(config, KERAS_BN, KERAS_BN_BN)
     copy = KERAS_BN_BN.from_config(config)
     refused = {
         "renorm": copy.renorm,
