@@ -39,7 +39,7 @@ class ActivationQuantizer(keras.layers.Layer):
         ValueError: `bits` or `momentum` out of range (the message names the value).
     """
 
-    def __init__(self, bits=8, momentum=0.99, **kwargs):
+    def __init__(self, bits: int = 8, momentum: float = 0.99, **kwargs) -> None:
         super().__init__(**kwargs)
         self.bits = fake_quant.validate_bits(bits, "bits")
         self.momentum = validate_momentum(momentum, "momentum")
