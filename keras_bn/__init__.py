@@ -8,8 +8,10 @@
 - `diagnostics`: `check_batchnorm` for the BN mistakes that raise no error, and measures of
   gradient explosion, smoothness and internal covariate shift.
 - `convert`: swap Keras's and keras_bn's BN layers in a model, weights kept.
+- `quantize`: quantization-aware training with BN folded during training (`quantize_model`).
 - `keras_bn.export`: fold BN into Dense/Conv layers and write verified TFLite and ONNX files.
-- `UnsupportedModelError`: a model structure the fold, the exporters or `convert` cannot take.
+- `UnsupportedModelError`: a model structure the fold, the exporters or `convert` cannot take;
+  `KerasBNWarning`: something ran but probably not as intended.
 
 `import keras_bn` is light: each name is imported on first use, and needs the TensorFlow
 Keras backend (under any other, that first use raises ImportError). Once Keras is imported,
@@ -20,21 +22,23 @@ that hold them.
 import typing
 
 from keras_bn import _lazy, _registration
-from keras_bn._errors import UnsupportedModelError
+from keras_bn._errors import KerasBNWarning, UnsupportedModelError
 
 if typing.TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
-    from keras_bn import callbacks, convert, diagnostics
+    from keras_bn import callbacks, convert, diagnostics, quantize
     from keras_bn.layers import BatchNormalization
     from keras_bn.population import LayerChange, RecalibrationReport, recalibrate
 
 __all__ = [
     "BatchNormalization",
+    "KerasBNWarning",
     "LayerChange",
     "RecalibrationReport",
     "UnsupportedModelError",
     "callbacks",
     "convert",
     "diagnostics",
+    "quantize",
     "recalibrate",
 ]
 __version__ = "0.1.0"
@@ -49,6 +53,7 @@ __getattr__, __dir__ = _lazy.attach(
         "callbacks": ("keras_bn.callbacks", None),
         "convert": ("keras_bn.convert", None),
         "diagnostics": ("keras_bn.diagnostics", None),
+        "quantize": ("keras_bn.quantize", None),
     },
 )
 _registration.register_when_keras_is_ready()
