@@ -473,3 +473,27 @@ def test_channels_first_float_copy_adds_its_bias_on_the_channel_axis():
             np.moveaxis(image, 1, -1).astype(np.float64), kernel, (1, 1), "valid", (1, 1)
         )
         assert_close(actual, np.moveaxis(expected + b, -1, 1), 1e-5)
+
+
+def test_a_quantization_aware_model_is_refused():
+    qat = quantize_model(_digits_cnn())
+    with pytest.raises(ValueError, match=r"quantization-aware already \(layers \['input_layer"):
+        quantize_model(qat)
+
+
+def test_inputs_feeding_only_a_concatenate_share_its_scale():
+    """Neither input gets a quantizer: the Concatenate's sets the scale both are written
+    on; a stateless operation (`x * 2.0`) gets one of its own."""
+    first, second = keras.Input((4,), name="first"), keras.Input((3,), name="second")
+    joined = L.Concatenate(name="cat")([first, second])
+    doubled = joined * 2.0
+    model = keras.Model([first, second], L.Dense(2, name="head")(doubled))
+    qat, report = quantize_model(model, return_report=True)
+    operation = doubled._keras_history.operation
+    assert report.quantizers == {
+        "cat_quantizer": "cat",
+        f"{operation.name}_quantizer": operation.name,
+    }
+    x = [np.ones((2, 4), "float32"), np.full((2, 3), 2.0, "float32")]
+    folded = _fold_with_qat_weights(model, qat, report)
+    assert_close(_outputs(qat, x)[0], _outputs(folded, x)[0], 1e-6)

@@ -9,6 +9,8 @@ continue the average in keras_bn's unbiased convention (for the m = batch × spa
 convolution the two differ by the factor m/(m−1), which QAT's moving averages soon replace).
 """
 
+from typing import Any
+
 import keras
 import numpy as np
 
@@ -61,7 +63,7 @@ def from_layers(
         if layer is not None and not layer.built:
             raise ValueError(f"Layer '{layer.name}' is not built; its weights cannot be copied.")
     activation = _activation_name(activation)
-    options = dict(
+    options: dict[str, Any] = dict(
         activation=activation,
         weight_bits=weight_bits,
         activation_bits=activation_bits,

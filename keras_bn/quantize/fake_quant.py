@@ -22,6 +22,8 @@ integers exactly (XLA multiplies by 1/scale instead of dividing, which can move 
 lies on a rounding boundary to the other integer).
 """
 
+import typing
+
 import numpy as np
 import tensorflow as tf
 
@@ -30,6 +32,14 @@ MAX_BITS = 8
 # The FakeQuant ops divide by max − min: a range narrower than this (an all-zero kernel channel,
 # an activation that was 0 on every batch seen) is widened to it, and 0 stays on the grid.
 MIN_RANGE = 1e-8
+
+
+@typing.overload
+def validate_bits(bits: object, name: str, allow_none: typing.Literal[False] = False) -> int: ...
+
+
+@typing.overload
+def validate_bits(bits: object, name: str, allow_none: bool) -> int | None: ...
 
 
 def validate_bits(bits: object, name: str, allow_none: bool = False) -> int | None:

@@ -30,6 +30,8 @@ s/s', which is exactly 1 where γ ≠ 0 and 0 where γ = 0. Per-tensor weight ra
 W·s itself, so a γ = 0 channel never widens the other channels' grid.
 """
 
+from typing import Any
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -48,6 +50,9 @@ ACTIVATIONS = ("relu", "relu6")
 class _QuantizedHostLayer(keras.layers.Layer):
     """What both QAT layers share: the host, its weights' fake quantization, the activation and
     the activation quantizers."""
+
+    output_quantizer: ActivationQuantizer | None
+    intermediate_quantizer: ActivationQuantizer | None
 
     def __init__(
         self,
@@ -81,14 +86,16 @@ class _QuantizedHostLayer(keras.layers.Layer):
             )
         self.quantize_output = quantize_output
         self.output_quantizer = self.intermediate_quantizer = None
-        if self.activation_bits is not None:
+        bits = self.activation_bits
+        if bits is not None:
             if quantize_output:
-                self.output_quantizer = self._quantizer("output_quantizer")
+                self.output_quantizer = ActivationQuantizer(
+                    bits, self.range_momentum, name="output_quantizer"
+                )
             if self.kind == hosts.SEPARABLE:  # the depthwise output is a tensor of the file
-                self.intermediate_quantizer = self._quantizer("intermediate_quantizer")
-
-    def _quantizer(self, name):
-        return ActivationQuantizer(self.activation_bits, self.range_momentum, name=name)
+                self.intermediate_quantizer = ActivationQuantizer(
+                    bits, self.range_momentum, name="intermediate_quantizer"
+                )
 
     def build(self, input_shape):
         """Build the host for `input_shape`, then the quantizers (and the batch norm).
@@ -138,10 +145,11 @@ class _QuantizedHostLayer(keras.layers.Layer):
                 depthwise_view, fake_quant.weight_max_abs(depthwise_view, self.per_channel)
             )
             depthwise = hosts.from_channels_last(depthwise_view, self.host.depthwise_kernel.shape)
-            if self.intermediate_quantizer is not None:
+            quantizer = self.intermediate_quantizer
+            if quantizer is not None:
 
                 def between(middle):
-                    return self.intermediate_quantizer(middle, training=training)
+                    return quantizer(middle, training=training)
 
         return hosts.linear(self.host, inputs, kernel, depthwise, between)
 
@@ -321,7 +329,7 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
             **kwargs,
         )
         self.batch_norm = _keras_bn_copy(batch_norm, hosts.channel_axis(self.host))
-        self.batch_norm_frozen = None
+        self.batch_norm_frozen: Any = None  # a bool variable, created by build
 
     def build(self, input_shape):
         """Build the host, the batch norm on the host's output and the freeze flag.

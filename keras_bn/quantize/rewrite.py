@@ -26,7 +26,7 @@ from keras_bn.export.affine import ChannelBias
 from keras_bn.quantize import fake_quant, hosts, spec
 from keras_bn.quantize.activation import ActivationQuantizer, validate_momentum
 from keras_bn.quantize.factory import from_layers, fusable_activation
-from keras_bn.quantize.layers import batch_norm_refusal
+from keras_bn.quantize.layers import QuantizedHost, QuantizedHostBatchNorm, batch_norm_refusal
 from keras_bn.quantize.report import KeptLayer, QuantizationReport
 
 L = keras.layers
@@ -99,7 +99,7 @@ def quantize_model(
     Raises:
         ValueError: `weight_bits` or `activation_bits` is not an int from 2 to 8 (bools
             included), `per_channel` or `return_report` is not a bool, or `range_momentum` is
-            not in [0, 1); the message names the value.
+            not in [0, 1) (the message names the value); or `model` holds QAT layers already.
         UnsupportedModelError: the model, or a nested one holding a host or BN, is subclassed
             (it has no layer graph) or an unbuilt Sequential, or a layer's config does not
             round-trip.
@@ -113,6 +113,16 @@ def quantize_model(
     for name, value in (("per_channel", per_channel), ("return_report", return_report)):
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be True or False; received {name}={value!r}.")
+    quantized = [
+        layer.name
+        for layer in model._flatten_layers(include_self=False)
+        if isinstance(layer, (ActivationQuantizer, QuantizedHost, QuantizedHostBatchNorm))
+    ]
+    if quantized:
+        raise ValueError(
+            f"'{model.name}' is quantization-aware already (layers {quantized}); "
+            f"quantize_model takes the float model."
+        )
     settings = _Settings(
         fake_quant.validate_bits(weight_bits, "weight_bits"),
         fake_quant.validate_bits(activation_bits, "activation_bits"),
@@ -260,8 +270,8 @@ class _ModelRewrite:
                 quantize_output=split is not None or not self._deferred(tail.outputs[0], host),
                 name=self._unique(f"{host.name}_qat"),
             )
-            if bn is not None and not bn.trainable:  # a frozen BN: inference statistics
-                layer.batch_norm_frozen.assign(True)
+            if bn is not None and not bn.trainable and isinstance(layer, QuantizedHostBatchNorm):
+                layer.batch_norm_frozen.assign(True)  # a frozen BN: its inference statistics
             self.qat[id(host)] = (layer, split)
             self.copies[id(host)] = layer
             for original in (host, bn, activation):
