@@ -454,9 +454,9 @@ def test_channels_first_qat_layer_matches_numpy_where_keras_bias_add_is_wrong():
     assert_close(np.asarray(qat(x, training=False)), np.moveaxis(expected, -1, 1), 1e-5)
 
 
-def test_channels_first_float_copy_adds_its_bias_on_the_channel_axis():
+def test_channels_first_float_copy_adds_its_bias_on_the_channel_axis(tmp_path):
     """A shared channels_first conv stays float; its copy's bias comes from a trainable
-    ChannelBias, right where Keras's own bias add is wrong."""
+    ChannelBias, right where Keras's own bias add is wrong, and saved with the model."""
     rng = np.random.default_rng(6)
     conv = L.Conv2D(4, 3, data_format="channels_first", name="conv")
     first, second = keras.Input(SHAPE[1:], name="first"), keras.Input(SHAPE[1:], name="second")
@@ -468,6 +468,11 @@ def test_channels_first_float_copy_adds_its_bias_on_the_channel_axis():
     assert isinstance(bias, ChannelBias) and bias.trainable_weights == [bias.bias]
     x = [rng.normal(size=SHAPE).astype("float32") for _ in range(2)]
     kernel, b = np.asarray(conv.kernel, np.float64), np.asarray(conv.bias, np.float64)
+    qat.save(tmp_path / "qat.keras")
+    loaded = keras.saving.load_model(tmp_path / "qat.keras")
+    assert loaded.get_layer("conv_bias").trainable_weights
+    for restored, saved in zip(_outputs(loaded, x), _outputs(qat, x)):
+        np.testing.assert_array_equal(restored, saved)
     for image, actual in zip(x, _outputs(qat, x)):
         expected = ref.conv(
             np.moveaxis(image, 1, -1).astype(np.float64), kernel, (1, 1), "valid", (1, 1)
