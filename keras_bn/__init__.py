@@ -10,8 +10,8 @@
 - `convert`: swap Keras's and keras_bn's BN layers in a model, weights kept.
 - `quantize`: quantization-aware training with BN folded during training (`quantize_model`).
 - `keras_bn.export`: fold BN into Dense/Conv layers and write verified TFLite and ONNX files.
-- `UnsupportedModelError`: a model structure the fold, the exporters or `convert` cannot take;
-  `KerasBNWarning`: something ran but probably not as intended.
+- `UnsupportedModelError`: a model structure the fold, the exporters or `convert` cannot take.
+- `KerasBNWarning`: what keras_bn warns with (something ran, but probably not as intended).
 
 `import keras_bn` is light: each name is imported on first use, and needs the TensorFlow
 Keras backend (under any other, that first use raises ImportError). Once Keras is imported,
