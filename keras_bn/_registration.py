@@ -5,7 +5,8 @@ A `.keras` file names a keras_bn layer as "keras_bn>BatchNormalization" (or
 only in its registry, which the class's `@register_keras_serializable` fills when its module is
 imported. Keras never imports a config's module itself (only its own packages'), and
 `import keras_bn` no longer imports keras_bn.layers (the package is lazy, so that
-`keras-bn-export --help` does not load TensorFlow). So `register_when_keras_is_ready`, called by `import keras_bn`:
+`keras-bn-export --help` does not load TensorFlow). So `register_when_keras_is_ready`, called
+by `import keras_bn`:
 
 - imports the registering modules at once if Keras and TensorFlow are already imported;
 - else puts a finder first on `sys.meta_path` that wraps the loaders of `keras` and
