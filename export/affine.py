@@ -120,13 +120,15 @@ class ChannelBias(_PerChannelMap):
     Args:
         channel_axis: the axis the bias runs along, a positive int (axis 0 is the batch).
         channels: the number of channels, a positive int.
+        trainable_bias: whether the bias is a trainable weight (keras_bn.quantize's copy of
+            a channels_first layer that keeps training); False for a folded model.
         **kwargs: base layer arguments (`name`, `dtype`, ...).
 
     Raises:
         ValueError: `channel_axis` or `channels` is not a positive int.
     """
 
-    def __init__(self, channel_axis, channels, **kwargs):
+    def __init__(self, channel_axis, channels, trainable_bias=False, **kwargs):
         super().__init__(**kwargs)
         if isinstance(channel_axis, bool) or not isinstance(channel_axis, int) or channel_axis < 1:
             raise ValueError(
@@ -137,8 +139,9 @@ class ChannelBias(_PerChannelMap):
             raise ValueError(f"channels must be a positive int; received channels={channels!r}.")
         self.channel_axis = channel_axis
         self.channels = channels
+        self.trainable_bias = bool(trainable_bias)
         self.bias = self.add_weight(
-            shape=(channels,), name="bias", initializer="zeros", trainable=False
+            shape=(channels,), name="bias", initializer="zeros", trainable=self.trainable_bias
         )
 
     def call(self, inputs):
@@ -161,10 +164,11 @@ class ChannelBias(_PerChannelMap):
         """The layer's config, for `from_config` and saving.
 
         Returns:
-            dict: the base layer's config, `channel_axis` and `channels`.
+            dict: the base layer's config, `channel_axis`, `channels` and `trainable_bias`.
         """
         return {
             **super().get_config(),
             "channel_axis": self.channel_axis,
             "channels": self.channels,
+            "trainable_bias": self.trainable_bias,
         }

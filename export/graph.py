@@ -11,17 +11,15 @@ BN class, whose call may compute something else) is copied as it is and recorded
 so every BN of the model is in the report. The input model is only read: every layer of the
 result is a copy.
 
-Keras has no public API for walking a model's graph; this reads the same internals that
-keras.models.clone_model uses (`_nodes_by_depth`, `_run_through_graph`, Sequential's
-`_functional`), which is one reason pyproject.toml bounds the Keras version.
+The graph walking, the decisions it shares with keras_bn.quantize's rewrite and the rebuilding
+live in keras_bn/_rewrite.py.
 """
 
 import dataclasses
 
 import keras
-from keras.src.saving.serialization_lib import SafeModeScope
 
-from keras_bn import _bn_layers, _models
+from keras_bn import _bn_layers, _models, _rewrite
 from keras_bn.export import defaults, fold, report, trace
 from keras_bn.export.affine import ChannelBias, InferenceAffine
 from keras_bn.export.report import ChannelSpread, FoldReport
@@ -84,15 +82,6 @@ class KeptBN:
     kind: str = ""
 
 
-@dataclasses.dataclass(frozen=True)
-class _Refusal:
-    """Why a fold cannot happen: `kind` is what the decisions branch on, `message` is only
-    for the report."""
-
-    kind: str
-    message: str
-
-
 def fold_batch_norms(model, probe=None):
     """Fold every batch norm of `model` into a neighbouring Dense/Conv layer.
 
@@ -148,42 +137,11 @@ def _contains_bn(model):
     )
 
 
-class _Graph:
-    """Who feeds whom in a Functional graph, for the fold decisions."""
-
-    def __init__(self, graph):
-        self.nodes = [
-            node
-            for depth in sorted(graph._nodes_by_depth, reverse=True)
-            for node in graph._nodes_by_depth[depth]
-            if node.operation is not None and not node.is_input
-        ]
-        self.outputs = {id(t) for t in graph.outputs}
-        self.consumers: dict = {}
-        self.calls: dict = {}
-        for node in self.nodes:
-            self.calls[id(node.operation)] = self.calls.get(id(node.operation), 0) + 1
-            for tensor in node.input_tensors:
-                self.consumers.setdefault(id(tensor), []).append(node)
-
-    def producer(self, node):
-        """The operation whose output is the node's single input, or None for a model input."""
-        history = getattr(node.input_tensors[0], "_keras_history", None)
-        operation = history.operation if history else None
-        return None if isinstance(operation, L.InputLayer) else operation
-
-    def fan_out(self, tensor):
-        return len(self.consumers.get(id(tensor), [])) + (id(tensor) in self.outputs)
-
-    def shared(self, layer):
-        return self.calls.get(id(layer), 0) > 1
-
-
 def _fold_model(model, prefix):
     """(new model, folded list, kept list, ChannelSpread list) for one Sequential/Functional
     model."""
     graph = _models.layer_graph(model, "fold batch norms in")
-    info = _Graph(graph)
+    info = _rewrite.Graph(graph)
     folded: list = []
     kept: list = []
     weights: dict = {}  # folded (kernels, bias) of each host, by id(original host)
@@ -195,10 +153,10 @@ def _fold_model(model, prefix):
         bn = node.operation
         if type(bn) not in BN_TYPES:
             continue
-        refusal = _refuse_bn(bn, node, info)
+        refusal = _rewrite.refuse_bn(bn, node, info)
         if refusal is None:
             host = info.producer(node)
-            refusal = _refuse_backward(bn, node, host, info)
+            refusal = _rewrite.refuse_backward(bn, node, host, info, BACKWARD_FOLDS)
             if refusal is None:
                 _fold_backward(bn, host, weights)
                 hosts[id(host)] = host
@@ -246,8 +204,8 @@ def _fold_model(model, prefix):
             copies[id(layer)] = _affine_copy(layer, node)
         elif not isinstance(layer, L.Layer):  # a stateless op such as `x * 2.0`: reusable
             copies[id(layer)] = layer
-        elif id(layer) in weights and _channels_first(layer):
-            copies[id(layer)] = _copy_layer(layer, use_bias=False)
+        elif id(layer) in weights and _rewrite.channels_first(layer):
+            copies[id(layer)] = _rewrite.copy_layer(layer, use_bias=False)
             biases[id(layer)] = ChannelBias(
                 1,
                 len(weights[id(layer)][1]),
@@ -257,94 +215,15 @@ def _fold_model(model, prefix):
                 dtype=layer.dtype_policy,
             )
         else:
-            kept.extend(_unseen_batch_norms(layer, prefix))
-            copies[id(layer)] = _copy_layer(layer, use_bias=True if id(layer) in weights else None)
+            kept.extend(KeptBN(*entry) for entry in _rewrite.unseen_batch_norms(layer, prefix))
+            copies[id(layer)] = _rewrite.copy_layer(
+                layer, use_bias=True if id(layer) in weights else None
+            )
 
-    new_model = _rebuild(model, graph, copies, biases, dropped)
+    after = {key: [[bias]] for key, bias in biases.items()}
+    new_model = _rewrite.rebuild(model, graph, copies, dropped, after)
     _copy_weights(info.nodes, copies, biases, weights, refolded)
     return new_model, folded, kept, spreads
-
-
-def _unseen_batch_norms(layer, prefix):
-    """KeptBN for each BN that `layer`, copied as it is, computes out of the fold's sight."""
-    if _bn_layers.is_batch_norm(layer):  # not an exact BN type (those were handled)
-        base = "keras_bn" if isinstance(layer, _bn_layers.KERAS_BN_BN) else "keras.layers"
-        return [
-            KeptBN(
-                prefix + layer.name,
-                (
-                    f"BN layer '{layer.name}' is a {type(layer).__name__}, a subclass of "
-                    f"{base}.BatchNormalization whose call may compute something else; it is "
-                    f"kept as it is"
-                ),
-                "subclass",
-            )
-        ]
-    return [
-        KeptBN(
-            f"{prefix}{layer.name}/{path}",
-            (
-                f"BN layer '{bn.name}' is inside custom layer '{layer.name}' "
-                f"({type(layer).__name__}), whose call the fold cannot see into; it is kept as "
-                f"it is"
-            ),
-            "inside_layer",
-        )
-        for path, bn in _bn_layers.batch_norms_inside(layer)
-    ]
-
-
-def _refuse_bn(bn, node, info):
-    """Why this BN cannot fold in any direction, or None."""
-    if info.shared(bn):
-        return _Refusal(
-            "shared_bn", f"BN layer '{bn.name}' is shared (called {info.calls[id(bn)]} times)"
-        )
-    # Only the tensors passed positionally: a mask (a keyword tensor) is ignored by inference BN.
-    inputs = keras.tree.flatten(node.arguments.args)
-    if len(inputs) != 1:
-        return _Refusal("several_inputs", f"BN layer '{bn.name}' has {len(inputs)} inputs")
-    if len(_bn_axes(bn, node)) != 1:
-        return _Refusal(
-            "several_axes",
-            f"BN layer '{bn.name}' normalizes over several channel axes {_bn_axes(bn, node)}",
-        )
-    return None
-
-
-def _refuse_backward(bn, node, host, info):
-    """Why the BN cannot fold into the layer that feeds it, or None."""
-    if host is None:
-        return _Refusal("reads_input", f"BN layer '{bn.name}' reads a model input directly")
-    if type(host) not in BACKWARD_FOLDS:
-        return _Refusal(
-            "not_a_host",
-            f"BN layer '{bn.name}' follows '{host.name}', a "
-            f"{type(host).__name__}, which is not a Dense or "
-            f"convolution",
-        )
-    refusal = _refuse_host(host, info)
-    if refusal:
-        return refusal
-    if _activation(host) != "linear":
-        return _Refusal(
-            "activation",
-            f"host '{host.name}' has the non-linear activation "
-            f"'{_activation(host)}' between its linear part and "
-            f"the BN",
-        )
-    if info.fan_out(node.input_tensors[0]) > 1:
-        return _Refusal(
-            "fan_out", f"host '{host.name}' output also feeds other layers or a model output"
-        )
-    rank = len(node.input_tensors[0].shape)
-    if _bn_axes(bn, node) != [_channel_axis(host, rank)]:
-        return _Refusal(
-            "axis",
-            f"BN axis {_bn_axes(bn, node)} is not the channel axis "
-            f"{_channel_axis(host, rank)} of host '{host.name}'",
-        )
-    return None
 
 
 def _forward_target(bn, node, info, backward_refusal):
@@ -367,44 +246,23 @@ def _forward_target(bn, node, info, backward_refusal):
     else:
         consumer = consumers[0].operation
         rank = len(output.shape)
-        refusal = _refuse_host(consumer, info)
+        refusal = _rewrite.refuse_host(consumer, info)
         why = refusal.message if refusal else None
         if why is None and getattr(consumer, "padding", "valid") != "valid":
             why = (
                 f"the next layer '{consumer.name}' pads its input (padding="
                 f"'{consumer.padding}'), so a forward fold would not be exact"
             )
-        if why is None and _bn_axes(bn, node) != [_channel_axis(consumer, rank)]:
-            why = f"BN axis {_bn_axes(bn, node)} is not the input channel axis of '{consumer.name}'"
+        if why is None and _rewrite.bn_axes(bn, node) != [_rewrite.channel_axis(consumer, rank)]:
+            why = (
+                f"BN axis {_rewrite.bn_axes(bn, node)} is not the input channel axis of "
+                f"'{consumer.name}'"
+            )
         if why is None:
             return consumer, None
-    return None, _Refusal(backward_refusal.kind, f"{backward_refusal.message}; forward: {why}")
-
-
-def _refuse_host(layer, info):
-    if info.shared(layer):
-        return _Refusal(
-            "shared_host", f"host '{layer.name}' is shared (called {info.calls[id(layer)]} times)"
-        )
-    if getattr(layer, "lora_enabled", False):
-        return _Refusal("lora", f"host '{layer.name}' is LoRA-enabled")
-    if getattr(layer, "quantization_mode", None):
-        return _Refusal(
-            "quantized", f"host '{layer.name}' is quantized ({layer.quantization_mode})"
-        )
-    return None
-
-
-def _activation(layer):
-    return keras.activations.serialize(layer.activation) if layer.activation else "linear"
-
-
-def _channel_axis(layer, rank):
-    return 1 if _channels_first(layer) else rank - 1
-
-
-def _bn_axes(bn, node):
-    return _bn_layers.channel_axes(bn, len(node.input_tensors[0].shape))
+    return None, _rewrite.Refusal(
+        backward_refusal.kind, f"{backward_refusal.message}; forward: {why}"
+    )
 
 
 def _host_weights(host, weights):
@@ -444,70 +302,9 @@ def _channel_spread(name, host, kernel, forward):
     )
 
 
-def _channels_first(layer):
-    return getattr(layer, "data_format", None) == "channels_first"
-
-
-def _copy_layer(layer, use_bias=None):
-    """An unbuilt copy of a layer, from its config; `use_bias` overrides the config's.
-
-    A folded host has a bias: its own (use_bias=True), or, when it is channels_first, a
-    ChannelBias after it (use_bias=False). Keras's own bias add guesses the axis from the
-    shapes (keras.ops.add on the TensorFlow backend) and gets a channels_first output wrong
-    whenever its last dim equals its channel count.
-    """
-    if type(layer) is L.Lambda:
-        # From its config a Lambda's function would be re-created from bytecode, without the
-        # module globals it uses (e.g. `tf`); the live function object is what it computes.
-        return L.Lambda(
-            layer.function,
-            output_shape=layer._output_shape,
-            mask=layer.mask,
-            arguments=layer.arguments,
-            name=layer.name,
-            dtype=layer.dtype_policy,
-        )
-    config = _models.config_of(layer)
-    if use_bias is not None:
-        config["use_bias"] = use_bias
-    # The config comes from a live layer, not from a file: a Lambda's function is already
-    # loaded in this process, so safe mode (which guards files) has nothing to guard here.
-    with SafeModeScope(False):
-        return _models.from_config(layer, config)
-
-
 def _affine_copy(bn, node):
-    axes = _bn_axes(bn, node)
+    axes = _rewrite.bn_axes(bn, node)
     return InferenceAffine(axes, bn.moving_mean.shape, name=bn.name, dtype=bn.dtype_policy)
-
-
-def _rebuild(model, graph, copies, biases, dropped):
-    if isinstance(model, keras.Sequential):
-        layers = []
-        for layer in model.layers:
-            if id(layer) not in dropped:
-                layers.append(copies[id(layer)])
-                layers.extend([biases[id(layer)]] if id(layer) in biases else [])
-        return keras.Sequential(
-            [keras.Input(batch_shape=model.inputs[0].shape, dtype=model.inputs[0].dtype), *layers],
-            name=model.name,
-        )
-    inputs = [
-        keras.Input(batch_shape=x.shape, dtype=x.dtype, name=x._keras_history.operation.name)
-        for x in graph.inputs
-    ]
-
-    def operation_fn(operation):
-        if id(operation) in dropped:
-            return lambda x, *args, **kwargs: x
-        if id(operation) in biases:
-            copy, bias = copies[id(operation)], biases[id(operation)]
-            return lambda *args, **kwargs: bias(copy(*args, **kwargs))
-        return copies[id(operation)]
-
-    outputs = graph._run_through_graph(inputs, operation_fn=operation_fn)
-    inputs = keras.tree.pack_sequence_as(graph._inputs_struct, inputs)
-    return keras.Model(inputs, outputs, name=model.name)
 
 
 def _copy_weights(nodes, copies, biases, weights, refolded):

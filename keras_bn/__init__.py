@@ -8,6 +8,7 @@
 - `diagnostics`: `check_batchnorm` for the BN mistakes that raise no error, and measures of
   gradient explosion, smoothness and internal covariate shift.
 - `convert`: swap Keras's and keras_bn's BN layers in a model, weights kept.
+- `quantize`: quantization-aware training with BN folded during training (`quantize_model`).
 - `keras_bn.export`: fold BN into Dense/Conv layers and write verified TFLite and ONNX files.
 - `UnsupportedModelError`: a model structure the fold, the exporters or `convert` cannot take.
 - `KerasBNWarning`: what keras_bn warns with (something ran, but probably not as intended).
@@ -24,7 +25,7 @@ from keras_bn import _lazy, _registration
 from keras_bn._errors import KerasBNWarning, UnsupportedModelError
 
 if typing.TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
-    from keras_bn import callbacks, convert, diagnostics
+    from keras_bn import callbacks, convert, diagnostics, quantize
     from keras_bn.layers import BatchNormalization
     from keras_bn.population import LayerChange, RecalibrationReport, recalibrate
 
@@ -37,6 +38,7 @@ __all__ = [
     "callbacks",
     "convert",
     "diagnostics",
+    "quantize",
     "recalibrate",
 ]
 __version__ = "0.1.0"
@@ -51,6 +53,7 @@ __getattr__, __dir__ = _lazy.attach(
         "callbacks": ("keras_bn.callbacks", None),
         "convert": ("keras_bn.convert", None),
         "diagnostics": ("keras_bn.diagnostics", None),
+        "quantize": ("keras_bn.quantize", None),
     },
 )
 _registration.register_when_keras_is_ready()

@@ -7,6 +7,8 @@ is decided here, by type, and so is the copy of a layer from its config; what ca
 raises `UnsupportedModelError`, with the model or layer named.
 """
 
+import inspect
+
 import keras
 from keras.src.models.functional import Functional
 
@@ -20,6 +22,8 @@ from keras_bn._errors import UnsupportedModelError
 # deserializing a nested object (an initializer, a constraint) Keras cannot interpret. Anything
 # else is not the config's fault and propagates.
 CONFIG_ERRORS = (NotImplementedError, TypeError, ValueError)
+# The arguments every layer takes (name, dtype, trainable, ...), whatever its class.
+_BASE_ARGUMENTS = set(inspect.signature(keras.layers.Layer.__init__).parameters)
 
 
 def has_layer_graph(model):
@@ -127,3 +131,36 @@ def unique_name(name, taken):
         count += 1
         unique = f"{name}_{count}"
     return unique
+
+
+def translate_config(config, source, target):
+    """`config`, a `source` layer's, as a config for `target`: the arguments `target` lacks must
+    be at `source`'s default.
+
+    Args:
+        config: a `source` layer's `get_config()`.
+        source: the class the config comes from.
+        target: the class it is for.
+
+    Returns:
+        dict: the arguments of `config` that `target` takes.
+
+    Raises:
+        UnsupportedModelError: an argument `target` lacks is not at `source`'s default (the
+            message names the layer, the argument and its value).
+    """
+    accepted = set(inspect.signature(target.__init__).parameters) | _BASE_ARGUMENTS
+    defaults = {
+        name: parameter.default
+        for name, parameter in inspect.signature(source.__init__).parameters.items()
+    }
+    translated = {}
+    for key, value in config.items():
+        if key in accepted:
+            translated[key] = value
+        elif key not in defaults or value != defaults[key]:
+            raise UnsupportedModelError(
+                f"Layer '{config['name']}': {key}={value!r} has no equivalent in "
+                f"{target.__module__}.{target.__name__}."
+            )
+    return translated

@@ -1,11 +1,12 @@
 """Registers keras_bn's serializable classes with Keras as soon as Keras is ready.
 
 A `.keras` file names a keras_bn layer as "keras_bn>BatchNormalization" (or
-"keras_bn.export>InferenceAffine"); Keras finds it only in its registry, which the class's
-`@register_keras_serializable` fills when its module is imported. Keras never imports a
-config's module itself (only its own packages'), and `import keras_bn` no longer imports
-keras_bn.layers (the package is lazy, so that `keras-bn-export --help` does not load
-TensorFlow). So `register_when_keras_is_ready`, called by `import keras_bn`:
+"keras_bn.export>InferenceAffine", "keras_bn.quantize>QuantizedHostBatchNorm"); Keras finds it
+only in its registry, which the class's `@register_keras_serializable` fills when its module is
+imported. Keras never imports a config's module itself (only its own packages'), and
+`import keras_bn` no longer imports keras_bn.layers (the package is lazy, so that
+`keras-bn-export --help` does not load TensorFlow). So `register_when_keras_is_ready`, called
+by `import keras_bn`:
 
 - imports the registering modules at once if Keras and TensorFlow are already imported;
 - else puts a finder first on `sys.meta_path` that wraps the loaders of `keras` and
@@ -25,7 +26,12 @@ import typing
 from keras_bn import _backend
 
 # The modules whose import registers keras_bn's classes with Keras.
-REGISTERING_MODULES = ("keras_bn.layers", "keras_bn.export.affine")
+REGISTERING_MODULES = (
+    "keras_bn.layers",
+    "keras_bn.export.affine",
+    "keras_bn.quantize.activation",
+    "keras_bn.quantize.layers",
+)
 _NEEDED = ("keras", "tensorflow")
 
 

@@ -15,6 +15,7 @@ from keras_bn import _bn_layers, _hooks
 from keras_bn._batches import Batches
 from keras_bn._errors import KerasBNWarning
 from keras_bn.population import recalibrate_layers
+from keras_bn.quantize.layers import refuse_folded_batch_norms
 
 __all__ = ["Recalibrate"]
 
@@ -106,11 +107,17 @@ class Recalibrate(keras.callbacks.Callback):
         self._validation_runs = 0
 
     def on_train_begin(self, logs=None):
-        """Start counting validation runs (for the warning when a fit has none).
+        """Refuse a QAT model, and start counting validation runs (for the warning when a fit
+        has none).
 
         Args:
             logs: Keras's logs dict (unused).
+
+        Raises:
+            UnsupportedModelError: the model holds quantization-aware layers with folded
+                batch norms (`keras_bn.quantize`), whose statistics cannot be recalibrated.
         """
+        refuse_folded_batch_norms(self.model, "callbacks.Recalibrate")
         self._validation_runs = 0
 
     def on_train_end(self, logs=None):

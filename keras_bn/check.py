@@ -15,6 +15,7 @@ from keras_bn import _augmentation, _bn_layers, _hooks
 from keras_bn._batches import Batches
 from keras_bn._errors import UnsupportedModelError
 from keras_bn.population import PooledMoments
+from keras_bn.quantize.layers import refuse_folded_batch_norms
 
 #: stale_statistics: the largest |moving mean − input mean|, in input standard deviations.
 STALE_MEAN_SHIFT = 0.5
@@ -144,7 +145,10 @@ def check_batchnorm(model, data=None, *, batch_size=32, steps=None):
             `steps`/`batch_size` is not a positive int, the dataset is infinite without
             `steps`, `data` gives no batch, or a BN layer is called twice in one forward pass
             (shared).
+        UnsupportedModelError: the model holds quantization-aware layers with folded batch
+            norms (`keras_bn.quantize`); check the float model before quantizing it.
     """
+    refuse_folded_batch_norms(model, "check_batchnorm")
     layers = _bn_layers.in_model(model)
     if not layers:
         raise ValueError(f"Model '{model.name}' has no BatchNormalization layer to check.")

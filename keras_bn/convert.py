@@ -17,8 +17,6 @@ Example::
     back = keras_bn.convert.to_keras(ours)
 """
 
-import inspect
-
 import keras
 
 from keras_bn import _models
@@ -27,8 +25,6 @@ from keras_bn._bn_layers import KERAS_BN_BN as BatchNormalization
 from keras_bn._errors import UnsupportedModelError
 
 __all__ = ["from_keras", "to_keras"]
-
-_BASE_ARGUMENTS = set(inspect.signature(keras.layers.Layer.__init__).parameters)
 
 
 def from_keras(model):
@@ -79,7 +75,7 @@ def to_keras(model):
 
 
 def _check_keras_can_take(config):
-    """keras_bn arguments with no Keras form; the others are checked by `_translate`."""
+    """keras_bn arguments with no Keras form; `_models.translate_config` checks the others."""
     name = config["name"]
     if config["momentum"] is None:
         raise UnsupportedModelError(
@@ -101,7 +97,9 @@ def _swap(model, source, target):
             config = _models.config_of(layer)
             if target is _KERAS_BN:
                 _check_keras_can_take(config)
-            new = _models.from_config(layer, _translate(config, source, target), cls=target)
+            new = _models.from_config(
+                layer, _models.translate_config(config, source, target), cls=target
+            )
         else:
             if isinstance(layer, source):
                 raise UnsupportedModelError(
@@ -127,22 +125,3 @@ def _swap(model, source, target):
     for old, new in pairs:
         new.set_weights(old.get_weights())
     return clone
-
-
-def _translate(config, source, target):
-    """`config` for `target`: arguments `target` lacks must be at `source`'s default."""
-    accepted = set(inspect.signature(target.__init__).parameters) | _BASE_ARGUMENTS
-    defaults = {
-        name: parameter.default
-        for name, parameter in inspect.signature(source.__init__).parameters.items()
-    }
-    translated = {}
-    for key, value in config.items():
-        if key in accepted:
-            translated[key] = value
-        elif key not in defaults or value != defaults[key]:
-            raise UnsupportedModelError(
-                f"Layer '{config['name']}': {key}={value!r} has no equivalent in "
-                f"{target.__module__}.{target.__name__}."
-            )
-    return translated

@@ -8,6 +8,8 @@ from keras import constraints, initializers, regularizers
 
 from keras_bn import _backend, ghost, ops, statistics
 from keras_bn import renorm as renormalization
+from keras_bn._moving_average import average_into as _average_into
+from keras_bn._moving_average import usable as _usable
 
 _backend.require_tensorflow()  # before any keras_bn layer can be built under another backend
 
@@ -588,16 +590,6 @@ def _several_replicas():
     return context
 
 
-def _usable(values, enough):
-    """Which channels a moving-statistics update reaches: those with m ≥ 2 (`enough`: True when
-    m was checked statically, else a boolean tensor, scalar or per channel), provided that
-    every value of those channels is finite (a non-finite one skips the whole batch)."""
-    if enough is not True:
-        values = [tf.where(enough, v, tf.zeros_like(v)) for v in values]
-    finite = tf.reduce_all(tf.math.is_finite(tf.stack(values)))
-    return finite if enough is True else enough & finite
-
-
 def _count_weighted_average(context, values, weight, enough):
     """Across the replicas of `context`: (Σᵢ wᵢ·vᵢ / Σᵢ wᵢ for each per-channel tensor v in
     `values`, which channels take it), identical on every replica.
@@ -631,14 +623,6 @@ def _cumulative_weights(counter, dtype):
     batches, 4.6% at 4e6) and rounds to 1 from n = 2²⁴, where the average would stop."""
     seen = tf.cast(counter, tf.float64)
     return tf.cast(seen / (seen + 1.0), dtype), tf.cast(1.0 / (seen + 1.0), dtype)
-
-
-def _average_into(moving, value, momentum, usable, weight=None):
-    """moving ← momentum·moving + weight·value where `usable` (per channel, or one boolean),
-    else unchanged; `weight` is 1 − momentum unless given (momentum=None's exact pair)."""
-    old = tf.convert_to_tensor(moving)
-    new = momentum * old + (1.0 - momentum if weight is None else weight) * value
-    moving.assign(tf.where(usable, new, old))
 
 
 def _sqrt_of(initializer):

@@ -35,6 +35,7 @@ import tensorflow as tf
 from keras_bn import _bn_layers
 from keras_bn._batches import Batches
 from keras_bn._hooks import BatchNormCalls
+from keras_bn.quantize.layers import refuse_folded_batch_norms
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +175,8 @@ def recalibrate(model, data, steps=None, progress=True, batch_size=32):
             length; `data` gives no batch, or no batch with 2 values per channel for some
             layer, or a different number of batches on another pass; or a BN layer is called
             more than once per forward pass (shared).
+        UnsupportedModelError: the model holds quantization-aware layers with folded batch
+            norms (`keras_bn.quantize`); recalibrate the float model before quantizing it.
 
     Example:
         After training with weight averaging, or to replace the moving averages::
@@ -181,6 +184,7 @@ def recalibrate(model, data, steps=None, progress=True, batch_size=32):
             report = keras_bn.recalibrate(model, x_train, batch_size=64)
             print(report)   # per layer: max |Δmean|, max |Δvar|
     """
+    refuse_folded_batch_norms(model, "recalibrate")
     layers = _bn_layers.in_model(model)
     if not layers:
         raise ValueError(f"Model '{model.name}' has no BatchNormalization layer to recalibrate.")

@@ -1,7 +1,7 @@
 """Every public name has a Google-style docstring (napoleon renders it in the API reference).
 
 The public names: `keras_bn.__all__`, `keras_bn.export.__all__`, the `__all__` of the public
-submodules callbacks, diagnostics and convert, and the public methods and properties that
+submodules callbacks, diagnostics, convert and quantize, and the public methods and properties that
 those classes define themselves or inherit from a keras_bn base. Each has a docstring of its
 own (a dataclass's generated signature line does not count); each parameter of a function or
 class is an entry of its `Args:` (or, for a dataclass, `Attributes:`) section, and every
@@ -21,20 +21,27 @@ import pytest
 import keras_bn
 import keras_bn.export
 
-MODULES = [keras_bn, keras_bn.export, keras_bn.callbacks, keras_bn.diagnostics, keras_bn.convert]
+MODULES = [
+    keras_bn,
+    keras_bn.export,
+    keras_bn.callbacks,
+    keras_bn.diagnostics,
+    keras_bn.convert,
+    keras_bn.quantize,
+]
 
 # Exceptions raised by the helpers a public callable calls, which its own body does not show.
 RAISES = {
     "keras_bn.BatchNormalization": {"ValueError", "TypeError"},
     "keras_bn.BatchNormalization.build": {"ValueError"},
     "keras_bn.BatchNormalization.call": {"TypeError", "ValueError"},
-    "keras_bn.recalibrate": {"ValueError"},
+    "keras_bn.recalibrate": {"ValueError", "UnsupportedModelError"},
     "keras_bn.callbacks.Recalibrate": {"ValueError"},
     "keras_bn.callbacks.Recalibrate.on_train_end": {"ValueError"},
     "keras_bn.callbacks.Recalibrate.on_test_begin": {"ValueError"},
     "keras_bn.convert.from_keras": {"UnsupportedModelError"},
     "keras_bn.convert.to_keras": {"UnsupportedModelError"},
-    "keras_bn.diagnostics.check_batchnorm": {"ValueError"},
+    "keras_bn.diagnostics.check_batchnorm": {"ValueError", "UnsupportedModelError"},
     "keras_bn.diagnostics.gradient_norms_by_layer": {"ValueError"},
     "keras_bn.diagnostics.landscape_along_gradient": {"ValueError"},
     "keras_bn.diagnostics.internal_covariate_shift": {"ValueError"},
@@ -52,6 +59,14 @@ RAISES = {
         "OSError",
     },
     "keras_bn.export.InferenceAffine.set_affine": {"ValueError"},
+    "keras_bn.callbacks.Recalibrate.on_train_begin": {"UnsupportedModelError"},
+    "keras_bn.quantize.QuantizedHostBatchNorm": {"ValueError"},
+    "keras_bn.quantize.QuantizedHost": {"ValueError"},
+    "keras_bn.quantize.ActivationQuantizer": {"ValueError"},
+    "keras_bn.quantize.FreezeBatchNorm": {"ValueError"},
+    "keras_bn.quantize.from_layers": {"ValueError"},
+    "keras_bn.quantize.freeze_batch_norm": {"ValueError"},
+    "keras_bn.quantize.quantize_model": {"ValueError", "UnsupportedModelError"},
 }
 # Documents a clone of the project does not have.
 MISSING_DOCUMENTS = ("design.md", "reference.md", "shared/")

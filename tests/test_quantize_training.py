@@ -181,6 +181,7 @@ def test_every_argument_round_trips_through_the_config():
             name="qat",
         ),
         QuantizedHost(L.Conv1D(2, 3), "relu", weight_bits=2, activation_bits=None, name="plain"),
+        QuantizedHostBatchNorm(L.SeparableConv1D(2, 3), quantize_output=False, name="inner"),
         ActivationQuantizer(bits=6, momentum=0.5, name="act"),
     ]
     for layer in layers:
@@ -192,6 +193,9 @@ def test_every_argument_round_trips_through_the_config():
     assert (bn.momentum, bn.epsilon, bn.center) == (0.8, 1e-4, False)
     assert bn.gamma_regularizer is not None
     assert layers[0].host.use_bias is False and layers[0].host.depth_multiplier == 2
+    # No output quantizer, but a separable host's intermediate tensor keeps its own.
+    inner = type(layers[2]).from_config(layers[2].get_config())
+    assert inner.output_quantizer is None and inner.intermediate_quantizer is not None
 
 
 def test_freeze_functions_refuse_what_they_cannot_freeze():

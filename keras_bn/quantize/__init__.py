@@ -8,11 +8,20 @@ Training of Neural Networks for Efficient Integer-Arithmetic-Only Inference", 20
 trains like batch-statistics BN until `freeze_batch_norm` (or the `FreezeBatchNorm` callback)
 switches it to the folded BN for good.
 
+- `quantize_model`: a copy of a whole model for QAT, weights copied, with a
+  `QuantizationReport` of what became which QAT layer and what stayed float (`KeptLayer`).
 - `fake_quant`: the k-bit grids (TensorFlow FakeQuant ops, and the same grid in numpy).
 - `QuantizedHostBatchNorm`, `QuantizedHost` (no BN), `ActivationQuantizer` (model inputs,
-  Add/Concatenate/pooling outputs).
+  Add/Concatenate/pooling outputs): the layers, registered with Keras, so a `.keras` file
+  holding them loads after `import keras_bn` with no `custom_objects`.
 - `from_layers`: a QAT layer from existing host, BN and activation layers, weights copied.
 - `FreezeBatchNorm`, `freeze_batch_norm`, `freeze_ranges`.
+
+Example::
+
+    qat = keras_bn.quantize.quantize_model(float_model)
+    qat.compile(keras.optimizers.Adam(1e-4), "sparse_categorical_crossentropy")
+    qat.fit(x, y, epochs=3, callbacks=[keras_bn.quantize.FreezeBatchNorm(after_steps=500)])
 """
 
 from keras_bn.quantize import fake_quant
@@ -20,14 +29,19 @@ from keras_bn.quantize.activation import ActivationQuantizer
 from keras_bn.quantize.factory import from_layers
 from keras_bn.quantize.freeze import FreezeBatchNorm, freeze_batch_norm, freeze_ranges
 from keras_bn.quantize.layers import QuantizedHost, QuantizedHostBatchNorm
+from keras_bn.quantize.report import KeptLayer, QuantizationReport
+from keras_bn.quantize.rewrite import quantize_model
 
 __all__ = [
     "ActivationQuantizer",
     "FreezeBatchNorm",
+    "KeptLayer",
+    "QuantizationReport",
     "QuantizedHost",
     "QuantizedHostBatchNorm",
     "fake_quant",
     "freeze_batch_norm",
     "freeze_ranges",
     "from_layers",
+    "quantize_model",
 ]

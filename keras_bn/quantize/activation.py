@@ -1,5 +1,7 @@
 """ActivationQuantizer: per-tensor asymmetric fake quantization over an EMA range."""
 
+from typing import Any
+
 import keras
 import tensorflow as tf
 
@@ -39,9 +41,15 @@ class ActivationQuantizer(keras.layers.Layer):
         ValueError: `bits` or `momentum` out of range (the message names the value).
     """
 
-    def __init__(self, bits=8, momentum=0.99, **kwargs):
+    # The state's variables, created by build.
+    range_min: Any
+    range_max: Any
+    range_initialized: Any
+    ranges_frozen: Any
+
+    def __init__(self, bits: int = 8, momentum: float = 0.99, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.bits = fake_quant.validate_bits(bits, "bits")
+        self.bits: int = fake_quant.validate_bits(bits, "bits")
         self.momentum = validate_momentum(momentum, "momentum")
         self.range_min = self.range_max = None
         self.range_initialized = self.ranges_frozen = None

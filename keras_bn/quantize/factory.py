@@ -9,6 +9,8 @@ continue the average in keras_bn's unbiased convention (for the m = batch × spa
 convolution the two differ by the factor m/(m−1), which QAT's moving averages soon replace).
 """
 
+from typing import Any
+
 import keras
 import numpy as np
 
@@ -17,16 +19,17 @@ from keras_bn.quantize.layers import QuantizedHost, QuantizedHostBatchNorm
 
 
 def from_layers(
-    host,
-    batch_norm=None,
-    activation=None,
+    host: keras.layers.Layer,
+    batch_norm: keras.layers.Layer | None = None,
+    activation: "str | keras.layers.Layer | None" = None,
     *,
-    weight_bits=8,
-    activation_bits=8,
-    per_channel=True,
-    range_momentum=0.99,
-    name=None,
-):
+    weight_bits: int | None = 8,
+    activation_bits: int | None = 8,
+    per_channel: bool = True,
+    range_momentum: float = 0.99,
+    quantize_output: bool = True,
+    name: str | None = None,
+) -> "QuantizedHost | QuantizedHostBatchNorm":
     """A built QAT layer computing activation(batch_norm(host(x))), with the layers' weights.
 
     With a batch norm it is a `QuantizedHostBatchNorm` (the host must be linear); without one,
@@ -44,6 +47,8 @@ def from_layers(
         activation_bits: 2..8, or None for no activation fake quantization.
         per_channel: per-output-channel weight ranges (True) or one per tensor.
         range_momentum: the activation ranges' EMA momentum, in [0, 1).
+        quantize_output: whether the QAT layer fake-quantizes its output (see
+            `QuantizedHost`).
         name: the QAT layer's name; by default the host's name with "_qat".
 
     Returns:
@@ -58,12 +63,13 @@ def from_layers(
         if layer is not None and not layer.built:
             raise ValueError(f"Layer '{layer.name}' is not built; its weights cannot be copied.")
     activation = _activation_name(activation)
-    options = dict(
+    options: dict[str, Any] = dict(
         activation=activation,
         weight_bits=weight_bits,
         activation_bits=activation_bits,
         per_channel=per_channel,
         range_momentum=range_momentum,
+        quantize_output=quantize_output,
         name=name or f"{host.name}_qat",
     )
     input_shape = host.get_build_config()["input_shape"]
@@ -102,6 +108,30 @@ def _copy(source, target, names):
         getattr(target, name).assign(np.array(weight))
 
 
+def fusable_activation(activation):
+    """ "relu" or "relu6" when `activation` computes one of them, which a QAT layer can fuse;
+    None for anything else (a linear activation included).
+
+    Args:
+        activation: an activation's name, or a layer: exactly `keras.layers.ReLU` (with no
+            slope or threshold, and max_value None or 6) or `keras.layers.Activation`.
+
+    Returns:
+        "relu", "relu6" or None.
+    """
+    if isinstance(activation, str):
+        return activation if activation in ("relu", "relu6") else None
+    if type(activation) is keras.layers.Activation:
+        return fusable_activation(keras.activations.serialize(activation.activation))
+    if type(activation) is keras.layers.ReLU:
+        plain = activation.negative_slope == 0 and activation.threshold == 0
+        if plain and activation.max_value is None:
+            return "relu"
+        if plain and activation.max_value == 6:
+            return "relu6"
+    return None
+
+
 def _activation_name(activation):
     """None, "relu" or "relu6" for the activations a QAT layer can fuse.
 
@@ -109,17 +139,14 @@ def _activation_name(activation):
         ValueError: any other activation (a leaky or thresholded ReLU, a ReLU capped at
             another value, another function).
     """
-    if activation is None or activation in ("linear", "relu", "relu6"):
-        return None if activation == "linear" else activation
     if type(activation) is keras.layers.Activation:
-        return _activation_name(keras.activations.serialize(activation.activation))
-    if type(activation) is keras.layers.ReLU:
-        plain = activation.negative_slope == 0 and activation.threshold == 0
-        if plain and activation.max_value is None:
-            return "relu"
-        if plain and activation.max_value == 6:
-            return "relu6"
-    raise ValueError(
-        f"The activation must be None, 'relu', 'relu6' or a layer computing one of them; "
-        f"received {activation!r}."
-    )
+        activation = keras.activations.serialize(activation.activation)
+    if activation is None or activation == "linear":
+        return None
+    fused = fusable_activation(activation)
+    if fused is None:
+        raise ValueError(
+            f"The activation must be None, 'relu', 'relu6' or a layer computing one of them; "
+            f"received {activation!r}."
+        )
+    return fused

@@ -22,6 +22,8 @@ integers exactly (XLA multiplies by 1/scale instead of dividing, which can move 
 lies on a rounding boundary to the other integer).
 """
 
+import typing
+
 import numpy as np
 import tensorflow as tf
 
@@ -32,7 +34,15 @@ MAX_BITS = 8
 MIN_RANGE = 1e-8
 
 
-def validate_bits(bits, name, allow_none=False):
+@typing.overload
+def validate_bits(bits: object, name: str, allow_none: typing.Literal[False] = False) -> int: ...
+
+
+@typing.overload
+def validate_bits(bits: object, name: str, allow_none: bool) -> int | None: ...
+
+
+def validate_bits(bits: object, name: str, allow_none: bool = False) -> int | None:
     """`bits` as an int in [MIN_BITS, MAX_BITS] (or None where `allow_none`).
 
     Args:
@@ -58,7 +68,7 @@ def validate_bits(bits, name, allow_none=False):
     return int(bits)
 
 
-def q_max(bits):
+def q_max(bits: int) -> int:
     """The largest |q| of the symmetric narrow-range k-bit weight grid.
 
     Args:
@@ -70,7 +80,7 @@ def q_max(bits):
     return 2 ** (bits - 1) - 1
 
 
-def weight_max_abs(kernel, per_channel):
+def weight_max_abs(kernel: tf.Tensor, per_channel: bool) -> tf.Tensor:
     """m for the symmetric weight grid: max|w| per output channel (the last axis) or per tensor.
 
     The range carries no gradient: the fake quantization's gradient is straight-through for the
@@ -92,7 +102,7 @@ def weight_max_abs(kernel, per_channel):
     return tf.stop_gradient(tf.maximum(largest, MIN_RANGE))
 
 
-def fake_quant_weights(kernel, max_abs, bits):
+def fake_quant_weights(kernel: tf.Tensor, max_abs: tf.Tensor, bits: int) -> tf.Tensor:
     """FQ_w: round `kernel` to the symmetric narrow-range `bits`-bit grid of ±`max_abs`.
 
     Args:
@@ -113,7 +123,9 @@ def fake_quant_weights(kernel, max_abs, bits):
     )
 
 
-def fake_quant_activations(x, minimum, maximum, bits):
+def fake_quant_activations(
+    x: tf.Tensor, minimum: tf.Tensor, maximum: tf.Tensor, bits: int
+) -> tf.Tensor:
     """Round `x` to the asymmetric `bits`-bit grid of [minimum, maximum] (nudged to hold 0).
 
     Args:
@@ -133,7 +145,9 @@ def fake_quant_activations(x, minimum, maximum, bits):
     )
 
 
-def nudged_grid(minimum, maximum, bits, narrow_range):
+def nudged_grid(
+    minimum: np.ndarray, maximum: np.ndarray, bits: int, narrow_range: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The grid TensorFlow's FakeQuant ops use for [minimum, maximum], in float32 numpy.
 
     Args:
@@ -163,7 +177,9 @@ def nudged_grid(minimum, maximum, bits, narrow_range):
     return scale, zero_point, nudged_min, nudged_max
 
 
-def quantize(x, minimum, maximum, bits, narrow_range):
+def quantize(
+    x: np.ndarray, minimum: np.ndarray, maximum: np.ndarray, bits: int, narrow_range: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The signed integers TensorFlow's FakeQuant ops round `x` to (as float32 numpy).
 
     Args:
@@ -186,7 +202,7 @@ def quantize(x, minimum, maximum, bits, narrow_range):
     return steps + q_lo - zero_point, scale, zero_point
 
 
-def weight_grid(kernel, bits, per_channel):
+def weight_grid(kernel: np.ndarray, bits: int, per_channel: bool) -> tuple[np.ndarray, np.ndarray]:
     """The int8 weights and scales of `fake_quant_weights` for a float32 kernel, in numpy.
 
     Args:

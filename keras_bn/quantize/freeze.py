@@ -16,7 +16,7 @@ from keras_bn.quantize.activation import ActivationQuantizer
 from keras_bn.quantize.layers import QuantizedHostBatchNorm
 
 
-def freeze_batch_norm(model):
+def freeze_batch_norm(model: keras.layers.Layer) -> list:
     """Switch every QuantizedHostBatchNorm of `model` to its moving statistics, for good.
 
     Args:
@@ -34,7 +34,7 @@ def freeze_batch_norm(model):
     return layers
 
 
-def freeze_ranges(model):
+def freeze_ranges(model: keras.layers.Layer) -> list:
     """Stop every activation range of `model` from moving (each ActivationQuantizer's, those
     inside the QAT layers included).
 
@@ -111,7 +111,7 @@ class FreezeBatchNorm(keras.callbacks.Callback):
         model.fit(data, epochs=3, callbacks=[FreezeBatchNorm(after_steps=1000)])
     """
 
-    def __init__(self, after_steps, freeze_ranges_after_steps=None):
+    def __init__(self, after_steps: int, freeze_ranges_after_steps: int | None = None) -> None:
         super().__init__()
         self.after_steps = _validate_steps(after_steps, "after_steps", 0)
         self.freeze_ranges_after_steps = _validate_steps(

@@ -30,15 +30,17 @@ s/s', which is exactly 1 where γ ≠ 0 and 0 where γ = 0. Per-tensor weight ra
 W·s itself, so a γ = 0 channel never widens the other channels' grid.
 """
 
+from typing import Any
+
 import keras
 import numpy as np
 import tensorflow as tf
 from keras import ops
 
-from keras_bn import statistics
+from keras_bn import _models, statistics
 from keras_bn._bn_layers import KERAS_BN, KERAS_BN_BN
-from keras_bn.convert import _translate
-from keras_bn.layers import _average_into, _usable
+from keras_bn._errors import UnsupportedModelError
+from keras_bn._moving_average import average_into, usable
 from keras_bn.quantize import fake_quant, hosts
 from keras_bn.quantize.activation import ActivationQuantizer, validate_momentum
 
@@ -49,16 +51,20 @@ class _QuantizedHostLayer(keras.layers.Layer):
     """What both QAT layers share: the host, its weights' fake quantization, the activation and
     the activation quantizers."""
 
+    output_quantizer: ActivationQuantizer | None
+    intermediate_quantizer: ActivationQuantizer | None
+
     def __init__(
         self,
-        host,
-        activation=None,
-        weight_bits=8,
-        activation_bits=8,
-        per_channel=True,
-        range_momentum=0.99,
+        host: "keras.layers.Layer | dict",
+        activation: str | None = None,
+        weight_bits: int | None = 8,
+        activation_bits: int | None = 8,
+        per_channel: bool = True,
+        range_momentum: float = 0.99,
+        quantize_output: bool = True,
         **kwargs,
-    ):
+    ) -> None:
         super().__init__(**kwargs)
         self.host, self._host_config = hosts.deserialize(host)
         self.kind = hosts.kind_of(self.host)
@@ -73,14 +79,23 @@ class _QuantizedHostLayer(keras.layers.Layer):
             )
         self.per_channel = per_channel
         self.range_momentum = validate_momentum(range_momentum, "range_momentum")
+        if not isinstance(quantize_output, bool):
+            raise ValueError(
+                f"quantize_output must be True or False; received "
+                f"quantize_output={quantize_output!r}."
+            )
+        self.quantize_output = quantize_output
         self.output_quantizer = self.intermediate_quantizer = None
-        if self.activation_bits is not None:
-            self.output_quantizer = self._quantizer("output_quantizer")
+        bits = self.activation_bits
+        if bits is not None:
+            if quantize_output:
+                self.output_quantizer = ActivationQuantizer(
+                    bits, self.range_momentum, name="output_quantizer"
+                )
             if self.kind == hosts.SEPARABLE:  # the depthwise output is a tensor of the file
-                self.intermediate_quantizer = self._quantizer("intermediate_quantizer")
-
-    def _quantizer(self, name):
-        return ActivationQuantizer(self.activation_bits, self.range_momentum, name=name)
+                self.intermediate_quantizer = ActivationQuantizer(
+                    bits, self.range_momentum, name="intermediate_quantizer"
+                )
 
     def build(self, input_shape):
         """Build the host for `input_shape`, then the quantizers (and the batch norm).
@@ -130,10 +145,11 @@ class _QuantizedHostLayer(keras.layers.Layer):
                 depthwise_view, fake_quant.weight_max_abs(depthwise_view, self.per_channel)
             )
             depthwise = hosts.from_channels_last(depthwise_view, self.host.depthwise_kernel.shape)
-            if self.intermediate_quantizer is not None:
+            quantizer = self.intermediate_quantizer
+            if quantizer is not None:
 
                 def between(middle):
-                    return self.intermediate_quantizer(middle, training=training)
+                    return quantizer(middle, training=training)
 
         return hosts.linear(self.host, inputs, kernel, depthwise, between)
 
@@ -168,6 +184,7 @@ class _QuantizedHostLayer(keras.layers.Layer):
             "activation_bits": self.activation_bits,
             "per_channel": self.per_channel,
             "range_momentum": self.range_momentum,
+            "quantize_output": self.quantize_output,
         }
 
 
@@ -188,6 +205,10 @@ class QuantizedHost(_QuantizedHostLayer):
         activation_bits: 2..8, or None for no activation fake quantization.
         per_channel: one weight range per output channel (True) or one per tensor.
         range_momentum: the activation ranges' EMA momentum, in [0, 1).
+        quantize_output: whether the layer fake-quantizes its output (with activation_bits);
+            False where the layer's only consumer quantizes it instead, on a scale shared with
+            other tensors (`quantize_model` does this for a layer feeding only a Concatenate,
+            whose inputs and output share one scale in an int8 file).
         **kwargs: base layer arguments (`name`, `trainable`, ...).
 
     Raises:
@@ -197,16 +218,24 @@ class QuantizedHost(_QuantizedHostLayer):
 
     def __init__(
         self,
-        host,
-        activation=None,
-        weight_bits=8,
-        activation_bits=8,
-        per_channel=True,
-        range_momentum=0.99,
+        host: "keras.layers.Layer | dict",
+        activation: str | None = None,
+        weight_bits: int | None = 8,
+        activation_bits: int | None = 8,
+        per_channel: bool = True,
+        range_momentum: float = 0.99,
+        quantize_output: bool = True,
         **kwargs,
-    ):
+    ) -> None:
         super().__init__(
-            host, activation, weight_bits, activation_bits, per_channel, range_momentum, **kwargs
+            host,
+            activation,
+            weight_bits,
+            activation_bits,
+            per_channel,
+            range_momentum,
+            quantize_output,
+            **kwargs,
         )
 
     def call(self, inputs, training=None):
@@ -263,6 +292,10 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
         activation_bits: 2..8, or None for no activation fake quantization.
         per_channel: one weight range per output channel (True) or one per tensor.
         range_momentum: the activation ranges' EMA momentum, in [0, 1).
+        quantize_output: whether the layer fake-quantizes its output (with activation_bits);
+            False where the layer's only consumer quantizes it instead, on a scale shared with
+            other tensors (`quantize_model` does this for a layer feeding only a Concatenate,
+            whose inputs and output share one scale in an int8 file).
         **kwargs: base layer arguments (`name`, `trainable`, ...).
 
     Raises:
@@ -275,20 +308,28 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
 
     def __init__(
         self,
-        host,
-        batch_norm=None,
-        activation=None,
-        weight_bits=8,
-        activation_bits=8,
-        per_channel=True,
-        range_momentum=0.99,
+        host: "keras.layers.Layer | dict",
+        batch_norm: "keras.layers.Layer | dict | None" = None,
+        activation: str | None = None,
+        weight_bits: int | None = 8,
+        activation_bits: int | None = 8,
+        per_channel: bool = True,
+        range_momentum: float = 0.99,
+        quantize_output: bool = True,
         **kwargs,
-    ):
+    ) -> None:
         super().__init__(
-            host, activation, weight_bits, activation_bits, per_channel, range_momentum, **kwargs
+            host,
+            activation,
+            weight_bits,
+            activation_bits,
+            per_channel,
+            range_momentum,
+            quantize_output,
+            **kwargs,
         )
         self.batch_norm = _keras_bn_copy(batch_norm, hosts.channel_axis(self.host))
-        self.batch_norm_frozen = None
+        self.batch_norm_frozen: Any = None  # a bool variable, created by build
 
     def build(self, input_shape):
         """Build the host, the batch norm on the host's output and the freeze flag.
@@ -393,10 +434,10 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
             unbiased, enough = variance * (count / (count - 1)), True
         else:
             unbiased, enough = variance * count / (count - 1.0), count > 1.0
-        usable = _usable([mean, unbiased], enough) & tf.logical_not(frozen)
+        update = usable([mean, unbiased], enough) & tf.logical_not(frozen)
         momentum = self.batch_norm.momentum
-        _average_into(self.batch_norm.moving_mean, mean, momentum, usable)
-        _average_into(self.batch_norm.moving_variance, unbiased, momentum, usable)
+        average_into(self.batch_norm.moving_mean, mean, momentum, update)
+        average_into(self.batch_norm.moving_variance, unbiased, momentum, update)
 
     def folded_weights(self):
         """The float kernel and bias an int8 file quantizes: W·s and β + s·(b − μ).
@@ -459,22 +500,67 @@ def _keras_bn_copy(batch_norm, axis):
         )
     config = batch_norm.get_config()
     if type(batch_norm) is KERAS_BN:
-        config = _translate(config, KERAS_BN, KERAS_BN_BN)
+        config = _models.translate_config(config, KERAS_BN, KERAS_BN_BN)
     copy = KERAS_BN_BN.from_config(config)
-    refused = {
-        "renorm": copy.renorm,
-        "virtual_batch_size": copy.virtual_batch_size,
-        "synchronized": copy.synchronized,
-    }
-    for name, value in refused.items():
-        if value:
-            raise ValueError(
-                f"Batch norm '{copy.name}' has {name}={value!r}, which the folded QAT layer "
-                f"cannot train (it normalizes each batch as a whole, on one replica)."
-            )
-    if copy.momentum is None:
-        raise ValueError(
-            f"Batch norm '{copy.name}' has momentum=None (a cumulative average); the folded "
-            f"QAT layer keeps exponential moving averages: give a momentum in [0, 1)."
-        )
+    refusal = batch_norm_refusal(copy)
+    if refusal:
+        raise ValueError(refusal)
     return copy
+
+
+def batch_norm_refusal(batch_norm):
+    """Why the folded QAT layer cannot train `batch_norm` (either BN class), or None.
+
+    Args:
+        batch_norm: a keras_bn or keras.layers BatchNormalization.
+
+    Returns:
+        None, or the reason in words, naming the layer and the argument: renorm, a
+        virtual_batch_size or synchronized=True (the layer normalizes each batch as a whole, on
+        one replica), or momentum=None (it keeps exponential moving averages).
+    """
+    for name in ("renorm", "virtual_batch_size", "synchronized"):
+        value = getattr(batch_norm, name, None)
+        if value:
+            return (
+                f"Batch norm '{batch_norm.name}' has {name}={value!r}, which the folded QAT "
+                f"layer cannot train (it normalizes each batch as a whole, on one replica)."
+            )
+    if batch_norm.momentum is None:
+        return (
+            f"Batch norm '{batch_norm.name}' has momentum=None (a cumulative average); the "
+            f"folded QAT layer keeps exponential moving averages: give a momentum in [0, 1)."
+        )
+    return None
+
+
+def refuse_folded_batch_norms(model, action):
+    """Refuse a model that holds QuantizedHostBatchNorm layers, for a tool that measures the
+    input of every BN layer (`recalibrate`, `check_batchnorm`).
+
+    A QAT layer's batch norm is never called: its statistics scale the host's kernel before
+    that is rounded, so the host's output they describe changes with them, and there is no
+    input of the BN's own to measure.
+
+    Args:
+        model: a Keras model or layer (nested ones are searched).
+        action: the tool, for the message ("recalibrate").
+
+    Raises:
+        UnsupportedModelError: `model` holds a QuantizedHostBatchNorm (the message names them
+            and what to do instead).
+    """
+    folded = [
+        layer.name
+        for layer in model._flatten_layers(include_self=True)
+        if isinstance(layer, QuantizedHostBatchNorm)
+    ]
+    if folded:
+        raise UnsupportedModelError(
+            f"{action} cannot take '{model.name}': its quantization-aware layers {folded} fold "
+            f"their batch norms into fake-quantized weights. Those statistics decide how the "
+            f"weights round, so the output they describe changes with them: there is no BN "
+            f"input of their own to measure. Run {action} on the float model before "
+            f"keras_bn.quantize.quantize_model; during QAT the layers keep moving averages of "
+            f"their batch statistics until FreezeBatchNorm freezes them."
+        )

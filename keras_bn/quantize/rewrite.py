@@ -1,0 +1,495 @@
+"""quantize_model: a copy of a Keras model for quantization-aware training, weights copied.
+
+Each Dense/convolution host followed by a batch norm (and optionally ReLU/ReLU6) becomes one
+`QuantizedHostBatchNorm`, where export's fold would fold the BN backward: the same decisions,
+from keras_bn/_rewrite.py. A host without such a BN becomes a `QuantizedHost` (with its own
+ReLU/ReLU6, or a following ReLU/ReLU6 layer, fused; any other activation of its own follows it
+as a float Activation layer). Activation quantizers go where the TFLite int8 spec gives a
+tensor a scale of its own (`keras_bn.quantize.spec`): the model's float inputs, the QAT layers'
+outputs (inside them), Add/Subtract/Multiply, GlobalAveragePooling and other operations' outputs;
+not where the spec makes the output share its input's scale (pooling, reshapes) or fixes it
+(softmax). Everything else is copied in float, and every layer with weights that stays float is
+reported, with the reason.
+
+Sequential and Functional models are walked through their graph of nodes; a nested one is
+rewritten on its own, its inputs taken as quantized where the outer model quantizes them. The
+input model is only read: every layer of the result is a copy.
+"""
+
+import warnings
+
+import keras
+
+from keras_bn import _bn_layers, _models, _rewrite
+from keras_bn._errors import KerasBNWarning
+from keras_bn.export.affine import ChannelBias
+from keras_bn.quantize import fake_quant, hosts, spec
+from keras_bn.quantize.activation import ActivationQuantizer, validate_momentum
+from keras_bn.quantize.factory import from_layers, fusable_activation
+from keras_bn.quantize.layers import QuantizedHost, QuantizedHostBatchNorm, batch_norm_refusal
+from keras_bn.quantize.report import KeptLayer, QuantizationReport
+
+L = keras.layers
+_HOSTS_TAKEN = (
+    "a layer a QAT layer can fold it into (exactly Dense, Conv1D/2D/3D, DepthwiseConv1D/2D or "
+    "SeparableConv1D/2D)"
+)
+# The layers whose bias Keras 3.15 adds with keras.ops.add, which on the TensorFlow backend puts
+# a channels_first bias on the last axis whenever that axis has as many entries as there are
+# channels; their float copies add it with a ChannelBias instead.
+_BIAS_ADDING = (*hosts.KINDS, L.Conv1DTranspose, L.Conv2DTranspose, L.Conv3DTranspose)
+
+
+def quantize_model(
+    model: keras.Model,
+    weight_bits: int = 8,
+    activation_bits: int = 8,
+    per_channel: bool = True,
+    *,
+    range_momentum: float = 0.99,
+    return_report: bool = False,
+) -> "keras.Model | tuple[keras.Model, QuantizationReport]":
+    """A copy of `model` for quantization-aware training, with batch norm folded into the QAT
+    layers; `model` itself is left untouched.
+
+    In the copy:
+
+    - each Dense, Conv1D/2D/3D, DepthwiseConv1D/2D or SeparableConv1D/2D followed by a
+      keras_bn or Keras BatchNormalization, and optionally by a ReLU/ReLU6
+      (`keras.layers.ReLU()`, `ReLU(max_value=6)`, `Activation("relu")`, `("relu6")`), is
+      one `QuantizedHostBatchNorm`, wherever `keras_bn.export.fold_batch_norms` would fold
+      that BN backward (the host's output feeds only the BN, neither is shared, the BN's axis
+      is the host's channel axis, no activation in between, no LoRA or Keras quantization)
+      and the BN is one the QAT layer can train (no renorm, virtual_batch_size,
+      synchronized=True or momentum=None);
+    - every other such host is a `QuantizedHost`, which takes over the host's own
+      ReLU/ReLU6 or a ReLU/ReLU6 layer after it; any other activation of the host's own
+      follows it as a float `Activation` layer;
+    - an `ActivationQuantizer` fake-quantizes each float model input and the outputs that
+      the TFLite int8 spec gives a scale of their own (Add, Subtract, Multiply,
+      GlobalAveragePooling, Concatenate, a ReLU after an Add, a layer kept in float, ...);
+      none follows a layer whose output keeps its input's scale (Max/AveragePooling,
+      Flatten, Reshape, padding, Dropout, ...) or whose scale the spec fixes (softmax,
+      sigmoid, tanh); a layer feeding only a Concatenate leaves its own out, so both share
+      the Concatenate's scale (see `keras_bn.quantize.spec`);
+    - every other layer is a float copy with the original's weights. A layer with weights
+      that stays float (a BN that cannot be folded, a shared host, a transposed convolution,
+      a custom layer, ...) is listed in the report's `kept` with the reason, and a
+      `keras_bn.KerasBNWarning` names them.
+
+    Dense weights always have one range per tensor: TFLite's FULLY_CONNECTED takes no other.
+    A BN that is frozen (trainable=False) gives a QAT layer frozen to its moving statistics.
+    The copy is not compiled. Its activation ranges start unset: until a training batch sets
+    them the activation quantizers pass their input through. Train it with `fit` and the
+    `FreezeBatchNorm` callback.
+
+    Args:
+        model: a built Sequential or Functional Keras model (nested ones, several inputs and
+            outputs allowed).
+        weight_bits: 2..8, the weights' bits.
+        activation_bits: 2..8, the activations' bits.
+        per_channel: one weight range per output channel of a convolution (True) or one per
+            tensor.
+        range_momentum: the activation ranges' EMA momentum, in [0, 1).
+        return_report: also return the `QuantizationReport`.
+
+    Returns:
+        The new model; with `return_report=True`, `(model, QuantizationReport)`.
+
+    Raises:
+        ValueError: `weight_bits` or `activation_bits` is not an int from 2 to 8 (bools
+            included), `per_channel` or `return_report` is not a bool, or `range_momentum` is
+            not in [0, 1) (the message names the value); or `model` holds QAT layers already.
+        UnsupportedModelError: the model, or a nested one holding a host or BN, is subclassed
+            (it has no layer graph) or an unbuilt Sequential, or a layer's config does not
+            round-trip.
+
+    Example::
+
+        qat, report = keras_bn.quantize.quantize_model(model, return_report=True)
+        qat.compile(keras.optimizers.Adam(1e-4), loss, metrics=["accuracy"])
+        qat.fit(x, y, epochs=3, callbacks=[keras_bn.quantize.FreezeBatchNorm(500)])
+    """
+    for name, value in (("per_channel", per_channel), ("return_report", return_report)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False; received {name}={value!r}.")
+    quantized = [
+        layer.name
+        for layer in model._flatten_layers(include_self=False)
+        if isinstance(layer, (ActivationQuantizer, QuantizedHost, QuantizedHostBatchNorm))
+    ]
+    if quantized:
+        raise ValueError(
+            f"'{model.name}' is quantization-aware already (layers {quantized}); "
+            f"quantize_model takes the float model."
+        )
+    settings = _Settings(
+        fake_quant.validate_bits(weight_bits, "weight_bits"),
+        fake_quant.validate_bits(activation_bits, "activation_bits"),
+        per_channel,
+        validate_momentum(range_momentum, "range_momentum"),
+    )
+    findings = _Findings()
+    new_model, _ = _ModelRewrite(settings, findings, model, prefix="").run(None)
+    report = QuantizationReport(
+        quantized=findings.quantized,
+        quantizers=findings.quantizers,
+        kept=tuple(findings.kept),
+        weight_bits=settings.weight_bits,
+        activation_bits=settings.activation_bits,
+        per_channel=per_channel,
+    )
+    if report.kept:
+        kept = ", ".join(f"'{k.layer}' ({k.kind})" for k in report.kept)
+        warnings.warn(
+            KerasBNWarning(
+                f"quantize_model kept {len(report.kept)} layer(s) of '{model.name}' in float: "
+                f"{kept}. quantize_model(..., return_report=True) gives each one's reason."
+            ),
+            stacklevel=2,
+        )
+    return (new_model, report) if return_report else new_model
+
+
+class _Settings:
+    """The quantization arguments every QAT layer and quantizer of the rewrite gets."""
+
+    def __init__(self, weight_bits, activation_bits, per_channel, range_momentum):
+        self.weight_bits = weight_bits
+        self.activation_bits = activation_bits
+        self.per_channel = per_channel
+        self.range_momentum = range_momentum
+
+
+class _Findings:
+    """What the report lists, gathered over the model and its nested models."""
+
+    def __init__(self):
+        self.quantized: dict = {}
+        self.quantizers: dict = {}
+        self.kept: list = []
+
+
+class _ModelRewrite:
+    """The rewrite of one Sequential or Functional model (a nested one gets its own)."""
+
+    def __init__(self, settings, findings, model, prefix):
+        self.settings = settings
+        self.findings = findings
+        self.model = model
+        self.prefix = prefix
+        self.graph = _models.layer_graph(model, "quantize")
+        self.info = _rewrite.Graph(self.graph)
+        self.names = {operation.name for operation in self.graph.operations}
+        self.copies: dict = {}  # id(operation) → what computes it in the new model
+        self.dropped: set = set()  # ids of the BNs and activations a QAT layer computes
+        self.after: dict = {}  # id(operation) → one list of layers per flattened output
+        self.qat: dict = {}  # id(host) → (QAT layer, the Activation split off or None)
+        self.float_copies: dict = {}  # id(layer) → (layer, copy, ChannelBias or None)
+        self.on_grid: dict = {}  # id(tensor) → whether it lies on a quantization grid
+        self.outputs_on_grid: dict = {}  # id(operation) → per output, on a grid as copied
+        self.kept_ids: set = set()
+
+    def run(self, inputs_on_grid):
+        """(the new model, whether each flattened output lies on a grid).
+
+        Args:
+            inputs_on_grid: None for the outer model (its float inputs get quantizers), else
+                whether each flattened input lies on a grid already.
+        """
+        self._quantize_hosts(self._paired_batch_norms())
+        input_layers = self._place_input_quantizers(inputs_on_grid)
+        for node in self.info.nodes:
+            self._visit(node)
+        new_model = _rewrite.rebuild(
+            self.model, self.graph, self.copies, self.dropped, self.after, input_layers
+        )
+        for layer, copy, bias in self.float_copies.values():
+            if bias is None:
+                copy.set_weights(layer.get_weights())
+                continue
+            values = {weight.name: weight for weight in layer.weights}
+            for weight in copy.weights:
+                weight.assign(values[weight.name])
+            bias.bias.assign(layer.bias)
+        return new_model, [self.on_grid[id(t)] for t in self.graph.outputs]
+
+    # The decisions.
+
+    def _paired_batch_norms(self):
+        """{id(host): the node of the BN folded into it}; the other exact BNs are kept."""
+        pairs = {}
+        for node in self.info.nodes:
+            bn = node.operation
+            if type(bn) not in _bn_layers.BN_TYPES:
+                continue
+            host = self.info.producer(node)
+            refusal = _rewrite.refuse_bn(bn, node, self.info) or _rewrite.refuse_backward(
+                bn, node, host, self.info, hosts.KINDS, _HOSTS_TAKEN
+            )
+            if refusal is None and batch_norm_refusal(bn):
+                refusal = _rewrite.Refusal("batch_norm_config", batch_norm_refusal(bn))
+            if refusal is None:
+                pairs[id(host)] = node
+            else:
+                self._keep(bn, f"{refusal.message}; it stays a float BN", refusal.kind)
+        return pairs
+
+    def _quantize_hosts(self, pairs):
+        """A QAT layer for every host that can have one."""
+        for node in self.info.nodes:
+            host = node.operation
+            if type(host) not in hosts.KINDS or id(host) in self.qat or id(host) in self.kept_ids:
+                continue
+            refusal = _rewrite.refuse_host(host, self.info)
+            if refusal:
+                self._keep(host, f"{refusal.message}; it stays float", refusal.kind)
+                continue
+            bn_node = pairs.get(id(host))
+            bn = bn_node.operation if bn_node else None
+            tail = bn_node or node  # the node whose output the QAT layer's output replaces
+            own = _rewrite.activation_name(host)
+            activation = split = None
+            if own == "linear":  # (a host paired with a BN always is)
+                activation_node = self._fusable_consumer(tail)
+                if activation_node is not None:
+                    activation, tail = activation_node.operation, activation_node
+            source = host
+            if bn is None and own not in ("linear", "relu", "relu6"):
+                source = _linear_copy(host)
+                label = own if isinstance(own, str) else "activation"
+                split = L.Activation(host.activation, name=self._unique(f"{host.name}_{label}"))
+            layer = from_layers(
+                source,
+                bn,
+                activation,
+                weight_bits=self.settings.weight_bits,
+                activation_bits=self.settings.activation_bits,
+                per_channel=self.settings.per_channel and type(host) is not L.Dense,
+                range_momentum=self.settings.range_momentum,
+                quantize_output=split is not None or not self._deferred(tail.outputs[0], host),
+                name=self._unique(f"{host.name}_qat"),
+            )
+            if bn is not None and not bn.trainable and isinstance(layer, QuantizedHostBatchNorm):
+                layer.batch_norm_frozen.assign(True)  # a frozen BN: its inference statistics
+            self.qat[id(host)] = (layer, split)
+            self.copies[id(host)] = layer
+            for original in (host, bn, activation):
+                if original is not None:
+                    self.findings.quantized[self.prefix + original.name] = self.prefix + layer.name
+                    if original is not host:
+                        self.dropped.add(id(original))
+
+    def _fusable_consumer(self, node):
+        """The node of a ReLU/ReLU6 layer that alone reads `node`'s output, or None."""
+        output = node.outputs[0]
+        consumers = self.info.consumers.get(id(output), [])
+        if self.info.fan_out(output) != 1 or not consumers:
+            return None
+        layer = consumers[0].operation
+        if self.info.shared(layer) or fusable_activation(layer) is None:
+            return None
+        return consumers[0]
+
+    def _deferred(self, tensor, producer):
+        """Whether the output `tensor` of `producer` (None for a model input) leaves its
+        quantization to the one operation that reads it: a Concatenate-like operation, whose
+        inputs and output share a scale, or a ReLU/ReLU6 that TFLite fuses into an
+        Add/Subtract/Multiply."""
+        if (producer is not None and self.info.shared(producer)) or id(tensor) in self.info.outputs:
+            return False
+        consumers = self.info.consumers.get(id(tensor), [])
+        if len(consumers) != 1:
+            return False
+        consumer = consumers[0].operation
+        if self.info.shared(consumer) or id(consumer) in self.dropped:
+            return False
+        if spec.role(consumer) == spec.SHARES:
+            return True
+        return type(producer) in spec.RELU_FUSING and fusable_activation(consumer) is not None
+
+    # The activation quantizers, in graph order.
+
+    def _place_input_quantizers(self, inputs_on_grid):
+        input_layers = []
+        for index, tensor in enumerate(self.graph.inputs):
+            layers = []
+            if inputs_on_grid is not None:
+                self.on_grid[id(tensor)] = inputs_on_grid[index]
+            elif not _is_float(tensor):
+                self.on_grid[id(tensor)] = True  # not an activation: nothing to quantize
+            elif self._deferred(tensor, None):
+                self.on_grid[id(tensor)] = False
+            else:
+                layers.append(self._quantizer(tensor._keras_history.operation.name))
+                self.on_grid[id(tensor)] = True
+            input_layers.append(layers)
+        return input_layers
+
+    def _visit(self, node):
+        """Copy the node's operation (at its first call) and decide which of its outputs get
+        quantizers."""
+        operation = node.operation
+        if id(operation) in self.dropped:  # computed by the QAT layer before it
+            self.on_grid[id(node.outputs[0])] = self.on_grid[id(node.input_tensors[0])]
+            return
+        if id(operation) in self.qat:
+            layer, split = self.qat[id(operation)]
+            on_grid = layer.quantize_output
+            if split is not None:
+                on_grid = self._after_split(operation, split)
+            self.on_grid[id(node.outputs[0])] = on_grid
+            return
+        inputs_on_grid = all(self.on_grid.get(id(t), True) for t in node.input_tensors)
+        if id(operation) not in self.outputs_on_grid:  # its first call
+            inner = self._copy(
+                operation, [self.on_grid.get(id(t), True) for t in node.input_tensors]
+            )
+            self.outputs_on_grid[id(operation)] = inner or [False] * len(node.outputs)
+            after = [
+                self._output_layers(operation, tensor, on_grid, inputs_on_grid)
+                for tensor, on_grid in zip(node.outputs, self.outputs_on_grid[id(operation)])
+            ]
+            if any(after):
+                self.after[id(operation)] = after
+        after = self.after.get(id(operation), [[]] * len(node.outputs))
+        for index, (tensor, layers) in enumerate(zip(node.outputs, after)):
+            self.on_grid[id(tensor)] = (
+                any(isinstance(layer, ActivationQuantizer) for layer in layers)
+                or self.outputs_on_grid[id(operation)][index]
+                or self._grid_without_quantizer(operation, tensor, inputs_on_grid)
+            )
+
+    def _after_split(self, host, split):
+        """The layers after a QAT layer whose host's own activation was split off; whether
+        the result lies on a grid (it always does: fixed by the spec, or quantized)."""
+        layers = [split]
+        if spec.role(split) == spec.OWN:
+            layers.append(self._quantizer(split.name))
+        self.after[id(host)] = [layers]
+        return True
+
+    def _output_layers(self, operation, tensor, on_grid, inputs_on_grid):
+        """The layers after one output: its ChannelBias (a copy's), then its quantizer if it
+        needs one."""
+        layers = []
+        copied = self.float_copies.get(id(operation))
+        if copied is not None and copied[2] is not None:
+            layers.append(copied[2])
+        needs = not (
+            on_grid
+            or self._grid_without_quantizer(operation, tensor, inputs_on_grid)
+            or self._deferred(tensor, operation)
+        )
+        if needs:
+            layers.append(self._quantizer(operation.name))
+        return layers
+
+    def _grid_without_quantizer(self, operation, tensor, inputs_on_grid):
+        """Whether this output needs no quantizer: not a float tensor, a spec-fixed scale, or
+        its input's grid kept."""
+        if not _is_float(tensor):
+            return True
+        role = spec.role(operation)
+        return role == spec.FIXED or (role == spec.PRESERVES and inputs_on_grid)
+
+    def _quantizer(self, source):
+        name = self._unique(f"{source}_quantizer")
+        self.findings.quantizers[self.prefix + name] = self.prefix + source
+        return ActivationQuantizer(
+            self.settings.activation_bits, self.settings.range_momentum, name=name
+        )
+
+    # The float copies.
+
+    def _copy(self, operation, inputs_on_grid):
+        """Copy `operation`, or rewrite it if it is a nested model; for a nested model, whether
+        each of its flattened outputs lies on a grid (None otherwise).
+
+        Raises:
+            UnsupportedModelError: a nested subclassed model holds a host or a BN.
+        """
+        if not isinstance(operation, L.Layer):  # a stateless op such as `x * 2.0`: reusable
+            self.copies[id(operation)] = operation
+            return None
+        if isinstance(operation, keras.Model) and _models.has_layer_graph(operation):
+            inner = _ModelRewrite(
+                self.settings, self.findings, operation, f"{self.prefix}{operation.name}/"
+            )
+            self.copies[id(operation)], outputs_on_grid = inner.run(inputs_on_grid)
+            return outputs_on_grid
+        if isinstance(operation, keras.Model) and _holds_hosts(operation):
+            _models.layer_graph(operation, "quantize")  # subclassed: raises, naming it
+        self._keep_float(operation)
+        bias = None
+        if (
+            type(operation) in _BIAS_ADDING
+            and _rewrite.channels_first(operation)
+            and operation.use_bias
+        ):
+            copy = _rewrite.copy_layer(operation, use_bias=False)
+            bias = ChannelBias(
+                1,
+                int(operation.bias.shape[0]),
+                trainable_bias=operation.trainable,
+                name=self._unique(f"{operation.name}_bias"),
+                dtype=operation.dtype_policy,
+            )
+        else:
+            copy = _rewrite.copy_layer(operation)
+        self.copies[id(operation)] = copy
+        self.float_copies[id(operation)] = (operation, copy, bias)
+        return None
+
+    def _keep_float(self, layer):
+        """Report a float copy's weights, and the BNs it computes out of sight."""
+        unseen = _rewrite.unseen_batch_norms(layer, self.prefix, reader="quantize_model")
+        for path, reason, kind in unseen:
+            itself = path == self.prefix + layer.name  # a BN subclass
+            self._keep_path(id(layer) if itself else None, path, reason, kind)
+        if layer.weights and id(layer) not in self.kept_ids:
+            self._keep(
+                layer,
+                (
+                    f"'{layer.name}' is a {type(layer).__name__}, which has no "
+                    f"quantization-aware form; it stays float"
+                ),
+                "not_quantizable",
+            )
+
+    def _keep(self, layer, reason, kind):
+        self._keep_path(id(layer), self.prefix + layer.name, reason, kind)
+
+    def _keep_path(self, key, path, reason, kind):
+        if key is not None:
+            if key in self.kept_ids:
+                return
+            self.kept_ids.add(key)
+        self.findings.kept.append(KeptLayer(path, reason, kind))
+
+    def _unique(self, name):
+        name = _models.unique_name(name, self.names)
+        self.names.add(name)
+        return name
+
+
+def _linear_copy(host):
+    """A built copy of `host` with a linear activation, its weights copied."""
+    config = _models.config_of(host)
+    config["activation"] = "linear"
+    copy = _models.from_config(host, config)
+    copy.build(host.get_build_config()["input_shape"])
+    copy.set_weights(host.get_weights())
+    return copy
+
+
+def _holds_hosts(layer):
+    """Whether a layer computes a host or a BN inside its own code."""
+    return any(
+        type(inner) in hosts.KINDS or _bn_layers.is_batch_norm(inner)
+        for inner in layer._flatten_layers(include_self=False)
+    )
+
+
+def _is_float(tensor):
+    return keras.backend.standardize_dtype(tensor.dtype).startswith(("float", "bfloat"))

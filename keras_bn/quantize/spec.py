@@ -1,0 +1,99 @@
+"""Where the TFLite int8 spec puts an activation tensor's scale, per Keras operation: what
+`quantize_model` reads to place the activation quantizers.
+
+TensorFlow Lite's 8-bit quantization specification ("int8 quantized operator specifications")
+gives every activation tensor one per-tensor scale and zero point, and restricts them for some
+operators. Each operation of a Keras model falls in one of four roles:
+
+- OWN: the operator's output has a scale of its own (ADD, SUB, MUL, MEAN, and the convolutions
+  and FULLY_CONNECTED, whose output quantizer the QAT layers hold themselves): an
+  ActivationQuantizer learns it.
+- PRESERVES: "Input and outputs must all have same scale/zero_point" with one input
+  (MAX_POOL_2D, AVERAGE_POOL_2D, RESHAPE, PAD, SLICE, TRANSPOSE, SQUEEZE, SPACE_TO_DEPTH,
+  RESIZE_BILINEAR, ...), and the layers that are the identity at inference (Dropout and the
+  like): the output lies on its input's grid, so no quantizer of its own. (An average is
+  rounded back onto that grid by the int8 kernel; training sees it unrounded, within half a
+  step.)
+- SHARES: the same restriction with several inputs (CONCATENATION, MAXIMUM, MINIMUM): one
+  quantizer on the output sets the scale, and a producer whose only consumer it is leaves its
+  own quantizer out, so that it writes directly on the shared grid.
+- FIXED: the spec fixes the output's scale (SOFTMAX and LOGISTIC 1/256 with zero point −128,
+  TANH 1/128 with 0, LOG_SOFTMAX 16/256 with 127): the converter applies it, and the output
+  gets no quantizer. Fake-quantizing a softmax would round the small probabilities a
+  cross-entropy loss learns from to 0.
+
+A ReLU/ReLU6 is fused into the operator before it where TFLite can fuse it (its
+fused_activation_function): into the QAT layers, and after ADD, SUB and MUL, whose own quantizer
+then moves after the ReLU.
+"""
+
+import keras
+
+L = keras.layers
+OWN, PRESERVES, SHARES, FIXED = "own", "preserves", "shares", "fixed"
+
+# Exact classes: a subclass may compute something else, and gets the safe role, OWN.
+_PRESERVING = (
+    L.MaxPooling1D,
+    L.MaxPooling2D,
+    L.MaxPooling3D,
+    L.AveragePooling1D,
+    L.AveragePooling2D,
+    L.AveragePooling3D,
+    L.GlobalMaxPooling1D,
+    L.GlobalMaxPooling2D,
+    L.GlobalMaxPooling3D,
+    L.Flatten,
+    L.Reshape,
+    L.Permute,
+    L.RepeatVector,
+    L.ZeroPadding1D,
+    L.ZeroPadding2D,
+    L.ZeroPadding3D,
+    L.Cropping1D,
+    L.Cropping2D,
+    L.Cropping3D,
+    L.UpSampling1D,
+    L.UpSampling2D,
+    L.UpSampling3D,
+    L.Identity,
+    # The identity at inference.
+    L.Dropout,
+    L.SpatialDropout1D,
+    L.SpatialDropout2D,
+    L.SpatialDropout3D,
+    L.GaussianNoise,
+    L.GaussianDropout,
+    L.AlphaDropout,
+    L.ActivityRegularization,
+)
+_SHARING = (L.Concatenate, L.Maximum, L.Minimum)
+#: The operations whose ReLU/ReLU6 TFLite fuses (ADD, SUB, MUL): a ReLU that is their only
+#: consumer takes over their output quantizer.
+RELU_FUSING = (L.Add, L.Subtract, L.Multiply)
+_FIXED_ACTIVATIONS = ("softmax", "sigmoid", "tanh", "log_softmax")
+
+
+def role(operation):
+    """The operation's role: OWN, PRESERVES, SHARES or FIXED (see the module docstring).
+
+    Args:
+        operation: a Keras layer or operation of the model.
+
+    Returns:
+        One of the four role strings.
+    """
+    kind = type(operation)
+    if kind in _PRESERVING:
+        return PRESERVES
+    if kind in _SHARING:
+        return SHARES
+    if kind is L.Softmax:
+        return FIXED
+    if kind is L.Activation:
+        name = keras.activations.serialize(operation.activation)
+        if name == "linear":
+            return PRESERVES
+        if name in _FIXED_ACTIVATIONS:
+            return FIXED
+    return OWN

@@ -1,0 +1,205 @@
+"""A model from keras_bn.quantize.quantize_model in use: QAT fine-tuning of the digits CNN with
+`fit` (graph and XLA) keeps the float model's accuracy; `.keras` round trips are bit-exact, and
+load after a plain `import keras_bn`; recalibrate, check_batchnorm and the Recalibrate callback
+refuse a QAT model, naming its QAT layers."""
+
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+from test_quantize_model import _branches, _branches_input
+
+import digits
+import keras_bn
+from keras_bn._errors import UnsupportedModelError
+from keras_bn.diagnostics import check_batchnorm
+from keras_bn.quantize import (
+    ActivationQuantizer,
+    FreezeBatchNorm,
+    QuantizedHostBatchNorm,
+    freeze_ranges,
+    quantize_model,
+)
+
+BATCH = 64
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """The digits CNN (keras_bn BN) trained in float, and its test accuracy."""
+    return digits.train(epochs=6, batch_size=BATCH)
+
+
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+def test_qat_fine_tuning_keeps_the_float_accuracy(trained, jit_compile):
+    """Three epochs of QAT from the trained float model (8-bit weights and activations, BN
+    frozen after 40 steps, ranges after 50) end within 2 points of the float accuracy, with
+    every range set and frozen and the inference really quantized."""
+    model, float_accuracy = trained
+    x_train, y_train, x_test, y_test = digits.load()
+    qat = quantize_model(model)
+    qat.compile(
+        keras.optimizers.Adam(1e-4),
+        "sparse_categorical_crossentropy",
+        metrics=["accuracy"],
+        jit_compile=jit_compile,
+    )
+    history = qat.fit(
+        x_train,
+        y_train,
+        epochs=3,
+        batch_size=BATCH,
+        verbose=0,
+        callbacks=[FreezeBatchNorm(40, freeze_ranges_after_steps=50)],
+    )
+    assert np.isfinite(history.history["loss"]).all()
+    _, accuracy = qat.evaluate(x_test, y_test, verbose=0)
+    assert accuracy >= float_accuracy - 0.02, (accuracy, float_accuracy)
+    quantizers = [
+        layer for layer in qat._flatten_layers() if isinstance(layer, ActivationQuantizer)
+    ]
+    assert len(quantizers) == 5  # the input's, and the four QAT layers' outputs
+    for quantizer in quantizers:
+        assert quantizer.range_initialized.numpy() and quantizer.ranges_frozen.numpy()
+    for layer in qat.layers:
+        if isinstance(layer, QuantizedHostBatchNorm):
+            assert layer.batch_norm_frozen.numpy()
+    # The first QAT layer's outputs lie on its 8-bit grid: at most 256 distinct values.
+    first = keras.Model(qat.inputs[0], qat.layers[1].output)
+    assert len(np.unique(np.asarray(first(x_test[:64], training=False)))) <= 256
+
+
+def _weights_by_path(model):
+    return {w.path: np.array(w) for w in model.weights}
+
+
+def _trained_branches(freeze_ranges_after_steps):
+    model = quantize_model(_branches())
+    model.compile(keras.optimizers.SGD(0.05), ["sparse_categorical_crossentropy", "mse"])
+    x = _branches_input(n=16)
+    y = [np.arange(16) % 3, np.ones((16, 2), "float32")]
+    model.fit(
+        x,
+        y,
+        batch_size=4,
+        verbose=0,
+        callbacks=[FreezeBatchNorm(2, freeze_ranges_after_steps=freeze_ranges_after_steps)],
+    )
+    return model, x
+
+
+@pytest.mark.parametrize("freeze_ranges_step", [None, 3], ids=["ranges_moving", "ranges_frozen"])
+def test_keras_round_trip_is_bit_exact(tmp_path, freeze_ranges_step):
+    """Every weight (ranges and freeze flags included), every config and the outputs in
+    inference and in training mode (and the state training mode moves) survive `.keras`."""
+    model, x = _trained_branches(freeze_ranges_step)
+    path = tmp_path / "qat.keras"
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    saved, restored = _weights_by_path(model), _weights_by_path(loaded)
+    assert saved.keys() == restored.keys()
+    assert sum(p.endswith("batch_norm_frozen") for p in saved) == 3
+    # Six quantizers in the graph, four QAT outputs and a separable conv's intermediate.
+    assert sum(p.endswith("ranges_frozen") for p in saved) == 11
+    for name, value in saved.items():
+        assert restored[name].dtype == value.dtype, name
+        np.testing.assert_array_equal(restored[name], value, err_msg=name)
+    assert bool(loaded.get_layer("cat_quantizer").ranges_frozen.numpy()) == (
+        freeze_ranges_step is not None
+    )
+    for layer in model.layers:
+        assert loaded.get_layer(layer.name).get_config() == layer.get_config()
+    for a, b in zip(loaded(x, training=False), model(x, training=False)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for a, b in zip(loaded(x, training=True), model(x, training=True)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for name, value in _weights_by_path(model).items():
+        np.testing.assert_array_equal(_weights_by_path(loaded)[name], value, err_msg=name)
+
+
+LOAD = """
+import json, sys
+import numpy as np
+import keras_bn
+import keras
+
+model = keras.saving.load_model(sys.argv[1])
+x = [np.load(sys.argv[2]), np.load(sys.argv[3])]
+outputs = [np.asarray(t).tolist() for t in model(x, training=False)]
+print(json.dumps([type(model.get_layer("a_qat")).__name__, outputs]))
+"""
+
+
+def test_a_plain_import_lets_keras_load_a_qat_model(tmp_path):
+    """No custom_objects, no import of keras_bn.quantize: the QAT layers are registered."""
+    model, x = _trained_branches(3)
+    model.save(tmp_path / "qat.keras")
+    for index, array in enumerate(x):
+        np.save(tmp_path / f"x{index}.npy", array)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            LOAD,
+            *(str(tmp_path / n) for n in ("qat.keras", "x0.npy", "x1.npy")),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    kind, outputs = json.loads(result.stdout.strip().splitlines()[-1])
+    assert kind == "QuantizedHostBatchNorm"
+    for got, want in zip(outputs, model(x, training=False)):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want))
+
+
+@pytest.fixture(scope="module")
+def qat_digits():
+    model = digits.small_cnn()
+    model(np.zeros((1, 8, 8, 1), "float32"))
+    return quantize_model(model)
+
+
+def test_recalibrate_refuses_a_qat_model_naming_its_layers(qat_digits):
+    x = digits.load()[0][:128]
+    with pytest.raises(UnsupportedModelError, match=r"recalibrate cannot take .*conv2d.*_qat"):
+        keras_bn.recalibrate(qat_digits, x)
+    with pytest.raises(ValueError, match="Run recalibrate on the float model before"):
+        keras_bn.recalibrate(qat_digits, x)
+
+
+def test_check_batchnorm_refuses_a_qat_model(qat_digits):
+    with pytest.raises(UnsupportedModelError, match="check_batchnorm cannot take"):
+        check_batchnorm(qat_digits, digits.load()[0][:64])
+
+
+def test_the_recalibrate_callback_refuses_a_qat_model_before_training(qat_digits):
+    x, y = digits.load()[:2]
+    qat_digits.compile(keras.optimizers.SGD(0.0), "sparse_categorical_crossentropy")
+    steps = int(qat_digits.optimizer.iterations.numpy())
+    with pytest.raises(UnsupportedModelError, match=r"callbacks\.Recalibrate cannot take"):
+        qat_digits.fit(
+            x[:128], y[:128], verbose=0, callbacks=[keras_bn.callbacks.Recalibrate(x[:128])]
+        )
+    assert int(qat_digits.optimizer.iterations.numpy()) == steps  # refused before any step
+
+
+def test_recalibrate_before_quantize_model_is_the_way(qat_digits):
+    """The advice works: the float model recalibrates, and its QAT copy starts from the new
+    statistics."""
+    model = digits.small_cnn()
+    model(np.zeros((1, 8, 8, 1), "float32"))
+    report = keras_bn.recalibrate(model, digits.load()[0][:256], progress=False)
+    assert len(report.layers) == 3
+    qat = quantize_model(model)
+    np.testing.assert_array_equal(
+        qat.layers[1].batch_norm.moving_variance, model.layers[1].moving_variance
+    )
+    with pytest.raises(ValueError, match="have not seen a training batch"):
+        freeze_ranges(qat)
