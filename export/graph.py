@@ -131,6 +131,24 @@ def fold_batch_norms(model, probe=None):
     return folded_model, FoldReport(folded, kept, errors, scales, spreads, channels)
 
 
+def fold_decisions(model):
+    """Which batch norms `fold_batch_norms` folds and which it keeps, without building a probe
+    or comparing outputs (`check_batchnorm` asks only this).
+
+    Args:
+        model: as for `fold_batch_norms`.
+
+    Returns:
+        (folded, kept): the FoldedBN and KeptBN lists a `FoldReport` would hold.
+
+    Raises:
+        UnsupportedModelError: as `fold_batch_norms`.
+        ValueError: a BN to be folded has a non-finite inference scale or shift.
+    """
+    _, folded, kept, _ = _fold_model(model, prefix="")
+    return folded, kept
+
+
 def _contains_bn(model):
     return any(
         _bn_layers.is_batch_norm(layer) for layer in model._flatten_layers(include_self=False)

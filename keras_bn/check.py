@@ -162,13 +162,11 @@ def check_batchnorm(model, data=None, *, batch_size=32, steps=None):
         for message in [_stale_without_data(layer)]
         if message
     ]
-    probe = None
     if data is not None:
         batches = Batches(data, steps, batch_size)
-        probe = batches.first()
         stale = {f.layer for f in findings}
         findings += _data_findings(model, layers, paths, batches, skip=stale)
-    findings += _unfoldable(model, layers, paths, probe)
+    findings += _unfoldable(model, layers, paths)
     order = {path: i for i, path in enumerate(paths[id(layer)] for layer in layers)}
     findings.sort(key=lambda f: (order.get(f.layer, len(order)), KINDS.index(f.kind)))
     return Findings(findings, layers_checked=len(layers))
@@ -247,19 +245,19 @@ def _data_findings(model, layers, paths, batches, skip):
         for number, x in enumerate(batches):
             _check_finite(x, number)
             recorded, inferred = infer(x)
-            inferred = _flat(inferred)
-            try:
-                trained = _flat(train(x))
-            finally:
-                training_statistics.restore()
-            degenerate = False  # some BN channel got m ≤ 1: no batch statistics, it output β
+            degenerate = False  # some BN channel gets m ≤ 1: no batch statistics, it outputs β
             for index, (mean, variance, count) in recorded.items():
                 count = count.numpy()
                 counts[index].append(float(np.median(count)))
                 sums[index].add(mean.numpy(), variance.numpy(), count)  # skips m ≤ 1
                 degenerate = degenerate or bool(np.any(count < 2))
-            if degenerate:  # its training-mode outputs are the guard's, not batch statistics
-                continue
+            if degenerate:  # no training-mode pass: its outputs would be the guard's (and a
+                continue  # static batch of one sample is an error in training mode)
+            try:
+                trained = _flat(train(x))
+            finally:
+                training_statistics.restore()
+            inferred = _flat(inferred)
             for a, b in zip(trained, inferred):
                 difference += float(np.sum(np.square(a - b)))
                 spread += float(np.sum(np.square(b - b.mean(axis=0))))
@@ -413,7 +411,7 @@ def _distance_from_data(layer, mean, variance, seen, augmentation=()):
     return distance, "; ".join(problems) + advice
 
 
-def _unfoldable(model, layers, paths, probe):
+def _unfoldable(model, layers, paths):
     """The fold's own decision: a BN it keeps, with its reason, or one it never reaches.
 
     A model the fold cannot take (`UnsupportedModelError`: subclassed, a layer whose config
@@ -421,7 +419,9 @@ def _unfoldable(model, layers, paths, probe):
     is reported here rather than handed to the fold, which refuses it by failing on the whole
     model; any other error of the fold is a bug, and propagates.
     """
-    from keras_bn.export import fold_batch_norms  # the export stack loads only when needed
+    # The export stack loads only when needed. Only the fold's decisions matter here: no probe
+    # (the first batch of `data` may be one sample, on which the fold's check refuses to verify).
+    from keras_bn.export.graph import fold_decisions
 
     not_finite = [layer for layer in layers if not _finite_affine(layer)]
     if not_finite:
@@ -438,14 +438,14 @@ def _unfoldable(model, layers, paths, probe):
             for layer in not_finite
         ]
     try:
-        _, report = fold_batch_norms(model, probe)
+        folded_bns, kept_bns = fold_decisions(model)
     except UnsupportedModelError as error:
         return [
             Finding(paths[id(layer)], "unfoldable", f"the fold fails on the model: {error}")
             for layer in layers
         ]
-    kept = {k.bn: k.reason for k in report.kept}
-    folded = {f.bn for f in report.folded}
+    kept = {k.bn: k.reason for k in kept_bns}
+    folded = {f.bn for f in folded_bns}
     findings = []
     for layer in layers:
         path = paths[id(layer)]

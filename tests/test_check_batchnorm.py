@@ -572,3 +572,19 @@ def test_upstream_augmentation_follows_the_graph_and_the_layer_order():
     assert _augmentation.is_augmentation(model.get_layer("not_before_any_bn"))
     for deterministic in (keras.layers.Resizing(4, 4), keras.layers.CenterCrop(2, 2)):
         assert not _augmentation.is_augmentation(deterministic)
+
+
+def test_data_of_one_sample_or_constant_gives_the_fold_findings_without_a_probe():
+    """The fold's verification refuses a probe whose outputs do not vary (one sample, constant
+    data); the check needs only the fold's decisions, so such `data` still gets its findings."""
+    model = keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(4, activation="relu"),  # an activation: the BN cannot fold back
+            keras_bn.BatchNormalization(),
+            keras.layers.Activation("tanh"),  # nor forward
+        ]
+    )
+    for data in (np.ones((1, 6), "float32"), np.zeros((8, 6), "float32")):
+        findings = check_batchnorm(model, data, batch_size=8)
+        assert [f.kind for f in findings if f.kind == "unfoldable"] == ["unfoldable"], findings
