@@ -31,7 +31,7 @@ _NOISE_LAYERS = (
 )
 
 
-def is_augmentation(layer):
+def is_augmentation(layer: keras.layers.Layer) -> bool:
     """True for a layer that changes its input only in training.
 
     Keras's image preprocessing layers share `BaseImagePreprocessingLayer`; the random ones
@@ -47,7 +47,7 @@ def is_augmentation(layer):
     )
 
 
-def upstream_augmentation(model):
+def upstream_augmentation(model: keras.layers.Layer) -> dict[int, list[str]]:
     """{id(BN layer): [paths of the augmentation layers upstream of it]}, for every BN.
 
     Args:
@@ -57,12 +57,14 @@ def upstream_augmentation(model):
         The paths ("outer/inner/name", as `_bn_layers.batch_norms_inside` names BNs), in layer
         order, without repeats; an empty list for a BN with none upstream.
     """
-    found = {}
+    found: dict[int, list[str]] = {}
     _walk(model, "", [], found)
     return found
 
 
-def _walk(container, prefix, before, found):
+def _walk(
+    container: keras.layers.Layer, prefix: str, before: list[str], found: dict[int, list[str]]
+) -> None:
     """Record each BN inside `container`, given `before`, the augmentation upstream of it."""
     children = _children(container)
     upstream = _upstream_children(container, children)
@@ -78,11 +80,11 @@ def _walk(container, prefix, before, found):
             _walk(child, prefix + child.name + "/", here, found)
 
 
-def _children(layer):
+def _children(layer: keras.layers.Layer) -> list[keras.layers.Layer]:
     return list(layer._flatten_layers(include_self=False, recursive=False))
 
 
-def _augmentation_inside(layer, prefix):
+def _augmentation_inside(layer: keras.layers.Layer, prefix: str) -> list[str]:
     """The paths of `layer` (when it augments) and of every augmentation layer inside it."""
     if is_augmentation(layer):
         return [prefix + layer.name]
@@ -93,7 +95,9 @@ def _augmentation_inside(layer, prefix):
     ]
 
 
-def _upstream_children(container, children):
+def _upstream_children(
+    container: keras.layers.Layer, children: list[keras.layers.Layer]
+) -> dict[int, list[keras.layers.Layer]]:
     """{id(child): [the children of `container` that feed it]}: from the graph of a Functional
     model, else the children before it in layer order."""
     nodes_by_depth = getattr(container, "_nodes_by_depth", None)

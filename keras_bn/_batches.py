@@ -6,10 +6,16 @@ once and yields each batch's `x`, as many times as a caller needs to pass over i
 """
 
 import copy
+from collections.abc import Iterable, Iterator, Sized
+from typing import Any, TypeAlias
 
 import keras
 import numpy as np
 import tensorflow as tf
+
+# What `data` may be: a dataset, an array or a dict of arrays (split into batches here), or any
+# other iterable of batches.
+Data: TypeAlias = tf.data.Dataset | np.ndarray | dict[str, Any] | Iterable[Any]
 
 
 class Batches:
@@ -19,7 +25,7 @@ class Batches:
     re-iterable containers are iterated again for each pass.
     """
 
-    def __init__(self, data, steps, batch_size):
+    def __init__(self, data: Data, steps: int | None, batch_size: int) -> None:
         if steps is not None and (
             isinstance(steps, bool) or not isinstance(steps, int) or steps < 1
         ):
@@ -38,19 +44,19 @@ class Batches:
         self._data = data
         self._steps = steps
         self.count = known_length(data, steps)  # for the progress bar; None if unknown
-        self._observed = None
+        self._observed: int | None = None
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Any]:
         for element in take(self._data, self._steps):
             yield keras.utils.unpack_x_y_sample_weight(element)[0]
 
-    def first(self):
+    def first(self) -> Any:
         """The first batch's `x`; ValueError when `data` gives none."""
         for x in self:
             return x
         raise ValueError("recalibrate: `data` gave no batch.")
 
-    def check_count(self, batches):
+    def check_count(self, batches: int) -> None:
         """Every pass must see the same batches; the first pass fixes how many."""
         if self._observed is None:
             self._observed = self.count = batches
@@ -60,7 +66,7 @@ class Batches:
                 f"another; it must give the same batches on every pass (one pass per BN layer)."
             )
 
-    def fresh(self):
+    def fresh(self) -> "Batches":
         """The same batches with no pass counted yet, for another run of passes (each
         recalibration of `callbacks.Recalibrate`); a one-shot iterator already read stays read,
         and `data` is not checked again."""
@@ -70,7 +76,7 @@ class Batches:
         return renewed
 
 
-def split(data, batch_size):
+def split(data: np.ndarray | dict[str, Any], batch_size: int) -> list[Any]:
     """An array, or a dict of arrays (a model's named inputs, as `fit` takes them), as a list
     of batches of `batch_size` along the first axis."""
     if isinstance(data, np.ndarray):
@@ -89,19 +95,20 @@ def split(data, batch_size):
     ]
 
 
-def known_length(data, steps):
+def known_length(data: Data, steps: int | None) -> int | None:
     """The number of batches when it is known before iterating, else None."""
+    length: int | None
     if isinstance(data, tf.data.Dataset):
         length = int(data.cardinality())
         length = None if length < 0 else length
     else:
-        length = len(data) if hasattr(data, "__len__") else None
+        length = len(data) if isinstance(data, Sized) else None
     if length is None:
         return steps
     return length if steps is None else min(length, steps)
 
 
-def take(iterable, steps):
+def take(iterable: Iterable[Any], steps: int | None) -> Iterator[Any]:
     """The first `steps` elements of `iterable` (all of them when `steps` is None)."""
     for i, element in enumerate(iterable):
         if steps is not None and i >= steps:

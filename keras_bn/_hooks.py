@@ -8,9 +8,16 @@ work on it, and undo afterwards.
   back on `restore()` or at the end of a `with` block.
 """
 
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeAlias
+
+import keras
 import tensorflow as tf
 
 from keras_bn import _bn_layers, statistics
+
+# A BN input's (mean, biased variance, count m) per channel.
+Moments: TypeAlias = tuple[tf.Tensor, tf.Tensor, tf.Tensor]
 
 
 class BatchNormCalls:
@@ -28,28 +35,30 @@ class BatchNormCalls:
             included, still follow the model's flag).
     """
 
-    def __init__(self, layers, training=None):
+    def __init__(self, layers: Sequence[keras.layers.Layer], training: bool | None = None) -> None:
         self._layers = layers
         self._training = training
-        self._recorded = None
-        self._shadowed = None
-        self.order = []  # indices of the layers in the order the last `record` called them
+        self._recorded: dict[int, Moments] | None = None
+        self._shadowed: list[Callable[..., Any] | None] = []  # each layer's own `call` attribute
+        self.order: list[int] = []  # the layers' indices in the order the last `record` called them
 
-    def __enter__(self):
+    def __enter__(self) -> "BatchNormCalls":
         self._shadowed = [layer.__dict__.get("call") for layer in self._layers]
         for index, layer in enumerate(self._layers):
             object.__setattr__(layer, "call", self._wrap(index, layer, layer.call))
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         for layer, previous in zip(self._layers, self._shadowed):
             if previous is None:
                 object.__delattr__(layer, "call")
             else:
                 object.__setattr__(layer, "call", previous)
 
-    def _wrap(self, index, layer, call):
-        def shadowed_call(inputs, *args, **kwargs):
+    def _wrap(
+        self, index: int, layer: keras.layers.Layer, call: Callable[..., tf.Tensor]
+    ) -> Callable[..., tf.Tensor]:
+        def shadowed_call(inputs: tf.Tensor, *args: Any, **kwargs: Any) -> tf.Tensor:
             if self._recorded is not None:
                 if index in self._recorded:
                     raise ValueError(
@@ -65,7 +74,7 @@ class BatchNormCalls:
 
         return shadowed_call
 
-    def record(self, run_model):
+    def record(self, run_model: Callable[[], object]) -> dict[int, Moments]:
         """Runs `run_model()` (a forward pass of the model) with every BN inferring.
 
         Records the call order in `order` (a topological order of the layers) as it traces.
@@ -87,7 +96,7 @@ class BatchNormCalls:
             self._recorded = None
 
 
-def batch_moments(layer, inputs, mask):
+def batch_moments(layer: keras.layers.Layer, inputs: tf.Tensor, mask: tf.Tensor | None) -> Moments:
     """(mean, biased variance, m) of a BN layer's input over its reduced axes (unmasked values
     only), in the layer's statistics dtype and its moving statistics' shape; m per channel.
 
@@ -105,7 +114,7 @@ def batch_moments(layer, inputs, mask):
     # m_c per channel: a mask may leave the channels different counts.
     count = tf.zeros_like(mean) + tf.cast(statistics.element_count(x, channel_axes, mask), x.dtype)
     shape = tf.shape(layer.moving_mean)
-    return tuple(tf.reshape(t, shape) for t in (mean, variance, count))
+    return tf.reshape(mean, shape), tf.reshape(variance, shape), tf.reshape(count, shape)
 
 
 class Snapshot:
@@ -120,7 +129,9 @@ class Snapshot:
             `distribute_strategy`); None for the current one.
     """
 
-    def __init__(self, variables, strategy=None):
+    def __init__(
+        self, variables: Iterable[keras.Variable], strategy: tf.distribute.Strategy | None = None
+    ) -> None:
         strategy = strategy or tf.distribute.get_strategy()
         self._saved = [
             (copy, copy.numpy())
@@ -128,19 +139,19 @@ class Snapshot:
             for copy in strategy.experimental_local_results(variable.value)
         ]
 
-    def restore(self):
+    def restore(self) -> None:
         """Assign every saved value back to its copy."""
         for copy, value in self._saved:
             copy.assign(value)
 
-    def __enter__(self):
+    def __enter__(self) -> "Snapshot":
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.restore()
 
 
-def bn_statistics(model):
+def bn_statistics(model: keras.Model) -> Snapshot:
     """A `Snapshot` of every BN layer's non-trainable variables (the moving statistics and
     their bookkeeping), nested models included."""
     return Snapshot(
@@ -153,7 +164,9 @@ def bn_statistics(model):
     )
 
 
-def model_state(model, optimizer=None):
+def model_state(
+    model: keras.Model, optimizer: keras.optimizers.Optimizer | None = None
+) -> Snapshot:
     """A `Snapshot` of every variable of `model`, and of `optimizer` when given."""
     variables = list(model.variables) + (list(optimizer.variables) if optimizer else [])
     return Snapshot(variables, model.distribute_strategy)

@@ -8,13 +8,14 @@ trajectory. The same holds after any weight averaging and after a large learning
 """
 
 import warnings
+from typing import Any
 
 import keras
 
 from keras_bn import _bn_layers, _hooks
-from keras_bn._batches import Batches
+from keras_bn._batches import Batches, Data
 from keras_bn._errors import KerasBNWarning
-from keras_bn.population import recalibrate_layers
+from keras_bn.population import RecalibrationReport, recalibrate_layers
 from keras_bn.quantize.layers import refuse_folded_batch_norms
 
 __all__ = ["Recalibrate"]
@@ -74,13 +75,13 @@ class Recalibrate(keras.callbacks.Callback):
 
     def __init__(
         self,
-        data,
-        batch_size=32,
-        steps=None,
-        at_train_end=True,
-        before_validation=False,
-        progress=False,
-    ):
+        data: Data,
+        batch_size: int = 32,
+        steps: int | None = None,
+        at_train_end: bool = True,
+        before_validation: bool = False,
+        progress: bool = False,
+    ) -> None:
         super().__init__()
         for name, value in (
             ("at_train_end", at_train_end),
@@ -102,11 +103,11 @@ class Recalibrate(keras.callbacks.Callback):
         self.at_train_end = at_train_end
         self.before_validation = before_validation
         self.progress = progress
-        self.last_report = None
-        self._training_statistics = None
+        self.last_report: RecalibrationReport | None = None
+        self._training_statistics: _hooks.Snapshot | None = None
         self._validation_runs = 0
 
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         """Refuse a QAT model, and start counting validation runs (for the warning when a fit
         has none).
 
@@ -120,7 +121,7 @@ class Recalibrate(keras.callbacks.Callback):
         refuse_folded_batch_norms(self.model, "callbacks.Recalibrate")
         self._validation_runs = 0
 
-    def on_train_end(self, logs=None):
+    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         """Recalibrate for the final weights, if `at_train_end`; the report goes to
         `last_report`.
 
@@ -142,7 +143,7 @@ class Recalibrate(keras.callbacks.Callback):
                 stacklevel=2,
             )
 
-    def on_test_begin(self, logs=None):
+    def on_test_begin(self, logs: dict[str, Any] | None = None) -> None:
         """If `before_validation`: save the BN statistics (every replica's copy), then
         recalibrate them for the current weights.
 
@@ -157,7 +158,7 @@ class Recalibrate(keras.callbacks.Callback):
             self._training_statistics = _hooks.bn_statistics(self.model)
             self._recalibrate()
 
-    def on_test_end(self, logs=None):
+    def on_test_end(self, logs: dict[str, Any] | None = None) -> None:
         """Put back the statistics that `on_test_begin` saved, exactly, so training goes on
         as if the evaluation had not recalibrated them.
 
@@ -168,7 +169,7 @@ class Recalibrate(keras.callbacks.Callback):
             self._training_statistics.restore()
             self._training_statistics = None
 
-    def _recalibrate(self):
+    def _recalibrate(self) -> None:
         # Only the BNs that train: a frozen one (trainable=False) normalized with its moving
         # statistics all through fit, and the layers after it were trained for them.
         layers = [layer for layer in _bn_layers.in_model(self.model) if layer.trainable]

@@ -7,12 +7,15 @@ each reported as a `Finding`. Exported as `keras_bn.diagnostics.check_batchnorm`
 """
 
 import dataclasses
+from collections.abc import Iterable, Sequence
+from typing import Any
 
+import keras
 import numpy as np
 import tensorflow as tf
 
 from keras_bn import _augmentation, _bn_layers, _hooks
-from keras_bn._batches import Batches
+from keras_bn._batches import Batches, Data
 from keras_bn._errors import UnsupportedModelError
 from keras_bn.population import PooledMoments
 from keras_bn.quantize.layers import refuse_folded_batch_norms
@@ -47,7 +50,7 @@ class Finding:
     message: str
 
 
-class Findings(list):
+class Findings(list[Finding]):
     """The list of `Finding` objects that `check_batchnorm` returns; `str()` of it is a table.
 
     Args:
@@ -58,11 +61,11 @@ class Findings(list):
         layers_checked: how many BN layers were checked.
     """
 
-    def __init__(self, findings=(), layers_checked=0):
+    def __init__(self, findings: Iterable[Finding] = (), layers_checked: int = 0) -> None:
         super().__init__(findings)
         self.layers_checked = layers_checked
 
-    def __str__(self):
+    def __str__(self) -> str:
         if not self:
             return f"check_batchnorm: no finding in {self.layers_checked} BN layer(s)."
         rows = [("layer", "kind", "message")] + [(f.layer, f.kind, f.message) for f in self]
@@ -75,7 +78,13 @@ class Findings(list):
         return "\n".join(lines)
 
 
-def check_batchnorm(model, data=None, *, batch_size=32, steps=None):
+def check_batchnorm(
+    model: keras.Model,
+    data: Data | None = None,
+    *,
+    batch_size: int = 32,
+    steps: int | None = None,
+) -> Findings:
     """Look for the batch-normalization mistakes that raise no error.
 
     Every `keras_bn.BatchNormalization` and `keras.layers.BatchNormalization` of `model` is
@@ -172,7 +181,7 @@ def check_batchnorm(model, data=None, *, batch_size=32, steps=None):
     return Findings(findings, layers_checked=len(layers))
 
 
-def _stale_without_data(layer):
+def _stale_without_data(layer: keras.layers.Layer) -> str | None:
     """The stale_statistics message that needs no data, or None."""
     statistics = [v.numpy() for v in (layer.moving_mean, layer.moving_variance)]
     if not all(np.all(np.isfinite(s)) for s in statistics):
@@ -201,15 +210,15 @@ _FROZEN = (
 )
 
 
-def _bn_paths(model):
+def _bn_paths(model: keras.Model) -> dict[int, str]:
     """{id(BN layer): "outer/inner/name"}, the naming of the fold's report."""
-    paths = {}
+    paths: dict[int, str] = {}
     for path, layer in _bn_layers.batch_norms_inside(model):
         paths.setdefault(id(layer), path)
     return paths
 
 
-def _at_initial_values(layer):
+def _at_initial_values(layer: keras.layers.Layer) -> bool:
     """Both statistics equal their (deterministic) initializers' values exactly."""
     pairs = (
         (layer.moving_mean, layer.moving_mean_initializer),
@@ -224,10 +233,16 @@ def _at_initial_values(layer):
     return True
 
 
-def _data_findings(model, layers, paths, batches, skip):
+def _data_findings(
+    model: keras.Model,
+    layers: Sequence[keras.layers.Layer],
+    paths: dict[int, str],
+    batches: Batches,
+    skip: set[str],
+) -> list[Finding]:
     """stale_statistics (far from the data), small_batch and train_inference_gap on `data`."""
     sums = [PooledMoments.for_layer(layer) for layer in layers]
-    counts = [[] for _ in layers]  # each batch's values per channel (the median m_c)
+    counts: list[list[float]] = [[] for _ in layers]  # each batch's median m_c
     difference = spread = 0.0
     training_statistics = _hooks.bn_statistics(model)
     # One shadowing of the BN calls for both passes: `record` makes the BNs infer and records
@@ -235,7 +250,7 @@ def _data_findings(model, layers, paths, batches, skip):
     # every other layer, Dropout included, infers.
     with _hooks.BatchNormCalls(layers, training=True) as statistics:
 
-        def infer_and_record(x):
+        def infer_and_record(x: Any) -> tuple[dict[int, _hooks.Moments], Any]:
             outputs = []
             recorded = statistics.record(lambda: outputs.append(model(x, training=False)))
             return recorded, outputs[0]
@@ -261,7 +276,8 @@ def _data_findings(model, layers, paths, batches, skip):
             for a, b in zip(trained, inferred):
                 difference += float(np.sum(np.square(a - b)))
                 spread += float(np.sum(np.square(b - b.mean(axis=0))))
-    findings, furthest = [], (0.0, None)
+    findings: list[Finding] = []
+    furthest: tuple[float, str | None] = (0.0, None)  # (distance, path) of the furthest BN
     upstream = _augmentation.upstream_augmentation(model)
     for index in statistics.order:
         layer, path = layers[index], paths[id(layers[index])]
@@ -334,11 +350,11 @@ def _data_findings(model, layers, paths, batches, skip):
     return findings
 
 
-def _flat(outputs):
+def _flat(outputs: Any) -> list[np.ndarray]:
     return [np.asarray(t, dtype=np.float64) for t in tf.nest.flatten(outputs)]
 
 
-def _check_finite(x, number):
+def _check_finite(x: Any, number: int) -> None:
     for array in tf.nest.flatten(x):
         array = np.asarray(array)
         if np.issubdtype(array.dtype, np.floating) and not np.all(np.isfinite(array)):
@@ -349,7 +365,13 @@ def _check_finite(x, number):
             )
 
 
-def _distance_from_data(layer, mean, variance, seen, augmentation=()):
+def _distance_from_data(
+    layer: keras.layers.Layer,
+    mean: np.ndarray,
+    variance: np.ndarray,
+    seen: np.ndarray,
+    augmentation: Sequence[str] = (),
+) -> tuple[float, str | None]:
     """(largest standardized distance, message or None) between the moving statistics and the
     input's pooled statistics on `data`, in the channels `seen` (the others score 0);
     `augmentation` names the training-time augmentation layers upstream of the layer, for the
@@ -411,7 +433,9 @@ def _distance_from_data(layer, mean, variance, seen, augmentation=()):
     return distance, "; ".join(problems) + advice
 
 
-def _unfoldable(model, layers, paths):
+def _unfoldable(
+    model: keras.Model, layers: Sequence[keras.layers.Layer], paths: dict[int, str]
+) -> list[Finding]:
     """The fold's own decision: a BN it keeps, with its reason, or one it never reaches.
 
     A model the fold cannot take (`UnsupportedModelError`: subclassed, a layer whose config
@@ -465,7 +489,7 @@ def _unfoldable(model, layers, paths):
     return findings
 
 
-def _finite_affine(layer):
+def _finite_affine(layer: keras.layers.Layer) -> bool:
     """The BN's inference map y = scale·x + shift is finite in every channel: the fold's own
     condition for folding it (`keras_bn.export.fold` refuses the others)."""
     return all(np.all(np.isfinite(part)) for part in _bn_layers.inference_affine(layer))

@@ -17,6 +17,8 @@ Example::
     back = keras_bn.convert.to_keras(ours)
 """
 
+from typing import Any
+
 import keras
 
 from keras_bn import _models
@@ -27,7 +29,7 @@ from keras_bn._errors import UnsupportedModelError
 __all__ = ["from_keras", "to_keras"]
 
 
-def from_keras(model):
+def from_keras(model: keras.Model) -> keras.Model:
     """A clone of `model` with every keras.layers.BatchNormalization a keras_bn one.
 
     Every argument and weight is copied as it is, so inference outputs are unchanged; the
@@ -50,7 +52,7 @@ def from_keras(model):
     return _swap(model, _KERAS_BN, BatchNormalization)
 
 
-def to_keras(model):
+def to_keras(model: keras.Model) -> keras.Model:
     """A clone of `model` with every keras_bn.BatchNormalization a keras.layers one.
 
     Every argument and weight is copied as it is, so inference outputs are unchanged; the
@@ -74,7 +76,7 @@ def to_keras(model):
     return _swap(model, BatchNormalization, _KERAS_BN)
 
 
-def _check_keras_can_take(config):
+def _check_keras_can_take(config: dict[str, Any]) -> None:
     """keras_bn arguments with no Keras form; `_models.translate_config` checks the others."""
     name = config["name"]
     if config["momentum"] is None:
@@ -88,11 +90,13 @@ def _check_keras_can_take(config):
         )
 
 
-def _swap(model, source, target):
+def _swap(
+    model: keras.Model, source: type[keras.layers.Layer], target: type[keras.layers.Layer]
+) -> keras.Model:
     _models.layer_graph(model, "convert the batch norms of")
     pairs = []
 
-    def clone_layer(layer):
+    def clone_layer(layer: keras.layers.Layer) -> keras.layers.Layer:
         if type(layer) is source:
             config = _models.config_of(layer)
             if target is _KERAS_BN:

@@ -16,8 +16,12 @@ Every function leaves the model (trainable and moving statistics alike) and the 
 exactly as it found them.
 """
 
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeAlias
+
 import keras
 import numpy as np
+import numpy.typing as npt
 import tensorflow as tf
 
 from keras_bn import _hooks
@@ -47,8 +51,15 @@ __all__ = [
     "landscape_along_gradient",
 ]
 
+# A model input batch (an array, or a dict of them for named inputs), and a loss as
+# keras.losses.get takes it: a name, a Loss, or a function loss(y_true, y_pred).
+_Inputs: TypeAlias = npt.ArrayLike | dict[str, Any]
+_Loss: TypeAlias = str | keras.losses.Loss | Callable[[tf.Tensor, tf.Tensor], tf.Tensor]
 
-def gradient_norms_by_layer(model, x, y, loss, training=True):
+
+def gradient_norms_by_layer(
+    model: keras.Model, x: _Inputs, y: npt.ArrayLike, loss: _Loss, training: bool = True
+) -> dict[str, float]:
     """Squared norm ‖∂L/∂W‖² of the loss gradient at each layer's kernel W.
 
     The kernel rather than the pre-activation: it is what an optimizer sees, and in a BN network
@@ -85,7 +96,9 @@ def gradient_norms_by_layer(model, x, y, loss, training=True):
     return {layer.name: float(np.sum(np.square(g))) for layer, g in zip(layers, grads)}
 
 
-def explosion_rate(squared_norms, first=0, last=None):
+def explosion_rate(
+    squared_norms: npt.ArrayLike | dict[str, float], first: int = 0, last: int | None = None
+) -> float:
     """The per-layer growth λ of squared gradient norms going backwards (output to input).
 
     λ = exp(−slope) of the least-squares line through log(norm) against depth, fitted over
@@ -117,7 +130,14 @@ def explosion_rate(squared_norms, first=0, last=None):
     return float(np.exp(-slope))
 
 
-def landscape_along_gradient(model, x, y, loss, step_sizes, training=True):
+def landscape_along_gradient(
+    model: keras.Model,
+    x: _Inputs,
+    y: npt.ArrayLike,
+    loss: _Loss,
+    step_sizes: npt.ArrayLike,
+    training: bool = True,
+) -> dict[str, np.ndarray | float]:
     """Probe the loss landscape at the current weights θ along the step −η∇L(θ).
 
     Santurkar et al., "How Does Batch Normalization Help Optimization?" (2018), Fig. 4.
@@ -147,32 +167,39 @@ def landscape_along_gradient(model, x, y, loss, step_sizes, training=True):
     Raises:
         ValueError: the loss does not depend on some trainable variable.
     """
-    step_sizes = np.asarray(step_sizes, dtype=np.float64)
+    etas = np.asarray(step_sizes, dtype=np.float64)
     variables = model.trainable_variables
     with _hooks.model_state(model):
         start_loss, grads = _loss_and_gradients(model, x, y, loss, variables, training)
         origin = [v.numpy() for v in variables]
         grad_norm = _global_norm(grads)
-        losses, changes = [], []
-        for eta in step_sizes:
+        moved_losses, gradient_changes = [], []
+        for eta in etas:
             for v, w, g in zip(variables, origin, grads):
                 v.assign(w - eta * g)
             moved_loss, moved = _loss_and_gradients(model, x, y, loss, variables, training)
-            losses.append(moved_loss)
-            changes.append(_global_norm([a - b for a, b in zip(grads, moved)]))
-    losses, changes = np.array(losses), np.array(changes)
+            moved_losses.append(moved_loss)
+            gradient_changes.append(_global_norm([a - b for a, b in zip(grads, moved)]))
+    losses, changes = np.array(moved_losses), np.array(gradient_changes)
     all_losses = np.append(losses, start_loss)
     return {
-        "step_sizes": step_sizes,
+        "step_sizes": etas,
         "losses": losses,
         "gradient_changes": changes,
         "loss_variation": float(all_losses.max() - all_losses.min()),
         "gradient_predictiveness": float(changes.max() - changes.min()),
-        "beta_smoothness": float(np.max(changes / (np.abs(step_sizes) * grad_norm))),
+        "beta_smoothness": float(np.max(changes / (np.abs(etas) * grad_norm))),
     }
 
 
-def internal_covariate_shift(model, x, y, loss, optimizer, training=True):
+def internal_covariate_shift(
+    model: keras.Model,
+    x: _Inputs,
+    y: npt.ArrayLike,
+    loss: _Loss,
+    optimizer: keras.optimizers.Optimizer,
+    training: bool = True,
+) -> dict[str, list[str] | np.ndarray]:
     """Santurkar et al.'s internal covariate shift (Def. 2.1) of one optimizer step on (x, y).
 
     G_i is the gradient at layer i's kernel at the current weights; G′_i is the same gradient
@@ -210,7 +237,7 @@ def internal_covariate_shift(model, x, y, loss, optimizer, training=True):
         optimizer.apply_gradients(zip(grads, variables))
         after = [v.numpy() for v in variables]
         index = {id(v): k for k, v in enumerate(variables)}
-        seen = set()
+        seen: set[int] = set()  # ids of the variables of the layers before this one
         distances, cosines = [], []
         for layer in model.layers:
             if _has_kernel(layer):
@@ -228,18 +255,25 @@ def internal_covariate_shift(model, x, y, loss, optimizer, training=True):
     }
 
 
-def _has_kernel(layer):
+def _has_kernel(layer: keras.layers.Layer) -> bool:
     return isinstance(getattr(layer, "kernel", None), keras.Variable)
 
 
-def _kernel_layers(model):
+def _kernel_layers(model: keras.Model) -> list[keras.layers.Layer]:
     layers = [layer for layer in model.layers if _has_kernel(layer)]
     if not layers:
         raise ValueError(f"Model {model.name!r} has no layer with a kernel to diagnose.")
     return layers
 
 
-def _loss_and_gradients(model, x, y, loss, variables, training):
+def _loss_and_gradients(
+    model: keras.Model,
+    x: _Inputs,
+    y: npt.ArrayLike,
+    loss: _Loss,
+    variables: Sequence[keras.Variable],
+    training: bool,
+) -> tuple[float, list[np.ndarray]]:
     """(L as a float, [∂L/∂v as numpy]) for the loss of the model's outputs alone."""
     loss_fn = keras.losses.get(loss)
     with tf.GradientTape() as tape:
@@ -252,14 +286,21 @@ def _loss_and_gradients(model, x, y, loss, variables, training):
     return float(value), [tf.convert_to_tensor(g).numpy() for g in grads]
 
 
-def _gradients(model, x, y, loss, variables, training):
+def _gradients(
+    model: keras.Model,
+    x: _Inputs,
+    y: npt.ArrayLike,
+    loss: _Loss,
+    variables: Sequence[keras.Variable],
+    training: bool,
+) -> list[np.ndarray]:
     return _loss_and_gradients(model, x, y, loss, variables, training)[1]
 
 
-def _global_norm(arrays):
+def _global_norm(arrays: Iterable[np.ndarray]) -> float:
     return float(np.sqrt(sum(np.sum(np.square(a, dtype=np.float64)) for a in arrays)))
 
 
-def _cosine(a, b):
+def _cosine(a: np.ndarray, b: np.ndarray) -> float:
     a, b = np.ravel(a).astype(np.float64), np.ravel(b).astype(np.float64)
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))

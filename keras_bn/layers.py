@@ -1,6 +1,8 @@
 """keras_bn.BatchNormalization: a drop-in for keras.layers.BatchNormalization."""
 
 import math
+from collections.abc import Callable, Sequence
+from typing import Any, TypeAlias
 
 import keras
 import tensorflow as tf
@@ -12,6 +14,10 @@ from keras_bn._moving_average import average_into as _average_into
 from keras_bn._moving_average import usable as _usable
 
 _backend.require_tensorflow()  # before any keras_bn layer can be built under another backend
+
+# What keras.initializers.get, .regularizers.get and .constraints.get take: a name, a
+# serialized config, or an instance (any callable).
+_Identifier: TypeAlias = str | dict[str, Any] | Callable[..., Any]
 
 
 @keras.saving.register_keras_serializable(package="keras_bn")
@@ -128,26 +134,26 @@ class BatchNormalization(keras.layers.Layer):
 
     def __init__(
         self,
-        axis=-1,
-        momentum=0.99,
-        epsilon=1e-3,
-        center=True,
-        scale=True,
-        beta_initializer="zeros",
-        gamma_initializer="ones",
-        moving_mean_initializer="zeros",
-        moving_variance_initializer="ones",
-        beta_regularizer=None,
-        gamma_regularizer=None,
-        beta_constraint=None,
-        gamma_constraint=None,
-        renorm=False,
-        renorm_clipping=None,
-        renorm_momentum=0.99,
-        virtual_batch_size=None,
-        synchronized=False,
-        **kwargs,
-    ):
+        axis: int | Sequence[int] = -1,
+        momentum: float | None = 0.99,
+        epsilon: float = 1e-3,
+        center: bool = True,
+        scale: bool = True,
+        beta_initializer: _Identifier = "zeros",
+        gamma_initializer: _Identifier = "ones",
+        moving_mean_initializer: _Identifier = "zeros",
+        moving_variance_initializer: _Identifier = "ones",
+        beta_regularizer: _Identifier | None = None,
+        gamma_regularizer: _Identifier | None = None,
+        beta_constraint: _Identifier | None = None,
+        gamma_constraint: _Identifier | None = None,
+        renorm: bool = False,
+        renorm_clipping: dict[str, float] | None = None,
+        renorm_momentum: float = 0.99,
+        virtual_batch_size: int | None = None,
+        synchronized: bool = False,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self.axis = _validate_axis(axis)
         self.momentum = _validate_momentum(momentum)
@@ -180,16 +186,18 @@ class BatchNormalization(keras.layers.Layer):
                 "over every replica's batch, the other splits each batch; use one of them."
             )
         self.supports_masking = True
-        self.gamma = None
-        self.beta = None
-        self.moving_mean = None
-        self.moving_variance = None
-        self._channel_axes = None
+        # The weights and the channel axes exist once built (gamma and beta only with scale
+        # and center).
+        self.gamma: keras.Variable | None = None
+        self.beta: keras.Variable | None = None
+        self.moving_mean: keras.Variable | None = None
+        self.moving_variance: keras.Variable | None = None
+        self._channel_axes: list[int] | None = None
         # None: the fused kernel where it applies. Tests set False to compare with the
         # composite path; not a constructor argument, so the config stays Keras's.
         self._fused = None
 
-    def build(self, input_shape):
+    def build(self, input_shape: Sequence[int | None]) -> None:
         """Create the weights for inputs of `input_shape`: `gamma` and `beta` (when `scale`
         and `center`), `moving_mean`, `moving_variance`, then the optional ones.
 
@@ -216,7 +224,7 @@ class BatchNormalization(keras.layers.Layer):
                 f"BatchNormalization needs a known size on its channel axis {unknown} at build "
                 f"time; received input shape {tuple(input_shape)}."
             )
-        shape = tuple(dims.values())
+        shape = tuple(d for d in dims.values() if d is not None)  # every one, after the check
         if self.scale:
             self.gamma = self.add_weight(
                 shape=shape,
@@ -258,7 +266,9 @@ class BatchNormalization(keras.layers.Layer):
         self._build_optional_state(shape)
         self.input_spec = keras.layers.InputSpec(ndim=rank, axes=dims)
 
-    def call(self, inputs, training=None, mask=None):
+    def call(
+        self, inputs: tf.Tensor, training: bool | None = None, mask: tf.Tensor | None = None
+    ) -> tf.Tensor:
         """Normalize `inputs`: with the batch's statistics in training (updating the moving
         ones), else with the moving statistics.
 
@@ -312,10 +322,12 @@ class BatchNormalization(keras.layers.Layer):
             )
         return tf.cast(y, self.compute_dtype)
 
-    def _build_optional_state(self, shape):
+    def _build_optional_state(self, shape: tuple[int, ...]) -> None:
         """Weights that exist only when their feature is on, after the four of Keras's BN."""
-        self.moving_stddev = self.renorm_mean = self.renorm_stddev = None
-        self.num_batches_tracked = None
+        self.moving_stddev: keras.Variable | None = None
+        self.renorm_mean: keras.Variable | None = None
+        self.renorm_stddev: keras.Variable | None = None
+        self.num_batches_tracked: keras.Variable | None = None
         if self.renorm:
             # Keras's renorm weights, in Keras's order; see _update_renorm_statistics.
             stddev_initializer = _sqrt_of(self.moving_variance_initializer)
@@ -347,9 +359,12 @@ class BatchNormalization(keras.layers.Layer):
                 aggregation="only_first_replica",
             )
 
-    def _normalize_batch(self, inputs, gamma, beta, mask):
+    def _normalize_batch(
+        self, inputs: tf.Tensor, gamma: tf.Tensor, beta: tf.Tensor, mask: tf.Tensor | None
+    ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor, int | tf.Tensor]:
         """Train mode: the output, and the per-channel mean, biased variance and count m that
         the moving statistics take (averaged over the ghosts with virtual_batch_size)."""
+        assert self._channel_axes is not None  # build runs before any call
         batch, channel_axes = inputs, self._channel_axes
         if self.virtual_batch_size is not None:
             batch, channel_axes = ghost.split(inputs, self.virtual_batch_size, channel_axes, mask)
@@ -401,19 +416,22 @@ class BatchNormalization(keras.layers.Layer):
         y = ops.batch_norm_inference(tf.cast(x_hat, gamma.dtype), scale, offset, channel_axes)
         return tf.reshape(y, tf.shape(inputs)), mean, variance, count
 
-    def _replica_context(self):
+    def _replica_context(self) -> tf.distribute.ReplicaContext | None:
         """The replica context to all-reduce over for synchronized BN, or None: not
         synchronized, outside a strategy's replica function, or a single replica."""
         return _several_replicas() if self.synchronized else None
 
-    def _param(self, variable, default, dtype):
+    def _param(self, variable: keras.Variable | None, default: float, dtype: tf.DType) -> tf.Tensor:
         """A weight as a tensor, or the constant that stands for it when disabled."""
         if variable is None:
+            assert self.moving_mean is not None  # build runs before any call
             shape = [int(d) for d in self.moving_mean.shape]
             return tf.fill(shape, tf.constant(default, dtype))
         return tf.cast(variable, dtype)
 
-    def _zero_unless_enough(self, gamma, x, count):
+    def _zero_unless_enough(
+        self, gamma: tf.Tensor, x: tf.Tensor, count: int | tf.Tensor
+    ) -> tf.Tensor:
         """γ, or 0 in each channel with m_c ≤ 1 values, which has no variance.
 
         m ≤ 1 known when traced (a static batch of 1) is the caller's mistake: ValueError.
@@ -433,7 +451,9 @@ class BatchNormalization(keras.layers.Layer):
             return gamma
         return tf.where(count > 1, gamma, tf.zeros_like(gamma))
 
-    def _update_moving_statistics(self, inputs, mean, variance, count):
+    def _update_moving_statistics(
+        self, inputs: tf.Tensor, mean: tf.Tensor, variance: tf.Tensor, count: int | tf.Tensor
+    ) -> None:
         """EMA of μ_B and of the unbiased m/(m−1)·σ²_B; a non-finite batch changes nothing.
 
         `count` is m: an int, a scalar, or (under a mask) m_c per channel. A channel with
@@ -443,6 +463,7 @@ class BatchNormalization(keras.layers.Layer):
         Under a strategy every replica applies the same update, decided together: see
         `_pool_replicas`.
         """
+        assert self.moving_mean is not None  # build runs before any call
         var_dtype = self.moving_mean.dtype
         mean, variance = tf.cast(mean, var_dtype), tf.cast(variance, var_dtype)
         if isinstance(count, int):  # static m, already checked ≥ 2: the factor costs no op
@@ -456,6 +477,7 @@ class BatchNormalization(keras.layers.Layer):
         batch = [mean, unbiased] + ([tf.sqrt(variance + self.epsilon)] if self.renorm else [])
         batch, updated = self._pool_replicas(inputs, count, batch, enough)
         if self.momentum is None:  # cumulative average: the n-th counted batch gets weight 1/n
+            assert self.num_batches_tracked is not None  # built for momentum=None
             updated = tf.reduce_all(updated)
             keep, weight = _cumulative_weights(self.num_batches_tracked, var_dtype)
             self.num_batches_tracked.assign_add(tf.cast(updated, "int64"))
@@ -466,7 +488,13 @@ class BatchNormalization(keras.layers.Layer):
         if self.renorm:
             self._update_renorm_statistics(batch[0], batch[2], updated)
 
-    def _pool_replicas(self, inputs, count, batch, enough):
+    def _pool_replicas(
+        self,
+        inputs: tf.Tensor,
+        count: int | tf.Tensor,
+        batch: list[tf.Tensor],
+        enough: bool | tf.Tensor,
+    ) -> tuple[list[tf.Tensor], tf.Tensor]:
         """The per-channel `batch` values every replica averages in, and which channels take
         them (a boolean, scalar or per channel): those with m ≥ 2, if every such value of the
         batch is finite.
@@ -487,18 +515,21 @@ class BatchNormalization(keras.layers.Layer):
         )
         return _count_weighted_average(context, batch, weight, enough)
 
-    def _update_renorm_statistics(self, mean, stddev, updated):
+    def _update_renorm_statistics(
+        self, mean: tf.Tensor, stddev: tf.Tensor, updated: tf.Tensor
+    ) -> None:
         """Keras's renorm state: renorm_mean and renorm_stddev average μ_B and √(σ²_B + ε) with
         renorm_momentum (they give r and d). moving_stddev is kept at √(moving_variance + ε),
         the relation Keras maintains, so the weights carry over to Keras unchanged."""
         for moving, batch_value in ((self.renorm_mean, mean), (self.renorm_stddev, stddev)):
             _average_into(moving, batch_value, self.renorm_momentum, updated)
         # Only in the channels updated: a skipped one leaves every weight as it was.
+        assert self.moving_stddev is not None and self.moving_variance is not None  # built
         self.moving_stddev.assign(
             tf.where(updated, tf.sqrt(self.moving_variance + self.epsilon), self.moving_stddev)
         )
 
-    def compute_output_shape(self, input_shape):
+    def compute_output_shape(self, input_shape: tuple[int | None, ...]) -> tuple[int | None, ...]:
         """The output shape: `input_shape` itself.
 
         Args:
@@ -509,7 +540,7 @@ class BatchNormalization(keras.layers.Layer):
         """
         return input_shape
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         """The layer's config: every constructor argument, for `from_config` and saving.
 
         Returns:
@@ -538,7 +569,7 @@ class BatchNormalization(keras.layers.Layer):
         }
 
 
-def _validate_axis(axis):
+def _validate_axis(axis: object) -> int | list[int]:
     """An int stays an int (Keras's form); a list or tuple becomes a list of ints."""
     if isinstance(axis, bool):
         raise TypeError(f"axis must be an int or a list/tuple of ints; received axis={axis!r}.")
@@ -553,7 +584,7 @@ def _validate_axis(axis):
     raise TypeError(f"axis must be an int or a list/tuple of ints; received axis={axis!r}.")
 
 
-def _channel_axes(axis, input_shape):
+def _channel_axes(axis: int | list[int], input_shape: Sequence[int | None]) -> list[int]:
     """`axis` as sorted non-negative channel axes for this input, with range checks."""
     rank = len(input_shape)
     requested = [axis] if isinstance(axis, int) else axis
@@ -569,7 +600,7 @@ def _channel_axes(axis, input_shape):
     return normalized
 
 
-def _validate_momentum(momentum, name="momentum"):
+def _validate_momentum(momentum: object, name: str = "momentum") -> float | None:
     """A float in [0, 1); `momentum` (not `renorm_momentum`) may also be None."""
     if momentum is None and name == "momentum":
         return None
@@ -581,7 +612,7 @@ def _validate_momentum(momentum, name="momentum"):
     return momentum
 
 
-def _several_replicas():
+def _several_replicas() -> tf.distribute.ReplicaContext | None:
     """The current replica context when a tf.distribute strategy runs several replicas;
     None outside a replica function or with one replica."""
     context = tf.distribute.get_replica_context()
@@ -590,7 +621,12 @@ def _several_replicas():
     return context
 
 
-def _count_weighted_average(context, values, weight, enough):
+def _count_weighted_average(
+    context: tf.distribute.ReplicaContext,
+    values: list[tf.Tensor],
+    weight: int | tf.Tensor,
+    enough: bool | tf.Tensor,
+) -> tuple[list[tf.Tensor], tf.Tensor]:
     """Across the replicas of `context`: (Σᵢ wᵢ·vᵢ / Σᵢ wᵢ for each per-channel tensor v in
     `values`, which channels take it), identical on every replica.
 
@@ -617,7 +653,7 @@ def _count_weighted_average(context, values, weight, enough):
     return averages, _usable(averages, some)
 
 
-def _cumulative_weights(counter, dtype):
+def _cumulative_weights(counter: keras.Variable, dtype: tf.DType) -> tuple[tf.Tensor, tf.Tensor]:
     """(n/(n+1), 1/(n+1)) for `momentum=None`, n the int64 batch counter: divided in float64,
     then cast. Formed in float32, n/(n+1) loses the new batch's weight (0.14% off at 1e5
     batches, 4.6% at 4e6) and rounds to 1 from n = 2²⁴, where the average would stop."""
@@ -625,16 +661,16 @@ def _cumulative_weights(counter, dtype):
     return tf.cast(seen / (seen + 1.0), dtype), tf.cast(1.0 / (seen + 1.0), dtype)
 
 
-def _sqrt_of(initializer):
+def _sqrt_of(initializer: Callable[..., tf.Tensor]) -> Callable[..., tf.Tensor]:
     """An initializer giving the square root of `initializer`'s values (Keras's moving_stddev)."""
 
-    def initialize(shape, dtype=None):
+    def initialize(shape: Sequence[int], dtype: Any = None) -> tf.Tensor:
         return tf.sqrt(initializer(shape, dtype=dtype))
 
     return initialize
 
 
-def _validate_epsilon(epsilon):
+def _validate_epsilon(epsilon: object) -> float:
     if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)):
         raise ValueError(f"epsilon must be a positive float; received epsilon={epsilon!r}.")
     epsilon = float(epsilon)

@@ -28,12 +28,15 @@ data per BN layer (one compiled forward function serves every pass).
 """
 
 import dataclasses
+from collections.abc import Sequence
 
+import keras
 import numpy as np
+import numpy.typing as npt
 import tensorflow as tf
 
 from keras_bn import _bn_layers
-from keras_bn._batches import Batches
+from keras_bn._batches import Batches, Data
 from keras_bn._hooks import BatchNormCalls
 from keras_bn.quantize.layers import refuse_folded_batch_norms
 
@@ -64,16 +67,16 @@ class LayerChange:
     new_mean: np.ndarray
     old_variance: np.ndarray
     new_variance: np.ndarray
-    batches_used: int = None
-    unchanged_channels: tuple = ()
+    batches_used: int | None = None
+    unchanged_channels: tuple[int, ...] = ()
 
     @property
-    def mean_change(self):
+    def mean_change(self) -> np.ndarray:
         """new − old moving mean, per channel (float64 array)."""
         return self.new_mean - self.old_mean
 
     @property
-    def variance_change(self):
+    def variance_change(self) -> np.ndarray:
         """new − old moving variance, per channel (float64 array)."""
         return self.new_variance - self.old_variance
 
@@ -87,16 +90,17 @@ class RecalibrationReport:
 
     Attributes:
         layers: tuple of `LayerChange`, in the order the forward pass calls the layers.
-        batches: how many batches each layer's statistics were computed from.
+        batches: how many batches each layer's statistics were computed from; None only
+            when the forward pass called no BN layer and `data` does not tell its length.
         not_called: names of the BN layers the forward pass never reached; they are left as
             they were.
     """
 
-    layers: tuple
-    batches: int
-    not_called: tuple = ()  # names of BN layers the forward pass never reached (left as they were)
+    layers: tuple[LayerChange, ...]
+    batches: int | None
+    not_called: tuple[str, ...] = ()  # BN layers the forward pass never reached (left as they were)
 
-    def __str__(self):
+    def __str__(self) -> str:
         lines = [
             f"Recalibrated {len(self.layers)} BN layer(s) over {self.batches} batch(es).",
             f"{'layer':<40} {'convention':<10} {'max |Δmean|':>12} {'max |Δvar|':>12}",
@@ -110,7 +114,9 @@ class RecalibrationReport:
         skipped = {
             c.name: self.batches - c.batches_used
             for c in self.layers
-            if c.batches_used is not None and c.batches_used < self.batches
+            if self.batches is not None
+            and c.batches_used is not None
+            and c.batches_used < self.batches
         }
         if skipped:
             lines.append(f"Batches skipped (m ≤ 1 values per channel), per layer: {skipped}")
@@ -124,7 +130,13 @@ class RecalibrationReport:
         return "\n".join(lines)
 
 
-def recalibrate(model, data, steps=None, progress=True, batch_size=32):
+def recalibrate(
+    model: keras.Model,
+    data: Data,
+    steps: int | None = None,
+    progress: bool = True,
+    batch_size: int = 32,
+) -> RecalibrationReport:
     """Set every BN layer of `model` (nested models included) to Algorithm 2's statistics.
 
     Ioffe & Szegedy's Algorithm 2 sets the inference statistics from the mini-batches B (m_B
@@ -191,7 +203,9 @@ def recalibrate(model, data, steps=None, progress=True, batch_size=32):
     return recalibrate_layers(model, layers, Batches(data, steps, batch_size), progress)
 
 
-def recalibrate_layers(model, layers, batches, progress):
+def recalibrate_layers(
+    model: keras.Model, layers: Sequence[keras.layers.Layer], batches: Batches, progress: bool
+) -> RecalibrationReport:
     """`recalibrate` for the BN `layers` of `model` only, over `Batches`; the other BN layers
     keep their statistics (and normalize with them while the chosen ones are gathered)."""
     with BatchNormCalls(layers) as statistics:
@@ -242,17 +256,18 @@ class PooledMoments:
         skipped: the batches used in no channel.
     """
 
-    def __init__(self, whole_batches=False):
+    def __init__(self, whole_batches: bool = False) -> None:
         self.whole_batches = whole_batches
         self.batches = 0
         self.skipped = 0
-        self._channel_batches = np.float64(0.0)
-        self._count = np.float64(0.0)
-        self._weighted_mean = np.float64(0.0)
-        self._weighted_variance = np.float64(0.0)
+        # 0-d until the first batch broadcasts them to its channels' shape.
+        self._channel_batches: npt.NDArray[np.float64] = np.zeros(())
+        self._count: npt.NDArray[np.float64] = np.zeros(())
+        self._weighted_mean: npt.NDArray[np.float64] = np.zeros(())
+        self._weighted_variance: npt.NDArray[np.float64] = np.zeros(())
 
     @classmethod
-    def for_layer(cls, layer):
+    def for_layer(cls, layer: keras.layers.Layer) -> "PooledMoments":
         """The pooling that matches `layer`'s own moving update: whole batches for a keras_bn
         layer with `momentum=None`, per channel otherwise.
 
@@ -264,7 +279,7 @@ class PooledMoments:
         """
         return cls(whole_batches=getattr(layer, "num_batches_tracked", None) is not None)
 
-    def add(self, mean, variance, count):
+    def add(self, mean: npt.ArrayLike, variance: npt.ArrayLike, count: npt.ArrayLike) -> None:
         """Pool one batch's mean and biased variance over `count` values in each channel.
 
         Args:
@@ -290,11 +305,11 @@ class PooledMoments:
         )
 
     @property
-    def seen(self):
+    def seen(self) -> np.ndarray:
         """Per channel, whether some batch was used in it (its population is defined)."""
         return np.asarray(self._channel_batches) > 0
 
-    def population(self, unbiased):
+    def population(self, unbiased: bool) -> tuple[np.ndarray, np.ndarray]:
         """(E[x], Var[x]) per channel over the batches pooled, NaN where none was (see `seen`).
 
         Args:
@@ -308,7 +323,7 @@ class PooledMoments:
             return self._weighted_mean / self._count, self._weighted_variance / divisor
 
 
-def _assign(layer, sums):
+def _assign(layer: keras.layers.Layer, sums: PooledMoments) -> LayerChange:
     """Set `layer`'s statistics to the pooled ones in the channels some batch reached."""
     mean, variance = sums.population(_bn_layers.unbiased_variance(layer))
     seen = sums.seen
@@ -336,7 +351,7 @@ def _assign(layer, sums):
     )
 
 
-def _progress_bar(enabled, total):
+def _progress_bar(enabled: bool, total: int | None) -> "_ProgressBar":
     return _ProgressBar(enabled, total)
 
 
@@ -346,7 +361,7 @@ class _ProgressBar:
     Where stderr is not a terminal (a log file, CI), rich draws the final state once.
     """
 
-    def __init__(self, enabled, total):
+    def __init__(self, enabled: bool, total: int | None) -> None:
         from rich.console import Console
         from rich.progress import (
             BarColumn,
@@ -367,11 +382,11 @@ class _ProgressBar:
         self._task = self._progress.add_task("", total=total)
         self._progress.start()
 
-    def set_description(self, description):
+    def set_description(self, description: str) -> None:
         self._progress.update(self._task, description=description)
 
-    def update(self, steps):
+    def update(self, steps: int) -> None:
         self._progress.advance(self._task, steps)
 
-    def close(self):
+    def close(self) -> None:
         self._progress.stop()

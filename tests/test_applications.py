@@ -35,10 +35,10 @@ def application(request):
 @pytest.mark.slow
 def test_application_folds_completely(application):
     _, model, probe = application
-    n_bn = sum(isinstance(l, BNS) for l in model.layers)
+    n_bn = sum(isinstance(layer, BNS) for layer in model.layers)
     folded, report = fold_batch_norms(model, probe)
     assert report.kept == [] and len(report.folded) == n_bn > 0
-    assert not any(isinstance(l, BNS) for l in folded.layers)
+    assert not any(isinstance(layer, BNS) for layer in folded.layers)
     assert report.relative_error <= RTOL
     expected = np.asarray(model(probe, training=False))
     assert np.abs(np.asarray(folded(probe)) - expected).max() <= RTOL * np.abs(expected).max()
@@ -53,7 +53,7 @@ def test_application_tflite_and_onnx_match_keras(application, tmp_path):
     assert onnx.relative_error <= RTOL, onnx.errors
     assert tfl.fold.kept == [] and onnx.fold.kept == []
     if name == "MobileNetV2":
-        residual_adds = sum(isinstance(l, keras.layers.Add) for l in model.layers)
+        residual_adds = sum(isinstance(layer, keras.layers.Add) for layer in model.layers)
         assert residual_adds == 10
         assert "BatchNormalization" not in onnx.op_histogram
         assert "Mul" not in onnx.op_histogram

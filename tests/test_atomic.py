@@ -21,12 +21,14 @@ def test_success_replaces_the_file_and_leaves_no_temporary(tmp_path):
 def test_failure_midway_leaves_the_existing_file_and_no_temporary(tmp_path):
     target = tmp_path / "out.keras"
     target.write_bytes(b"old")
-    with pytest.raises(RuntimeError, match="writer failed"):
-        with atomic.replacing(target) as temporary:
-            assert temporary.endswith(".keras") and os.path.dirname(temporary) == str(tmp_path)
-            with open(temporary, "wb") as file:
-                file.write(b"half")
-            raise RuntimeError("writer failed")
+    with (
+        pytest.raises(RuntimeError, match="writer failed"),
+        atomic.replacing(target) as temporary,
+    ):
+        assert temporary.endswith(".keras") and os.path.dirname(temporary) == str(tmp_path)
+        with open(temporary, "wb") as file:
+            file.write(b"half")
+        raise RuntimeError("writer failed")
     assert target.read_bytes() == b"old"
     assert os.listdir(tmp_path) == ["out.keras"]
 

@@ -12,7 +12,7 @@ def test_bench_export_smoke():
         [sys.executable, SCRIPT, "--smoke"], capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    rows = [l for l in result.stdout.splitlines() if l.startswith("| ") and "ms" not in l]
+    rows = [r for r in result.stdout.splitlines() if r.startswith("| ") and "ms" not in r]
     assert len(rows) == 1 + 2 * 3  # header + 2 models × 3 runtime settings
     assert "fold_batch_norms(ResNet50, 32 px)" in result.stdout
     assert "# machine:" in result.stdout

@@ -1,6 +1,8 @@
 """Synchronized BN on real tf.distribute replicas (logical CPU devices, see conftest.py) and
 across two real worker processes: exactly single-device BN on the global batch."""
 
+import itertools
+
 import keras
 import multiworker_worker as worker
 import numpy as np
@@ -195,7 +197,7 @@ def _groups(x, splits, synchronized, virtual_batch_size=None, mask=None):
     if synchronized:
         return [x[keep]]
     bounds = np.cumsum([0] + list(splits))
-    rows = [x[a:b][keep[a:b]] for a, b in zip(bounds[:-1], bounds[1:])]
+    rows = [x[a:b][keep[a:b]] for a, b in itertools.pairwise(bounds)]
     if virtual_batch_size is None:
         return rows
     return [

@@ -28,7 +28,7 @@ def _worker_args(tmp_path, init, run, index, hang_at=None):
         str(tmp_path / f"backup{index}"),
         str(tmp_path / f"{run}{index}.progress"),
     ]
-    return args + (["--hang-at", "%d:%d" % hang_at] if hang_at else [])
+    return args + (["--hang-at", f"{hang_at[0]}:{hang_at[1]}"] if hang_at else [])
 
 
 def _wait_for(condition, cluster, timeout):
@@ -60,7 +60,9 @@ def _uninterrupted_and_killed(tmp_path, init, attempts=3):
                     )
                 logs = [tmp_path / f"faulty{index}.progress" for index in range(2)]
                 _wait_for(
-                    lambda: all(log.exists() and HANG_AT in _progress(log) for log in logs),
+                    lambda logs=logs: all(
+                        log.exists() and HANG_AT in _progress(log) for log in logs
+                    ),
                     cluster,
                     timeout=worker.CLUSTER_TIMEOUT_S,
                 )

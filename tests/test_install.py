@@ -1,4 +1,5 @@
-"""`pip install .` without extras gives a working keras_bn.export and keras-bn-export.
+"""`pip install .` without extras gives a working keras_bn.export and keras-bn-export, and the
+wheel ships the PEP 561 markers of both packages.
 
 Offline: a fresh venv sees, through a .pth file, only the distributions that the core
 dependency list of pyproject.toml pulls in (resolved from this environment's metadata), each
@@ -11,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 
 import keras
 import pytest
@@ -20,6 +22,9 @@ from packaging.utils import canonicalize_name
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Building the project offline needs its build backend in the venv too.
 BUILD_TOOLS = ["setuptools", "wheel"]
+# PEP 561: type checkers read a package's annotations only where it holds this marker.
+TYPED_MARKERS = ["keras_bn/py.typed", "keras_bn/export/py.typed"]
+OFFLINE = {"PIP_NO_INDEX": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
 
 
 def _core_requirements():
@@ -73,6 +78,52 @@ def _link_files(distributions, site):
             os.symlink(distribution.locate_file(relative), target)
 
 
+def _copy_source(tmp_path):
+    """What the build reads, copied (the build writes egg-info and build/ next to it)."""
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(os.path.join(ROOT, name), source / name)
+    for name in ("keras_bn", "export"):
+        shutil.copytree(
+            os.path.join(ROOT, name), source / name, ignore=shutil.ignore_patterns("__pycache__")
+        )
+    return source
+
+
+def test_the_wheel_ships_both_packages_type_markers(tmp_path):
+    """keras_bn/py.typed and keras_bn/export/py.typed (from export/) are in the wheel, with
+    the modules they mark."""
+    built = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-index",
+            "--no-build-isolation",
+            "--wheel-dir",
+            str(tmp_path / "dist"),
+            str(_copy_source(tmp_path)),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **OFFLINE},
+        timeout=300,
+    )
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    (wheel,) = (tmp_path / "dist").glob("keras_bn-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    missing = [name for name in TYPED_MARKERS if name not in names]
+    assert not missing, f"{wheel.name} lacks {missing}"
+    assert {
+        "keras_bn/layers.py",
+        "keras_bn/export/graph.py",
+        "keras_bn/quantize/rewrite.py",
+    } <= names
+
+
 @pytest.mark.slow
 def test_install_without_extras_runs_the_export_command(tmp_path):
     distributions = _closure(_core_requirements() + BUILD_TOOLS)
@@ -93,21 +144,8 @@ def test_install_without_extras_runs_the_export_command(tmp_path):
     ).stdout.strip()
     with open(os.path.join(purelib, "_keras_bn_test_deps.pth"), "w") as file:
         file.write(f"{site}\n")
-    source = tmp_path / "source"  # a copy: the build writes egg-info and build/ next to it
-    source.mkdir()
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(os.path.join(ROOT, name), source / name)
-    for name in ("keras_bn", "export"):
-        shutil.copytree(
-            os.path.join(ROOT, name), source / name, ignore=shutil.ignore_patterns("__pycache__")
-        )
-    env = {
-        **os.environ,
-        "PIP_NO_INDEX": "1",
-        "PIP_DISABLE_PIP_VERSION_CHECK": "1",
-        "TF_CPP_MIN_LOG_LEVEL": "3",
-        "PYTHONNOUSERSITE": "1",
-    }
+    source = _copy_source(tmp_path)
+    env = {**os.environ, **OFFLINE, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONNOUSERSITE": "1"}
     env.pop("PYTHONPATH", None)
     install = subprocess.run(
         [python, "-m", "pip", "install", "--no-index", "--no-build-isolation", str(source)],
@@ -117,6 +155,8 @@ def test_install_without_extras_runs_the_export_command(tmp_path):
         timeout=300,
     )
     assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
+    for marker in TYPED_MARKERS:
+        assert os.path.isfile(os.path.join(purelib, marker)), marker
 
     script = venv / "bin" / "keras-bn-export"
     result = subprocess.run([script, "--help"], capture_output=True, text=True, env=env, timeout=60)

@@ -274,7 +274,8 @@ def test_cli_shows_the_scaled_channel_and_its_int8_file_is_worse(tmp_path):
     # The same function, measured in LiteRT: the scaled model's int8 file is far worse. TFLite
     # scales the hidden weights per channel, so the loss comes from the activation channel
     # that is 1000x larger too (one int8 scale per activation tensor) and the head's row
-    # that is 1000x smaller; a per-tensor runtime loses the hidden weights as well (docs/guide/export.md).
+    # that is 1000x smaller; a per-tensor runtime loses the hidden weights as well
+    # (docs/guide/export.md).
     assert errors["scaled"] > 5 * errors["healthy"], errors
 
 

@@ -206,7 +206,8 @@ def test_dependencies_name_rich_not_tqdm():
 
     with open(os.path.join(os.path.dirname(__file__), "..", "pyproject.toml"), "rb") as f:
         project = tomllib.load(f)["project"]
-    requirements = project["dependencies"] + sum(project["optional-dependencies"].values(), [])
+    extras = project["optional-dependencies"].values()
+    requirements = project["dependencies"] + [r for extra in extras for r in extra]
     names = [re.match(r"[A-Za-z0-9_.-]+", r).group(0).lower() for r in requirements]
     assert "tqdm" not in names
     assert any(r.startswith("rich") for r in project["dependencies"])

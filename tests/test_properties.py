@@ -343,7 +343,7 @@ def test_folding_any_host_matches_unfolded_inference(
     folded, report = fold_batch_norms(model, probe=x)
     assert [f.bn for f in report.folded] == [model.layers[1].name] and not report.kept
     assert not any(
-        isinstance(l, (keras_bn.BatchNormalization, keras.layers.BatchNormalization))
-        for l in folded.layers
+        isinstance(layer, (keras_bn.BatchNormalization, keras.layers.BatchNormalization))
+        for layer in folded.layers
     )
     assert_close(folded(x), model(x, training=False), 1e-5)
