@@ -3,10 +3,12 @@
 Runtimes: LiteRT (default XNNPACK delegate), onnxruntime with graph optimisation disabled and
 enabled; one thread each. Runs are interleaved (one call of each variant per round) and the
 table shows medians, so drift on a shared machine hits every variant alike. Also times
-fold_batch_norms on ResNet50 (64 px, weights=None), verification run included.
+fold_batch_norms on ResNet50 (64 px, weights=None), verification run included, and the same
+with int8_readiness=True on a 64-sample probe ("fold with int8 readiness").
 
     python benchmarks/bench_export.py            # the table of docs/guide/performance.md
     python benchmarks/bench_export.py --smoke    # tiny sizes, one round: CI checks it runs
+    python benchmarks/bench_export.py --fold-only  # the fold timings only
 """
 
 import argparse
@@ -151,18 +153,29 @@ def time_interleaved(files, x, rounds, warmup, seed=0):
     return medians
 
 
-def fold_time(size, repeats):
+def fold_times(size, repeats, samples):
+    """Median seconds of fold_batch_norms on ResNet50 (`size` px, weights=None): on the default
+    probe; on `samples` random images; and on those with int8_readiness=True (one forward pass
+    per folded host and rounding). Returns (default, probe, readiness, folded host count)."""
     model = randomise(
         keras.applications.ResNet50(
             input_shape=(size, size, 3), weights=None, classifier_activation=None
         )
     )
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fold_batch_norms(model)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    probe = np.random.default_rng(0).normal(size=(samples, size, size, 3)).astype("float32")
+    runs = {
+        "default": lambda: fold_batch_norms(model),
+        "probe": lambda: fold_batch_norms(model, probe),
+        "readiness": lambda: fold_batch_norms(model, probe, int8_readiness=True),
+    }
+    times = {name: [] for name in runs}
+    for _ in range(repeats):  # interleaved: drift on a shared machine hits all three alike
+        for name, run in runs.items():
+            start = time.perf_counter()
+            _, report = run()
+            times[name].append(time.perf_counter() - start)
+    medians = [statistics.median(times[name]) for name in runs]
+    return (*medians, len(report.channel_spreads))
 
 
 def machine():
@@ -179,6 +192,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, one round (CI)")
     parser.add_argument("--rounds", type=int, default=500)
+    parser.add_argument(
+        "--fold-only", action="store_true", help="only the fold timings on ResNet50, no latency"
+    )
     args = parser.parse_args(argv)
     rounds, warmup = (1, 0) if args.smoke else (args.rounds, 20)
     keras.utils.set_random_seed(0)
@@ -193,6 +209,20 @@ def main(argv=None):
     print(f"# machine: {machine()}")
     command = ["python benchmarks/bench_export.py", *(argv or sys.argv[1:])]
     print(f"# command: {' '.join(command)}")
+    if not args.fold_only:
+        latency_table(cases, rounds, warmup)
+    size, samples = (32, 8) if args.smoke else (64, 64)
+    default, probe, readiness, hosts = fold_times(size, 1 if args.smoke else 3, samples)
+    print(f"\nfold_batch_norms(ResNet50, {size} px), verification included: {default:.2f} s")
+    print(
+        f"fold with int8 readiness (ResNet50, {size} px, {samples}-sample probe, {hosts} "
+        f"hosts × 2 roundings): {readiness:.2f} s; without, on that probe: {probe:.2f} s"
+    )
+    return 0
+
+
+def latency_table(cases, rounds, warmup):
+    """Print the latency table: each case's three variants in each runtime setting."""
     print(f"# median of {rounds} interleaved runs, one thread, latency in ms")
     header = ("model", "runtime", *VARIANTS, "folded/unfolded", "folded/no BN")
     print("| " + " | ".join(header) + " |")
@@ -207,10 +237,6 @@ def main(argv=None):
                 cells = [f"{m[v] * 1e3:.3f}" for v in VARIANTS]
                 ratios = [f"{m['folded'] / m['unfolded']:.2f}", f"{m['folded'] / m['no BN']:.2f}"]
                 print(f"| {name} | {setting} | " + " | ".join(cells + ratios) + " |")
-    size = 32 if args.smoke else 64
-    seconds = fold_time(size, 1 if args.smoke else 3)
-    print(f"\nfold_batch_norms(ResNet50, {size} px), verification included: {seconds:.2f} s")
-    return 0
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 In short::
 
     folded, report = fold_batch_norms(model)            # no BN left; report.folded / .kept
-    report.int8_risks     # hosts whose channel ranges spread over INT8_SPREAD_THRESHOLD
+    _, report = fold_batch_norms(model, x, int8_readiness=True)
+    report.int8_risks     # hosts whose weights, rounded to int8, move the outputs over 1e-1
     export_tflite(model, "model.tflite", quantization="int8", representative_data=x)
     export_onnx(model, "model.onnx")
 
@@ -28,6 +29,7 @@ if typing.TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from keras_bn.export.graph import FoldedBN, KeptBN, fold_batch_norms
     from keras_bn.export.onnx import export_onnx
     from keras_bn.export.report import (
+        INT8_READINESS_TOLERANCE,
         INT8_SPREAD_THRESHOLD,
         ChannelSpread,
         ExportReport,
@@ -38,6 +40,7 @@ if typing.TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from keras_bn.export.tflite import export_tflite
 
 __all__ = [
+    "INT8_READINESS_TOLERANCE",
     "INT8_SPREAD_THRESHOLD",
     "ChannelBias",
     "ChannelSpread",
@@ -63,6 +66,7 @@ __getattr__, __dir__ = _lazy.attach(
         "KeptBN": ("keras_bn.export.graph", "KeptBN"),
         "fold_batch_norms": ("keras_bn.export.graph", "fold_batch_norms"),
         "export_onnx": ("keras_bn.export.onnx", "export_onnx"),
+        "INT8_READINESS_TOLERANCE": ("keras_bn.export.report", "INT8_READINESS_TOLERANCE"),
         "INT8_SPREAD_THRESHOLD": ("keras_bn.export.report", "INT8_SPREAD_THRESHOLD"),
         "ChannelSpread": ("keras_bn.export.report", "ChannelSpread"),
         "ExportReport": ("keras_bn.export.report", "ExportReport"),

@@ -93,6 +93,13 @@ def _parser():
     )
     parser.add_argument("--no-fold", action="store_true", help="export without folding")
     parser.add_argument(
+        "--int8-readiness",
+        action="store_true",
+        help="measure each folded host's int8 readiness: the outputs' error with its weights "
+        "alone rounded to int8 (one forward pass per host, per tensor and per channel, on the "
+        "probe); on with --quantize int8",
+    )
+    parser.add_argument(
         "--unsafe",
         action="store_true",
         help="load with safe_mode=False (allows Lambda layers' code)",
@@ -129,6 +136,8 @@ def _arguments(argv):
             defaults.check_scale_tolerance(args.scale_tolerance, tolerance_flag)
         except ValueError as error:
             raise _UsageError(str(error)) from None
+    if args.int8_readiness and args.no_fold:
+        raise _UsageError("--int8-readiness measures the folded hosts: drop --no-fold")
     if args.quantize and not args.tflite:
         raise _UsageError("--quantize applies to TFLite: give --tflite OUT too")
     if args.quantize == "int8" and not args.representative_data:
@@ -277,12 +286,13 @@ def _export(args, stage):
             raise _UsageError(
                 f"the TFLite converter cannot convert {args.model}: {_told(error)}"
             ) from error
-    fold_report = None
-    if exports:
-        fold_report = exports[0].fold
-    elif not args.no_fold:
+    # The fold report of an export that measured int8 readiness (int8 TFLite), else the first.
+    folds = [report.fold for report in exports if report.fold is not None]
+    measured = [fold for fold in folds if fold.int8_readiness_measured]
+    fold_report = (measured or folds or [None])[0]
+    if not args.no_fold and (fold_report is None or (args.int8_readiness and not measured)):
         stage("fold")
-        fold_report = fold_batch_norms(model, probe)[1]
+        fold_report = fold_batch_norms(model, probe, int8_readiness=args.int8_readiness)[1]
 
     # The folded model is judged like a float32 file: a mixed-precision one rounds as its
     # exports do, so it gets their default too.
@@ -415,38 +425,65 @@ def _samples_line(report):
 
 
 def _int8_readiness(fold):
-    """The summary lines for the hosts whose channel ranges spread over the threshold."""
-    threshold = fold["int8_spread_threshold"]
+    """The summary lines on the folded hosts' int8 readiness: those whose int8 weights alone
+    move the outputs by more than the tolerance, or the worst errors when none does, or the
+    largest channel spread when it was not measured."""
     spreads = fold["channel_spreads"]
     if not spreads:
         return []
-    risks = [spread for spread in spreads if spread["int8_risk"]]
-    if not risks:
-        largest = max(
-            value
-            for spread in spreads
-            for value in (spread["output_spread"], spread["input_spread"])
-            if value is not None
-        )
+    host, spread = _worst(spreads, "output_spread", "input_spread")
+    spread_note = f"largest channel spread {_number(spread)}x ({host})"
+    if not fold["int8_readiness_measured"]:
         return [
-            f"int8 readiness: every folded host's channel ranges are within {threshold:g}x "
-            f"(largest spread {largest:.3g}x)"
+            f"int8 readiness: not measured (--int8-readiness or --quantize int8 measures it); "
+            f"{spread_note}"
+        ]
+    tolerance = fold["int8_readiness_tolerance"]
+    risks = [s for s in spreads if s["int8_risk"] or s["per_channel_int8_risk"]]
+    if not risks:
+        tensor_host, per_tensor = _worst(spreads, "per_tensor_error")
+        channel_host, per_channel = _worst(spreads, "per_channel_error")
+        return [
+            f"int8 readiness: rounding any one folded host's weights to int8 moves the outputs "
+            f"by at most {per_tensor:.2e} of their scale per tensor ({tensor_host}), "
+            f"{per_channel:.2e} per channel ({channel_host}): within {tolerance:g}; "
+            f"{spread_note}"
         ]
     lines = [
-        f"int8 risk: {len(risks)} folded host(s) with channel ranges over {threshold:g}x "
-        f"apart lose precision where int8 weights are quantized per tensor"
+        f"int8 risk: {len(risks)} folded host(s) whose weights alone, rounded to int8, move the "
+        f"outputs by more than {tolerance:g} of their scale"
     ]
     for spread in risks:
         parts = [_apart("output", spread["output_spread"])]
         if spread["input_spread"] is not None:
             parts.append(_apart("input", spread["input_spread"]))
-        where = (
-            "per-channel int8 too (TFLite's)"
-            if spread["per_channel_int8_risk"]
-            else "per-tensor int8 only (TFLite's int8 is per channel)"
+        where = {
+            (True, True): "per tensor and per channel (TFLite's int8)",
+            (True, False): "per-tensor int8 only (TFLite's int8 is per channel)",
+            (False, True): "per-channel int8 (TFLite's), not per tensor",
+        }[spread["int8_risk"], spread["per_channel_int8_risk"]]
+        lines.append(
+            f"  {spread['host']} ({spread['layer']}): error {spread['per_tensor_error']:.2e} "
+            f"per tensor, {spread['per_channel_error']:.2e} per channel ({', '.join(parts)}): "
+            f"{where}"
         )
-        lines.append(f"  {spread['host']} ({spread['layer']}): {', '.join(parts)}: {where}")
     return lines
+
+
+def _worst(spreads, *keys):
+    """(host, value): the largest value under `keys` over the entries, and its host; NaN is
+    the largest, None no value."""
+    values = [
+        (spread["host"], spread[key])
+        for spread in spreads
+        for key in keys
+        if spread[key] is not None
+    ]
+    return max(values, key=lambda pair: math.inf if math.isnan(pair[1]) else pair[1])
+
+
+def _number(value):
+    return "NaN" if math.isnan(value) else f"{value:.3g}"
 
 
 def _apart(channels, spread):

@@ -20,7 +20,7 @@ import dataclasses
 import keras
 
 from keras_bn import _bn_layers, _models, _rewrite
-from keras_bn.export import defaults, fold, report, trace
+from keras_bn.export import defaults, fold, readiness, report, trace
 from keras_bn.export.affine import ChannelBias, InferenceAffine
 from keras_bn.export.report import ChannelSpread, FoldReport
 
@@ -82,7 +82,7 @@ class KeptBN:
     kind: str = ""
 
 
-def fold_batch_norms(model, probe=None):
+def fold_batch_norms(model, probe=None, int8_readiness=False):
     """Fold every batch norm of `model` into a neighbouring Dense/Conv layer.
 
     Args:
@@ -92,6 +92,12 @@ def fold_batch_norms(model, probe=None):
             any structure `model.predict` takes (an array, a list of arrays in input order,
             or a dict keyed by input name: a dict for a model that takes a dict), with
             outputs that differ between samples; seeded random data when None.
+        int8_readiness: also measure each folded host's int8 readiness: run the folded model
+            on (up to 64 samples of) the probe with that host's kernel alone rounded to int8,
+            per tensor and per output channel, and judge the outputs against the unrounded
+            ones as an int8 file's are (export/readiness.py). One forward pass per host and
+            mode: on ResNet50 about 19 times the fold's own time, hence off by default;
+            `export_tflite(..., quantization="int8")` turns it on.
 
     Returns:
         (folded_model, FoldReport). BNs that cannot be folded are kept as InferenceAffine
@@ -100,16 +106,18 @@ def fold_batch_norms(model, probe=None):
         `report.errors` has the error of each output, `report.worst_channels` its channel
         furthest from the original (relative to that channel's own scale), whose relative
         error is `report.relative_errors`; `report.channel_spreads` has each
-        folded host's int8 readiness (and `report.int8_risks` those over
-        `INT8_SPREAD_THRESHOLD`).
+        folded host's channel spreads and, with int8_readiness=True, its measured rounding
+        errors (`report.int8_risks`: those over `INT8_READINESS_TOLERANCE`; None when not
+        measured).
 
     Raises:
         UnsupportedModelError: the model (or a nested one holding a BN) is subclassed or an
             unbuilt Sequential, or a layer's config does not round-trip; a TypeError and a
             ValueError.
         ValueError: `probe` does not fit the model's inputs (a list for a dict of several
-            inputs, say) or an output is the same for all its samples, or a BN to be folded
-            has a non-finite inference scale or shift (NaN or inf statistics or weights).
+            inputs, say) or an output is the same for all its samples, a BN to be folded
+            has a non-finite inference scale or shift (NaN or inf statistics or weights), or
+            int8_readiness is not a bool.
 
     Example::
 
@@ -118,7 +126,11 @@ def fold_batch_norms(model, probe=None):
             print(kept.bn, kept.kind, kept.reason)
         assert report.relative_error < 1e-5
     """
-    folded_model, folded, kept, spreads = _fold_model(model, prefix="")
+    if not isinstance(int8_readiness, bool):
+        raise ValueError(
+            f"int8_readiness must be True or False; received int8_readiness={int8_readiness!r}."
+        )
+    folded_model, folded, kept, hosts = _fold_model(model, prefix="")
     sig = trace.signature(model)
     inputs = trace.random_feed(sig) if probe is None else trace.feed(sig, probe)
     expected = trace.outputs(model, sig, inputs)
@@ -128,6 +140,10 @@ def fold_batch_norms(model, probe=None):
         expected, {"folded": actual}, defaults.FLOAT32_SCALE_TOLERANCE
     )
     errors = {name: by_setting["folded"] for name, by_setting in errors.items()}
+    if int8_readiness:
+        spreads = readiness.measure(folded_model, sig, inputs, hosts)
+    else:
+        spreads = [host.spread for host in hosts]
     return folded_model, FoldReport(folded, kept, errors, scales, spreads, channels)
 
 
@@ -156,7 +172,7 @@ def _contains_bn(model):
 
 
 def _fold_model(model, prefix):
-    """(new model, folded list, kept list, ChannelSpread list) for one Sequential/Functional
+    """(new model, folded list, kept list, readiness.Host list) for one Sequential/Functional
     model."""
     graph = _models.layer_graph(model, "fold batch norms in")
     info = _rewrite.Graph(graph)
@@ -195,13 +211,7 @@ def _fold_model(model, prefix):
         elif all(k.bn != prefix + bn.name for k in kept):  # a shared BN is reported once
             kept.append(KeptBN(prefix + bn.name, forward_refusal.message, forward_refusal.kind))
 
-    spreads = [
-        _channel_spread(
-            prefix + hosts[key].name, hosts[key], weights[key][0][-1], key in forward_hosts
-        )
-        for key in weights
-    ]
-    copies, refolded = {}, set()
+    copies, refolded, inner_models = {}, set(), []
     biases = {}  # ChannelBias after each folded channels_first host, by id(original host)
     for node in info.nodes:
         layer = node.operation
@@ -210,14 +220,14 @@ def _fold_model(model, prefix):
         if isinstance(layer, keras.Model) and (
             _models.has_layer_graph(layer) or _contains_bn(layer)
         ):
-            inner, inner_folded, inner_kept, inner_spreads = _fold_model(
+            inner, inner_folded, inner_kept, inner_hosts = _fold_model(
                 layer, prefix + layer.name + "/"
             )
             copies[id(layer)] = inner
             refolded.add(id(layer))
             folded.extend(inner_folded)
             kept.extend(inner_kept)
-            spreads.extend(inner_spreads)
+            inner_models.append(inner_hosts)
         elif type(layer) in BN_TYPES:
             copies[id(layer)] = _affine_copy(layer, node)
         elif not isinstance(layer, L.Layer):  # a stateless op such as `x * 2.0`: reusable
@@ -241,7 +251,11 @@ def _fold_model(model, prefix):
     after = {key: [[bias]] for key, bias in biases.items()}
     new_model = _rewrite.rebuild(model, graph, copies, dropped, after)
     _copy_weights(info.nodes, copies, biases, weights, refolded)
-    return new_model, folded, kept, spreads
+    measured = [
+        _host(prefix, hosts[key], copies[key], weights[key], key in forward_hosts)
+        for key in weights
+    ]
+    return new_model, folded, kept, measured + [h for inner in inner_models for h in inner]
 
 
 def _forward_target(bn, node, info, backward_refusal):
@@ -308,16 +322,21 @@ def _fold_forward(bn, node, consumer, weights):
     weights[id(consumer)] = (kernels[:-1] + [kernel], bias)
 
 
-def _channel_spread(name, host, kernel, forward):
-    """The ChannelSpread of a host's folded kernel (a SeparableConv's pointwise kernel)."""
-    output_ranges = fold.output_channel_ranges(kernel, OUTPUT_LAYOUTS.get(type(host), fold.LAST))
+def _host(prefix, host, copy, folded_weights, forward):
+    """The readiness.Host of a folded host: the ChannelSpread of its folded kernel (a
+    SeparableConv's pointwise kernel, the last of its kernels) and the copy's variable that
+    holds that kernel."""
+    kernels, _ = folded_weights
+    kernel = kernels[-1]
+    layout = OUTPUT_LAYOUTS.get(type(host), fold.LAST)
+    output_spread = fold.channel_spread(fold.output_channel_ranges(kernel, layout))
     input_spread = None
     if forward:
         input_ranges = fold.input_channel_ranges(kernel, getattr(host, "groups", 1))
         input_spread = fold.channel_spread(input_ranges)
-    return ChannelSpread(
-        name, type(host).__name__, fold.channel_spread(output_ranges), input_spread
-    )
+    spread = ChannelSpread(prefix + host.name, type(host).__name__, output_spread, input_spread)
+    # The copy's weights are its kernels, then its bias if it has one (`_copy_weights`).
+    return readiness.Host(spread, copy.weights[len(kernels) - 1], layout)
 
 
 def _affine_copy(bn, node):

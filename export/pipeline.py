@@ -97,7 +97,9 @@ def export(
     if fold:
         stage("fold")
     source, fold_report = (
-        fold_batch_norms(model, sig.pack(samples.probe)) if fold else (model, None)
+        fold_batch_norms(model, sig.pack(samples.probe), int8_readiness=fmt.quantization == "int8")
+        if fold
+        else (model, None)
     )
     stage("convert")
     content = fmt.convert(source, sig)

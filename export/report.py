@@ -21,13 +21,16 @@ import numpy as np
 
 from keras_bn.export import defaults
 
-#: int8 readiness: the channel spread (max / min over channels of max abs(w)) above which a
-#: folded host is an int8 risk. A weight tensor quantized per tensor has one int8 scale,
-#: max abs(w) / 127, so a channel whose largest weight is `spread` times smaller than the tensor's
-#: keeps only 127 / spread levels: above 10, under 13 (< 4 bits). On the digits MLP the
-#: per-tensor int8 file's error passes 5e-2 of the output scale between spreads 6.4 and 12.9;
-#: healthy trained hosts have spreads of 2 to 3 (benchmarks/bench_int8_spread.py).
+#: int8 readiness: the channel spread (max / min over channels of max abs(w)) above which the
+#: smallest channel of a folded kernel keeps under 13 int8 levels (127 / spread) where the kernel
+#: is quantized per tensor (one scale, max abs(w) / 127). Information, not a verdict: a tiny
+#: channel may carry next to nothing (a network-slimming model's γ ≈ 0 channels: spreads of
+#: 1e3 to 1e6, harmless), so the risk flags are measured (`INT8_READINESS_TOLERANCE`).
 INT8_SPREAD_THRESHOLD = 10.0
+#: int8 readiness: a folded host is an int8 risk when rounding its kernel alone to int8 moves
+#: the folded model's outputs by more than this fraction of an output channel's scale on the
+#: probe: the tolerance an int8 file is verified at (export/readiness.py measures it).
+INT8_READINESS_TOLERANCE = defaults.SCALE_TOLERANCES["int8"]
 
 
 def max_abs_error(actual, expected):
@@ -191,18 +194,32 @@ def histogram(op_names):
     return dict(collections.Counter(op_names).most_common())
 
 
-def over_threshold(spread, threshold=INT8_SPREAD_THRESHOLD):
-    """True when `spread` is above `threshold` or NaN (NaN never reads as fine)."""
-    return spread is not None and not spread <= threshold
+def over_tolerance(error, tolerance=INT8_READINESS_TOLERANCE):
+    """Whether a measured rounding error is over `tolerance`: None when not measured, True for
+    NaN (NaN never reads as fine).
+
+    Args:
+        error: a relative error, or None.
+        tolerance: the largest error that is fine.
+
+    Returns:
+        bool or None.
+    """
+    return None if error is None else not error <= tolerance
 
 
 @dataclasses.dataclass(frozen=True)
 class ChannelSpread:
-    """How far apart a folded host's per-channel weight ranges are: its int8 readiness.
+    """A folded host's int8 readiness: how far apart its channels' weight ranges are, and how
+    far rounding its weights to int8 moves the model's outputs.
 
     A backward fold multiplies each output channel of the host's kernel by its BN's γ/σ, a
     forward fold each input channel. Where one int8 scale covers channels of very different
-    ranges, the small ones round to a few levels, or to zero.
+    ranges, the small ones round to a few levels, or to zero; whether that matters depends on
+    what those channels carry, so it is measured (`fold_batch_norms(..., int8_readiness=True)`,
+    export/readiness.py): the folded model is run on the probe with this host's folded kernel
+    alone rounded to the symmetric narrow-range int8 grid, and each output channel is compared
+    with the unrounded folded model's against its own scale, as an int8 file is verified.
 
     Attributes:
         host: the host's name ("inner/conv" inside a nested model "inner").
@@ -213,32 +230,39 @@ class ChannelSpread:
             last axis is the output channels (the depthwise kernel is left as trained).
         input_spread: the same over input channels, for a host that took a forward fold;
             None otherwise.
+        per_tensor_error: the worst output channel's error, relative to its scale, of the
+            folded model with this host's kernel rounded to int8 with one scale for the whole
+            tensor; NaN for a non-finite weight or output; None when not measured.
+        per_channel_error: the same with one scale per output channel (TFLite's int8).
     """
 
     host: str
     layer: str
     output_spread: float
     input_spread: float | None = None
+    per_tensor_error: float | None = None
+    per_channel_error: float | None = None
 
     @property
     def int8_risk(self):
-        """True when a spread is over INT8_SPREAD_THRESHOLD (or NaN), so that precision is
-        lost where the weights are quantized per tensor (one scale for the whole kernel)."""
-        return over_threshold(self.output_spread) or over_threshold(self.input_spread)
+        """True when `per_tensor_error` is over INT8_READINESS_TOLERANCE (or NaN): precision
+        that matters is lost where the weights are quantized per tensor (one scale for the
+        whole kernel). None when not measured."""
+        return over_tolerance(self.per_tensor_error)
 
     @property
     def per_channel_int8_risk(self):
-        """True when the input spread is over the threshold (or NaN), so that precision is lost
-        even where each output channel has its own scale (TFLite's int8), since that scale
-        spans every input channel."""
-        return over_threshold(self.input_spread)
+        """True when `per_channel_error` is over INT8_READINESS_TOLERANCE (or NaN): precision is
+        lost even where each output channel has its own scale (TFLite's int8). None when not
+        measured."""
+        return over_tolerance(self.per_channel_error)
 
     def to_dict(self):
         """The fields and both risk flags, as a JSON-ready dict.
 
         Returns:
-            dict with `host`, `layer`, `output_spread`, `input_spread`, `int8_risk` and
-            `per_channel_int8_risk`.
+            dict with `host`, `layer`, `output_spread`, `input_spread`, `per_tensor_error`,
+            `per_channel_error`, `int8_risk` and `per_channel_int8_risk`.
         """
         return {
             **dataclasses.asdict(self),
@@ -294,8 +318,9 @@ class FoldReport(_OutputErrors):
         kept: KeptBN per batch norm kept as an InferenceAffine layer, with the reason.
         errors: output name → max abs(folded − original) on the probe.
         output_scales: output name → max abs(original output) on the probe.
-        channel_spreads: ChannelSpread per folded host, its int8 readiness; `int8_risks`
-            lists those over INT8_SPREAD_THRESHOLD.
+        channel_spreads: ChannelSpread per folded host, its int8 readiness (its rounding
+            errors measured only with `fold_batch_norms(..., int8_readiness=True)`);
+            `int8_risks` lists those whose error is over INT8_READINESS_TOLERANCE.
         worst_channels: output name → WorstChannel: the channel (last axis) furthest from
             the original relative to its own scale; `relative_errors` are theirs.
     """
@@ -308,27 +333,44 @@ class FoldReport(_OutputErrors):
     worst_channels: dict = dataclasses.field(default_factory=dict)
 
     @property
+    def int8_readiness_measured(self):
+        """Whether every host's rounding errors were measured (int8_readiness=True); True for
+        a model with no folded host, where there is nothing to measure."""
+        return all(spread.per_tensor_error is not None for spread in self.channel_spreads)
+
+    @property
     def int8_risks(self):
-        """The ChannelSpread of each host whose spread is over INT8_SPREAD_THRESHOLD (or
-        NaN): an int8 risk where weights are quantized per tensor (`per_channel_int8_risk`
-        says whether per-channel quantization, TFLite's, is affected too)."""
-        return [spread for spread in self.channel_spreads if spread.int8_risk]
+        """The ChannelSpread of each host whose measured rounding error is over
+        INT8_READINESS_TOLERANCE (or NaN), per tensor (`int8_risk`) or per channel
+        (`per_channel_int8_risk`, TFLite's int8); None when not measured
+        (`int8_readiness_measured` is False), which is not the same as no risk."""
+        if not self.int8_readiness_measured:
+            return None
+        return [
+            spread
+            for spread in self.channel_spreads
+            if spread.int8_risk or spread.per_channel_int8_risk
+        ]
 
     def to_dict(self):
         """The report as a JSON-ready dict: the fields (FoldedBN, KeptBN, ChannelSpread and
-        WorstChannel as dicts), `relative_errors`, `relative_error`, `int8_spread_threshold`
-        and `int8_risks` (the names of the hosts at risk).
+        WorstChannel as dicts), `relative_errors`, `relative_error`, `int8_spread_threshold`,
+        `int8_readiness_tolerance`, `int8_readiness_measured` and `int8_risks` (the names of
+        the hosts at risk; None when not measured).
 
         Returns:
             dict, as the CLI's `--report` file holds it under "fold".
         """
+        risks = self.int8_risks
         return {
             **dataclasses.asdict(self),
             "relative_errors": self.relative_errors,
             "relative_error": self.relative_error,
             "channel_spreads": [spread.to_dict() for spread in self.channel_spreads],
             "int8_spread_threshold": INT8_SPREAD_THRESHOLD,
-            "int8_risks": [spread.host for spread in self.int8_risks],
+            "int8_readiness_tolerance": INT8_READINESS_TOLERANCE,
+            "int8_readiness_measured": self.int8_readiness_measured,
+            "int8_risks": None if risks is None else [spread.host for spread in risks],
         }
 
 

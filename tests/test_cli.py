@@ -72,10 +72,49 @@ def test_int8_passes_its_default_tolerance(saved, tmp_path):
         tmp_path / "r.json",
     )
     assert result.returncode == 0, result.stderr
-    (export,) = json.loads((tmp_path / "r.json").read_text())["exports"]
+    report = json.loads((tmp_path / "r.json").read_text())
+    (export,) = report["exports"]
     assert (
         export["scale_tolerance"] == 1e-1 and export["passed"] and export["relative_error"] > 1e-4
     )
+    # int8 measures each folded host's int8 readiness.
+    assert report["fold"]["int8_readiness_measured"] is True
+    assert all(s["per_tensor_error"] is not None for s in report["fold"]["channel_spreads"])
+    assert "int8 readiness: not measured" not in result.stdout
+
+
+def test_int8_readiness_is_measured_on_request_and_said_when_not(saved, tmp_path):
+    """A float export measures nothing unless --int8-readiness asks; the summary and the
+    JSON say which, and the flags are the measured errors over the tolerance."""
+    for flag in ([], ["--int8-readiness"]):
+        result = run_cli(
+            saved / "cnn.keras",
+            "--onnx",
+            tmp_path / "m.onnx",
+            "--representative-data",
+            saved / "x.npy",
+            "--report",
+            tmp_path / "r.json",
+            *flag,
+        )
+        assert result.returncode == 0, result.stderr
+        fold = json.loads((tmp_path / "r.json").read_text())["fold"]
+        spreads = fold["channel_spreads"]
+        assert len(spreads) == 3 and fold["int8_readiness_tolerance"] == 1e-1
+        if not flag:
+            assert fold["int8_readiness_measured"] is False and fold["int8_risks"] is None
+            assert all(s["per_tensor_error"] is None and s["int8_risk"] is None for s in spreads)
+            assert "int8 readiness: not measured (--int8-readiness or --quantize int8" in (
+                result.stdout
+            )
+            continue
+        assert fold["int8_readiness_measured"] is True
+        for spread in spreads:
+            assert spread["int8_risk"] == (spread["per_tensor_error"] > 1e-1)
+            assert spread["per_channel_int8_risk"] == (spread["per_channel_error"] > 1e-1)
+        at_risk = [s["host"] for s in spreads if s["int8_risk"] or s["per_channel_int8_risk"]]
+        assert fold["int8_risks"] == at_risk
+        assert ("int8 risk:" if at_risk else "int8 readiness: rounding any one") in result.stdout
 
 
 def test_error_over_tolerance_exits_1_keeps_the_old_file_and_still_reports(saved, tmp_path):
@@ -311,6 +350,7 @@ def test_deprecated_atol_still_works_with_a_one_line_note(saved, tmp_path):
         (["--atol", "-1"], "--atol must be a positive finite number; received --atol=-1.0."),
         (["--atol", "1e-3", "--scale-tolerance", "1e-3"], "give --scale-tolerance only"),
         (["--quantize", "int8", "--tflite", "q.tflite"], "needs --representative-data"),
+        (["--int8-readiness", "--no-fold"], "--int8-readiness measures the folded hosts"),
         (["--bogus"], "unrecognized arguments: --bogus"),
     ],
 )
