@@ -333,7 +333,7 @@ class FoldReport(_OutputErrors):
     worst_channels: dict = dataclasses.field(default_factory=dict)
 
     @property
-    def int8_readiness_measured(self):
+    def int8_readiness_measured(self) -> bool:
         """Whether every host's rounding errors were measured (int8_readiness=True); True for
         a model with no folded host, where there is nothing to measure."""
         return all(spread.per_tensor_error is not None for spread in self.channel_spreads)
