@@ -423,12 +423,10 @@ def _tagged(tensor_name, tag):
 def _plain_interpreter(path):
     """An interpreter without the default delegate: its ops and tensors as the file holds them
     (a delegate shows partitions as DELEGATE ops)."""
-    interpreter = Interpreter(
+    return Interpreter(
         model_path=str(path),
         experimental_op_resolver_type=OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES,
     )
-    interpreter.allocate_tensors()
-    return interpreter
 
 
 def run(path, inputs):
