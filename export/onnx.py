@@ -167,6 +167,7 @@ class _QuantizedONNX(_ONNX):
     """A QAT model's file: QDQ from its export form, with int8 kernel initializers."""
 
     quantized = True
+    quantization = "int8"
 
     def __init__(self, opset):
         super().__init__(opset)

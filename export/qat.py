@@ -111,26 +111,26 @@ def check_exportable(model, format_name):
             f"in float, with the reasons), or export the float model with "
             f'quantization="int8" and representative_data.'
         )
-    unquantized = [
-        f"'{path}' ({', '.join(f'{n}=None' for n in names)})"
-        for path, layer in _layers(model)
-        if isinstance(layer, QAT_HOSTS)
-        for names in [[n for n in ("weight_bits", "activation_bits") if getattr(layer, n) is None]]
-        if names
-    ]
+    unquantized, unset = [], []
+    for path, layer in _layers(model):
+        if isinstance(layer, QAT_HOSTS):
+            floats = [
+                f"{n}=None" for n in ("weight_bits", "activation_bits") if getattr(layer, n) is None
+            ]
+            if floats:
+                unquantized.append(f"'{path}' ({', '.join(floats)})")
+        if isinstance(layer, QAT_LAYERS):
+            for quantizer in layer._flatten_layers(include_self=True):
+                if isinstance(quantizer, ActivationQuantizer) and not (
+                    quantizer.built and bool(quantizer.range_initialized.numpy())
+                ):
+                    inner = "" if quantizer is layer else f"/{quantizer.name}"
+                    unset.append(f"'{path}{inner}'")
     if unquantized:
         raise UnsupportedModelError(
             f"{format_name} export of '{model.name}' needs integer weights and activations, "
             f"but the QAT layers {', '.join(unquantized)} keep them in float."
         )
-    unset = [
-        f"'{path}'" if layer is outer else f"'{path}/{layer.name}'"
-        for path, outer in _layers(model)
-        if isinstance(outer, QAT_LAYERS)
-        for layer in outer._flatten_layers(include_self=True)
-        if isinstance(layer, ActivationQuantizer)
-        and not (layer.built and bool(layer.range_initialized.numpy()))
-    ]
     if unset:
         raise ValueError(
             f"The activation quantizers {', '.join(unset)} of '{model.name}' have not seen a "

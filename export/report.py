@@ -492,7 +492,8 @@ class ExportReport(_OutputErrors):
             output channel's scale; None for a QAT model's file, which is judged in output
             steps (`lsb_tolerance`).
         op_histogram: op name → count in the file.
-        quantization: the TFLite quantization, None for float32.
+        quantization: the TFLite quantization, None for float32; "int8" for a
+            quantization-aware model's files (TFLite full integer, ONNX QDQ).
         fold: the FoldReport, or None when fold=False.
         worst_channels: output name → WorstChannel on the probe: the channel furthest from
             the Keras model relative to its own scale; `relative_errors` are theirs, and
@@ -627,7 +628,9 @@ class VerificationError(Exception):
 
     Raised by `export_tflite` and `export_onnx` with strict=True. The file was not put at its
     path (any existing file there is unchanged); the message names the worst output and its
-    error, its worst channel and the samples it was measured on.
+    error, its worst channel and the samples it was measured on (for a quantization-aware
+    model: each output over its tolerance in output steps, each kernel not on its grid, and
+    the ops left in float).
 
     Args:
         report: the ExportReport of the rejected file.

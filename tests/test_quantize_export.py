@@ -26,7 +26,7 @@ from onnx import numpy_helper
 
 import digits
 import keras_bn
-from helpers import run_cli
+from helpers import docs_page, run_cli
 from keras_bn import KerasBNWarning
 from keras_bn._errors import UnsupportedModelError
 from keras_bn.export import (
@@ -274,6 +274,7 @@ def test_onnx_is_qdq_with_int8_weights_within_two_lsb(
     path = tmp_path / "m.onnx"
     result = export_onnx(model, path, probe=x_test)
     assert result.passed and result.fold is None and result.scale_tolerance is None
+    assert result.quantization == "int8" and result.float_ops is None
     step = _output_step(model)
     want = model(x_test, training=False)
     for level in (
@@ -408,6 +409,52 @@ def test_per_channel_dense_is_refused_by_tflite_and_written_by_onnx(tmp_path):
         export_tflite(model, tmp_path / "m.tflite")
     result = export_onnx(model, tmp_path / "m.onnx", probe=x)
     assert result.passed and all(w.matches for w in result.weights)
+
+
+def test_channels_first_hosts_export_to_onnx_and_are_refused_by_tflite(tmp_path):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((3, 7, 7))
+    x = L.Conv2D(4, 3, padding="same", use_bias=False, data_format="channels_first", name="conv")(
+        inputs
+    )
+    x = BN(axis=1)(x)
+    x = L.ReLU()(x)
+    x = L.DepthwiseConv2D(3, data_format="channels_first", name="dw")(x)
+    x = L.GlobalAveragePooling2D(data_format="channels_first")(x)
+    model = quantize_model(keras.Model(inputs, L.Dense(3, name="head")(x)), 4, 8)
+    model.compile("adam", "mse")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 3, 7, 7)).astype("float32")
+    model.fit(x, rng.normal(size=(64, 3)), batch_size=16, epochs=2, verbose=0)
+    result = export_onnx(model, tmp_path / "m.onnx", probe=x)
+    assert result.passed and len(result.weights) == 3
+    assert all(w.matches for w in result.weights)
+    with pytest.raises(
+        UnsupportedModelError, match=r"'conv_qat' hosts a Conv2D \(channels_first\)"
+    ):
+        export_tflite(model, tmp_path / "m.tflite")
+
+
+def test_the_export_guide_states_the_lsb_tolerance():
+    page = " ".join(docs_page("guide/export.md").split())
+    assert (
+        f"within {defaults.QAT_PERCENTILE_LSB:g} LSB on {defaults.QAT_PERCENTILE:g}% of its "
+        f"values and within {defaults.QAT_MAX_LSB:g} LSB on all of them"
+    ) in page
+
+
+def test_qat_layers_with_float_weights_or_outputs_are_refused_by_name(tmp_path):
+    dense = L.Dense(3, name="dense")
+    dense.build((None, 5))
+    inputs = keras.Input((5,), name="x")
+    quantized = keras_bn.quantize.ActivationQuantizer(name="x_quantizer")(inputs)
+    model = keras.Model(inputs, from_layers(dense, weight_bits=None, per_channel=False)(quantized))
+    model.compile("sgd", "mse")
+    x = np.random.default_rng(0).normal(size=(16, 5)).astype("float32")
+    model.fit(x, x[:, :3], verbose=0)
+    for exporter in (export_tflite, export_onnx):
+        with pytest.raises(UnsupportedModelError, match=r"'dense_qat' \(weight_bits=None\)"):
+            exporter(model, tmp_path / "m.out")
 
 
 # --------------------------------------------------------------------------- the checks can fail
