@@ -13,6 +13,9 @@ the real runtime (LiteRT, onnxruntime) against the Keras model, and renames it o
 only when every output channel is within tolerance of its own scale (else VerificationError,
 and the target keeps what it had); int8 files are judged on samples held out from calibration.
 Models may have several inputs and outputs; the reports have one error per output.
+A quantization-aware model (keras_bn.quantize) is written as its own int8, from its own ranges,
+and judged in units of each output's quantization step, its int8 weights read back from the file
+(`report.LsbError`, `report.WeightCheck`).
 A model structure the fold or an exporter cannot take raises `UnsupportedModelError`.
 
 The names are imported on first use (so the `keras-bn-export` command starts without loading

@@ -17,6 +17,12 @@ Everything that answers without exporting (--help, --version, a usage error) doe
 TensorFlow, Keras, tf2onnx or LiteRT are imported, so it is fast, and the environment defaults
 below (quiet TensorFlow logs, the TensorFlow Keras backend) are set before TensorFlow reads
 them.
+
+A quantization-aware model (a `.keras` file holding keras_bn.quantize layers) is exported as
+the API exports it: its own int8 (TFLite full integer, ONNX QDQ), not folded, with no
+calibration (`--representative-data` is then only the probe, and `--quantize` may only be
+int8), judged in units of each output's quantization step, so `--scale-tolerance` does not
+apply.
 """
 
 import argparse
@@ -74,7 +80,8 @@ def _parser():
     parser.add_argument(
         "--quantize",
         choices=[q for q in defaults.SCALE_TOLERANCES if q is not None],
-        help="TFLite quantization (int8 needs --representative-data)",
+        help="TFLite quantization (int8 needs --representative-data); a quantization-aware "
+        "model is always its own int8, from its own ranges",
     )
     parser.add_argument(
         "--representative-data",
@@ -84,7 +91,7 @@ def _parser():
         f"verified on {defaults.PROBE_SAMPLES} samples spread over them; int8 holds out a "
         f"quarter (at most {defaults.PROBE_SAMPLES}) to verify on, calibrates on up to "
         f"{defaults.CALIBRATION_SAMPLES} of the rest, and needs {defaults.INT8_MIN_SAMPLES} "
-        "or more",
+        "or more; a quantization-aware model is verified on them, not calibrated",
     )
     parser.add_argument(
         "--report",
@@ -109,7 +116,10 @@ def _parser():
         type=float,
         metavar="TOL",
         help="largest error allowed, as a fraction of each output's scale (max |output| on "
-        f"the probe); default per file: {defaults.describe_scale_tolerances()}",
+        f"the probe); default per file: {defaults.describe_scale_tolerances()}. A "
+        f"quantization-aware model's files are judged in output steps instead (at most "
+        f"{defaults.QAT_MAX_LSB:g} on every value, {defaults.QAT_PERCENTILE_LSB:g} on "
+        f"{defaults.QAT_PERCENTILE:g}%%)",
     )
     parser.add_argument(
         "--atol", type=float, metavar="TOL", help="deprecated: the old name of --scale-tolerance"
@@ -140,7 +150,11 @@ def _arguments(argv):
         raise _UsageError("--int8-readiness measures the folded hosts: drop --no-fold")
     if args.quantize and not args.tflite:
         raise _UsageError("--quantize applies to TFLite: give --tflite OUT too")
-    if args.quantize == "int8" and not args.representative_data:
+    if (
+        args.quantize == "int8"
+        and not args.representative_data
+        and not _quantization_aware_file(args.model)
+    ):
         raise _UsageError(
             "--quantize int8 needs --representative-data X.npy (X.npz for several inputs) to "
             "calibrate"
@@ -160,6 +174,22 @@ def _arguments(argv):
             f"backend; unset it or set KERAS_BACKEND=tensorflow"
         )
     return args
+
+
+def _quantization_aware_file(path):
+    """Whether a `.keras` file holds keras_bn.quantize layers, read from its config without
+    loading it (so that usage errors stay fast); False for anything unreadable, which the
+    load then reports."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            config = archive.read("config.json").decode("utf-8")
+    except (OSError, KeyError, zipfile.BadZipFile, UnicodeDecodeError):
+        return False
+    return f'"{QAT_PACKAGE}>' in config
+
+
+# The package the QAT layers are registered under (keras_bn.quantize's layers).
+QAT_PACKAGE = "keras_bn.quantize"
 
 
 def main(argv=None):
@@ -231,6 +261,7 @@ def _export(args, stage):
         export_tflite,
         fold_batch_norms,
         pipeline,
+        qat,
         trace,
     )
 
@@ -241,6 +272,20 @@ def _export(args, stage):
         model = keras.saving.load_model(args.model, compile=False, safe_mode=not args.unsafe)
     except LOAD_ERRORS as error:
         raise _UsageError(f"cannot load model file {args.model}: {_told(error)}") from error
+    quantization_aware = qat.is_quantized(model)
+    if quantization_aware:
+        if args.scale_tolerance is not None:
+            raise _UsageError(
+                f"{args.model} is a quantization-aware model: its files are judged in units of "
+                f"each output's quantization step, not at a fraction of its scale; leave out "
+                f"--scale-tolerance"
+            )
+        if args.quantize not in (None, "int8"):
+            raise _UsageError(
+                f"{args.model} is a quantization-aware model: its TFLite file is its own int8 "
+                f"(--quantize int8, the default for it); --quantize {args.quantize} applies to "
+                f"a float model"
+            )
     data = probe = None
     if args.representative_data:
         path = args.representative_data
@@ -290,7 +335,11 @@ def _export(args, stage):
     folds = [report.fold for report in exports if report.fold is not None]
     measured = [fold for fold in folds if fold.int8_readiness_measured]
     fold_report = (measured or folds or [None])[0]
-    if not args.no_fold and (fold_report is None or (args.int8_readiness and not measured)):
+    if (
+        not args.no_fold
+        and not quantization_aware
+        and (fold_report is None or (args.int8_readiness and not measured))
+    ):
         stage("fold")
         fold_report = fold_batch_norms(model, probe, int8_readiness=args.int8_readiness)[1]
 
@@ -303,6 +352,7 @@ def _export(args, stage):
     )
     summary = {
         "model": os.path.abspath(args.model),
+        "quantization_aware": quantization_aware,
         "fold": None if fold_report is None else fold_report.to_dict(),
         "fold_scale_tolerance": fold_tolerance,
         "exports": [report.to_dict() for report in exports],
@@ -374,7 +424,12 @@ def _finite_json(value):
 def _human_summary(summary):
     lines = [f"model: {summary['model']}"]
     fold = summary["fold"]
-    if fold is None:
+    if summary["quantization_aware"]:
+        lines.append(
+            "quantization-aware model: its batch norms are folded in its QAT layers; its files "
+            "are its own int8, from its own ranges (nothing calibrated), judged in output steps"
+        )
+    elif fold is None:
         lines.append("batch norms: not folded (--no-fold)")
     else:
         lines.append(
@@ -390,27 +445,73 @@ def _human_summary(summary):
         lines.append(
             f"{report['format']} ({quantization}): {report['path']}, {report['size_bytes']:,} bytes"
         )
-        for output, relative in report["relative_errors"].items():
-            settings = ", ".join(f"{k} {v:.2e}" for k, v in report["errors"][output].items())
-            channel = report["worst_channels"].get(output)
-            where = "" if channel is None else f", worst in channel {channel['channel']}"
-            lines.append(
-                f"  output {output}: error {relative:.2e} of its scale{where} (max abs: {settings})"
-            )
+        if report["lsb_tolerance"] is None:
+            lines += _scale_lines(report)
+        else:
+            lines += _lsb_lines(report)
         lines.append(_samples_line(report))
         lines.append(f"  ops: {ops}")
-        if report["passed"]:
-            lines.append(
-                f"  passed (tolerance {report['scale_tolerance']:g} of each channel's scale)"
+        if report["lsb_tolerance"] is None:
+            tolerance = f"tolerance {report['scale_tolerance']:g} of each channel's scale"
+        else:
+            bounds = report["lsb_tolerance"]
+            tolerance = (
+                f"tolerance: max {bounds['max_lsb']:g} LSB, {bounds['percentile']:g}th "
+                f"percentile {bounds['percentile_lsb']:g} LSB of each output's step"
             )
+        if report["passed"]:
+            lines.append(f"  passed ({tolerance})")
         else:
             lines.append(
-                f"  FAILED (tolerance {report['scale_tolerance']:g} of each channel's scale): not "
-                f"written; any existing file at the path is unchanged"
+                f"  FAILED ({tolerance}): not written; any existing file at the path is unchanged"
             )
     verdict = "passed" if summary["passed"] else "FAILED"
     lines.append(f"verification {verdict}")
     return "\n".join(lines)
+
+
+def _scale_lines(report):
+    """Each output's error as a fraction of its scale, per runtime setting."""
+    lines = []
+    for output, relative in report["relative_errors"].items():
+        settings = ", ".join(f"{k} {v:.2e}" for k, v in report["errors"][output].items())
+        channel = report["worst_channels"].get(output)
+        where = "" if channel is None else f", worst in channel {channel['channel']}"
+        lines.append(
+            f"  output {output}: error {relative:.2e} of its scale{where} (max abs: {settings})"
+        )
+    return lines
+
+
+def _lsb_lines(report):
+    """A QAT model's file: each output's error in its steps, the int8 weights read back and
+    the ops left in float."""
+    lines = []
+    for output, by_setting in report["lsb_errors"].items():
+        step = next(iter(by_setting.values()))["step"]
+        settings = ", ".join(
+            f"{setting} {error['max_lsb']:.3g} / {error['percentile_lsb']:.3g}"
+            for setting, error in by_setting.items()
+        )
+        lines.append(
+            f"  output {output}: error in LSB of its step {step:.3g}, max / "
+            f"{next(iter(by_setting.values()))['percentile']:g}th percentile: {settings}"
+        )
+    weights = report["weights"]
+    wrong = [w for w in weights if not w["matches"]]
+    bits = sorted({w["bits"] for w in weights})
+    lines.append(
+        f"  weights: {len(weights) - len(wrong)} of {len(weights)} kernels int8 on their "
+        f"{'/'.join(map(str, bits))}-bit grids in the file"
+    )
+    lines += [
+        f"    NOT its grid: {w['kernel']} of {w['host']} ({w['tensor'] or 'no int8 tensor'})"
+        for w in wrong
+    ]
+    if report["float_ops"] is not None:
+        floating = ", ".join(f"{name}×{count}" for name, count in report["float_ops"].items())
+        lines.append(f"  float ops: {floating or 'none (full integer)'}")
+    return lines
 
 
 def _samples_line(report):

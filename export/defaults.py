@@ -28,6 +28,13 @@ HALF_PRECISION_DTYPES = ("float16", "bfloat16")
 # the rest calibrate (trace.held_out_split); it needs INT8_MIN_SAMPLES (4 held out, 12 to
 # calibrate) at least.
 PROBE_SAMPLES = 64
+# A quantization-aware (QAT) model's file, in units of each output's quantization step (LSB):
+# at most QAT_PERCENTILE_LSB on QAT_PERCENTILE percent of the values and QAT_MAX_LSB on every
+# one (report.LsbTolerance). An integer runtime can land one level off at each layer where
+# TensorFlow rounds in float, and those steps add up along the layers.
+QAT_PERCENTILE = 99.0
+QAT_PERCENTILE_LSB = 2.0
+QAT_MAX_LSB = 4.0
 CALIBRATION_SAMPLES = 200
 HELD_OUT_FRACTION = 0.25
 INT8_MIN_SAMPLES = 16

@@ -6,6 +6,11 @@ function ("No Op registered for StatefulPartitionedCall"). The model is therefor
 those layers as one plain TensorFlow convolution op each (`plain_convolutions`), which tf2onnx
 converts to an ONNX Conv with its `group` attribute. A grouped Conv3D is refused: tf2onnx
 (1.17) writes it without its groups.
+
+A quantization-aware (QAT) model is written in QDQ form: its export form (export/qat.py) holds
+every activation range as an 8-bit FakeQuant op, which tf2onnx writes as a QuantizeLinear /
+DequantizeLinear pair, and its kernels as inputs of the traced function, which export/qdq.py
+then makes int8 initializers read by per-channel DequantizeLinear nodes.
 """
 
 import keras
@@ -14,9 +19,11 @@ import onnx
 import onnxruntime as ort
 import tensorflow as tf
 import tf2onnx
+from onnx import numpy_helper
 
 from keras_bn._errors import UnsupportedModelError, one_line
-from keras_bn.export import pipeline, trace
+from keras_bn.export import pipeline, qat, qdq, report, trace
+from keras_bn.quantize import hosts
 
 # Both ends of onnxruntime's optimiser: what the file says, and what ORT makes of it.
 SESSION_SETTINGS = {
@@ -26,6 +33,17 @@ SESSION_SETTINGS = {
 # An ONNX graph's inputs and outputs are values of one namespace; any string names them.
 NAMES = trace.NameRules(format="ONNX", one_namespace=True)
 L = keras.layers
+# The QAT hosts a file can hold, and each kernel's ONNX layout from its grid's channels-last
+# view, with the axis of its output channels: Conv (O, I/g, kh, kw) from (kh, kw, I/g, O), a
+# depthwise one (C·M, 1, kh, kw) from (kh, kw, 1, C·M); MatMul (in, out) as it is.
+QAT_HOSTS = (L.Dense, L.Conv2D, L.DepthwiseConv2D, L.SeparableConv2D)
+QAT_LAYOUTS = {
+    hosts.CONV: ((3, 2, 0, 1), 0),
+    hosts.DEPTHWISE: ((3, 2, 0, 1), 0),
+    hosts.DENSE: ((0, 1), 1),
+}
+# Per-axis DequantizeLinear.
+QAT_MIN_OPSET = 13
 
 
 def export_onnx(
@@ -42,20 +60,32 @@ def export_onnx(
 ):
     """Write `model` as an .onnx file at `path`, once it matches the Keras model in onnxruntime.
 
+    A quantization-aware model (one holding keras_bn.quantize layers, from `quantize_model`)
+    is written in QDQ form from its own weights and ranges: each kernel an int8 initializer
+    (the integers its layer rounds to) read by a DequantizeLinear, per output channel where
+    its weights are, and each activation a per-tensor uint8 QuantizeLinear/DequantizeLinear
+    pair on its range's grid. It is judged in units of each output's quantization step (the
+    report's `lsb_errors`: at most `defaults.QAT_MAX_LSB` steps on every value and
+    `defaults.QAT_PERCENTILE_LSB` on 99% of them), and its int8 weights are read back and
+    must equal that grid (`weights`).
+
     Args:
         model: a built Sequential or Functional Keras model; any number of inputs and outputs
             (lists, dicts), of any dtypes.
         path: the .onnx file to write. It is written to a temporary file in the same folder,
             validated with onnx.checker, run and compared, and only then renamed to `path`.
-        opset: the ONNX opset.
-        fold: fold the batch norms first (`fold_batch_norms`).
+        opset: the ONNX opset (13 or more for a quantization-aware model: per-axis
+            DequantizeLinear).
+        fold: fold the batch norms first (`fold_batch_norms`); a quantization-aware model's
+            layers hold theirs folded already, and it is not folded again.
         probe: inputs on which the file is compared with `model`, in any structure
             `model.predict` takes, whose outputs differ between samples; seeded random by
-            default.
+            default (64 samples for a quantization-aware model).
         scale_tolerance: the largest error allowed, as a fraction of each output channel's
             scale (max abs(output) in that channel on the probe); default 1e-4
             (`defaults.FLOAT32_SCALE_TOLERANCE`), or 1e-2 for a model that computes in
-            float16 or bfloat16 (a mixed-precision policy).
+            float16 or bfloat16 (a mixed-precision policy). Not for a quantization-aware
+            model, judged in output steps.
         strict: raise VerificationError (and write nothing) when the file is over
             `scale_tolerance`; False writes it anyway and returns the report (`report.passed`
             is False).
@@ -65,17 +95,22 @@ def export_onnx(
 
     Returns:
         ExportReport: the error of each output (and its worst channel) in onnxruntime with
-        graph optimisation disabled and enabled, the file's op histogram and its size.
+        graph optimisation disabled and enabled, the file's op histogram and its size; for a
+        quantization-aware model also the errors in output steps and the weights read back.
 
     Raises:
         VerificationError: the file is over `scale_tolerance` (or not finite) and strict is
             True; any file at `path` is unchanged.
         UnsupportedModelError: a model structure the export cannot take (a subclassed or
             unbuilt model, a layer whose config does not round-trip, an input and an output
-            dict key with the same name), named; a TypeError and a ValueError.
+            dict key with the same name); for a quantization-aware model, a layer kept in
+            float, a QAT layer with float weights or output, a host other than Dense, Conv2D
+            (ungrouped), DepthwiseConv2D or SeparableConv2D, or an output no quantizer
+            rounds; named; a TypeError and a ValueError.
         ValueError: a bad argument (both `scale_tolerance` and `atol`, say), a probe that does
             not fit the model or on which an output is the same for every sample, or a file
-            that onnx.checker rejects.
+            that onnx.checker rejects; for a quantization-aware model, a scale_tolerance, an
+            opset under 13, or an activation quantizer that never saw a training batch.
         OSError: `path` cannot be written, or is a folder, FIFO or device (refused before
             converting).
     """
@@ -83,7 +118,7 @@ def export_onnx(
     return pipeline.export(
         model,
         path,
-        _ONNX(opset),
+        (_QuantizedONNX if qat.is_quantized(model) else _ONNX)(opset),
         scale_tolerance=scale_tolerance,
         strict=strict,
         fold=fold,
@@ -126,6 +161,119 @@ class _ONNX(pipeline.Format):
 
     def op_names(self, path):
         return [node.op_type for node in onnx.load(path).graph.node]
+
+
+class _QuantizedONNX(_ONNX):
+    """A QAT model's file: QDQ from its export form, with int8 kernel initializers."""
+
+    quantized = True
+    quantization = "int8"
+
+    def __init__(self, opset):
+        super().__init__(opset)
+        if opset < QAT_MIN_OPSET:
+            raise ValueError(
+                f"A quantization-aware model's ONNX file needs opset {QAT_MIN_OPSET} or more "
+                f"(per-channel DequantizeLinear); received opset={opset!r}."
+            )
+        self._weights = []
+
+    def check_model(self, model):
+        super().check_model(model)
+        for layer in model._flatten_layers(include_self=False):
+            if not isinstance(layer, qat.QAT_HOSTS):
+                continue
+            host = layer.host
+            if type(host) not in QAT_HOSTS or getattr(host, "groups", 1) > 1:
+                raise UnsupportedModelError(
+                    f"ONNX export of a quantization-aware model takes Dense, Conv2D "
+                    f"(ungrouped), DepthwiseConv2D and SeparableConv2D hosts; '{layer.name}' "
+                    f"hosts a {type(host).__name__}"
+                    f"{f' with groups={host.groups}' if type(host) in QAT_HOSTS else ''}."
+                )
+
+    def convert(self, model, sig):
+        """The export form traced with each kernel an input named by its tag (tf2onnx keeps
+        input names, not constants'), then the kernels made int8 (export/qdq.py)."""
+        self._weights = qat.host_weights(model, taken=(*sig.input_names, *sig.output_names))
+        kernels = {}  # tag → the traced function's input, while it is traced
+        traced = qat.export_model(model, self._weights, lambda weight: kernels[weight.tag])
+        specs = [
+            *sig.input_specs,
+            *(tf.TensorSpec(w.grid.q.shape, tf.float32, name=w.tag) for w in self._weights),
+        ]
+        count = len(sig.input_names)
+
+        def infer(*tensors):
+            kernels.update(zip((w.tag for w in self._weights), tensors[count:]))
+            feed = dict(zip(sig.input_names, tensors[:count]))
+            results = traced(sig.pack(feed), training=False)
+            return dict(zip(sig.output_names, keras.tree.flatten(results)))
+
+        function = tf.function(infer, input_signature=specs)
+        proto, _ = tf2onnx.convert.from_function(function, input_signature=specs, opset=self.opset)
+        qdq.int8_weights(proto, self._weights)
+        return proto.SerializeToString()
+
+    def check_weights(self, path):
+        graph = onnx.load(path).graph
+        initializers = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
+        producers = {name: node for node in graph.node for name in node.output}
+        consumers = {}
+        for node in graph.node:
+            for index, name in enumerate(node.input):
+                consumers.setdefault(name, []).append((node, index))
+        return [
+            _weight_check(weight, initializers, producers, consumers) for weight in self._weights
+        ]
+
+
+def _weight_check(weight, initializers, producers, consumers):
+    """The report.WeightCheck of one kernel: its int8 initializer, read by a DequantizeLinear
+    whose output is input 1 of a Conv, MatMul or Gemm and nothing else, in that op's layout."""
+    names = qdq.kernel_names(weight)
+    q = initializers.get(names["quantized"])
+    if q is None:
+        return report.WeightCheck(
+            weight.host, weight.kernel, weight.grid.bits, None, None, None, False
+        )
+    layout, axis = QAT_LAYOUTS[weight.layout_kind]
+    dequantize = producers.get(names["dequantized"])
+    readers = consumers.get(names["dequantized"], [])
+    matches = (
+        dequantize is not None
+        and dequantize.op_type == "DequantizeLinear"
+        and list(dequantize.input) == [names["quantized"], names["scale"], names["zero_point"]]
+        and len(readers) == 1
+        and readers[0][1] == 1
+        and readers[0][0].op_type in qdq.WEIGHT_CONSUMERS
+    )
+    if matches:
+        expected = weight.grid.q.transpose(layout)
+        transposed = any(
+            a.name == "transB" and a.i for a in readers[0][0].attribute
+        )  # a Gemm reading (out, in)
+        if transposed:
+            expected, axis = expected.T, 1 - axis
+        attributes = {a.name: a.i for a in dequantize.attribute}
+        scale = initializers[names["scale"]]
+        matches = bool(
+            q.dtype == np.int8
+            and q.shape == expected.shape
+            and np.array_equal(q, expected)
+            and not np.any(initializers[names["zero_point"]])
+            and np.array_equal(scale, np.asarray(weight.grid.scale, np.float32))
+            and (not weight.grid.per_channel or attributes.get("axis", 1) == axis)
+        )
+    return report.WeightCheck(
+        weight.host,
+        weight.kernel,
+        weight.grid.bits,
+        names["quantized"],
+        q.dtype.name,
+        int(np.abs(q.astype(np.int64)).max(initial=0)),
+        matches,
+    )
 
 
 def _plain_convolution(layer, inputs, kernel):

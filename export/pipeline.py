@@ -10,13 +10,18 @@ its own scale (`report.compare`); for a format that calibrates (int8), on sample
 calibration, with the error on calibration samples reported beside it. A file over the
 tolerance raises `VerificationError` and the target path keeps what it had (strict=False
 writes it anyway).
+
+A quantization-aware (QAT) model (`Format.quantized`) takes the same steps, but is not folded
+(its layers hold their batch norms folded already), is converted from its export form
+(export/qat.py), and is judged in units of each output's quantization step, with its int8
+weights read back from the file (`Format.check_weights`, `Format.float_ops`).
 """
 
 import os
 import typing
 import warnings
 
-from keras_bn.export import atomic, defaults, report, trace
+from keras_bn.export import atomic, defaults, qat, report, trace
 from keras_bn.export.graph import fold_batch_norms
 
 
@@ -39,6 +44,7 @@ class Format:
     name = ""
     quantization = None
     names = trace.ANY_NAMES  # the names its files can hold
+    quantized = False  # a QAT model: converted from its export form, judged in output steps
 
     def default_scale_tolerance(self):
         """The tolerance when the caller gives none, as a fraction of each output's scale."""
@@ -46,8 +52,13 @@ class Format:
 
     def samples(self, sig, probe):
         """The Samples to verify on: `probe` (a structure `model.predict` takes) when given,
-        else seeded random input; nothing calibrated."""
-        return Samples(trace.random_feed(sig) if probe is None else trace.feed(sig, probe))
+        else seeded random input (`defaults.PROBE_SAMPLES` samples for a QAT model, whose
+        output percentiles need many values); nothing calibrated."""
+        if probe is not None:
+            return Samples(trace.feed(sig, probe))
+        if self.quantized:
+            return Samples(trace.random_feed(sig, batch=defaults.PROBE_SAMPLES))
+        return Samples(trace.random_feed(sig))
 
     def check_model(self, model):
         """Raise a one-line UnsupportedModelError for a model the converter is known to get
@@ -69,6 +80,16 @@ class Format:
         """The name of every op in the file (repeated as often as it occurs)."""
         raise NotImplementedError
 
+    def check_weights(self, path):
+        """For a QAT model: a report.WeightCheck per kernel `convert` wrote, read from the
+        file."""
+        raise NotImplementedError
+
+    def float_ops(self, path):
+        """For a QAT model: op name → count of the file's ops that compute in float, or None
+        where the format does not tell (ONNX's QDQ form computes between its pairs)."""
+        return None
+
 
 def export(
     model, path, fmt, scale_tolerance=None, strict=True, fold=True, probe=None, on_stage=None
@@ -77,7 +98,14 @@ def export(
 
     See export_tflite / export_onnx for the arguments; returns the ExportReport.
     """
-    if scale_tolerance is None:
+    if fmt.quantized:
+        if scale_tolerance is not None:
+            raise ValueError(
+                f"A quantization-aware model's file is judged in units of each output's "
+                f"quantization step ({_LSB_TOLERANCE}), not at a fraction of its scale; "
+                f"received scale_tolerance={scale_tolerance!r}."
+            )
+    elif scale_tolerance is None:
         scale_tolerance = default_scale_tolerance(model, fmt)
     else:
         scale_tolerance = defaults.check_scale_tolerance(scale_tolerance)
@@ -86,6 +114,10 @@ def export(
     atomic.target(path)  # a folder or a device fails here, not after the conversion
     sig = trace.signature(model, fmt.names)
     fmt.check_model(model)
+    steps = None
+    if fmt.quantized:
+        qat.check_exportable(model, fmt.names.format)
+        steps = dict(zip(sig.output_names, qat.output_steps(model)))
     samples = fmt.samples(sig, probe)
     expected = trace.outputs(model, sig, samples.probe)
     report.check_varies(expected, samples.probe.what)
@@ -94,6 +126,7 @@ def export(
         in_sample = trace.spread_samples(samples.calibration, defaults.PROBE_SAMPLES)
         expected_in_sample = trace.outputs(model, sig, in_sample)
     stage = on_stage or (lambda name: None)
+    fold = fold and not fmt.quantized  # a QAT model's layers hold their batch norms folded
     if fold:
         stage("fold")
     source, fold_report = (
@@ -103,16 +136,25 @@ def export(
     )
     stage("convert")
     content = fmt.convert(source, sig)
+    # A QAT file's per-channel errors are reported (at int8's channel floor), not judged.
+    channel_tolerance = defaults.SCALE_TOLERANCES["int8"] if fmt.quantized else scale_tolerance
 
     def verify(written):
         fmt.check_file(written, path)
-        errors, scales, channels = report.compare(
-            expected, fmt.run(written, samples.probe), scale_tolerance
-        )
+        actual = fmt.run(written, samples.probe)
+        errors, scales, channels = report.compare(expected, actual, channel_tolerance)
         in_sample_errors = in_sample_channels = None
         if in_sample is not None:
             in_sample_errors, _, in_sample_channels = report.compare(
                 expected_in_sample, fmt.run(written, in_sample), scale_tolerance
+            )
+        quantized = {}
+        if fmt.quantized:
+            quantized = dict(
+                lsb_errors=report.lsb_errors(expected, actual, steps, defaults.QAT_PERCENTILE),
+                lsb_tolerance=_LSB_TOLERANCE,
+                weights=fmt.check_weights(written),
+                float_ops=fmt.float_ops(written),
             )
         result = report.ExportReport(
             format=fmt.name,
@@ -131,6 +173,7 @@ def export(
             calibration_samples=(
                 None if samples.calibration is None else samples.calibration.samples
             ),
+            **quantized,
         )
         if strict and not result.passed:
             raise report.VerificationError(result)
@@ -138,6 +181,11 @@ def export(
 
     stage("verify")
     return atomic.write_bytes(path, content, check=verify)
+
+
+_LSB_TOLERANCE = report.LsbTolerance(
+    defaults.QAT_MAX_LSB, defaults.QAT_PERCENTILE, defaults.QAT_PERCENTILE_LSB
+)
 
 
 def default_scale_tolerance(model, fmt=None):

@@ -11,6 +11,11 @@ one that is not first.
 
 A probe whose outputs are the same for every sample is refused (`check_varies`): a file that
 ignores its input would match it.
+
+A quantization-aware (QAT) model's file is judged in units of each output's quantization step
+instead (`lsb_errors`, `LsbTolerance`), and its int8 weights are read back (`WeightCheck`): it
+computes the model's own integer arithmetic, so its error is a few steps of the output's grid,
+whatever the output's scale.
 """
 
 import collections
@@ -187,6 +192,143 @@ def check_varies(expected, what):
                 f"|output| {scale(value):.3g}): a file that ignores its input would match it. "
                 f"Give samples on which the model's outputs differ (real inputs)."
             )
+
+
+@dataclasses.dataclass(frozen=True)
+class LsbError:
+    """One output's error in units of its quantization step (LSB), for a QAT model's file.
+
+    Attributes:
+        step: the output's step: the scale of the int8 grid it is read from.
+        max_lsb: max |file − Keras| / step over every value of the output (inf for a wrong
+            shape or a missing output, NaN for a non-finite value).
+        percentile_lsb: the `percentile`-th percentile of |file − Keras| / step over every
+            value of the output (samples × positions × channels).
+        percentile: which percentile (`defaults.QAT_PERCENTILE`, 99).
+        off_share: the share of values off by more than half a step: on another level of
+            the grid than the Keras model's.
+    """
+
+    step: float
+    max_lsb: float
+    percentile_lsb: float
+    percentile: float
+    off_share: float
+
+
+@dataclasses.dataclass(frozen=True)
+class LsbTolerance:
+    """What a QAT model's file may differ from the Keras model by, in output steps.
+
+    An integer runtime requantizes each layer with fixed-point arithmetic where TensorFlow
+    rounds in float, so a value can land one level off at any layer, and such differences add
+    up along the layers; a wrong file (a wrong scale, kernel layout or range, a lost channel)
+    is off by many steps on most values. So most values must be within `percentile_lsb`, and
+    every value within `max_lsb`.
+
+    Attributes:
+        max_lsb: the largest error allowed on any value.
+        percentile: the percentile judged against `percentile_lsb`.
+        percentile_lsb: the largest error allowed at that percentile.
+    """
+
+    max_lsb: float
+    percentile: float
+    percentile_lsb: float
+
+    def admits(self, error):
+        """Whether `error` is within both bounds (NaN never is).
+
+        Args:
+            error: an LsbError.
+
+        Returns:
+            bool.
+        """
+        return bool(error.max_lsb <= self.max_lsb and error.percentile_lsb <= self.percentile_lsb)
+
+    def __str__(self):
+        return (
+            f"max {self.max_lsb:g} LSB, {self.percentile:g}th percentile {self.percentile_lsb:g} "
+            f"LSB of each output's step"
+        )
+
+
+def lsb_error(actual, expected, step, percentile):
+    """The LsbError of one output of one runtime setting.
+
+    Args:
+        actual: the file's output (None for a missing one).
+        expected: the Keras model's.
+        step: the output's step.
+        percentile: the percentile to report.
+
+    Returns:
+        LsbError: inf errors for a missing output or a wrong shape; NaN ones for a
+        non-finite value.
+    """
+    expected = np.asarray(expected, np.float64)
+    if actual is None or np.shape(actual) != expected.shape:
+        return LsbError(step, float("inf"), float("inf"), percentile, 1.0)
+    errors = np.abs(np.asarray(actual, np.float64) - expected).reshape(-1) / step
+    if errors.size == 0:
+        return LsbError(step, 0.0, 0.0, percentile, 0.0)
+    if not np.all(np.isfinite(errors)):
+        return LsbError(step, float("nan"), float("nan"), percentile, float("nan"))
+    return LsbError(
+        step,
+        float(errors.max()),
+        float(np.percentile(errors, percentile)),
+        percentile,
+        float(np.mean(errors > 0.5)),
+    )
+
+
+def lsb_errors(expected, actual, steps, percentile):
+    """Every output of every runtime setting against the Keras model, in output steps.
+
+    Args:
+        expected: {output name: Keras output}.
+        actual: {runtime setting: {output name: array}}.
+        steps: {output name: its step}.
+        percentile: the percentile to report.
+
+    Returns:
+        output name → {setting: LsbError}.
+    """
+    return {
+        name: {
+            setting: lsb_error(outputs.get(name), value, steps[name], percentile)
+            for setting, outputs in actual.items()
+        }
+        for name, value in expected.items()
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightCheck:
+    """A QAT host's kernel as the written file holds it, against the grid the model rounds to.
+
+    Attributes:
+        host: the QAT layer's path.
+        kernel: "kernel", or "depthwise_kernel" (a separable host's).
+        bits: the weights' bits: the file's integers must lie in ±(2^(bits−1) − 1).
+        tensor: the name of the file's tensor (TFLite) or initializer (ONNX) that holds it;
+            None when the file has none.
+        dtype: its dtype in the file ("int8" when right), or None.
+        max_abs_q: the largest |integer| in it, or None.
+        matches: whether its integers equal `fake_quant.weight_grid` of the host's folded
+            weights exactly, in the file's layout, with the same scales (to float32
+            rounding).
+    """
+
+    host: str
+    kernel: str
+    bits: int
+    tensor: str | None
+    dtype: str | None
+    max_abs_q: int | None
+    matches: bool
 
 
 def histogram(op_names):
@@ -389,9 +531,11 @@ class ExportReport(_OutputErrors):
             ("litert"; "ort_disabled" and "ort_enabled" for onnxruntime's optimiser).
         output_scales: output name → max abs(Keras output) on the probe.
         scale_tolerance: the tolerance: the largest error allowed, as a fraction of each
-            output channel's scale.
+            output channel's scale; None for a QAT model's file, which is judged in output
+            steps (`lsb_tolerance`).
         op_histogram: op name → count in the file.
-        quantization: the TFLite quantization, None for float32.
+        quantization: the TFLite quantization, None for float32; "int8" for a
+            quantization-aware model's files (TFLite full integer, ONNX QDQ).
         fold: the FoldReport, or None when fold=False.
         worst_channels: output name → WorstChannel on the probe: the channel furthest from
             the Keras model relative to its own scale; `relative_errors` are theirs, and
@@ -404,6 +548,16 @@ class ExportReport(_OutputErrors):
             calibration samples; None for other files.
         probe_samples: the number of samples the file was verified on.
         calibration_samples: for int8, the number of samples it was calibrated with.
+        lsb_errors: for a QAT model's file, output name → {setting → LsbError}: the error in
+            units of the output's step, which `passed` judges; None for other files.
+        lsb_tolerance: for a QAT model's file, the LsbTolerance it is judged at; None for
+            other files.
+        weights: for a QAT model's file, a WeightCheck per fake-quantized kernel, which must
+            all match; None for other files.
+        float_ops: for a QAT model's TFLite file, op name → count of the ops that compute in
+            float (their input or output is a float tensor; the float input's QUANTIZE and
+            the float output's DEQUANTIZE are not counted): empty for a full-integer file,
+            which `passed` requires; None for other files.
     """
 
     format: str
@@ -411,7 +565,7 @@ class ExportReport(_OutputErrors):
     size_bytes: int
     errors: dict
     output_scales: dict
-    scale_tolerance: float
+    scale_tolerance: float | None
     op_histogram: dict
     quantization: str | None = None
     fold: FoldReport | None = None
@@ -420,16 +574,47 @@ class ExportReport(_OutputErrors):
     in_sample_worst_channels: dict | None = None
     probe_samples: int | None = None
     calibration_samples: int | None = None
+    lsb_errors: dict | None = None
+    lsb_tolerance: LsbTolerance | None = None
+    weights: list | None = None
+    float_ops: dict | None = None
 
     def _error_by_output(self):
         return {name: worst(by_setting.values()) for name, by_setting in self.errors.items()}
 
     @property
     def passed(self):
-        """The worst channel of every output, in every runtime setting, within
-        `scale_tolerance` of its scale on the probe (NaN fails). The in-sample errors are
-        reported, not judged."""
-        return bool(self.relative_error <= self.scale_tolerance)
+        """For a float model's file: the worst channel of every output, in every runtime
+        setting, within `scale_tolerance` of its scale on the probe (NaN fails); the
+        in-sample errors are reported, not judged. For a QAT model's file: every output of
+        every setting within `lsb_tolerance`, every WeightCheck matching and no float op."""
+        if self.lsb_tolerance is None:
+            return bool(self.relative_error <= self.scale_tolerance)
+        return (
+            all(
+                self.lsb_tolerance.admits(error)
+                for by_setting in (self.lsb_errors or {}).values()
+                for error in by_setting.values()
+            )
+            and all(check.matches for check in self.weights or ())
+            and not self.float_ops
+        )
+
+    @property
+    def max_lsb_error(self):
+        """For a QAT model's file, the largest `LsbError.max_lsb` over the outputs and
+        settings (NaN if any is NaN); None for other files."""
+        if self.lsb_errors is None:
+            return None
+        return worst(e.max_lsb for s in self.lsb_errors.values() for e in s.values())
+
+    @property
+    def percentile_lsb_error(self):
+        """For a QAT model's file, the largest `LsbError.percentile_lsb` over the outputs and
+        settings (NaN if any is NaN); None for other files."""
+        if self.lsb_errors is None:
+            return None
+        return worst(e.percentile_lsb for s in self.lsb_errors.values() for e in s.values())
 
     @property
     def in_sample_relative_errors(self):
@@ -458,8 +643,9 @@ class ExportReport(_OutputErrors):
 
     def to_dict(self):
         """The report as a JSON-ready dict: the fields (`fold` as `FoldReport.to_dict`,
-        WorstChannel as dicts), plus `max_abs_error`, `relative_errors`, `relative_error`,
-        `in_sample_relative_errors`, `in_sample_relative_error` and `passed`.
+        WorstChannel, LsbError, LsbTolerance and WeightCheck as dicts), plus `max_abs_error`,
+        `relative_errors`, `relative_error`, `in_sample_relative_errors`,
+        `in_sample_relative_error`, `max_lsb_error`, `percentile_lsb_error` and `passed`.
 
         Returns:
             dict, as the CLI's `--report` file lists it under "exports".
@@ -472,6 +658,8 @@ class ExportReport(_OutputErrors):
             relative_error=self.relative_error,
             in_sample_relative_errors=self.in_sample_relative_errors,
             in_sample_relative_error=self.in_sample_relative_error,
+            max_lsb_error=self.max_lsb_error,
+            percentile_lsb_error=self.percentile_lsb_error,
             passed=self.passed,
         )
         return data
@@ -482,7 +670,9 @@ class VerificationError(Exception):
 
     Raised by `export_tflite` and `export_onnx` with strict=True. The file was not put at its
     path (any existing file there is unchanged); the message names the worst output and its
-    error, its worst channel and the samples it was measured on.
+    error, its worst channel and the samples it was measured on (for a quantization-aware
+    model: each output over its tolerance in output steps, each kernel not on its grid, and
+    the ops left in float).
 
     Args:
         report: the ExportReport of the rejected file.
@@ -494,6 +684,9 @@ class VerificationError(Exception):
 
     def __init__(self, report):
         self.report = report
+        if report.lsb_tolerance is not None:
+            super().__init__(_quantized_failure(report))
+            return
         relative_errors = report.relative_errors
         worst_name = max(
             relative_errors, key=lambda n: np.nan_to_num(relative_errors[n], nan=np.inf)
@@ -513,3 +706,32 @@ class VerificationError(Exception):
             f"{samples}, over scale_tolerance={report.scale_tolerance:g}; the file was not "
             f"written (any existing file is unchanged). Pass strict=False to write it anyway."
         )
+
+
+def _quantized_failure(report):
+    """VerificationError's message for a QAT model's file: what it failed on."""
+    problems = []
+    for name, by_setting in report.lsb_errors.items():
+        for setting, error in by_setting.items():
+            if not report.lsb_tolerance.admits(error):
+                problems.append(
+                    f"output '{name}' ({setting}) is off by {error.max_lsb:.3g} LSB at most and "
+                    f"{error.percentile_lsb:.3g} LSB at the {error.percentile:g}th percentile "
+                    f"(step {error.step:.3g})"
+                )
+    for check in report.weights or ():
+        if check.tensor is None:
+            problems.append(f"the {check.kernel} of '{check.host}' is not an int8 weight of it")
+        elif not check.matches:
+            problems.append(
+                f"the {check.kernel} of '{check.host}' ({check.tensor}, {check.dtype}) is not "
+                f"its {check.bits}-bit grid"
+            )
+    if report.float_ops:
+        ops = ", ".join(f"{name}×{count}" for name, count in report.float_ops.items())
+        problems.append(f"it computes in float: {ops}")
+    return (
+        f"The {report.format} file for {report.path} does not compute the quantization-aware "
+        f"model: {'; '.join(problems)} (tolerance: {report.lsb_tolerance}); the file was not "
+        f"written (any existing file is unchanged). Pass strict=False to write it anyway."
+    )

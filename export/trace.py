@@ -98,9 +98,7 @@ def signature(model, rules=ANY_NAMES):
     inputs = getattr(model, "_inputs_struct", None)
     if inputs is None:  # Sequential
         inputs = model.inputs[0] if len(model.inputs) == 1 else list(model.inputs)
-    outputs = getattr(model, "_outputs_struct", None)
-    if outputs is None:
-        outputs = model.outputs[0] if len(model.outputs) == 1 else list(model.outputs)
+    outputs = _outputs_struct(model)
     input_leaves, output_leaves = _leaves(inputs), _leaves(outputs)
     user_inputs = [user for user, _ in input_leaves if user is not None]
     user_outputs = [user for user, _ in output_leaves if user is not None]
@@ -117,6 +115,19 @@ def signature(model, rules=ANY_NAMES):
         for name, t in zip(input_names, keras.tree.flatten(inputs))
     )
     return Signature(input_names, input_keys, specs, output_names, inputs)
+
+
+def _outputs_struct(model):
+    outputs = getattr(model, "_outputs_struct", None)
+    if outputs is None:  # Sequential
+        outputs = model.outputs[0] if len(model.outputs) == 1 else list(model.outputs)
+    return outputs
+
+
+def output_tensors(model):
+    """A Sequential or Functional model's symbolic output tensors, in `Signature.output_names`
+    order (the flattened output structure)."""
+    return keras.tree.flatten(_outputs_struct(model))
 
 
 def _leaves(structure):

@@ -17,6 +17,9 @@ switches it to the folded BN for good.
 - `from_layers`: a QAT layer from existing host, BN and activation layers, weights copied.
 - `FreezeBatchNorm`, `freeze_batch_norm`, `freeze_ranges`.
 
+`keras_bn.export.export_tflite` and `export_onnx` write a trained QAT model as its own integer
+arithmetic (full-integer TFLite, ONNX QDQ), traced from each layer's `export_function`.
+
 Example::
 
     qat = keras_bn.quantize.quantize_model(float_model)

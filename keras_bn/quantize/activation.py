@@ -1,5 +1,6 @@
 """ActivationQuantizer: per-tensor asymmetric fake quantization over an EMA range."""
 
+from collections.abc import Callable
 from typing import Any
 
 import keras
@@ -113,6 +114,49 @@ class ActivationQuantizer(keras.layers.Layer):
         self.range_max.assign(high)
         self.range_initialized.assign(initialized)
         return low, high, initialized
+
+    def grid(self) -> fake_quant.ActivationGrid:
+        """The grid the layer's inference rounds to: its stored range, as the op nudges it.
+
+        Returns:
+            fake_quant.ActivationGrid.
+
+        Raises:
+            ValueError: the layer is not built, or has not seen a training batch (it has no
+                range; its inference passes its input through).
+        """
+        if not self.built:
+            raise ValueError(f"Activation quantizer '{self.name}' is not built: it has no range.")
+        if not bool(self.range_initialized.numpy()):
+            raise ValueError(
+                f"Activation quantizer '{self.name}' has not seen a training batch, so it has "
+                f"no range: its inference passes its input through unquantized, and no integer "
+                f"file can compute that. Train the model (a few QAT steps set every range) "
+                f"before exporting it."
+            )
+        return fake_quant.activation_grid(
+            float(self.range_min.numpy()), float(self.range_max.numpy()), self.bits
+        )
+
+    def export_function(self) -> Callable[[Any], Any]:
+        """The layer's inference as an exporter traces it, from the range it holds now.
+
+        The range is read once, here, and becomes constants of the function:
+        `fake_quant.export_activations` on `grid()`, with 8-bit FakeQuant ops only, which
+        computes what `call(x, training=False)` computes.
+
+        Returns:
+            A function of a float tensor.
+
+        Raises:
+            ValueError: as `grid`.
+        """
+        grid = self.grid()
+
+        def quantize(inputs):
+            return fake_quant.export_activations(tf.cast(inputs, tf.float32), grid)
+
+        return quantize
 
     def compute_output_shape(self, input_shape):
         """The output shape: `input_shape` itself.

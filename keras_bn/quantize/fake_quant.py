@@ -19,7 +19,13 @@ scale = (max − min)/(q_hi − q_lo), zero point z = round(q_lo − min/scale) 
 `nudged_grid` and `weight_grid` are the same arithmetic in float32 numpy, which the exporters
 use to read the integers and scales a file must hold; they give TensorFlow's CPU kernel's
 integers exactly (XLA multiplies by 1/scale instead of dividing, which can move a value that
-lies on a rounding boundary to the other integer).
+lies on a rounding boundary to the other integer). `WeightGrid` and `ActivationGrid` hold one
+tensor's grid for the exporters.
+
+Converters take 8-bit FakeQuant ops only (the TFLite converter refuses a k-bit activation
+tensor and re-rounds 3- and 5..7-bit weights onto its own storage grid; tf2onnx converts only
+8-bit ones). A k-bit grid is the int8 grid with the same step, restricted to 2^k of its
+levels, so `export_activations` and `WeightGrid.values` state the k-bit grids that way.
 """
 
 import typing
@@ -200,6 +206,111 @@ def quantize(
     steps = np.floor((clamped - nudged_min) / scale + np.float32(0.5))
     q_lo = np.float32(1 if narrow_range else 0)
     return steps + q_lo - zero_point, scale, zero_point
+
+
+class WeightGrid(typing.NamedTuple):
+    """One kernel's fake-quantized weights as integers and scales: what an int8 file holds.
+
+    Attributes:
+        q: int8 array, the kernel viewed with its output channels on the last axis (the layout
+            `fake_quant_weights` quantizes), |q| ≤ 2^(bits−1) − 1.
+        scale: float32, one per output channel (a vector of q's last axis) or a 0-d array.
+        bits: the grid's bits, 2..8.
+    """
+
+    q: np.ndarray
+    scale: np.ndarray
+    bits: int
+
+    @property
+    def per_channel(self) -> bool:
+        """Whether each output channel has its own scale."""
+        return np.ndim(self.scale) == 1
+
+    @property
+    def values(self) -> np.ndarray:
+        """q·scale as float32: the fake-quantized kernel (to float32 rounding)."""
+        return (self.q.astype(np.float32) * self.scale).astype(np.float32)
+
+
+class ActivationGrid(typing.NamedTuple):
+    """An activation range's grid as `fake_quant_activations` rounds to it (float32 values).
+
+    Attributes:
+        bits: 2..8.
+        minimum: the range's low end as the op receives it.
+        maximum: the high end, widened to at least `MIN_RANGE` above `minimum` as the op
+            receives it.
+        scale: the step, (maximum − minimum)/(2^bits − 1).
+        zero_point: the unsigned integer that stands for 0, in [0, 2^bits − 1].
+        nudged_min: the grid's lowest value, −zero_point·scale.
+        nudged_max: its highest, (2^bits − 1 − zero_point)·scale.
+    """
+
+    bits: int
+    minimum: float
+    maximum: float
+    scale: float
+    zero_point: int
+    nudged_min: float
+    nudged_max: float
+
+
+def activation_grid(minimum: float, maximum: float, bits: int) -> ActivationGrid:
+    """The grid `fake_quant_activations(x, minimum, maximum, bits)` rounds to.
+
+    Args:
+        minimum: the range's low end (≤ 0), as the layer stores it.
+        maximum: the high end (≥ 0).
+        bits: 2..8.
+
+    Returns:
+        ActivationGrid, computed in float32 as the op computes it.
+    """
+    low = np.float32(minimum)
+    high = np.maximum(np.float32(maximum), low + np.float32(MIN_RANGE))
+    scale, zero_point, nudged_min, nudged_max = nudged_grid(low, high, bits, False)
+    return ActivationGrid(
+        bits,
+        float(low),
+        float(high),
+        float(scale),
+        int(zero_point),
+        float(nudged_min),
+        float(nudged_max),
+    )
+
+
+def export_activations(x: tf.Tensor, grid: ActivationGrid) -> tf.Tensor:
+    """`fake_quant_activations` on `grid`, written with 8-bit FakeQuant ops only.
+
+    At 8 bits it is that op itself. Below, the k-bit grid is the 8-bit grid with the same step
+    and lowest value, clamped to the k-bit grid's highest value: x is rounded onto the wide
+    grid, clamped (the bound lies on it, so the clamp and the rounding commute), and rounded
+    again, so that both the clamp's input and its output carry the grid (what the TFLite
+    converter needs to keep the clamp in int8, and onnxruntime to keep its integer kernels
+    around it). The low end needs no clamp: it is the wide grid's own.
+
+    Args:
+        x: float32 tensor.
+        grid: `activation_grid` of the layer's range.
+
+    Returns:
+        The fake-quantized tensor: the same values as `fake_quant_activations` (to float32
+        rounding of the step).
+    """
+    if grid.bits == 8:
+        return tf.quantization.fake_quant_with_min_max_vars(
+            x, grid.minimum, grid.maximum, num_bits=8, narrow_range=False
+        )
+    wide_max = float(np.float32(grid.nudged_min) + np.float32(255) * np.float32(grid.scale))
+
+    def on_wide_grid(tensor):
+        return tf.quantization.fake_quant_with_min_max_vars(
+            tensor, grid.nudged_min, wide_max, num_bits=8, narrow_range=False
+        )
+
+    return on_wide_grid(tf.minimum(on_wide_grid(x), grid.nudged_max))
 
 
 def weight_grid(kernel: np.ndarray, bits: int, per_channel: bool) -> tuple[np.ndarray, np.ndarray]:

@@ -30,6 +30,7 @@ s/s', which is exactly 1 where γ ≠ 0 and 0 where γ = 0. Per-tensor weight ra
 W·s itself, so a γ = 0 channel never widens the other channels' grid.
 """
 
+from collections.abc import Callable
 from typing import Any
 
 import keras
@@ -159,15 +160,108 @@ class _QuantizedHostLayer(keras.layers.Layer):
             return tf.zeros([hosts.output_channels(self.host)], tf.float32)
         return tf.cast(self.host.bias, tf.float32)
 
+    def _activate(self, outputs):
+        """ReLU/ReLU6 if fused."""
+        if self.activation == "relu":
+            return ops.relu(outputs)
+        if self.activation == "relu6":
+            return ops.relu6(outputs)
+        return outputs
+
     def _finish(self, outputs, training):
         """ReLU/ReLU6 if fused, then the output's fake quantization."""
-        if self.activation == "relu":
-            outputs = ops.relu(outputs)
-        elif self.activation == "relu6":
-            outputs = ops.relu6(outputs)
+        outputs = self._activate(outputs)
         if self.output_quantizer is not None:
             outputs = self.output_quantizer(outputs, training=training)
         return tf.cast(outputs, self.compute_dtype)
+
+    def weight_grids(self) -> dict:
+        """The integers and scales of the weights the layer's inference rounds to, by name.
+
+        Returns:
+            {"kernel": fake_quant.WeightGrid of the folded kernel (`folded_weights`) viewed
+            with its output channels last (a depthwise kernel (*k, C, M) as (*k, 1, C·M))},
+            and for a separable host also "depthwise_kernel" (its depthwise kernel, which
+            batch norm does not scale, viewed the same way). The grids give TensorFlow's
+            integers exactly (`fake_quant.weight_grid`).
+
+        Raises:
+            ValueError: the layer has weight_bits=None (float weights: no integers).
+        """
+        if self.weight_bits is None:
+            raise ValueError(
+                f"Layer '{self.name}' has weight_bits=None: its weights are float, so no "
+                f"integer file can hold them."
+            )
+        kernel, _ = self.folded_weights()
+        views = {"kernel": np.asarray(hosts.channels_last(kernel, self.kind))}
+        if self.kind == hosts.SEPARABLE:
+            depthwise = np.asarray(self.host.depthwise_kernel, np.float32)
+            views["depthwise_kernel"] = np.asarray(hosts.channels_last(depthwise, hosts.DEPTHWISE))
+        return {
+            name: fake_quant.WeightGrid(
+                *fake_quant.weight_grid(view, self.weight_bits, self.per_channel),
+                self.weight_bits,
+            )
+            for name, view in views.items()
+        }
+
+    def export_function(self, weight_op: Callable[[str, Any], Any]) -> Callable[[Any], Any]:
+        """The layer's inference as an exporter traces it, from the values it holds now.
+
+        It computes what `call(x, training=False)` computes, as the ops an integer file
+        holds: the host's linear map with the kernels `weight_op` gives, the folded bias
+        added (for a QuantizedHostBatchNorm, β + s·(b − μ): nothing of batch norm is left to
+        multiply), ReLU/ReLU6, and the activation quantizers' `export_function`s. The
+        weights, bias and ranges are read once, here, and become constants of the function.
+
+        Args:
+            weight_op: called as weight_op(name, grid) for each entry of `weight_grids()`
+                while the function is traced; returns the float tensor to use for that kernel,
+                in the grid's layout (channels last), whose values are `grid.values` (a
+                constant, the values under a FakeQuant op a converter reads, or an input of
+                the traced function).
+
+        Returns:
+            A function of the input tensor (float32 out).
+
+        Raises:
+            ValueError: weight_bits or activation_bits is None (a float part, which no
+                integer file can compute), or an activation quantizer has no range yet.
+        """
+        if self.activation_bits is None:
+            raise ValueError(
+                f"Layer '{self.name}' has activation_bits=None: its output is float, so no "
+                f"integer file can compute it."
+            )
+        grids = self.weight_grids()
+        _, bias = self.folded_weights()
+        shapes = {"kernel": tuple(hosts.folded_kernel(self.host).shape)}
+        if self.kind == hosts.SEPARABLE:
+            shapes["depthwise_kernel"] = tuple(self.host.depthwise_kernel.shape)
+        output = between = None
+        if self.output_quantizer is not None:
+            output = self.output_quantizer.export_function()
+        if self.intermediate_quantizer is not None:
+            between = self.intermediate_quantizer.export_function()
+
+        def infer(inputs):
+            kernels = {
+                name: hosts.from_channels_last(weight_op(name, grid), shapes[name])
+                for name, grid in grids.items()
+            }
+            outputs = hosts.linear(
+                self.host,
+                tf.cast(inputs, tf.float32),
+                kernels["kernel"],
+                kernels.get("depthwise_kernel"),
+                between,
+            )
+            axes = self._channel_axes(outputs)
+            outputs = self._activate(outputs + statistics.per_channel(bias, outputs, axes))
+            return outputs if output is None else output(outputs)
+
+        return infer
 
     def get_config(self):
         """Every constructor argument, for `from_config` and saving.

@@ -71,7 +71,25 @@ _SHARING = (L.Concatenate, L.Maximum, L.Minimum)
 #: The operations whose ReLU/ReLU6 TFLite fuses (ADD, SUB, MUL): a ReLU that is their only
 #: consumer takes over their output quantizer.
 RELU_FUSING = (L.Add, L.Subtract, L.Multiply)
-_FIXED_ACTIVATIONS = ("softmax", "sigmoid", "tanh", "log_softmax")
+# The step the spec fixes for each activation whose output scale it fixes.
+FIXED_STEPS = {"softmax": 1 / 256, "sigmoid": 1 / 256, "tanh": 1 / 128, "log_softmax": 16 / 256}
+_FIXED_ACTIVATIONS = tuple(FIXED_STEPS)
+
+
+def fixed_step(operation):
+    """The output step the spec fixes for a FIXED operation (1/256 for a softmax).
+
+    Args:
+        operation: a Keras layer whose `role` is FIXED.
+
+    Returns:
+        float, or None for an operation of another role.
+    """
+    if role(operation) != FIXED:
+        return None
+    if type(operation) is L.Softmax:
+        return FIXED_STEPS["softmax"]
+    return FIXED_STEPS[keras.activations.serialize(operation.activation)]
 
 
 def role(operation):

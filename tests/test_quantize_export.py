@@ -1,0 +1,618 @@
+"""Quantization-aware models exported: a digits CNN (Conv2D+BN+ReLU, DepthwiseConv2D+BN+ReLU6,
+SeparableConv2D+BN, a residual Add, a Concatenate, pooling, Dense) trained a few QAT steps, at
+8/4/3-bit weights per channel and per tensor, to full-integer TFLite and to ONNX QDQ.
+
+Each file is run in its real runtime (LiteRT's interpreter, onnxruntime with its optimiser off
+and on) and compared with the Keras model's inference in units of the output's step, the step
+computed from the head's range with the numpy reference of the grid; its ops are read from the
+file (no float op, no MUL left of batch norm) and its int8 weights are read back and compared
+with `fake_quant.weight_grid` of each host's folded weights, in the layout each format gives
+its kernels, and with the k-bit grid's bounds. Bad inputs are refused by name; a `.keras` round
+trip exports in a fresh process; and keras-bn-export takes a QAT file the same way."""
+
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import quantize_reference as ref
+from ai_edge_litert.interpreter import Interpreter, OpResolverType
+from onnx import numpy_helper
+
+import digits
+import keras_bn
+from helpers import docs_page, run_cli
+from keras_bn import KerasBNWarning
+from keras_bn._errors import UnsupportedModelError
+from keras_bn.export import (
+    VerificationError,
+    defaults,
+    export_onnx,
+    export_tflite,
+    pipeline,
+    qat,
+    report,
+)
+from keras_bn.export import onnx as onnx_export
+from keras_bn.export import tflite as tflite_export
+from keras_bn.export.report import LsbTolerance
+from keras_bn.quantize import (
+    FreezeBatchNorm,
+    QuantizedHost,
+    QuantizedHostBatchNorm,
+    fake_quant,
+    from_layers,
+    quantize_model,
+)
+
+L = keras.layers
+BN = keras_bn.BatchNormalization
+STEPS = 40
+CONFIGS = [(8, True), (8, False), (4, True), (4, False), (3, True), (3, False)]
+CONFIG_IDS = [f"w{bits}a8_{'per_channel' if pc else 'per_tensor'}" for bits, pc in CONFIGS]
+# The TFLite ops a full-integer file of the CNN may hold.
+INTEGER_OPS = {
+    "QUANTIZE",
+    "DEQUANTIZE",
+    "CONV_2D",
+    "DEPTHWISE_CONV_2D",
+    "FULLY_CONNECTED",
+    "ADD",
+    "CONCATENATION",
+    "MAX_POOL_2D",
+    "MEAN",
+    "MINIMUM",
+}
+# Each kernel layout from the channels-last view (kh, kw, I, O) / (kh, kw, 1, C·M) / (in, out).
+TFLITE_LAYOUT = {"conv": (3, 0, 1, 2), "depthwise": (2, 0, 1, 3), "dense": (1, 0)}
+ONNX_LAYOUT = {"conv": (3, 2, 0, 1), "depthwise": (3, 2, 0, 1), "dense": (0, 1)}
+
+
+def _float_cnn(softmax=False):
+    inputs = keras.Input((8, 8, 1), name="image")
+    x = L.Conv2D(8, 3, padding="same", use_bias=False, name="conv")(inputs)
+    x = BN(momentum=0.9, name="conv_bn")(x)
+    x = L.ReLU(name="conv_relu")(x)
+    d = L.DepthwiseConv2D(3, padding="same", depth_multiplier=2, use_bias=False, name="dw")(x)
+    d = BN(momentum=0.9, name="dw_bn")(d)
+    d = L.ReLU(max_value=6, name="dw_relu6")(d)
+    s = L.SeparableConv2D(16, 3, padding="same", name="sep")(x)
+    s = BN(momentum=0.9, name="sep_bn")(s)
+    r = L.Add(name="add")([d, s])
+    r = L.ReLU(name="add_relu")(r)
+    c = L.Conv2D(8, 1, name="branch")(x)
+    j = L.Concatenate(name="cat")([r, c])
+    p = L.MaxPooling2D(name="pool")(j)
+    g = L.GlobalAveragePooling2D(name="gap")(p)
+    outputs = L.Dense(10, activation="softmax" if softmax else None, name="head")(g)
+    return keras.Model(inputs, outputs, name="digits_cnn")
+
+
+def _trained(weight_bits, per_channel, activation_bits=8, softmax=False):
+    """The CNN after STEPS QAT steps on digits (batch norm frozen halfway, ranges near the end)."""
+    keras.utils.set_random_seed(0)
+    x_train, y_train, _, _ = digits.load()
+    model = quantize_model(_float_cnn(softmax), weight_bits, activation_bits, per_channel)
+    model.compile(
+        keras.optimizers.Adam(3e-3),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=not softmax),
+    )
+    model.fit(
+        digits.batches(x_train, y_train, 32),
+        steps_per_epoch=STEPS,
+        shuffle=False,  # the batches are shuffled already
+        verbose=0,
+        callbacks=[FreezeBatchNorm(STEPS // 2, freeze_ranges_after_steps=STEPS - 5)],
+    )
+    return model
+
+
+@pytest.fixture(scope="module")
+def models():
+    cache = {}
+
+    def get(weight_bits, per_channel, activation_bits=8, softmax=False):
+        key = (weight_bits, per_channel, activation_bits, softmax)
+        if key not in cache:
+            cache[key] = _trained(*key)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def x_test():
+    return digits.load()[2][:128]
+
+
+def _output_step(model):
+    """The head's step from its stored range, with the reference grid (not keras_bn's)."""
+    quantizer = model.get_layer("head_qat").output_quantizer
+    low, high = float(quantizer.range_min.numpy()), float(quantizer.range_max.numpy())
+    return ref.activation_grid(low, high, quantizer.bits)[0]
+
+
+def _assert_within_lsb(got, want, step):
+    errors = np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64)) / step
+    assert np.percentile(errors, 99) <= 2.0 + 1e-3, np.percentile(errors, 99)
+    assert errors.max() <= defaults.QAT_MAX_LSB + 1e-3, errors.max()
+    return errors
+
+
+def _hosts(model):
+    return [
+        layer
+        for layer in model.layers
+        if isinstance(layer, (QuantizedHost, QuantizedHostBatchNorm))
+    ]
+
+
+def _expected_kernels(model):
+    """{(host name, kernel): (its layout kind, the channels-last view of its folded weights,
+    whether it is per channel (never for Dense), fake_quant.weight_grid of that view)}."""
+    expected = {}
+    for layer in _hosts(model):
+        kernel, _ = layer.folded_weights()
+        views = {"kernel": ("conv" if layer.kind == "separable" else layer.kind, kernel)}
+        if layer.kind == "separable":
+            views["depthwise_kernel"] = ("depthwise", np.asarray(layer.host.depthwise_kernel))
+        for name, (kind, view) in views.items():
+            view = ref.channels_last_view(view, kind)
+            grid = fake_quant.weight_grid(view, layer.weight_bits, layer.per_channel)
+            expected[layer.name, name] = (kind, view, layer.per_channel, grid)
+    return expected
+
+
+# --------------------------------------------------------------------------- TFLite
+
+
+@pytest.mark.parametrize("weight_bits, per_channel", CONFIGS, ids=CONFIG_IDS)
+def test_tflite_is_full_integer_and_within_two_lsb(
+    models, x_test, tmp_path, weight_bits, per_channel
+):
+    model = models(weight_bits, per_channel)
+    path = tmp_path / "m.tflite"
+    result = export_tflite(model, path, probe=x_test)
+    assert result.passed and result.quantization == "int8" and result.fold is None
+    assert result.scale_tolerance is None and result.float_ops == {}
+    assert result.probe_samples == len(x_test) and result.calibration_samples is None
+
+    # The file in LiteRT (its default kernels), in output steps.
+    runner = Interpreter(model_path=str(path)).get_signature_runner("serve")
+    (got,) = runner(image=x_test).values()
+    step = _output_step(model)
+    errors = _assert_within_lsb(got, model(x_test, training=False), step)
+    (lsb,) = result.lsb_errors.values()
+    assert lsb["litert"].step == pytest.approx(step, rel=1e-6)
+    assert lsb["litert"].max_lsb == pytest.approx(errors.max(), abs=1e-4)
+
+    # Full integer: every op integer, nothing of batch norm (no MUL), one QUANTIZE of the float
+    # input and one DEQUANTIZE of the float output.
+    plain = Interpreter(
+        model_path=str(path),
+        experimental_op_resolver_type=OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES,
+    )
+    ops = plain._get_ops_details()
+    names = [op["op_name"] for op in ops]
+    assert set(names) <= INTEGER_OPS, names
+    assert names.count("QUANTIZE") == names.count("DEQUANTIZE") == 1 and "MUL" not in names
+    assert names.count("CONV_2D") == 3 and names.count("DEPTHWISE_CONV_2D") == 2
+    assert result.op_histogram == report.histogram(names)
+    details = {d["index"]: d for d in plain.get_tensor_details()}
+    kernels = []
+    for op in ops:
+        if op["op_name"] in ("CONV_2D", "DEPTHWISE_CONV_2D", "FULLY_CONNECTED"):
+            data, weights, bias = (details[i] for i in op["inputs"])
+            assert data["dtype"] == np.int8 and weights["dtype"] == np.int8
+            assert bias["dtype"] == np.int32 and details[op["outputs"][0]]["dtype"] == np.int8
+            kernels.append((op["op_name"], weights))
+
+    # Every host's int8 weights, exactly its grid in TFLite's layout, on the k-bit grid.
+    expected = _expected_kernels(model)
+    assert len(kernels) == len(expected) == 6
+    limit = ref.q_max(weight_bits)
+    for (host, name), (kind, view, channels, (q, _)) in expected.items():
+        want = q.transpose(TFLITE_LAYOUT[kind])
+        matches = [w for _, w in kernels if np.array_equal(plain.get_tensor(w["index"]), want)]
+        assert len(matches) == 1, (host, name)
+        stored = plain.get_tensor(matches[0]["index"])
+        assert stored.shape == want.shape and np.abs(stored).max() == limit  # k bits, all used
+        assert set(np.unique(stored)) <= set(range(-limit, limit + 1))
+        scales = matches[0]["quantization_parameters"]["scales"]
+        step = ref.weight_scale(view, weight_bits, channels)  # max|w| / q_max
+        np.testing.assert_allclose(scales, np.broadcast_to(step, scales.shape), rtol=1e-6)
+    checks = {(w.host, w.kernel): w for w in result.weights}
+    assert set(checks) == set(expected)
+    assert all(w.matches and w.dtype == "int8" and w.max_abs_q == limit for w in checks.values())
+
+
+def test_four_bit_activations_stay_integer(models, x_test, tmp_path):
+    """k-bit activations are the int8 grid of the same step, clamped to its 2^k levels: the
+    file stays full integer (MINIMUM ops, no float), within two steps."""
+    model = models(8, True, activation_bits=4)
+    path = tmp_path / "m.tflite"
+    result = export_tflite(model, path, probe=x_test)
+    assert result.passed and result.float_ops == {}
+    assert result.op_histogram["MINIMUM"] == 8  # one per quantizer below 8 bits
+    (got,) = Interpreter(model_path=str(path)).get_signature_runner("serve")(image=x_test).values()
+    step = _output_step(model)
+    _assert_within_lsb(got, model(x_test, training=False), step)
+    levels = np.unique(np.round(got / step))
+    assert len(levels) <= 16  # the head's 4-bit grid
+    path = tmp_path / "m.onnx"
+    result = export_onnx(model, path, probe=x_test)
+    assert result.passed
+    graph = onnx.load(path).graph
+    initializers = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
+    quantizers = [n for n in graph.node if n.op_type == "QuantizeLinear"]
+    _assert_activation_pairs_on_the_models_grids(model, quantizers, initializers)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    _assert_within_lsb(session.run(None, {"image": x_test})[0], model(x_test, training=False), step)
+
+
+def test_a_softmax_output_is_judged_on_its_fixed_step(models, x_test, tmp_path):
+    model = models(8, True, softmax=True)
+    result = export_tflite(model, tmp_path / "m.tflite", probe=x_test)
+    (lsb,) = result.lsb_errors.values()
+    assert lsb["litert"].step == 1 / 256 and result.passed
+    assert "SOFTMAX" in result.op_histogram and result.float_ops == {}
+
+
+# --------------------------------------------------------------------------- ONNX
+
+
+@pytest.mark.parametrize("weight_bits, per_channel", CONFIGS, ids=CONFIG_IDS)
+def test_onnx_is_qdq_with_int8_weights_within_two_lsb(
+    models, x_test, tmp_path, weight_bits, per_channel
+):
+    model = models(weight_bits, per_channel)
+    path = tmp_path / "m.onnx"
+    result = export_onnx(model, path, probe=x_test)
+    assert result.passed and result.fold is None and result.scale_tolerance is None
+    assert result.quantization == "int8" and result.float_ops is None
+    step = _output_step(model)
+    want = model(x_test, training=False)
+    for level in (
+        ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+        ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+    ):
+        options = ort.SessionOptions()
+        options.graph_optimization_level = level
+        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        (got,) = session.run(None, {"image": x_test})
+        _assert_within_lsb(got, want, step)
+    (lsb,) = result.lsb_errors.values()
+    assert set(lsb) == {"ort_disabled", "ort_enabled"}
+
+    graph = onnx.load(path).graph
+    initializers = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
+    producers = {name: node for node in graph.node for name in node.output}
+    assert [i.name for i in graph.input] == ["image"]  # the kernels are no inputs any more
+    # QuantizeLinear-free weights: every Q reads an activation, never an initializer.
+    quantizers = [n for n in graph.node if n.op_type == "QuantizeLinear"]
+    assert quantizers and not any(n.input[0] in initializers for n in quantizers)
+    assert "Mul" not in {n.op_type for n in graph.node}
+    _assert_activation_pairs_on_the_models_grids(model, quantizers, initializers)
+    # Every Conv/MatMul weight: an int8 initializer through a DequantizeLinear, per channel on
+    # the output axis or per tensor, equal to the host's grid in ONNX's layout.
+    expected = _expected_kernels(model)
+    limit = ref.q_max(weight_bits)
+    weighted = [n for n in graph.node if n.op_type in ("Conv", "MatMul", "Gemm")]
+    assert len(weighted) == len(expected) == 6
+    for (host, name), (kind, view, channels, (q, scale)) in expected.items():
+        dequantize = producers[f"{host}/{name}"]
+        assert dequantize.op_type == "DequantizeLinear"
+        assert [n for n in weighted if n.input[1] == dequantize.output[0]]
+        stored, scales = (initializers[i] for i in dequantize.input[:2])
+        assert stored.dtype == np.int8
+        np.testing.assert_array_equal(stored, q.transpose(ONNX_LAYOUT[kind]))
+        assert np.abs(stored).max() == limit
+        np.testing.assert_array_equal(scales, scale)
+        np.testing.assert_allclose(scales, ref.weight_scale(view, weight_bits, channels), rtol=1e-6)
+        assert channels == (per_channel and kind != "dense")
+        if channels:
+            axis = {a.name: a.i for a in dequantize.attribute}["axis"]
+            assert axis == 0  # Conv (O, I/g, kh, kw)
+    assert all(w.matches and w.max_abs_q == limit for w in result.weights)
+
+
+def _assert_activation_pairs_on_the_models_grids(model, quantizers, initializers):
+    """Every QuantizeLinear is per tensor, on the (step, zero point) of one of the model's
+    activation ranges (the reference grid of its stored range)."""
+    grids = [
+        ref.activation_grid(float(q.range_min.numpy()), float(q.range_max.numpy()), q.bits)
+        for q in model._flatten_layers()
+        if isinstance(q, keras_bn.quantize.ActivationQuantizer)
+    ]
+    for node in quantizers:
+        scale, zero_point = initializers[node.input[1]], initializers[node.input[2]]
+        assert scale.shape == () and zero_point.dtype in (np.uint8, np.int8)
+        assert any(
+            abs(float(scale) - step) <= 1e-6 * step and int(zero_point) == zero
+            for step, zero in grids
+        ), (node.name, scale, zero_point)
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+def _untrained():
+    model = _float_cnn()
+    model(np.zeros((1, 8, 8, 1), "float32"))
+    return quantize_model(model)
+
+
+@pytest.mark.parametrize("exporter", [export_tflite, export_onnx], ids=["tflite", "onnx"])
+def test_ranges_never_set_are_refused_by_name(exporter, tmp_path):
+    with pytest.raises(ValueError, match=r"'image_quantizer'.* have not seen a training batch"):
+        exporter(_untrained(), tmp_path / "m.out")
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_quantization_that_is_not_the_models_own_is_refused(models, tmp_path):
+    model = models(8, True)
+    for quantization in ("float16", "dynamic"):
+        with pytest.raises(ValueError, match=f"quantization-aware.*quantization='{quantization}'"):
+            export_tflite(model, tmp_path / "m.tflite", quantization=quantization)
+    with pytest.raises(ValueError, match="judged in units of each output's quantization step"):
+        export_tflite(model, tmp_path / "m.tflite", scale_tolerance=1e-2)
+    with pytest.raises(ValueError, match="opset 13 or more"):
+        export_onnx(model, tmp_path / "m.onnx", opset=12)
+    assert not list(tmp_path.iterdir())
+
+
+def test_representative_data_is_only_the_probe(models, tmp_path):
+    """A QAT file is calibrated on nothing: representative_data gives the probe (64 samples
+    spread over it), and fewer than int8's 16 samples are fine."""
+    model = models(8, True)
+    x = digits.load()[0]
+    result = export_tflite(model, tmp_path / "a.tflite", quantization="int8", representative_data=x)
+    assert result.probe_samples == defaults.PROBE_SAMPLES and result.calibration_samples is None
+    result = export_tflite(model, tmp_path / "b.tflite", representative_data=x[:8])
+    assert result.passed and result.probe_samples == 8
+
+
+def test_layers_left_in_float_are_refused_by_name(tmp_path):
+    inputs = keras.Input((8, 8, 1))
+    x = L.Conv2D(4, 3, name="conv")(inputs)
+    x = L.Conv2DTranspose(2, 3, name="up")(x)  # no QAT form: kept in float
+    x = L.GlobalAveragePooling2D()(x)
+    with pytest.warns(KerasBNWarning, match="'up' \\(not_quantizable\\)"):
+        model = quantize_model(keras.Model(inputs, L.Dense(2, name="head")(x)))
+    model.compile("sgd", "mse")
+    rng = np.random.default_rng(0)
+    model.fit(rng.normal(size=(8, 8, 8, 1)), rng.normal(size=(8, 2)), verbose=0)
+    for exporter in (export_tflite, export_onnx):
+        with pytest.raises(
+            UnsupportedModelError, match=r"float layers with weights 'up' \(Conv2DTranspose\)"
+        ):
+            exporter(model, tmp_path / "m.out")
+
+
+def test_per_channel_dense_is_refused_by_tflite_and_written_by_onnx(tmp_path):
+    """TFLite's FULLY_CONNECTED takes one weight scale; ONNX's MatMul per-channel on axis 1."""
+    dense = L.Dense(3, name="dense")
+    dense.build((None, 5))
+    inputs = keras.Input((5,), name="x")
+    quantized = keras_bn.quantize.ActivationQuantizer(name="x_quantizer")(inputs)
+    layer = from_layers(dense, per_channel=True, name="dense_qat")
+    model = keras.Model(inputs, layer(quantized))
+    x = np.random.default_rng(0).normal(size=(64, 5)).astype("float32")
+    model.compile("sgd", "mse")
+    model.fit(x, x[:, :3], verbose=0, batch_size=64)
+    with pytest.raises(UnsupportedModelError, match="per-channel weights of 'dense_qat'"):
+        export_tflite(model, tmp_path / "m.tflite")
+    result = export_onnx(model, tmp_path / "m.onnx", probe=x)
+    assert result.passed and all(w.matches for w in result.weights)
+
+
+def test_channels_first_hosts_export_to_onnx_and_are_refused_by_tflite(tmp_path):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((3, 7, 7))
+    x = L.Conv2D(4, 3, padding="same", use_bias=False, data_format="channels_first", name="conv")(
+        inputs
+    )
+    x = BN(axis=1)(x)
+    x = L.ReLU()(x)
+    x = L.DepthwiseConv2D(3, data_format="channels_first", name="dw")(x)
+    x = L.GlobalAveragePooling2D(data_format="channels_first")(x)
+    model = quantize_model(keras.Model(inputs, L.Dense(3, name="head")(x)), 4, 8)
+    model.compile("adam", "mse")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 3, 7, 7)).astype("float32")
+    model.fit(x, rng.normal(size=(64, 3)), batch_size=16, epochs=2, verbose=0)
+    result = export_onnx(model, tmp_path / "m.onnx", probe=x)
+    assert result.passed and len(result.weights) == 3
+    assert all(w.matches for w in result.weights)
+    with pytest.raises(
+        UnsupportedModelError, match=r"'conv_qat' hosts a Conv2D \(channels_first\)"
+    ):
+        export_tflite(model, tmp_path / "m.tflite")
+
+
+def test_the_export_guide_states_the_lsb_tolerance():
+    page = " ".join(docs_page("guide/export.md").split())
+    assert (
+        f"within {defaults.QAT_PERCENTILE_LSB:g} LSB on {defaults.QAT_PERCENTILE:g}% of its "
+        f"values and within {defaults.QAT_MAX_LSB:g} LSB on all of them"
+    ) in page
+
+
+def test_qat_layers_with_float_weights_or_outputs_are_refused_by_name(tmp_path):
+    dense = L.Dense(3, name="dense")
+    dense.build((None, 5))
+    inputs = keras.Input((5,), name="x")
+    quantized = keras_bn.quantize.ActivationQuantizer(name="x_quantizer")(inputs)
+    model = keras.Model(inputs, from_layers(dense, weight_bits=None, per_channel=False)(quantized))
+    model.compile("sgd", "mse")
+    x = np.random.default_rng(0).normal(size=(16, 5)).astype("float32")
+    model.fit(x, x[:, :3], verbose=0)
+    for exporter in (export_tflite, export_onnx):
+        with pytest.raises(UnsupportedModelError, match=r"'dense_qat' \(weight_bits=None\)"):
+            exporter(model, tmp_path / "m.out")
+
+
+# --------------------------------------------------------------------------- the checks can fail
+
+
+def test_the_weight_check_finds_a_kernel_that_differs(models, tmp_path):
+    """The file's weights read back against another model's grids (one kernel changed):
+    that kernel, and only it, does not match, in both formats."""
+    model = models(4, True)
+    other = keras.models.clone_model(model)
+    other.set_weights(model.get_weights())
+    kernel = other.get_layer("branch_qat").host.kernel
+    kernel.assign(kernel.numpy() * -1.0)
+    formats = (
+        (export_tflite, "m.tflite", tflite_export._QuantizedTFLite(None)),
+        (export_onnx, "m.onnx", onnx_export._QuantizedONNX(17)),
+    )
+    for exporter, path, fmt in formats:
+        exporter(model, tmp_path / path, probe=digits.load()[2][:64])
+        fmt._weights = qat.host_weights(other)
+        checks = {w.host: w.matches for w in fmt.check_weights(str(tmp_path / path))}
+        assert checks == {name: name != "branch_qat" for name in checks}
+
+
+def test_lsb_errors_fail_a_file_off_by_steps():
+    tolerance = LsbTolerance(
+        defaults.QAT_MAX_LSB, defaults.QAT_PERCENTILE, defaults.QAT_PERCENTILE_LSB
+    )
+    want = np.linspace(0, 1, 400).reshape(40, 10)
+    step = 0.01
+    exact = report.lsb_error(want + 0.4 * step, want, step, 99)
+    assert tolerance.admits(exact) and exact.off_share == 0.0
+    shifted = report.lsb_error(want + 3 * step, want, step, 99)  # a wrong offset: 3 steps
+    assert not tolerance.admits(shifted) and shifted.percentile_lsb == pytest.approx(3)
+    one_value = want.copy()
+    one_value[0, 0] += 5 * step  # one value far off: the max bound
+    assert not tolerance.admits(report.lsb_error(one_value, want, step, 99))
+    assert not tolerance.admits(report.lsb_error(want[:, :9], want, step, 99))  # wrong shape
+    nan = want.copy()
+    nan[1, 1] = np.nan
+    assert not tolerance.admits(report.lsb_error(nan, want, step, 99))
+
+
+def test_a_failing_file_is_not_written_and_says_why(models, tmp_path):
+    """A report judged at a tolerance its fixed-point requantization misses (0.4 LSB) fails,
+    and VerificationError names the output, its errors in LSB and the tolerance."""
+    model = models(3, False)
+    x = digits.load()[2][:64]
+    result = export_tflite(model, tmp_path / "m.tflite", probe=x)
+    assert result.max_lsb_error >= 0.5  # some value lands one level off
+    strict = report.ExportReport(**{**result.__dict__, "lsb_tolerance": LsbTolerance(0.4, 99, 0.4)})
+    assert not strict.passed
+    error = VerificationError(strict)
+    assert "output 'head_qat' (litert) is off by" in str(error) and "LSB" in str(error)
+    assert pipeline._LSB_TOLERANCE.admits(next(iter(result.lsb_errors["head_qat"].values())))
+
+
+# --------------------------------------------------------------------------- round trip, CLI
+
+LOAD_AND_EXPORT = """
+import json, sys
+import numpy as np
+import keras, keras_bn
+from keras_bn.export import export_onnx, export_tflite
+
+model = keras.saving.load_model(sys.argv[1])
+x = np.load(sys.argv[2])
+reports = [export_tflite(model, sys.argv[3], probe=x), export_onnx(model, sys.argv[4], probe=x)]
+print(json.dumps([r.to_dict() for r in reports]))
+"""
+
+
+def test_a_saved_qat_model_exports_in_a_fresh_process(models, x_test, tmp_path):
+    model = models(4, True)
+    model.save(tmp_path / "qat.keras")
+    np.save(tmp_path / "x.npy", x_test)
+    files = [tmp_path / "m.tflite", tmp_path / "m.onnx"]
+    result = subprocess.run(
+        [sys.executable, "-c", LOAD_AND_EXPORT, tmp_path / "qat.keras", tmp_path / "x.npy", *files],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    tflite, onnx_report = json.loads(result.stdout.strip().splitlines()[-1])
+    for exported in (tflite, onnx_report):
+        assert exported["passed"] and exported["percentile_lsb_error"] <= 2
+        assert all(w["matches"] for w in exported["weights"])
+    # The files from the fresh process against this process's model.
+    step, want = _output_step(model), model(x_test, training=False)
+    (got,) = (
+        Interpreter(model_path=str(files[0])).get_signature_runner("serve")(image=x_test).values()
+    )
+    _assert_within_lsb(got, want, step)
+    session = ort.InferenceSession(str(files[1]), providers=["CPUExecutionProvider"])
+    _assert_within_lsb(session.run(None, {"image": x_test})[0], want, step)
+
+
+@pytest.fixture(scope="module")
+def saved(models, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("qat_cli")
+    models(8, True).save(folder / "qat.keras")
+    _untrained().save(folder / "unset.keras")
+    np.save(folder / "x.npy", digits.load()[2][:100])
+    return folder
+
+
+def test_the_cli_exports_a_qat_model_and_reports_lsb(saved, tmp_path):
+    result = run_cli(
+        saved / "qat.keras",
+        "--tflite",
+        tmp_path / "m.tflite",
+        "--onnx",
+        tmp_path / "m.onnx",
+        "--representative-data",
+        saved / "x.npy",
+        "--report",
+        tmp_path / "r.json",
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "quantization-aware model" in out and "verification passed" in out
+    assert "weights: 6 of 6 kernels int8 on their 8-bit grids" in out
+    assert "float ops: none (full integer)" in out and "99th percentile" in out
+    summary = json.loads((tmp_path / "r.json").read_text())
+    assert summary["quantization_aware"] is True and summary["fold"] is None
+    tflite, onnx_report = summary["exports"]
+    for exported in (tflite, onnx_report):
+        assert exported["passed"] and exported["scale_tolerance"] is None
+        assert exported["lsb_tolerance"] == {
+            "max_lsb": defaults.QAT_MAX_LSB,
+            "percentile": defaults.QAT_PERCENTILE,
+            "percentile_lsb": defaults.QAT_PERCENTILE_LSB,
+        }
+        assert exported["probe_samples"] == 64 and exported["calibration_samples"] is None
+        assert exported["percentile_lsb_error"] <= 2
+    assert tflite["quantization"] == "int8" and tflite["float_ops"] == {}
+    assert set(onnx_report["lsb_errors"]["head_qat"]) == {"ort_disabled", "ort_enabled"}
+
+
+def test_the_cli_takes_quantize_int8_without_data_for_a_qat_model(saved, tmp_path):
+    result = run_cli(saved / "qat.keras", "--tflite", tmp_path / "m.tflite", "--quantize", "int8")
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "m.tflite").exists()
+
+
+@pytest.mark.parametrize(
+    "model, args, message",
+    [
+        ("qat.keras", ["--quantize", "float16"], "--quantize float16 applies to a float model"),
+        ("qat.keras", ["--scale-tolerance", "1e-2"], "leave out --scale-tolerance"),
+        ("unset.keras", [], "have not seen a training batch"),
+    ],
+)
+def test_the_cli_refuses_what_a_qat_model_cannot_take(saved, tmp_path, model, args, message):
+    result = run_cli(saved / model, "--tflite", tmp_path / "m.tflite", *args)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if "keras-bn-export: error" in line]
+    assert len(errors) == 1 and message in errors[0]
+    assert not (tmp_path / "m.tflite").exists()
