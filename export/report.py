@@ -601,7 +601,7 @@ class ExportReport(_OutputErrors):
         )
 
     @property
-    def max_lsb_error(self):
+    def max_lsb_error(self) -> float | None:
         """For a QAT model's file, the largest `LsbError.max_lsb` over the outputs and
         settings (NaN if any is NaN); None for other files."""
         if self.lsb_errors is None:
@@ -609,7 +609,7 @@ class ExportReport(_OutputErrors):
         return worst(e.max_lsb for s in self.lsb_errors.values() for e in s.values())
 
     @property
-    def percentile_lsb_error(self):
+    def percentile_lsb_error(self) -> float | None:
         """For a QAT model's file, the largest `LsbError.percentile_lsb` over the outputs and
         settings (NaN if any is NaN); None for other files."""
         if self.lsb_errors is None:
