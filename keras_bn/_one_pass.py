@@ -24,6 +24,7 @@ keras_bn/_rewrite.py does.
 """
 
 import dataclasses
+import functools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -188,7 +189,8 @@ def _segments(steps: list[_Step]) -> tuple[list[_Segment], dict[int, float]]:
     """`steps` cut after each boundary, with what each segment reads from the frontier and
     keeps in it; and for each tensor the last segment that reads it (+0.5 for a fallback,
     which reads after its segment)."""
-    segments, current = [], []
+    segments: list[_Segment] = []
+    current: list[_Step] = []
     for step in steps:
         if step.kind == "record":
             segments.append(_Segment(current + [step], step))
@@ -268,31 +270,45 @@ def run(
         ValueError: a BN layer is shared; `data` gives no batch, or no batch with 2 values
             per channel for some layer.
     """
-    plan = Plan(model, layers)
-    recorded = [s.boundary.layers[0] for s in plan.segments if s.boundary.kind == "record"]
+    compiled = _compiled(model, layers)
+    plan = compiled.plan
     if not plan.segments:  # the forward pass reaches none of the layers
         batches.first()  # data that gives no batch is an error all the same
         return Result((), tuple(range(len(layers))), batches.count, "one_pass", 0.0, 0, 0, ())
-    bar.add_total(len(recorded) * batches.count if batches.count is not None else None)
+    recorded = sum(segment.boundary.kind == "record" for segment in plan.segments)
+    bar.add_total(recorded * batches.count if batches.count is not None else None)
     changes: list[_layerwise.LayerChange] = []
     not_called: list[int] = []
     evaluations = sum(step.kind == "call" for step in plan.steps)  # per batch
-    with BatchNormCalls([layers[i] for i in recorded]) as statistics, Frontier(max_memory) as kept:
-        position = {index: k for k, index in enumerate(recorded)}
-        runner = _Runner(plan, statistics, position, kept, bar)
+    with compiled.statistics, Frontier(max_memory) as kept:
         count = 0
         for number, segment in enumerate(plan.segments):
-            if number == 0:
-                count = runner.first_segment(batches)
-            else:
-                runner.segment(number, count)
             boundary = segment.boundary
+            sums = _layerwise.PooledMoments()
             if boundary.kind == "record":
-                changes.append(_layerwise.assign(layers[boundary.layers[0]], runner.sums))
+                layer = layers[boundary.layers[0]]
+                bar.set_description(layer.name)
+                sums = _layerwise.PooledMoments.for_layer(layer)
+            for batch, outputs, moments in compiled.segment(number, batches, kept, count):
+                for tensor in segment.inputs:
+                    if plan.last_read[tensor] <= number:
+                        kept.drop(tensor, batch)
+                for tensor, (value, mask) in zip(segment.outputs, outputs):
+                    kept.put(tensor, batch, value, mask)
+                if boundary.kind == "record":
+                    sums.add(*[moment.numpy() for moment in moments])
+                    bar.update(1)
+                count = max(count, batch + 1)
+            if number == 0:
+                if not count:
+                    batches.first()  # raises: `data` gave no batch
+                batches.check_count(count)
+            if boundary.kind == "record":
+                changes.append(_layerwise.assign(layers[boundary.layers[0]], sums))
                 continue
             done = _layerwise.in_call_order(
                 [layers[i] for i in boundary.layers],
-                lambda entries, step=boundary: _call(step, runner.bound(step.reads, entries)),
+                functools.partial(_call_bound, compiled, boundary),
                 _FrontierInputs(kept, boundary.reads, count),
                 next(iter(_FrontierInputs(kept, boundary.reads, 1))),
                 count,
@@ -301,9 +317,10 @@ def run(
             changes += done.changes
             not_called += [boundary.layers[i] for i in done.not_called]
             evaluations += len(done.changes)  # one evaluation of the layer per pass
+    reached = {index for segment in plan.segments for index in segment.boundary.layers}
     return Result(
         changes=tuple(changes),
-        not_called=tuple(sorted(set(range(len(layers))) - _reached(plan) | set(not_called))),
+        not_called=tuple(sorted(set(range(len(layers))) - reached | set(not_called))),
         batches=count,
         strategy="one_pass_spilled" if kept.spilled else "one_pass",
         passes=evaluations / max(plan.nodes, 1),
@@ -311,10 +328,6 @@ def run(
         spilled_bytes=kept.spilled_bytes,
         fallbacks=tuple(plan.fallbacks),
     )
-
-
-def _reached(plan: Plan) -> set[int]:
-    return {index for segment in plan.segments for index in segment.boundary.layers}
 
 
 class _FrontierInputs:
@@ -329,23 +342,83 @@ class _FrontierInputs:
             yield tuple(self._frontier.get(tensor, batch) for tensor in self._tensors)
 
 
-class _Runner:
-    """Runs the segments of a `Plan`, each as one tf.function, over every batch."""
+# The attribute of a model that keeps its `_Compiled` plans, as Keras keeps `predict_function`.
+_CACHE = "_keras_bn_recalibration"
+_CACHED_PLANS = 4  # per model: recalibrate's (every BN) and the callback's (the trainable ones)
 
-    def __init__(
-        self,
-        plan: Plan,
-        statistics: BatchNormCalls,
-        position: dict[int, int],
-        frontier: Frontier,
-        bar: _layerwise.ProgressBar,
-    ) -> None:
-        self._plan = plan
-        self._bar = bar
-        self._statistics = statistics
-        self._position = position  # BN index → its index in `statistics`
-        self._frontier = frontier
-        self.sums = _layerwise.PooledMoments()  # the last record segment's pooled moments
+
+class _Cache:
+    """A model's compiled plans, by the layers they recalibrate; a copy of the model starts
+    with none (the plans hold the original's layers)."""
+
+    def __init__(self) -> None:
+        self.plans: list[_Compiled] = []
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "_Cache":
+        return _Cache()
+
+
+def _compiled(model: keras.Model, layers: Sequence[keras.layers.Layer]) -> "_Compiled":
+    """The model's `_Compiled` plan for `layers`, made (and kept on the model) if it has none
+    for them or its graph has changed since (a Sequential's `add`)."""
+    cache = model.__dict__.get(_CACHE)
+    if not isinstance(cache, _Cache):
+        cache = _Cache()
+        object.__setattr__(model, _CACHE, cache)  # untracked: not a layer, nor saved
+    graph = _models.layer_graph(model, "recalibrate")
+    for compiled in cache.plans:
+        same = len(compiled.plan.layers) == len(layers) and all(
+            a is b for a, b in zip(compiled.plan.layers, layers)
+        )
+        if compiled.graph is graph and same:
+            return compiled
+    compiled = _Compiled(model, layers)
+    cache.plans = [compiled, *cache.plans][:_CACHED_PLANS]
+    return compiled
+
+
+class _Compiled:
+    """A `Plan` with each segment as a tf.function, and the BN hooks its tracing records
+    through. Kept on the model, so that recalibrating it again (the callback does, before
+    each validation) traces nothing again: like Keras's predict function, the functions read
+    the model's variables when they run, and trace again only for new input shapes.
+
+    Args:
+        model: a walkable model.
+        layers: the BN layers to recalibrate.
+    """
+
+    def __init__(self, model: keras.Model, layers: Sequence[keras.layers.Layer]) -> None:
+        self.graph = _models.layer_graph(model, "recalibrate")
+        self.plan = Plan(model, list(layers))
+        recorded = [s.boundary.layers[0] for s in self.plan.segments if s.boundary.kind == "record"]
+        self.statistics = BatchNormCalls([layers[i] for i in recorded])
+        self._position = {index: k for k, index in enumerate(recorded)}
+        # Without autograph, as Keras traces its own predict function (the layers' calls are
+        # Keras's to trace; the walk itself has no tensor-dependent control flow).
+        self._functions = [
+            tf.function(
+                self._body(segment, first=number == 0), reduce_retracing=True, autograph=False
+            )
+            for number, segment in enumerate(self.plan.segments)
+        ]
+
+    def segment(
+        self, number: int, batches: Batches, frontier: Frontier, count: int
+    ) -> Iterator[tuple[int, Any, Any]]:
+        """Run segment `number` on each batch: the data for the first, the frontier's
+        entries of the `count` batches for the others. Yields (batch, its outputs' (value,
+        mask) pairs, its BN's input moments)."""
+        function = self._functions[number]
+        if number == 0:
+            for batch, x in enumerate(batches):
+                yield (batch, *function(x))
+            return
+        inputs = self.plan.segments[number].inputs
+        function = _concrete(function, frontier, inputs, count)
+        for batch in range(count):
+            outputs = function(tuple(frontier.get(tensor, batch) for tensor in inputs))
+            yield (batch, *outputs)
 
     def bound(self, tensors: Sequence[int], entries: Sequence[Any]) -> dict[int, Any]:
         """{tensor id: value} for every id of `tensors`' values, their masks attached."""
@@ -357,7 +430,7 @@ class _Runner:
         return values
 
     def _bind(self, values: dict[int, Any], tensor: int, value: Any) -> None:
-        for alias in self._plan.aliases[tensor]:
+        for alias in self.plan.aliases[tensor]:
             values[alias] = value
 
     def _body(self, segment: _Segment, first: bool) -> Any:
@@ -377,62 +450,17 @@ class _Runner:
                     for tensor, value in zip(step.writes, outputs):
                         self._bind(values, tensor, value)
                 else:
-                    recorded = self._statistics.record(lambda step=step: _call(step, values))
+                    recorded = self.statistics.record(functools.partial(_call, step, values))
                     moments = recorded[self._position[step.layers[0]]]
             outputs = tuple((values[t], get_keras_mask(values[t])) for t in segment.outputs)
             return outputs, moments
 
         return body
 
-    def _start(self, segment: _Segment) -> None:
-        boundary = segment.boundary
-        if boundary.kind == "record":
-            layer = self._plan.layers[boundary.layers[0]]
-            self._bar.set_description(layer.name)
-            self.sums = _layerwise.PooledMoments.for_layer(layer)
 
-    def _finish(self, batch: int, number: int, outputs: Any, moments: Any) -> None:
-        segment = self._plan.segments[number]
-        for tensor in segment.inputs:
-            if self._plan.last_read[tensor] <= number:
-                self._frontier.drop(tensor, batch)
-        for tensor, (value, mask) in zip(segment.outputs, outputs):
-            self._frontier.put(tensor, batch, value, mask)
-        if moments:
-            self.sums.add(*[m.numpy() for m in moments])
-            self._bar.update(1)
-
-    def first_segment(self, batches: Batches) -> int:
-        """Run the first segment on the data; returns the number of batches."""
-        segment = self._plan.segments[0]
-        self._start(segment)
-        function = tf.function(self._body(segment, first=True), reduce_retracing=True)
-        count = 0
-        for batch, x in enumerate(batches):
-            self._finish(batch, 0, *function(x))
-            count += 1
-        if not count:
-            batches.first()  # raises: `data` gave no batch
-        batches.check_count(count)
-        return count
-
-    def segment(self, number: int, count: int) -> None:
-        """Run segment `number` on the frontier of each of the `count` batches."""
-        segment = self._plan.segments[number]
-        self._start(segment)
-        body = self._body(segment, first=False)
-        function = _concrete(body, self._frontier, segment.inputs, count)
-        for batch in range(count):
-            entries = tuple(self._frontier.get(tensor, batch) for tensor in segment.inputs)
-            outputs = function(entries)
-            del entries
-            self._finish(batch, number, *outputs)
-
-
-def _concrete(body: Any, frontier: Frontier, tensors: list[int], count: int) -> Any:
-    """`body` traced once for the entries of every batch (their most specific common
-    TensorSpecs), so a smaller last batch does not trace it again."""
-    function = tf.function(body, reduce_retracing=True)
+def _concrete(function: Any, frontier: Frontier, tensors: list[int], count: int) -> Any:
+    """`function`'s trace for the entries of every batch (their most specific common
+    TensorSpecs), so that a smaller last batch does not trace it again."""
     specs = []
     for tensor in tensors:
         values, masks = zip(*(frontier.spec(tensor, batch) for batch in range(count)))
@@ -442,6 +470,11 @@ def _concrete(body: Any, frontier: Frontier, tensors: list[int], count: int) -> 
             return function  # no common spec: let tf.function trace per shape
         specs.append((value, mask))
     return function.get_concrete_function(tuple(specs))
+
+
+def _call_bound(compiled: _Compiled, step: _Step, entries: Sequence[Any]) -> Any:
+    """A "fallback" step's layer run on its inputs' frontier entries (value, mask pairs)."""
+    return _call(step, compiled.bound(step.reads, entries))
 
 
 def _call(step: _Step, values: dict[int, Any]) -> Any:

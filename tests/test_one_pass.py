@@ -312,7 +312,7 @@ def test_frozen_layers_are_recalibrated_by_recalibrate_and_kept_by_the_callback(
     frozen = backbone.layers[-1]
     with _hooks.model_state(model):
         report = _compare(model, x)
-        assert [c.name for c in report.layers][0] == frozen.name
+        assert report.layers[0].name == frozen.name
     trainable = [layer for layer in _bn_layers.in_model(model) if layer.trainable]
     before = frozen.moving_variance.numpy()
     report = _compare(model, x, layers=trainable)
