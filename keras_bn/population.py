@@ -183,7 +183,9 @@ def recalibrate(
         data: a `tf.data.Dataset`, a numpy array, a dict of numpy arrays (a model with named
             inputs), or an iterable of batches. Elements may be `x`, or `(x, y)` /
             `(x, y, sample_weight)` tuples, of which only `x` is used. An array, or each array
-            of a dict, is split along its first axis into batches of `batch_size`.
+            of a dict, is split along its first axis into batches of `batch_size`. A one-shot
+            iterator (a generator) is read once: streamed by the one pass, held in memory
+            for a subclassed model's passes.
         steps: how many batches to use; None uses them all (required for an infinite
             dataset).
         progress: show a progress bar (rich, on stderr).
@@ -216,13 +218,24 @@ def recalibrate(
     layers = _bn_layers.in_model(model)
     if not layers:
         raise ValueError(f"Model '{model.name}' has no BatchNormalization layer to recalibrate.")
-    return recalibrate_layers(
-        model, layers, Batches(data, steps, batch_size), progress, _budget(max_memory)
-    )
+    budget = check_max_memory(max_memory)
+    # The one pass reads `data` once: a generator is streamed, not held in memory.
+    batches = Batches(data, steps, batch_size, keep=not _one_pass.walkable(model))
+    return recalibrate_layers(model, layers, batches, progress, budget)
 
 
-def _budget(max_memory: int | None) -> int:
-    """`max_memory` checked, or the default budget."""
+def check_max_memory(max_memory: int | None) -> int:
+    """The frontier budget in bytes: `max_memory` checked, or the default for None.
+
+    Args:
+        max_memory: bytes (an int ≥ 0), or None for `_frontier.default_max_memory()`.
+
+    Returns:
+        The budget in bytes.
+
+    Raises:
+        ValueError: `max_memory` is not an int ≥ 0 (a bool, a float, a string, negative).
+    """
     if max_memory is None:
         return _frontier.default_max_memory()
     if isinstance(max_memory, bool) or not isinstance(max_memory, int) or max_memory < 0:
@@ -246,7 +259,7 @@ def recalibrate_layers(
     if not _one_pass.walkable(model):
         return recalibrate_per_layer(model, layers, batches, progress)
     with ProgressBar(progress) as bar:
-        result = _one_pass.run(model, layers, batches, bar, _budget(max_memory))
+        result = _one_pass.run(model, layers, batches, bar, check_max_memory(max_memory))
     return RecalibrationReport(
         layers=result.changes,
         batches=result.batches,

@@ -4,6 +4,7 @@ in memory and spilled to disk, and the work and memory it reports."""
 
 import os
 import tempfile
+import weakref
 
 import keras
 import numpy as np
@@ -15,6 +16,7 @@ from helpers import assert_close
 from keras_bn import _bn_layers, _hooks, population
 from keras_bn._batches import Batches
 from keras_bn.callbacks import Recalibrate
+from keras_bn.diagnostics import check_batchnorm
 
 RTOL = 1e-5
 
@@ -355,6 +357,52 @@ def test_subclassed_models_keep_the_per_layer_method():
     report = keras_bn.recalibrate(model, _data((32, 3)), batch_size=16, progress=False)
     assert report.strategy == "per_layer" and report.passes == 2.0
     assert report.peak_frontier_bytes == 0
+    # A generator is held in memory for its two passes: the same statistics as from a list
+    # (they do not depend on the starting ones).
+    batches = [_data((16, 3), seed=i) for i in range(2)]
+    keras_bn.recalibrate(model, batches, progress=False)
+    from_list = _statistics(_bn_layers.in_model(model))
+    _randomize_statistics(model, seed=1)
+    report = keras_bn.recalibrate(model, (b for b in batches), progress=False)
+    assert report.strategy == "per_layer" and report.batches == 2
+    for want, got in zip(from_list, _statistics(_bn_layers.in_model(model))):
+        for w, g in zip(want, got):
+            np.testing.assert_array_equal(g, w)
+
+
+def test_a_generator_is_streamed_by_the_one_pass_not_held():
+    """The one pass reads a generator once and keeps none of its batches: when batch i is
+    made, at most the two before it are still alive (the pipeline's generators hold the last
+    one until they advance); holding them all, as the per-layer method must, would keep every
+    one. The statistics are the per-layer method's."""
+    batches = [_data((16, 6), seed=i) for i in range(6)]
+    alive = []
+
+    def produce():
+        made = []
+        for batch in batches:
+            alive.append(sum(ref() is not None for ref in made))
+            copy = batch.copy()
+            made.append(weakref.ref(copy))
+            yield copy
+            del copy
+
+    model = keras.Sequential(
+        [keras.Input((6,)), keras.layers.Dense(5), keras_bn.BatchNormalization()]
+        + [keras.layers.Dense(5), keras.layers.BatchNormalization()]
+    )
+    _randomize_statistics(model)
+    with _hooks.model_state(model):
+        population.recalibrate_per_layer(
+            model, _bn_layers.in_model(model), Batches(batches, None, 16), False
+        )
+        expected = _statistics(_bn_layers.in_model(model))
+    report = keras_bn.recalibrate(model, produce(), progress=False)
+    assert report.strategy == "one_pass" and report.batches == 6
+    assert len(alive) == 6 and max(alive) <= 2, alive
+    for want, got in zip(expected, _statistics(_bn_layers.in_model(model))):
+        for w, g in zip(want, got):
+            assert_close(g, w, RTOL)
 
 
 def test_max_memory_must_be_bytes():
@@ -364,3 +412,60 @@ def test_max_memory_must_be_bytes():
         keras_bn.recalibrate(model, _data((8, 3)), max_memory=-1)
     with pytest.raises(ValueError, match=r"max_memory='1GB'"):
         keras_bn.recalibrate(model, _data((8, 3)), max_memory="1GB")
+    with pytest.raises(ValueError, match=r"max_memory=1.5"):
+        keras_bn.recalibrate(model, _data((8, 3)), max_memory=1.5)
+    with pytest.raises(ValueError, match=r"max_memory=True"):
+        keras_bn.recalibrate(model, _data((8, 3)), max_memory=True)
+    # The callback refuses it when made, not at the end of training.
+    with pytest.raises(ValueError, match=r"max_memory=-5"):
+        Recalibrate(_data((8, 3)), max_memory=-5)
+
+
+def test_the_callback_runs_the_one_pass_and_traces_it_once(tmp_path, monkeypatch):
+    """`Recalibrate(before_validation=True)` in `fit`: every recalibration is the one pass
+    (spilled under a tiny `max_memory`, its folder removed), and the segments compiled for the
+    first are kept on the model and not traced again for the next epochs."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    model = keras.Sequential(
+        [keras.Input((6,)), keras.layers.Dense(5), keras_bn.BatchNormalization()]
+        + [keras.layers.Dense(4), keras.layers.BatchNormalization(), keras.layers.Dense(1)]
+    )
+    model.compile("sgd", "mse")
+    x, y = _data((32, 6)), _data((32, 1))
+    reports = []
+
+    class Keep(keras.callbacks.Callback):
+        def on_test_begin(self, logs=None):
+            reports.append(callback.last_report)
+            assert os.listdir(tmp_path) == []  # removed after each recalibration
+
+    callback = Recalibrate(x, batch_size=16, before_validation=True, max_memory=0)
+    model.fit(x, y, epochs=3, validation_data=(x, y), callbacks=[callback, Keep()], verbose=0)
+    assert [r.strategy for r in reports] == ["one_pass_spilled"] * 3
+    assert callback.last_report.strategy == "one_pass_spilled"
+    (compiled,) = model.__dict__["_keras_bn_recalibration"].plans
+    assert [f.experimental_get_tracing_count() for f in compiled._functions] == [1, 1]
+    # The final statistics are the per-layer method's for the final weights.
+    _compare(model, x)
+
+
+def test_check_batchnorm_reads_the_data_once_whatever_the_bn_count():
+    """check_batchnorm measures each BN's input under the statistics it has (no
+    recalibration): one inference pass (and one training-mode pass) per batch, so a dataset
+    is read once for 6 BN layers as for one."""
+    calls = []
+
+    def produce():
+        calls.append(1)
+        yield from (_data((16, 6), seed=i) for i in range(3))
+
+    dataset = tf.data.Dataset.from_generator(
+        produce, output_signature=tf.TensorSpec((None, 6), tf.float32)
+    )
+    layers = [keras.Input((6,))]
+    for _ in range(6):
+        layers += [keras.layers.Dense(6), keras_bn.BatchNormalization()]
+    model = keras.Sequential(layers)
+    findings = check_batchnorm(model, dataset)
+    assert {f.kind for f in findings} >= {"stale_statistics"}
+    assert len(calls) == 1
