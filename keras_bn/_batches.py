@@ -65,7 +65,8 @@ class Batches:
         elif batches != self._observed:
             raise ValueError(
                 f"recalibrate: `data` gave {batches} batches on one pass and {self._observed} on "
-                f"another; it must give the same batches on every pass (one pass per BN layer)."
+                f"another; it must give the same batches on every pass (the per-layer method makes "
+                f"one pass per BN layer)."
             )
 
     def fresh(self) -> "Batches":
