@@ -469,3 +469,18 @@ def test_check_batchnorm_reads_the_data_once_whatever_the_bn_count():
     findings = check_batchnorm(model, dataset)
     assert {f.kind for f in findings} >= {"stale_statistics"}
     assert len(calls) == 1
+
+
+def test_a_subclassed_model_inside_a_functional_one_falls_back_there_only():
+    inner = Subclassed()
+    inputs = keras.Input((3,))
+    h = keras_bn.BatchNormalization(name="outer_first")(keras.layers.Dense(3)(inputs))
+    outputs = keras_bn.BatchNormalization(name="outer_last")(inner(h))
+    model = _randomize_statistics(keras.Model(inputs, outputs))
+    report = _compare(model, _data((40, 3)))
+    assert report.strategy == "one_pass" and len(report.layers) == 4
+    assert len(report.fallbacks) == 2
+    assert all(f.startswith(f"{inner.name}/") for f in report.fallbacks)
+    assert "(Subclassed)" in report.fallbacks[0]
+    # The outer graph runs once; the subclassed model once more per BN inside it.
+    assert 1.0 < report.passes < 3.0
