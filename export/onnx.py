@@ -197,7 +197,9 @@ class _QuantizedONNX(_ONNX):
         input names, not constants'), then the kernels made int8 (export/qdq.py)."""
         self._weights = qat.host_weights(model, taken=(*sig.input_names, *sig.output_names))
         kernels = {}  # tag → the traced function's input, while it is traced
-        traced = qat.export_model(model, self._weights, lambda weight: kernels[weight.tag])
+        traced = qat.export_model(
+            model, self._weights, lambda weight: kernels[weight.tag], halves_as_ops=True
+        )
         specs = [
             *sig.input_specs,
             *(tf.TensorSpec(w.grid.q.shape, tf.float32, name=w.tag) for w in self._weights),

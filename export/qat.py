@@ -26,9 +26,10 @@ from keras_bn.export import trace
 from keras_bn.quantize import fake_quant, hosts, spec
 from keras_bn.quantize.activation import ActivationQuantizer
 from keras_bn.quantize.layers import QuantizedHost, QuantizedHostBatchNorm
+from keras_bn.quantize.pooling import QuantizedAveragePooling
 
 QAT_HOSTS = (QuantizedHost, QuantizedHostBatchNorm)
-QAT_LAYERS = (ActivationQuantizer, *QAT_HOSTS)
+QAT_LAYERS = (ActivationQuantizer, QuantizedAveragePooling, *QAT_HOSTS)
 L = keras.layers
 
 
@@ -172,14 +173,14 @@ class _ExportForm(keras.layers.Layer):
         self._function = function
         self._output_shape = layer.compute_output_shape
 
-    def call(self, inputs):
-        return self._function(inputs)
+    def call(self, inputs, **options):
+        return self._function(inputs, **options)
 
     def compute_output_shape(self, input_shape):
         return self._output_shape(input_shape)
 
 
-def export_model(model, weights, weight_op):
+def export_model(model, weights, weight_op, halves_as_ops=False):
     """The export form of a QAT model: a copy whose QAT layers compute their `export_function`s
     (every other layer shared), for the converter to trace.
 
@@ -188,6 +189,9 @@ def export_model(model, weights, weight_op):
         weights: `host_weights(model)`.
         weight_op: called as weight_op(HostWeight) while the copy is traced; returns the float
             tensor of that kernel in its grid's layout (see `QuantizedHost.export_function`).
+        halves_as_ops: write how an average pool's output rounds its halves as ops
+            (`ActivationQuantizer.export_function`): for a format whose runtime rounds it in
+            float (ONNX), not for TFLite, whose int8 AVERAGE_POOL_2D rounds them so itself.
 
     Returns:
         A keras.Model with the model's inputs and outputs.
@@ -198,8 +202,8 @@ def export_model(model, weights, weight_op):
     tagged = {(weight.host, weight.kernel): weight for weight in weights}
 
     def clone(layer):
-        if isinstance(layer, ActivationQuantizer):
-            return _ExportForm(layer, layer.export_function())
+        if isinstance(layer, (ActivationQuantizer, QuantizedAveragePooling)):
+            return _ExportForm(layer, layer.export_function(halves_as_ops))
         if isinstance(layer, QAT_HOSTS):
             path = by_layer[id(layer)]
             return _ExportForm(
@@ -213,8 +217,9 @@ def export_model(model, weights, weight_op):
 def output_steps(model):
     """Each output's quantization step (its LSB), in the model's flat output order.
 
-    An output's step is that of the last grid it is rounded to: the ActivationQuantizer or QAT
-    layer output quantizer that produces it, through the layers that keep their input's grid
+    An output's step is that of the last grid it is rounded to: the ActivationQuantizer, QAT
+    layer output quantizer or QuantizedAveragePooling that produces it, through the layers
+    that keep their input's grid
     (pooling, reshapes, dropout; `keras_bn.quantize.spec`), or the step the TFLite int8 spec
     fixes for a softmax, sigmoid, tanh or log-softmax output (1/256 for a softmax).
 
@@ -237,6 +242,8 @@ def _step(model, tensor):
         return operation.grid().scale
     if isinstance(operation, QAT_HOSTS) and operation.output_quantizer is not None:
         return operation.output_quantizer.grid().scale
+    if isinstance(operation, QuantizedAveragePooling):
+        return operation.input_quantizer.grid().scale
     if isinstance(operation, keras.Model) and _models.has_layer_graph(operation):
         return _step(operation, trace.output_tensors(operation)[tensor_index])
     if isinstance(operation, L.Layer) and spec.role(operation) == spec.FIXED:

@@ -300,9 +300,10 @@ class QuantizedHost(_QuantizedHostLayer):
         per_channel: one weight range per output channel (True) or one per tensor.
         range_momentum: the activation ranges' EMA momentum, in [0, 1).
         quantize_output: whether the layer fake-quantizes its output (with activation_bits);
-            False where the layer's only consumer quantizes it instead, on a scale shared with
-            other tensors (`quantize_model` does this for a layer feeding only a Concatenate,
-            whose inputs and output share one scale in an int8 file).
+            False where another layer quantizes it instead, on a scale shared with other
+            tensors (`quantize_model` does this for a layer feeding only a Concatenate, whose
+            inputs and output share one scale in an int8 file, and for one an average pool
+            reads, which rounds its output onto its input's grid).
         **kwargs: base layer arguments (`name`, `trainable`, ...).
 
     Raises:
@@ -387,9 +388,10 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
         per_channel: one weight range per output channel (True) or one per tensor.
         range_momentum: the activation ranges' EMA momentum, in [0, 1).
         quantize_output: whether the layer fake-quantizes its output (with activation_bits);
-            False where the layer's only consumer quantizes it instead, on a scale shared with
-            other tensors (`quantize_model` does this for a layer feeding only a Concatenate,
-            whose inputs and output share one scale in an int8 file).
+            False where another layer quantizes it instead, on a scale shared with other
+            tensors (`quantize_model` does this for a layer feeding only a Concatenate, whose
+            inputs and output share one scale in an int8 file, and for one an average pool
+            reads, which rounds its output onto its input's grid).
         **kwargs: base layer arguments (`name`, `trainable`, ...).
 
     Raises:

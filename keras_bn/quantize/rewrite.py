@@ -7,15 +7,19 @@ ReLU/ReLU6, or a following ReLU/ReLU6 layer, fused; any other activation of its 
 as a float Activation layer). Activation quantizers go where the TFLite int8 spec gives a
 tensor a scale of its own (`keras_bn.quantize.spec`): the model's float inputs, the QAT layers'
 outputs (inside them), Add/Subtract/Multiply, GlobalAveragePooling and other operations' outputs;
-not where the spec makes the output share its input's scale (pooling, reshapes) or fixes it
-(softmax). Everything else is copied in float, and every layer with weights that stays float is
-reported, with the reason.
+not where the spec makes the output share its input's scale (max pooling, reshapes) or fixes it
+(softmax). An average pool, whose int8 kernel rounds onto its input's grid, becomes a
+`QuantizedAveragePooling` that quantizes its input and rounds its output onto that grid, or,
+where the input's quantizer has other readers, is followed by that quantizer again. Everything
+else is copied in float, and every layer with weights that stays float is reported, with the
+reason.
 
 Sequential and Functional models are walked through their graph of nodes; a nested one is
 rewritten on its own, its inputs taken as quantized where the outer model quantizes them. The
 input model is only read: every layer of the result is a copy.
 """
 
+import functools
 import warnings
 
 import keras
@@ -27,6 +31,7 @@ from keras_bn.quantize import fake_quant, hosts, spec
 from keras_bn.quantize.activation import ActivationQuantizer, validate_momentum
 from keras_bn.quantize.factory import from_layers, fusable_activation
 from keras_bn.quantize.layers import QuantizedHost, QuantizedHostBatchNorm, batch_norm_refusal
+from keras_bn.quantize.pooling import QuantizedAveragePooling, window_size
 from keras_bn.quantize.report import KeptLayer, QuantizationReport
 
 L = keras.layers
@@ -68,10 +73,19 @@ def quantize_model(
     - an `ActivationQuantizer` fake-quantizes each float model input and the outputs that
       the TFLite int8 spec gives a scale of their own (Add, Subtract, Multiply,
       GlobalAveragePooling, Concatenate, a ReLU after an Add, a layer kept in float, ...);
-      none follows a layer whose output keeps its input's scale (Max/AveragePooling,
-      Flatten, Reshape, padding, Dropout, ...) or whose scale the spec fixes (softmax,
-      sigmoid, tanh); a layer feeding only a Concatenate leaves its own out, so both share
-      the Concatenate's scale (see `keras_bn.quantize.spec`);
+      none follows a layer whose output keeps its input's scale (MaxPooling, Flatten,
+      Reshape, padding, Dropout, ...) or whose scale the spec fixes (softmax, sigmoid, tanh);
+      a layer feeding only a Concatenate leaves its own out, so both share the
+      Concatenate's scale (see `keras_bn.quantize.spec`);
+    - each AveragePooling1D/2D/3D rounds its output onto its input's grid, as TFLite's int8
+      AVERAGE_POOL_2D does (halves away from the int8 zero): a layer that only it reads
+      (directly or through Dropout, padding and the like) leaves its quantizer out, and the
+      pool becomes a `QuantizedAveragePooling`, which quantizes its input and rounds its
+      output onto that one grid; where other layers read the input too, its quantizer (one in
+      the model: a QAT layer's moves out of it) is called again after the copied pool, at
+      inference, so the output shares that range. A pool whose input's grid is set elsewhere
+      (by a nested model, or fixed by the spec) or that is shared requantizes its input,
+      which TFLite's converter refuses before an AVERAGE_POOL_2D (ONNX takes it);
     - every other layer is a float copy with the original's weights. A layer with weights
       that stays float (a BN that cannot be folded, a shared host, a transposed convolution,
       a custom layer, ...) is listed in the report's `kept` with the reason, and a
@@ -116,7 +130,10 @@ def quantize_model(
     quantized = [
         layer.name
         for layer in model._flatten_layers(include_self=False)
-        if isinstance(layer, (ActivationQuantizer, QuantizedHost, QuantizedHostBatchNorm))
+        if isinstance(
+            layer,
+            (ActivationQuantizer, QuantizedHost, QuantizedHostBatchNorm, QuantizedAveragePooling),
+        )
     ]
     if quantized:
         raise ValueError(
@@ -184,9 +201,14 @@ class _ModelRewrite:
         self.copies: dict = {}  # id(operation) → what computes it in the new model
         self.dropped: set = set()  # ids of the BNs and activations a QAT layer computes
         self.after: dict = {}  # id(operation) → one list of layers per flattened output
-        self.qat: dict = {}  # id(host) → (QAT layer, the Activation split off or None)
+        # id(host) → (QAT layer, the Activation split off or None, whether a quantizer in the
+        # model rounds its output, for an average pool to share)
+        self.qat: dict = {}
         self.float_copies: dict = {}  # id(layer) → (layer, copy, ChannelBias or None)
         self.on_grid: dict = {}  # id(tensor) → whether it lies on a quantization grid
+        # id(tensor) → the ActivationQuantizer of this model whose grid it lies on, if any
+        self.grid_source: dict = {}
+        self.pool_grids: dict = {}  # id(average pool) → the quantizer it shares, or None
         self.outputs_on_grid: dict = {}  # id(operation) → per output, on a grid as copied
         self.kept_ids: set = set()
 
@@ -259,6 +281,12 @@ class _ModelRewrite:
                 source = _linear_copy(host)
                 label = own if isinstance(own, str) else "activation"
                 split = L.Activation(host.activation, name=self._unique(f"{host.name}_{label}"))
+            quantize_output = split is not None or not self._deferred(tail.outputs[0], host)
+            # An average pool that reads the output (among other layers) shares its grid, so a
+            # quantizer in the model computes it, not one inside the QAT layer.
+            pooled = (
+                split is None and quantize_output and self._reaches_average_pool(tail.outputs[0])
+            )
             layer = from_layers(
                 source,
                 bn,
@@ -267,12 +295,12 @@ class _ModelRewrite:
                 activation_bits=self.settings.activation_bits,
                 per_channel=self.settings.per_channel and type(host) is not L.Dense,
                 range_momentum=self.settings.range_momentum,
-                quantize_output=split is not None or not self._deferred(tail.outputs[0], host),
+                quantize_output=quantize_output and not pooled,
                 name=self._unique(f"{host.name}_qat"),
             )
             if bn is not None and not bn.trainable and isinstance(layer, QuantizedHostBatchNorm):
                 layer.batch_norm_frozen.assign(True)  # a frozen BN: its inference statistics
-            self.qat[id(host)] = (layer, split)
+            self.qat[id(host)] = (layer, split, pooled)
             self.copies[id(host)] = layer
             for original in (host, bn, activation):
                 if original is not None:
@@ -294,8 +322,8 @@ class _ModelRewrite:
     def _deferred(self, tensor, producer):
         """Whether the output `tensor` of `producer` (None for a model input) leaves its
         quantization to the one operation that reads it: a Concatenate-like operation, whose
-        inputs and output share a scale, or a ReLU/ReLU6 that TFLite fuses into an
-        Add/Subtract/Multiply."""
+        inputs and output share a scale, an average pool, which quantizes its input itself, or
+        a ReLU/ReLU6 that TFLite fuses into an Add/Subtract/Multiply."""
         if (producer is not None and self.info.shared(producer)) or id(tensor) in self.info.outputs:
             return False
         consumers = self.info.consumers.get(id(tensor), [])
@@ -304,9 +332,39 @@ class _ModelRewrite:
         consumer = consumers[0].operation
         if self.info.shared(consumer) or id(consumer) in self.dropped:
             return False
-        if spec.role(consumer) == spec.SHARES:
+        if spec.role(consumer) == spec.SHARES or self._pooled_only(tensor):
             return True
         return type(producer) in spec.RELU_FUSING and fusable_activation(consumer) is not None
+
+    def _pooled_only(self, tensor):
+        """Whether one average pool alone reads `tensor`, directly or through ops that keep
+        their input's grid (a Dropout, a ZeroPadding, ...), each the only reader of the one
+        before, none shared and none a model output."""
+        consumers = self.info.consumers.get(id(tensor), [])
+        if id(tensor) in self.info.outputs or len(consumers) != 1:
+            return False
+        node = consumers[0]
+        if self.info.shared(node.operation) or id(node.operation) in self.dropped:
+            return False
+        role = spec.role(node.operation)
+        return role == spec.AVERAGES or (
+            role == spec.PRESERVES
+            and len(node.input_tensors) == len(node.outputs) == 1
+            and self._pooled_only(node.outputs[0])
+        )
+
+    def _reaches_average_pool(self, tensor):
+        """Whether an average pool reads `tensor`, directly or through ops that keep their
+        input's grid."""
+        for node in self.info.consumers.get(id(tensor), []):
+            role = spec.role(node.operation)
+            if role == spec.AVERAGES or (
+                role == spec.PRESERVES
+                and len(node.input_tensors) == 1
+                and any(self._reaches_average_pool(t) for t in node.outputs)
+            ):
+                return True
+        return False
 
     # The activation quantizers, in graph order.
 
@@ -323,6 +381,7 @@ class _ModelRewrite:
             else:
                 layers.append(self._quantizer(tensor._keras_history.operation.name))
                 self.on_grid[id(tensor)] = True
+                self.grid_source[id(tensor)] = layers[-1]
             input_layers.append(layers)
         return input_layers
 
@@ -331,14 +390,16 @@ class _ModelRewrite:
         quantizers."""
         operation = node.operation
         if id(operation) in self.dropped:  # computed by the QAT layer before it
-            self.on_grid[id(node.outputs[0])] = self.on_grid[id(node.input_tensors[0])]
+            self._inherit_grid(node)
             return
         if id(operation) in self.qat:
-            layer, split = self.qat[id(operation)]
-            on_grid = layer.quantize_output
-            if split is not None:
-                on_grid = self._after_split(operation, split)
-            self.on_grid[id(node.outputs[0])] = on_grid
+            layer, split, pooled = self.qat[id(operation)]
+            self.on_grid[id(node.outputs[0])] = layer.quantize_output
+            if split is not None or pooled:
+                self._after_qat_layer(node, layer, split)
+            return
+        if spec.role(operation) == spec.AVERAGES:
+            self._visit_average_pool(node)
             return
         inputs_on_grid = all(self.on_grid.get(id(t), True) for t in node.input_tensors)
         if id(operation) not in self.outputs_on_grid:  # its first call
@@ -354,20 +415,64 @@ class _ModelRewrite:
                 self.after[id(operation)] = after
         after = self.after.get(id(operation), [[]] * len(node.outputs))
         for index, (tensor, layers) in enumerate(zip(node.outputs, after)):
+            quantizers = [layer for layer in layers if isinstance(layer, ActivationQuantizer)]
             self.on_grid[id(tensor)] = (
-                any(isinstance(layer, ActivationQuantizer) for layer in layers)
+                bool(quantizers)
                 or self.outputs_on_grid[id(operation)][index]
                 or self._grid_without_quantizer(operation, tensor, inputs_on_grid)
             )
+            if quantizers:
+                self.grid_source[id(tensor)] = quantizers[-1]
+            elif spec.role(operation) == spec.PRESERVES and self.on_grid[id(tensor)]:
+                self._inherit_grid(node)
 
-    def _after_split(self, host, split):
-        """The layers after a QAT layer whose host's own activation was split off; whether
-        the result lies on a grid (it always does: fixed by the spec, or quantized)."""
-        layers = [split]
-        if spec.role(split) == spec.OWN:
-            layers.append(self._quantizer(split.name))
-        self.after[id(host)] = [layers]
-        return True
+    def _inherit_grid(self, node):
+        """The node's output keeps its (first) input's grid."""
+        source = node.input_tensors[0]
+        self.on_grid[id(node.outputs[0])] = self.on_grid[id(source)]
+        if id(source) in self.grid_source:
+            self.grid_source[id(node.outputs[0])] = self.grid_source[id(source)]
+
+    def _after_qat_layer(self, node, layer, split):
+        """The layers after a QAT layer whose host's own activation was split off, or whose
+        output an average pool shares: the Activation, and the quantizer of the result (none
+        where the spec fixes its scale). The result always lies on a grid."""
+        layers = [] if split is None else [split]
+        if split is None or spec.role(split) == spec.OWN:
+            layers.append(self._quantizer((split or layer).name))
+            self.grid_source[id(node.outputs[0])] = layers[-1]
+        self.after[id(node.operation)] = [layers]
+        self.on_grid[id(node.outputs[0])] = True
+
+    def _visit_average_pool(self, node):
+        """An average pool rounds its output onto its input's grid. Where that grid is a
+        quantizer's of this model (the input's producer has other readers), the pool is copied
+        and that quantizer called again after it, at inference; otherwise the pool becomes a
+        QuantizedAveragePooling, which quantizes its input itself (its producer left its
+        quantizer out) and rounds its output onto that grid."""
+        pool, (tensor,) = node.operation, node.input_tensors
+        if id(pool) not in self.copies:  # its first call
+            source = self.grid_source.get(id(tensor)) if self.on_grid.get(id(tensor)) else None
+            functional = not isinstance(self.model, keras.Sequential)
+            if source is not None and functional and not self.info.shared(pool):
+                self.copies[id(pool)] = _rewrite.copy_layer(pool)
+                self.after[id(pool)] = [
+                    [functools.partial(source, training=False, average_of=window_size(pool))]
+                ]
+            else:
+                source = None
+                layer = QuantizedAveragePooling(
+                    pool,
+                    self.settings.activation_bits,
+                    self.settings.range_momentum,
+                    name=self._unique(f"{pool.name}_qat"),
+                )
+                self.copies[id(pool)] = layer
+                self.findings.quantized[self.prefix + pool.name] = self.prefix + layer.name
+            self.pool_grids[id(pool)] = source
+        self.on_grid[id(node.outputs[0])] = True
+        if self.pool_grids[id(pool)] is not None:
+            self.grid_source[id(node.outputs[0])] = self.pool_grids[id(pool)]
 
     def _output_layers(self, operation, tensor, on_grid, inputs_on_grid):
         """The layers after one output: its ChannelBias (a copy's), then its quantizer if it
