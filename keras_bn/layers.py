@@ -226,42 +226,20 @@ class BatchNormalization(keras.layers.Layer):
             )
         shape = tuple(d for d in dims.values() if d is not None)  # every one, after the check
         if self.scale:
-            self.gamma = self.add_weight(
-                shape=shape,
-                name="gamma",
-                initializer=self.gamma_initializer,
-                regularizer=self.gamma_regularizer,
-                constraint=self.gamma_constraint,
-                trainable=True,
-                autocast=False,
+            self.gamma = self._affine_weight(
+                "gamma",
+                shape,
+                self.gamma_initializer,
+                self.gamma_regularizer,
+                self.gamma_constraint,
             )
         if self.center:
-            self.beta = self.add_weight(
-                shape=shape,
-                name="beta",
-                initializer=self.beta_initializer,
-                regularizer=self.beta_regularizer,
-                constraint=self.beta_constraint,
-                trainable=True,
-                autocast=False,
+            self.beta = self._affine_weight(
+                "beta", shape, self.beta_initializer, self.beta_regularizer, self.beta_constraint
             )
-        # "mean" aggregation keeps the moving statistics identical on every replica under
-        # tf.distribute (Keras's "none" lets each replica's copy drift apart).
-        self.moving_mean = self.add_weight(
-            shape=shape,
-            name="moving_mean",
-            initializer=self.moving_mean_initializer,
-            trainable=False,
-            autocast=False,
-            aggregation="mean",
-        )
-        self.moving_variance = self.add_weight(
-            shape=shape,
-            name="moving_variance",
-            initializer=self.moving_variance_initializer,
-            trainable=False,
-            autocast=False,
-            aggregation="mean",
+        self.moving_mean = self._statistic("moving_mean", shape, self.moving_mean_initializer)
+        self.moving_variance = self._statistic(
+            "moving_variance", shape, self.moving_variance_initializer
         )
         self._build_optional_state(shape)
         self.input_spec = keras.layers.InputSpec(ndim=rank, axes=dims)
@@ -322,6 +300,39 @@ class BatchNormalization(keras.layers.Layer):
             )
         return tf.cast(y, self.compute_dtype)
 
+    def _affine_weight(
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        initializer: keras.initializers.Initializer,
+        regularizer: keras.regularizers.Regularizer | None,
+        constraint: keras.constraints.Constraint | None,
+    ) -> keras.Variable:
+        """γ or β: trainable, kept in float32 (never autocast)."""
+        return self.add_weight(
+            shape=shape,
+            name=name,
+            initializer=initializer,
+            regularizer=regularizer,
+            constraint=constraint,
+            trainable=True,
+            autocast=False,
+        )
+
+    def _statistic(
+        self, name: str, shape: tuple[int, ...], initializer: keras.initializers.Initializer
+    ) -> keras.Variable:
+        """A moving statistic. Its "mean" aggregation keeps it identical on every replica
+        under tf.distribute (Keras's "none" lets each replica's copy drift apart)."""
+        return self.add_weight(
+            shape=shape,
+            name=name,
+            initializer=initializer,
+            trainable=False,
+            autocast=False,
+            aggregation="mean",
+        )
+
     def _build_optional_state(self, shape: tuple[int, ...]) -> None:
         """Weights that exist only when their feature is on, after the four of Keras's BN."""
         self.moving_stddev: keras.Variable | None = None
@@ -336,18 +347,7 @@ class BatchNormalization(keras.layers.Layer):
                 ("renorm_mean", self.moving_mean_initializer),
                 ("renorm_stddev", stddev_initializer),
             ):
-                setattr(
-                    self,
-                    name,
-                    self.add_weight(
-                        shape=shape,
-                        name=name,
-                        initializer=initializer,
-                        trainable=False,
-                        autocast=False,
-                        aggregation="mean",
-                    ),
-                )
+                setattr(self, name, self._statistic(name, shape, initializer))
         if self.momentum is None:
             self.num_batches_tracked = self.add_weight(
                 shape=(),
