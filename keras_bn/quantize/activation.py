@@ -50,35 +50,27 @@ class ActivationQuantizer(keras.layers.Layer):
     range_initialized: Any
     ranges_frozen: Any
 
-    def __init__(self, bits: int = 8, momentum: float = 0.99, **kwargs) -> None:
+    def __init__(self, bits: int = 8, momentum: float = 0.99, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.bits: int = fake_quant.validate_bits(bits, "bits")
         self.momentum = validate_momentum(momentum, "momentum")
         self.range_min = self.range_max = None
         self.range_initialized = self.ranges_frozen = None
 
-    def build(self, input_shape):
+    def build(self, input_shape: tuple[int | None, ...]) -> None:
         """Create the range and its two flags (the range does not depend on the shape).
 
         Args:
             input_shape: the input's shape.
         """
         for name in ("range_min", "range_max"):
-            setattr(self, name, self._state(name, "float32"))
+            setattr(self, name, scalar_state(self, name, "float32"))
         for name in ("range_initialized", "ranges_frozen"):
-            setattr(self, name, self._state(name, "bool"))
+            setattr(self, name, scalar_state(self, name, "bool"))
 
-    def _state(self, name, dtype):
-        return self.add_weight(
-            shape=(),
-            name=name,
-            dtype=dtype,
-            initializer="zeros",
-            trainable=False,
-            autocast=False,
-        )
-
-    def call(self, inputs, training=None, average_of=None):
+    def call(
+        self, inputs: tf.Tensor, training: bool | None = None, average_of: int | None = None
+    ) -> tf.Tensor:
         """Fake-quantize `inputs`, first moving the range in training.
 
         Args:
@@ -139,7 +131,9 @@ class ActivationQuantizer(keras.layers.Layer):
         quantized = fake_quant.fake_quant_activations(moved, low, high, self.bits)
         return tf.cast(tf.where(initialized, quantized, x), self.compute_dtype)
 
-    def _observe(self, x, low, high, initialized):
+    def _observe(
+        self, x: tf.Tensor, low: tf.Tensor, high: tf.Tensor, initialized: tf.Tensor
+    ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
         """Move the stored range toward this batch's (unless frozen or not finite); return the
         range and flag to quantize with."""
         batch_low, batch_high = tf.reduce_min(x), tf.reduce_max(x)
@@ -204,7 +198,7 @@ class ActivationQuantizer(keras.layers.Layer):
         """
         grid = self.grid()
 
-        def quantize(inputs, average_of=None):
+        def quantize(inputs: tf.Tensor, average_of: int | None = None) -> tf.Tensor:
             x = tf.cast(inputs, tf.float32)
             if average_of is not None and halves_as_ops:
                 x = fake_quant.halves_away_from_int8_zero(
@@ -214,7 +208,7 @@ class ActivationQuantizer(keras.layers.Layer):
 
         return quantize
 
-    def compute_output_shape(self, input_shape):
+    def compute_output_shape(self, input_shape: tuple[int | None, ...]) -> tuple[int | None, ...]:
         """The output shape: `input_shape` itself.
 
         Args:
@@ -225,7 +219,7 @@ class ActivationQuantizer(keras.layers.Layer):
         """
         return input_shape
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         """Every constructor argument, for `from_config` and saving.
 
         Returns:
@@ -234,7 +228,23 @@ class ActivationQuantizer(keras.layers.Layer):
         return {**super().get_config(), "bits": self.bits, "momentum": self.momentum}
 
 
-def validate_momentum(momentum, name):
+def scalar_state(layer: keras.layers.Layer, name: str, dtype: str) -> keras.Variable:
+    """A new scalar weight of `layer` for its state: zero, not trainable, never autocast.
+
+    Args:
+        layer: the layer, in its `build`.
+        name: the weight's name.
+        dtype: "float32" or "bool".
+
+    Returns:
+        The variable.
+    """
+    return layer.add_weight(
+        shape=(), name=name, dtype=dtype, initializer="zeros", trainable=False, autocast=False
+    )
+
+
+def validate_momentum(momentum: object, name: str) -> float:
     """A float in [0, 1).
 
     Raises:

@@ -339,7 +339,7 @@ def export_activations(x: tf.Tensor, grid: ActivationGrid) -> tf.Tensor:
         )
     wide_max = float(np.float32(grid.nudged_min) + np.float32(255) * np.float32(grid.scale))
 
-    def on_wide_grid(tensor):
+    def on_wide_grid(tensor: tf.Tensor) -> tf.Tensor:
         return tf.quantization.fake_quant_with_min_max_vars(
             tensor, grid.nudged_min, wide_max, num_bits=8, narrow_range=False
         )

@@ -56,8 +56,8 @@ class QuantizationReport:
     activation_bits: int
     per_channel: bool
 
-    def __str__(self):
-        grouped: dict = {}
+    def __str__(self) -> str:
+        grouped: dict[str, list[str]] = {}
         for original, qat in self.quantized.items():
             grouped.setdefault(qat, []).append(original)
         lines = [

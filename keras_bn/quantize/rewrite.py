@@ -19,10 +19,14 @@ rewritten on its own, its inputs taken as quantized where the outer model quanti
 input model is only read: every layer of the result is a copy.
 """
 
+import dataclasses
 import functools
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import keras
+from keras.src.ops.node import Node
 
 from keras_bn import _bn_layers, _models, _rewrite
 from keras_bn._errors import KerasBNWarning
@@ -43,6 +47,7 @@ _HOSTS_TAKEN = (
 # a channels_first bias on the last axis whenever that axis has as many entries as there are
 # channels; their float copies add it with a ChannelBias instead.
 _BIAS_ADDING = (*hosts.KINDS, L.Conv1DTranspose, L.Conv2DTranspose, L.Conv3DTranspose)
+_QAT_LAYERS = (ActivationQuantizer, QuantizedHost, QuantizedHostBatchNorm, QuantizedAveragePooling)
 
 
 def quantize_model(
@@ -127,14 +132,7 @@ def quantize_model(
     for name, value in (("per_channel", per_channel), ("return_report", return_report)):
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be True or False; received {name}={value!r}.")
-    quantized = [
-        layer.name
-        for layer in model._flatten_layers(include_self=False)
-        if isinstance(
-            layer,
-            (ActivationQuantizer, QuantizedHost, QuantizedHostBatchNorm, QuantizedAveragePooling),
-        )
-    ]
+    quantized = [layer.name for layer in _models.layers_within(model, _QAT_LAYERS)]
     if quantized:
         raise ValueError(
             f"'{model.name}' is quantization-aware already (layers {quantized}); "
@@ -168,29 +166,31 @@ def quantize_model(
     return (new_model, report) if return_report else new_model
 
 
+@dataclasses.dataclass(frozen=True)
 class _Settings:
     """The quantization arguments every QAT layer and quantizer of the rewrite gets."""
 
-    def __init__(self, weight_bits, activation_bits, per_channel, range_momentum):
-        self.weight_bits = weight_bits
-        self.activation_bits = activation_bits
-        self.per_channel = per_channel
-        self.range_momentum = range_momentum
+    weight_bits: int
+    activation_bits: int
+    per_channel: bool
+    range_momentum: float
 
 
+@dataclasses.dataclass
 class _Findings:
     """What the report lists, gathered over the model and its nested models."""
 
-    def __init__(self):
-        self.quantized: dict = {}
-        self.quantizers: dict = {}
-        self.kept: list = []
+    quantized: dict[str, str] = dataclasses.field(default_factory=dict)
+    quantizers: dict[str, str] = dataclasses.field(default_factory=dict)
+    kept: list[KeptLayer] = dataclasses.field(default_factory=list)
 
 
 class _ModelRewrite:
     """The rewrite of one Sequential or Functional model (a nested one gets its own)."""
 
-    def __init__(self, settings, findings, model, prefix):
+    def __init__(
+        self, settings: _Settings, findings: _Findings, model: keras.Model, prefix: str
+    ) -> None:
         self.settings = settings
         self.findings = findings
         self.model = model
@@ -198,21 +198,28 @@ class _ModelRewrite:
         self.graph = _models.layer_graph(model, "quantize")
         self.info = _rewrite.Graph(self.graph)
         self.names = {operation.name for operation in self.graph.operations}
-        self.copies: dict = {}  # id(operation) → what computes it in the new model
-        self.dropped: set = set()  # ids of the BNs and activations a QAT layer computes
-        self.after: dict = {}  # id(operation) → one list of layers per flattened output
+        # id(operation) → what computes it in the new model
+        self.copies: dict[int, keras.Operation] = {}
+        self.dropped: set[int] = set()  # ids of the BNs and activations a QAT layer computes
+        # id(operation) → one list of layers (or calls) per flattened output
+        self.after: dict[int, list[list[Callable[..., Any]]]] = {}
         # id(host) → (QAT layer, the Activation split off or None, whether a quantizer in the
         # model rounds its output, for an average pool to share)
-        self.qat: dict = {}
-        self.float_copies: dict = {}  # id(layer) → (layer, copy, ChannelBias or None)
-        self.on_grid: dict = {}  # id(tensor) → whether it lies on a quantization grid
+        self.qat: dict[int, tuple[keras.layers.Layer, keras.layers.Layer | None, bool]] = {}
+        # id(layer) → (layer, copy, ChannelBias or None)
+        self.float_copies: dict[
+            int, tuple[keras.layers.Layer, keras.layers.Layer, ChannelBias | None]
+        ] = {}
+        self.on_grid: dict[int, bool] = {}  # id(tensor) → whether it lies on a quantization grid
         # id(tensor) → the ActivationQuantizer of this model whose grid it lies on, if any
-        self.grid_source: dict = {}
-        self.pool_grids: dict = {}  # id(average pool) → the quantizer it shares, or None
-        self.outputs_on_grid: dict = {}  # id(operation) → per output, on a grid as copied
-        self.kept_ids: set = set()
+        self.grid_source: dict[int, ActivationQuantizer] = {}
+        # id(average pool) → the quantizer it shares, or None
+        self.pool_grids: dict[int, ActivationQuantizer | None] = {}
+        # id(operation) → per output, on a grid as copied
+        self.outputs_on_grid: dict[int, list[bool]] = {}
+        self.kept_ids: set[int] = set()
 
-    def run(self, inputs_on_grid):
+    def run(self, inputs_on_grid: list[bool] | None) -> tuple[keras.Model, list[bool]]:
         """(the new model, whether each flattened output lies on a grid).
 
         Args:
@@ -238,9 +245,9 @@ class _ModelRewrite:
 
     # The decisions.
 
-    def _paired_batch_norms(self):
+    def _paired_batch_norms(self) -> dict[int, Node]:
         """{id(host): the node of the BN folded into it}; the other exact BNs are kept."""
-        pairs = {}
+        pairs: dict[int, Node] = {}
         for node in self.info.nodes:
             bn = node.operation
             if type(bn) not in _bn_layers.BN_TYPES:
@@ -249,15 +256,16 @@ class _ModelRewrite:
             refusal = _rewrite.refuse_bn(bn, node, self.info) or _rewrite.refuse_backward(
                 bn, node, host, self.info, hosts.KINDS, _HOSTS_TAKEN
             )
-            if refusal is None and batch_norm_refusal(bn):
-                refusal = _rewrite.Refusal("batch_norm_config", batch_norm_refusal(bn))
+            config_refusal = batch_norm_refusal(bn)
+            if refusal is None and config_refusal:
+                refusal = _rewrite.Refusal("batch_norm_config", config_refusal)
             if refusal is None:
                 pairs[id(host)] = node
             else:
                 self._keep(bn, f"{refusal.message}; it stays a float BN", refusal.kind)
         return pairs
 
-    def _quantize_hosts(self, pairs):
+    def _quantize_hosts(self, pairs: dict[int, Node]) -> None:
         """A QAT layer for every host that can have one."""
         for node in self.info.nodes:
             host = node.operation
@@ -308,7 +316,7 @@ class _ModelRewrite:
                     if original is not host:
                         self.dropped.add(id(original))
 
-    def _fusable_consumer(self, node):
+    def _fusable_consumer(self, node: Node) -> Node | None:
         """The node of a ReLU/ReLU6 layer that alone reads `node`'s output, or None."""
         output = node.outputs[0]
         consumers = self.info.consumers.get(id(output), [])
@@ -319,7 +327,7 @@ class _ModelRewrite:
             return None
         return consumers[0]
 
-    def _deferred(self, tensor, producer):
+    def _deferred(self, tensor: keras.KerasTensor, producer: keras.Operation | None) -> bool:
         """Whether the output `tensor` of `producer` (None for a model input) leaves its
         quantization to the one operation that reads it: a Concatenate-like operation, whose
         inputs and output share a scale, an average pool, which quantizes its input itself, or
@@ -336,7 +344,7 @@ class _ModelRewrite:
             return True
         return type(producer) in spec.RELU_FUSING and fusable_activation(consumer) is not None
 
-    def _pooled_only(self, tensor):
+    def _pooled_only(self, tensor: keras.KerasTensor) -> bool:
         """Whether one average pool alone reads `tensor`, directly or through ops that keep
         their input's grid (a Dropout, a ZeroPadding, ...), each the only reader of the one
         before, none shared and none a model output."""
@@ -353,7 +361,7 @@ class _ModelRewrite:
             and self._pooled_only(node.outputs[0])
         )
 
-    def _reaches_average_pool(self, tensor):
+    def _reaches_average_pool(self, tensor: keras.KerasTensor) -> bool:
         """Whether an average pool reads `tensor`, directly or through ops that keep their
         input's grid."""
         for node in self.info.consumers.get(id(tensor), []):
@@ -368,10 +376,12 @@ class _ModelRewrite:
 
     # The activation quantizers, in graph order.
 
-    def _place_input_quantizers(self, inputs_on_grid):
+    def _place_input_quantizers(
+        self, inputs_on_grid: list[bool] | None
+    ) -> list[list[ActivationQuantizer]]:
         input_layers = []
         for index, tensor in enumerate(self.graph.inputs):
-            layers = []
+            layers: list[ActivationQuantizer] = []
             if inputs_on_grid is not None:
                 self.on_grid[id(tensor)] = inputs_on_grid[index]
             elif not _is_float(tensor):
@@ -385,7 +395,7 @@ class _ModelRewrite:
             input_layers.append(layers)
         return input_layers
 
-    def _visit(self, node):
+    def _visit(self, node: Node) -> None:
         """Copy the node's operation (at its first call) and decide which of its outputs get
         quantizers."""
         operation = node.operation
@@ -426,25 +436,27 @@ class _ModelRewrite:
             elif spec.role(operation) == spec.PRESERVES and self.on_grid[id(tensor)]:
                 self._inherit_grid(node)
 
-    def _inherit_grid(self, node):
+    def _inherit_grid(self, node: Node) -> None:
         """The node's output keeps its (first) input's grid."""
         source = node.input_tensors[0]
         self.on_grid[id(node.outputs[0])] = self.on_grid[id(source)]
         if id(source) in self.grid_source:
             self.grid_source[id(node.outputs[0])] = self.grid_source[id(source)]
 
-    def _after_qat_layer(self, node, layer, split):
+    def _after_qat_layer(
+        self, node: Node, layer: keras.layers.Layer, split: keras.layers.Layer | None
+    ) -> None:
         """The layers after a QAT layer whose host's own activation was split off, or whose
         output an average pool shares: the Activation, and the quantizer of the result (none
         where the spec fixes its scale). The result always lies on a grid."""
-        layers = [] if split is None else [split]
+        layers: list[keras.layers.Layer] = [] if split is None else [split]
         if split is None or spec.role(split) == spec.OWN:
             layers.append(self._quantizer((split or layer).name))
             self.grid_source[id(node.outputs[0])] = layers[-1]
         self.after[id(node.operation)] = [layers]
         self.on_grid[id(node.outputs[0])] = True
 
-    def _visit_average_pool(self, node):
+    def _visit_average_pool(self, node: Node) -> None:
         """An average pool rounds its output onto its input's grid. Where that grid is a
         quantizer's of this model (the input's producer has other readers), the pool is copied
         and that quantizer called again after it, at inference; otherwise the pool becomes a
@@ -457,7 +469,11 @@ class _ModelRewrite:
             if source is not None and functional and not self.info.shared(pool):
                 self.copies[id(pool)] = _rewrite.copy_layer(pool)
                 self.after[id(pool)] = [
-                    [functools.partial(source, training=False, average_of=window_size(pool))]
+                    [
+                        functools.partial(
+                            source.__call__, training=False, average_of=window_size(pool)
+                        )
+                    ]
                 ]
             else:
                 source = None
@@ -471,13 +487,20 @@ class _ModelRewrite:
                 self.findings.quantized[self.prefix + pool.name] = self.prefix + layer.name
             self.pool_grids[id(pool)] = source
         self.on_grid[id(node.outputs[0])] = True
-        if self.pool_grids[id(pool)] is not None:
-            self.grid_source[id(node.outputs[0])] = self.pool_grids[id(pool)]
+        shared = self.pool_grids[id(pool)]
+        if shared is not None:
+            self.grid_source[id(node.outputs[0])] = shared
 
-    def _output_layers(self, operation, tensor, on_grid, inputs_on_grid):
+    def _output_layers(
+        self,
+        operation: keras.Operation,
+        tensor: keras.KerasTensor,
+        on_grid: bool,
+        inputs_on_grid: bool,
+    ) -> list[keras.layers.Layer]:
         """The layers after one output: its ChannelBias (a copy's), then its quantizer if it
         needs one."""
-        layers = []
+        layers: list[keras.layers.Layer] = []
         copied = self.float_copies.get(id(operation))
         if copied is not None and copied[2] is not None:
             layers.append(copied[2])
@@ -490,7 +513,9 @@ class _ModelRewrite:
             layers.append(self._quantizer(operation.name))
         return layers
 
-    def _grid_without_quantizer(self, operation, tensor, inputs_on_grid):
+    def _grid_without_quantizer(
+        self, operation: keras.Operation, tensor: keras.KerasTensor, inputs_on_grid: bool
+    ) -> bool:
         """Whether this output needs no quantizer: not a float tensor, a spec-fixed scale, or
         its input's grid kept."""
         if not _is_float(tensor):
@@ -498,7 +523,7 @@ class _ModelRewrite:
         role = spec.role(operation)
         return role == spec.FIXED or (role == spec.PRESERVES and inputs_on_grid)
 
-    def _quantizer(self, source):
+    def _quantizer(self, source: str) -> ActivationQuantizer:
         name = self._unique(f"{source}_quantizer")
         self.findings.quantizers[self.prefix + name] = self.prefix + source
         return ActivationQuantizer(
@@ -507,7 +532,7 @@ class _ModelRewrite:
 
     # The float copies.
 
-    def _copy(self, operation, inputs_on_grid):
+    def _copy(self, operation: keras.Operation, inputs_on_grid: list[bool]) -> list[bool] | None:
         """Copy `operation`, or rewrite it if it is a nested model; for a nested model, whether
         each of its flattened outputs lies on a grid (None otherwise).
 
@@ -546,7 +571,7 @@ class _ModelRewrite:
         self.float_copies[id(operation)] = (operation, copy, bias)
         return None
 
-    def _keep_float(self, layer):
+    def _keep_float(self, layer: keras.layers.Layer) -> None:
         """Report a float copy's weights, and the BNs it computes out of sight."""
         unseen = _rewrite.unseen_batch_norms(layer, self.prefix, reader="quantize_model")
         for path, reason, kind in unseen:
@@ -562,23 +587,23 @@ class _ModelRewrite:
                 "not_quantizable",
             )
 
-    def _keep(self, layer, reason, kind):
+    def _keep(self, layer: keras.layers.Layer, reason: str, kind: str) -> None:
         self._keep_path(id(layer), self.prefix + layer.name, reason, kind)
 
-    def _keep_path(self, key, path, reason, kind):
+    def _keep_path(self, key: int | None, path: str, reason: str, kind: str) -> None:
         if key is not None:
             if key in self.kept_ids:
                 return
             self.kept_ids.add(key)
         self.findings.kept.append(KeptLayer(path, reason, kind))
 
-    def _unique(self, name):
+    def _unique(self, name: str) -> str:
         name = _models.unique_name(name, self.names)
         self.names.add(name)
         return name
 
 
-def _linear_copy(host):
+def _linear_copy(host: keras.layers.Layer) -> keras.layers.Layer:
     """A built copy of `host` with a linear activation, its weights copied."""
     config = _models.config_of(host)
     config["activation"] = "linear"
@@ -588,7 +613,7 @@ def _linear_copy(host):
     return copy
 
 
-def _holds_hosts(layer):
+def _holds_hosts(layer: keras.layers.Layer) -> bool:
     """Whether a layer computes a host or a BN inside its own code."""
     return any(
         type(inner) in hosts.KINDS or _bn_layers.is_batch_norm(inner)
@@ -596,5 +621,5 @@ def _holds_hosts(layer):
     )
 
 
-def _is_float(tensor):
+def _is_float(tensor: keras.KerasTensor) -> bool:
     return keras.backend.standardize_dtype(tensor.dtype).startswith(("float", "bfloat"))

@@ -78,7 +78,7 @@ FIXED_STEPS = {"softmax": 1 / 256, "sigmoid": 1 / 256, "tanh": 1 / 128, "log_sof
 _FIXED_ACTIVATIONS = tuple(FIXED_STEPS)
 
 
-def fixed_step(operation):
+def fixed_step(operation: keras.Operation) -> float | None:
     """The output step the spec fixes for a FIXED operation (1/256 for a softmax).
 
     Args:
@@ -94,7 +94,7 @@ def fixed_step(operation):
     return FIXED_STEPS[keras.activations.serialize(operation.activation)]
 
 
-def role(operation):
+def role(operation: keras.Operation) -> str:
     """The operation's role: OWN, PRESERVES, AVERAGES, SHARES or FIXED (see the module
     docstring).
 
