@@ -226,20 +226,28 @@ class BatchNormalization(keras.layers.Layer):
             )
         shape = tuple(d for d in dims.values() if d is not None)  # every one, after the check
         if self.scale:
-            self.gamma = self._affine_weight(
+            self.gamma = self._float32_weight(
                 "gamma",
                 shape,
                 self.gamma_initializer,
+                True,
                 self.gamma_regularizer,
                 self.gamma_constraint,
             )
         if self.center:
-            self.beta = self._affine_weight(
-                "beta", shape, self.beta_initializer, self.beta_regularizer, self.beta_constraint
+            self.beta = self._float32_weight(
+                "beta",
+                shape,
+                self.beta_initializer,
+                True,
+                self.beta_regularizer,
+                self.beta_constraint,
             )
-        self.moving_mean = self._statistic("moving_mean", shape, self.moving_mean_initializer)
-        self.moving_variance = self._statistic(
-            "moving_variance", shape, self.moving_variance_initializer
+        self.moving_mean = self._float32_weight(
+            "moving_mean", shape, self.moving_mean_initializer, False
+        )
+        self.moving_variance = self._float32_weight(
+            "moving_variance", shape, self.moving_variance_initializer, False
         )
         self._build_optional_state(shape)
         self.input_spec = keras.layers.InputSpec(ndim=rank, axes=dims)
@@ -300,37 +308,27 @@ class BatchNormalization(keras.layers.Layer):
             )
         return tf.cast(y, self.compute_dtype)
 
-    def _affine_weight(
+    def _float32_weight(
         self,
         name: str,
         shape: tuple[int, ...],
         initializer: keras.initializers.Initializer,
-        regularizer: keras.regularizers.Regularizer | None,
-        constraint: keras.constraints.Constraint | None,
+        trainable: bool,
+        regularizer: keras.regularizers.Regularizer | None = None,
+        constraint: keras.constraints.Constraint | None = None,
     ) -> keras.Variable:
-        """γ or β: trainable, kept in float32 (never autocast)."""
+        """γ or β (trainable), or a moving statistic: kept in float32 (never autocast). A
+        statistic's "mean" aggregation keeps it identical on every replica under tf.distribute
+        (Keras's "none" lets each replica's copy drift apart)."""
         return self.add_weight(
             shape=shape,
             name=name,
             initializer=initializer,
             regularizer=regularizer,
             constraint=constraint,
-            trainable=True,
+            trainable=trainable,
             autocast=False,
-        )
-
-    def _statistic(
-        self, name: str, shape: tuple[int, ...], initializer: keras.initializers.Initializer
-    ) -> keras.Variable:
-        """A moving statistic. Its "mean" aggregation keeps it identical on every replica
-        under tf.distribute (Keras's "none" lets each replica's copy drift apart)."""
-        return self.add_weight(
-            shape=shape,
-            name=name,
-            initializer=initializer,
-            trainable=False,
-            autocast=False,
-            aggregation="mean",
+            aggregation="none" if trainable else "mean",
         )
 
     def _build_optional_state(self, shape: tuple[int, ...]) -> None:
@@ -347,7 +345,7 @@ class BatchNormalization(keras.layers.Layer):
                 ("renorm_mean", self.moving_mean_initializer),
                 ("renorm_stddev", stddev_initializer),
             ):
-                setattr(self, name, self._statistic(name, shape, initializer))
+                setattr(self, name, self._float32_weight(name, shape, initializer, False))
         if self.momentum is None:
             self.num_batches_tracked = self.add_weight(
                 shape=(),
