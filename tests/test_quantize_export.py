@@ -23,6 +23,7 @@ import pytest
 import quantize_reference as ref
 from ai_edge_litert.interpreter import Interpreter, OpResolverType
 from onnx import numpy_helper
+from tensorflow.lite.python.convert import ConverterError
 from test_quantize_model import _branches, _branches_input, _pooled
 
 import digits
@@ -44,6 +45,7 @@ from keras_bn.export import tflite as tflite_export
 from keras_bn.export.report import LsbTolerance
 from keras_bn.quantize import (
     FreezeBatchNorm,
+    QuantizedAveragePooling,
     QuantizedHost,
     QuantizedHostBatchNorm,
     fake_quant,
@@ -385,6 +387,25 @@ def test_average_pools_export_within_the_lsb_check(tmp_path, fan_out):
     assert pool_in == pool_out and mean_in != mean_out
     result = export_onnx(model, tmp_path / "m.onnx", probe=x)
     assert result.passed and result.percentile_lsb_error <= defaults.QAT_PERCENTILE_LSB
+
+
+def test_a_shared_average_pool_is_refused_by_the_tflite_converter(tmp_path):
+    """One AveragePooling2D called on two convolutions' outputs becomes one
+    QuantizedAveragePooling that requantizes each input onto its own grid; TFLite's
+    AVERAGE_POOL_2D needs its input's scale on its output, so the converter refuses the model
+    (a ConverterError) and no file is written."""
+    image = L.Input((8, 8, 3))
+    pool = L.AveragePooling2D(2, name="shared_pool")
+    a = L.ReLU()(BN(name="a_bn")(L.Conv2D(4, 3, padding="same", name="a")(image)))
+    b = L.ReLU()(BN(name="b_bn")(L.Conv2D(4, 3, padding="same", name="b")(image)))
+    outputs = L.Dense(2, name="head")(L.Flatten()(L.Concatenate()([pool(a), pool(b)])))
+    x = np.random.default_rng(0).normal(size=(64, 8, 8, 3)).astype("float32")
+    y = np.random.default_rng(1).normal(size=(64, 2))
+    model = _trained_pools(keras.Model(image, outputs), x, y, "mse")
+    assert isinstance(model.get_layer("shared_pool_qat"), QuantizedAveragePooling)
+    with pytest.raises(ConverterError, match="same scale constraint"):
+        export_tflite(model, tmp_path / "m.tflite", probe=x)
+    assert not (tmp_path / "m.tflite").exists()
 
 
 # --------------------------------------------------------------------------- refusals
