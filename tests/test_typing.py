@@ -19,6 +19,7 @@ import typing
 import pytest
 from test_docstrings import PUBLIC, _members
 
+
 def _functions():
     """{qualified name: function} for every public function, method, property getter and
     constructor; a constructor is named `<class>.__init__`."""
