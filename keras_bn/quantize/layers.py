@@ -150,6 +150,8 @@ class _QuantizedHostLayer(keras.layers.Layer):
             depthwise = hosts.from_channels_last(depthwise_view, self.host.depthwise_kernel.shape)
             quantizer = self.intermediate_quantizer
             if quantizer is not None:
+                # (`__call__` spelt out: mypy's partial cannot see a Keras layer's, whose base
+                # class has no types)
                 between = functools.partial(quantizer.__call__, training=training)
         return hosts.linear(self.host, inputs, kernel, depthwise, between)
 

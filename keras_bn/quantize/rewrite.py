@@ -468,6 +468,8 @@ class _ModelRewrite:
             functional = not isinstance(self.model, keras.Sequential)
             if source is not None and functional and not self.info.shared(pool):
                 self.copies[id(pool)] = _rewrite.copy_layer(pool)
+                # The quantizer called again (`__call__` spelt out for mypy's partial, which
+                # cannot see a Keras layer's).
                 self.after[id(pool)] = [
                     [
                         functools.partial(
