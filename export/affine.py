@@ -5,8 +5,12 @@ Converters turn InferenceAffine into one Mul and one Add, and ChannelBias into o
 neither has a training mode or statistics.
 """
 
+from collections.abc import Sequence
+from typing import Any
+
 import keras
 import numpy as np
+import numpy.typing as npt
 import tensorflow as tf
 
 from keras_bn import _backend, ops
@@ -17,13 +21,13 @@ _backend.require_tensorflow()  # before either layer can be built under another 
 class _PerChannelMap(keras.layers.Layer):
     """A map applied channel by channel: the output has the input's shape."""
 
-    def __init__(self, **kwargs):
+    def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         # An elementwise map keeps every position: a mask passes through, as it passes through
         # the BN this layer replaces (a masked LSTM after it must still see it).
         self.supports_masking = True
 
-    def compute_output_shape(self, input_shape):
+    def compute_output_shape(self, input_shape: tuple[int | None, ...]) -> tuple[int | None, ...]:
         """The output shape: `input_shape` itself.
 
         Args:
@@ -56,7 +60,7 @@ class InferenceAffine(_PerChannelMap):
         affine.set_affine(scale, shift)
     """
 
-    def __init__(self, channel_axes, channels, **kwargs):
+    def __init__(self, channel_axes: Sequence[int], channels: Sequence[int], **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.channel_axes = [int(a) for a in channel_axes]
         self.channels = [int(c) for c in channels]
@@ -67,7 +71,8 @@ class InferenceAffine(_PerChannelMap):
             shape=self.channels, name="shift", initializer="zeros", trainable=False
         )
 
-    def call(self, inputs, **_ignored):  # e.g. `training`, passed on from the BN's call
+    # `_ignored`: e.g. `training`, passed on from the BN's call
+    def call(self, inputs: tf.Tensor, **_ignored: Any) -> tf.Tensor:
         """scale·inputs + shift, per channel.
 
         Args:
@@ -81,7 +86,7 @@ class InferenceAffine(_PerChannelMap):
         y = ops.batch_norm_inference(x, self.scale, self.shift, self.channel_axes)
         return keras.ops.cast(y, self.compute_dtype)
 
-    def set_affine(self, scale, shift):
+    def set_affine(self, scale: npt.ArrayLike, shift: npt.ArrayLike) -> None:
         """Set the map to y = scale·x + shift.
 
         Args:
@@ -95,7 +100,7 @@ class InferenceAffine(_PerChannelMap):
         self.scale.assign(np.reshape(scale, self.channels))
         self.shift.assign(np.reshape(shift, self.channels))
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         """The layer's config, for `from_config` and saving.
 
         Returns:
@@ -128,7 +133,9 @@ class ChannelBias(_PerChannelMap):
         ValueError: `channel_axis` or `channels` is not a positive int.
     """
 
-    def __init__(self, channel_axis, channels, trainable_bias=False, **kwargs):
+    def __init__(
+        self, channel_axis: int, channels: int, trainable_bias: bool = False, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         if isinstance(channel_axis, bool) or not isinstance(channel_axis, int) or channel_axis < 1:
             raise ValueError(
@@ -144,7 +151,7 @@ class ChannelBias(_PerChannelMap):
             shape=(channels,), name="bias", initializer="zeros", trainable=self.trainable_bias
         )
 
-    def call(self, inputs):
+    def call(self, inputs: tf.Tensor) -> tf.Tensor:
         """inputs + bias along `channel_axis`.
 
         Args:
@@ -160,7 +167,7 @@ class ChannelBias(_PerChannelMap):
         y = tf.add(x, tf.reshape(self.bias, shape))
         return keras.ops.cast(y, self.compute_dtype)
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         """The layer's config, for `from_config` and saving.
 
         Returns:

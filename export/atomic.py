@@ -13,10 +13,14 @@ import errno
 import os
 import stat
 import tempfile
+from collections.abc import Callable, Iterator
+from typing import TypeVar, overload
+
+_Checked = TypeVar("_Checked")
 
 
 @contextlib.contextmanager
-def replacing(path):
+def replacing(path: str | os.PathLike[str]) -> Iterator[str]:
     """Yield a temporary path next to `path`; on success it is renamed to `path`.
 
     The temporary name keeps `path`'s suffix, for writers that check it (Keras's `.keras`).
@@ -45,7 +49,7 @@ def replacing(path):
         _fsync(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
 
 
-def target(path):
+def target(path: str | os.PathLike[str]) -> str:
     """The file a write to `path` replaces: `path` with its symlinks resolved.
 
     Raises IsADirectoryError naming `path` when it is a folder, and OSError when it exists but
@@ -69,7 +73,21 @@ def target(path):
     return os.path.realpath(path)
 
 
-def write_bytes(path, data, check=None):
+@overload
+def write_bytes(path: str | os.PathLike[str], data: bytes, check: None = None) -> None: ...
+
+
+@overload
+def write_bytes(
+    path: str | os.PathLike[str], data: bytes, check: Callable[[str], _Checked]
+) -> _Checked: ...
+
+
+def write_bytes(
+    path: str | os.PathLike[str],
+    data: bytes,
+    check: Callable[[str], _Checked] | None = None,
+) -> _Checked | None:
     """Write `data` to `path` atomically (see `replacing`).
 
     `check(temporary_path)`, when given, runs on the complete file before it replaces `path`
@@ -82,11 +100,11 @@ def write_bytes(path, data, check=None):
         return None if check is None else check(temporary)
 
 
-def write_text(path, text):
+def write_text(path: str | os.PathLike[str], text: str) -> None:
     write_bytes(path, text.encode("utf-8"))
 
 
-def _mode_for(path):
+def _mode_for(path: str) -> int:
     """An existing file's permission bits, else what open() would create under the umask."""
     try:
         return stat.S_IMODE(os.stat(path).st_mode)
@@ -96,7 +114,7 @@ def _mode_for(path):
         return 0o666 & ~umask
 
 
-def _fsync(path, flags):
+def _fsync(path: str, flags: int) -> None:
     fd = os.open(path, flags)
     try:
         os.fsync(fd)

@@ -32,11 +32,21 @@ import os
 import sys
 import textwrap
 import traceback
+import types
+import typing
 import zipfile
+from collections.abc import Callable
+from typing import Any
 
 import keras_bn
 from keras_bn._errors import one_line
 from keras_bn.export import defaults
+
+if typing.TYPE_CHECKING:  # imported where used, after a fast usage check
+    import keras
+    import numpy as np
+
+    from keras_bn.export.trace import Feed
 
 OK, TOLERANCE_EXCEEDED, USAGE_ERROR, INTERNAL_ERROR = 0, 1, 2, 3
 EXIT_CODES = {
@@ -55,7 +65,7 @@ BAD_INPUT = (ValueError, OSError)
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, not argparse's usage block
+    def error(self, message: str) -> typing.NoReturn:  # one line, not argparse's usage block
         raise _UsageError(message)
 
 
@@ -63,7 +73,7 @@ class _UsageError(Exception):
     """Bad usage or input, in words for the user; exit code 2."""
 
 
-def _parser():
+def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="keras-bn-export",
         description="Fold batch norms, export to TFLite and/or ONNX, and verify the files.",
@@ -128,7 +138,7 @@ def _parser():
     return parser
 
 
-def _arguments(argv):
+def _arguments(argv: list[str] | None) -> argparse.Namespace:
     """The parsed arguments, checked without importing anything heavy; _UsageError if bad."""
     args = _parser().parse_args(argv)
     tolerance_flag = "--scale-tolerance"
@@ -176,7 +186,7 @@ def _arguments(argv):
     return args
 
 
-def _quantization_aware_file(path):
+def _quantization_aware_file(path: str) -> bool:
     """Whether a `.keras` file holds keras_bn.quantize layers, read from its config without
     loading it (so that usage errors stay fast); False for anything unreadable, which the
     load then reports."""
@@ -192,7 +202,7 @@ def _quantization_aware_file(path):
 QAT_PACKAGE = "keras_bn.quantize"
 
 
-def main(argv=None):
+def main(argv: list[str] | None = None) -> int:
     """Run keras-bn-export on `argv` (default: the command line); return the exit code."""
     for name, value in ENVIRONMENT_DEFAULTS.items():
         os.environ.setdefault(name, value)
@@ -202,7 +212,7 @@ def main(argv=None):
         print(f"keras-bn-export: error: {error}", file=sys.stderr)
         return USAGE_ERROR
     except SystemExit as done:  # --help and --version print, then exit
-        return done.code
+        return done.code if isinstance(done.code, int) else OK
     try:
         summary = _run(args)
     except _UsageError as error:
@@ -224,7 +234,7 @@ def main(argv=None):
     return OK if summary["passed"] else TOLERANCE_EXCEEDED
 
 
-def _run(args):
+def _run(args: argparse.Namespace) -> dict[str, Any]:
     from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -236,9 +246,9 @@ def _run(args):
         transient=False,
     )
     with progress:
-        current: dict = {}
+        current: dict[str, Any] = {}  # the task of the stage under way
 
-        def stage(name):
+        def stage(name: str) -> None:
             if "task" in current:
                 progress.update(current["task"], completed=1)
             current["task"] = progress.add_task(name, total=1)
@@ -248,7 +258,7 @@ def _run(args):
     return summary
 
 
-def _export(args, stage):
+def _export(args: argparse.Namespace, stage: Callable[[str], None]) -> dict[str, Any]:
     stage("load")
     import keras
     import numpy as np
@@ -334,7 +344,7 @@ def _export(args, stage):
     # The fold report of an export that measured int8 readiness (int8 TFLite), else the first.
     folds = [report.fold for report in exports if report.fold is not None]
     measured = [fold for fold in folds if fold.int8_readiness_measured]
-    fold_report = (measured or folds or [None])[0]
+    fold_report = next(iter(measured or folds), None)
     if (
         not args.no_fold
         and not quantization_aware
@@ -373,11 +383,11 @@ def _export(args, stage):
 LOAD_ERRORS = (ValueError, TypeError, KeyError, OSError, EOFError, zipfile.BadZipFile)
 
 
-def _told(error):
+def _told(error: BaseException) -> str:
     return f"{type(error).__name__}: {one_line(error)}"
 
 
-def _load_arrays(np, path):
+def _load_arrays(np: types.ModuleType, path: str) -> "np.ndarray | dict[str, np.ndarray]":
     """The array of a .npy file, or {name: array} of an .npz; _UsageError if unreadable."""
     try:
         data = np.load(path, allow_pickle=False)
@@ -388,7 +398,12 @@ def _load_arrays(np, path):
     return data
 
 
-def _representative(trace, model, data, path):
+def _representative(
+    trace: types.ModuleType,
+    model: "keras.Model",
+    data: "np.ndarray | dict[str, np.ndarray]",
+    path: str,
+) -> "Feed":
     """--representative-data `path` (its `data`) as a Feed for `model`, named by the flag in
     every message about it (the exporters' too); _UsageError, suggesting the file the model
     needs, if it does not fit."""
@@ -409,7 +424,7 @@ def _representative(trace, model, data, path):
         raise _UsageError(f"{one_line(error)} --representative-data takes {needed}") from error
 
 
-def _finite_json(value):
+def _finite_json(value: Any) -> Any:
     """`value` with every NaN or infinite float as None: JSON has no such numbers (Python's
     NaN/Infinity tokens are rejected by strict parsers), and `passed` already says it failed."""
     if isinstance(value, dict):
@@ -421,7 +436,7 @@ def _finite_json(value):
     return value
 
 
-def _human_summary(summary):
+def _human_summary(summary: dict[str, Any]) -> str:
     lines = [f"model: {summary['model']}"]
     fold = summary["fold"]
     if summary["quantization_aware"]:
@@ -470,7 +485,7 @@ def _human_summary(summary):
     return "\n".join(lines)
 
 
-def _scale_lines(report):
+def _scale_lines(report: dict[str, Any]) -> list[str]:
     """Each output's error as a fraction of its scale, per runtime setting."""
     lines = []
     for output, relative in report["relative_errors"].items():
@@ -483,7 +498,7 @@ def _scale_lines(report):
     return lines
 
 
-def _lsb_lines(report):
+def _lsb_lines(report: dict[str, Any]) -> list[str]:
     """A QAT model's file: each output's error in its steps, the int8 weights read back and
     the ops left in float."""
     lines = []
@@ -514,7 +529,7 @@ def _lsb_lines(report):
     return lines
 
 
-def _samples_line(report):
+def _samples_line(report: dict[str, Any]) -> str:
     """Which samples a file was verified on (and, for int8, its error on calibration ones)."""
     if report["calibration_samples"] is None:
         return f"  verified on {report['probe_samples']} samples"
@@ -525,7 +540,7 @@ def _samples_line(report):
     )
 
 
-def _int8_readiness(fold):
+def _int8_readiness(fold: dict[str, Any]) -> list[str]:
     """The summary lines on the folded hosts' int8 readiness: those whose int8 weights alone
     move the outputs by more than the tolerance, or the worst errors when none does, or the
     largest channel spread when it was not measured."""
@@ -571,7 +586,7 @@ def _int8_readiness(fold):
     return lines
 
 
-def _worst(spreads, *keys):
+def _worst(spreads: list[dict[str, Any]], *keys: str) -> tuple[str, float]:
     """(host, value): the largest value under `keys` over the entries, and its host; NaN is
     the largest, None no value."""
     values = [
@@ -583,11 +598,11 @@ def _worst(spreads, *keys):
     return max(values, key=lambda pair: math.inf if math.isnan(pair[1]) else pair[1])
 
 
-def _number(value):
+def _number(value: float) -> str:
     return "NaN" if math.isnan(value) else f"{value:.3g}"
 
 
-def _apart(channels, spread):
+def _apart(channels: str, spread: float) -> str:
     if math.isnan(spread):
         return f"{channels} channels: a weight is NaN"
     return f"{channels} channels {spread:.3g}x apart"

@@ -40,7 +40,7 @@ HELD_OUT_FRACTION = 0.25
 INT8_MIN_SAMPLES = 16
 
 
-def check_scale_tolerance(value, name="scale_tolerance"):
+def check_scale_tolerance(value: object, name: str = "scale_tolerance") -> float:
     """`value` as a float, if it is a positive finite number.
 
     Args:
@@ -64,7 +64,7 @@ def check_scale_tolerance(value, name="scale_tolerance"):
     return float(value)
 
 
-def short(number):
+def short(number: float) -> str:
     """A tolerance as the docs write it: 1e-4, 5e-2 (one significant digit, no padded exponent).
 
     Args:
@@ -77,7 +77,7 @@ def short(number):
     return f"{mantissa}e{int(exponent)}"
 
 
-def describe_scale_tolerances():
+def describe_scale_tolerances() -> str:
     """The defaults in words, for the CLI's help.
 
     Returns:

@@ -22,24 +22,33 @@ different ranges. `output_channel_ranges` / `input_channel_ranges` give max |w| 
 """
 
 import numpy as np
+import numpy.typing as npt
 
 
-def fold_dense(kernel, bias, scale, shift):
+def fold_dense(
+    kernel: npt.ArrayLike, bias: npt.ArrayLike | None, scale: npt.ArrayLike, shift: npt.ArrayLike
+) -> tuple[np.ndarray, np.ndarray]:
     """Dense → BN. Kernel (in, out): output channel on the last axis."""
     return _fold_output_axis(kernel, bias, scale, shift, axis=-1)
 
 
-def fold_conv(kernel, bias, scale, shift):
+def fold_conv(
+    kernel: npt.ArrayLike, bias: npt.ArrayLike | None, scale: npt.ArrayLike, shift: npt.ArrayLike
+) -> tuple[np.ndarray, np.ndarray]:
     """Conv1D/2D/3D → BN, any groups and data format. Kernel (*k, in/groups, out)."""
     return _fold_output_axis(kernel, bias, scale, shift, axis=-1)
 
 
-def fold_conv_transpose(kernel, bias, scale, shift):
+def fold_conv_transpose(
+    kernel: npt.ArrayLike, bias: npt.ArrayLike | None, scale: npt.ArrayLike, shift: npt.ArrayLike
+) -> tuple[np.ndarray, np.ndarray]:
     """Conv1D/2D/3DTranspose → BN. Kernel (*k, out, in): output channel on axis −2."""
     return _fold_output_axis(kernel, bias, scale, shift, axis=-2)
 
 
-def fold_depthwise(kernel, bias, scale, shift):
+def fold_depthwise(
+    kernel: npt.ArrayLike, bias: npt.ArrayLike | None, scale: npt.ArrayLike, shift: npt.ArrayLike
+) -> tuple[np.ndarray, np.ndarray]:
     """DepthwiseConv1D/2D → BN. Kernel (*k, C, M); output channel c·M + m.
 
     All C·M scales are used: reshaping them to (C, M) lines each one up with its own filter
@@ -52,7 +61,12 @@ def fold_depthwise(kernel, bias, scale, shift):
     return new_kernel.astype(kernel.dtype), _fold_bias(bias, scale, shift, kernel.dtype)
 
 
-def fold_separable(pointwise_kernel, bias, scale, shift):
+def fold_separable(
+    pointwise_kernel: npt.ArrayLike,
+    bias: npt.ArrayLike | None,
+    scale: npt.ArrayLike,
+    shift: npt.ArrayLike,
+) -> tuple[np.ndarray, np.ndarray]:
     """SeparableConv1D/2D → BN: the pointwise kernel (1[, 1], C·M, out) is the one scaled.
 
     The depthwise kernel is unchanged; returns the new (pointwise_kernel, bias).
@@ -60,7 +74,13 @@ def fold_separable(pointwise_kernel, bias, scale, shift):
     return _fold_output_axis(pointwise_kernel, bias, scale, shift, axis=-1)
 
 
-def fold_forward(kernel, bias, scale, shift, groups=1):
+def fold_forward(
+    kernel: npt.ArrayLike,
+    bias: npt.ArrayLike | None,
+    scale: npt.ArrayLike,
+    shift: npt.ArrayLike,
+    groups: int = 1,
+) -> tuple[np.ndarray, np.ndarray]:
     """BN → Dense, or BN → Conv1D/2D/3D with padding="valid" (kernel (*k, in/groups, out)).
 
     With g groups, output channel o reads input channels (o // (out/g))·(in/g) + j for the
@@ -80,7 +100,13 @@ def fold_forward(kernel, bias, scale, shift, groups=1):
     return new_kernel.astype(kernel.dtype), new_bias.astype(kernel.dtype)
 
 
-def _fold_output_axis(kernel, bias, scale, shift, axis):
+def _fold_output_axis(
+    kernel: npt.ArrayLike,
+    bias: npt.ArrayLike | None,
+    scale: npt.ArrayLike,
+    shift: npt.ArrayLike,
+    axis: int,
+) -> tuple[np.ndarray, np.ndarray]:
     """Backward fold for kernels whose output channels lie on one axis."""
     kernel = _check_kernel(kernel)
     scale, shift = _check_per_channel(scale, shift, kernel.shape[axis], f"kernel axis {axis}")
@@ -90,7 +116,7 @@ def _fold_output_axis(kernel, bias, scale, shift, axis):
     return new_kernel.astype(kernel.dtype), _fold_bias(bias, scale, shift, kernel.dtype)
 
 
-def _check_kernel(kernel, groups=1):
+def _check_kernel(kernel: npt.ArrayLike, groups: int = 1) -> np.ndarray:
     """`kernel` as an array; a ValueError unless it has 2+ dimensions and `groups` divides its
     (last-axis) output channels."""
     kernel = np.asarray(kernel)
@@ -104,7 +130,9 @@ def _check_kernel(kernel, groups=1):
     return kernel
 
 
-def _fold_bias(bias, scale, shift, dtype):
+def _fold_bias(
+    bias: npt.ArrayLike | None, scale: np.ndarray, shift: np.ndarray, dtype: npt.DTypeLike
+) -> np.ndarray:
     """scale·b + shift, where a missing bias is zero."""
     if bias is None:
         return shift.astype(dtype)
@@ -116,7 +144,9 @@ def _fold_bias(bias, scale, shift, dtype):
     return (scale * bias + shift).astype(dtype)
 
 
-def _check_per_channel(scale, shift, channels, where):
+def _check_per_channel(
+    scale: npt.ArrayLike, shift: npt.ArrayLike, channels: int, where: str
+) -> tuple[np.ndarray, np.ndarray]:
     scale = np.asarray(scale, np.float64)
     shift = np.asarray(shift, np.float64)
     for name, value in (("scale", scale), ("shift", shift)):
@@ -134,7 +164,7 @@ def _check_per_channel(scale, shift, channels, where):
 LAST, TRANSPOSE, DEPTHWISE = "last", "transpose", "depthwise"
 
 
-def output_channel_ranges(kernel, layout=LAST):
+def output_channel_ranges(kernel: npt.ArrayLike, layout: str = LAST) -> np.ndarray:
     """max |w| of each output channel of a (folded) kernel, in float64.
 
     Args:
@@ -163,7 +193,7 @@ def output_channel_ranges(kernel, layout=LAST):
     return np.max(kernel.reshape(-1, kernel.shape[-1]), axis=0, initial=0.0)
 
 
-def input_channel_ranges(kernel, groups=1):
+def input_channel_ranges(kernel: npt.ArrayLike, groups: int = 1) -> np.ndarray:
     """max |w| of each input channel of a Dense or Conv kernel, in float64: what a forward
     fold scales.
 
@@ -186,7 +216,7 @@ def input_channel_ranges(kernel, groups=1):
     return np.max(by_group, axis=(0, 3), initial=0.0).T.reshape(-1)
 
 
-def channel_spread(ranges):
+def channel_spread(ranges: npt.ArrayLike) -> float:
     """max / min of per-channel ranges (max |w| per channel): how many times finer the
     smallest channel's weights are than the largest's, where all share one int8 scale.
 

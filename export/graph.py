@@ -16,8 +16,11 @@ live in keras_bn/_rewrite.py.
 """
 
 import dataclasses
+from typing import TypeAlias
 
 import keras
+import numpy as np
+from keras.src.ops.node import Node
 
 from keras_bn import _bn_layers, _models, _rewrite
 from keras_bn.export import defaults, fold, readiness, report, trace
@@ -26,6 +29,10 @@ from keras_bn.export.report import ChannelSpread, FoldReport
 
 L = keras.layers
 BN_TYPES = _bn_layers.BN_TYPES  # exact types: a subclass is copied as it is, and kept
+# A host's kernels (a separable conv's depthwise, then pointwise) and bias (None without one);
+# and the folded ones of every host, by id(original host) (a fold always gives a bias).
+_HostWeights: TypeAlias = tuple[list[np.ndarray], np.ndarray | None]
+_Weights: TypeAlias = dict[int, tuple[list[np.ndarray], np.ndarray]]
 
 # Exact types, not isinstance: a subclass may change what `call` computes.
 CONV = (L.Conv1D, L.Conv2D, L.Conv3D)
@@ -82,7 +89,9 @@ class KeptBN:
     kind: str = ""
 
 
-def fold_batch_norms(model, probe=None, int8_readiness=False):
+def fold_batch_norms(
+    model: keras.Model, probe: trace.ModelInput | None = None, int8_readiness: bool = False
+) -> tuple[keras.Model, FoldReport]:
     """Fold every batch norm of `model` into a neighbouring Dense/Conv layer.
 
     Args:
@@ -139,15 +148,15 @@ def fold_batch_norms(model, probe=None, int8_readiness=False):
     errors, scales, channels = report.compare(
         expected, {"folded": actual}, defaults.FLOAT32_SCALE_TOLERANCE
     )
-    errors = {name: by_setting["folded"] for name, by_setting in errors.items()}
+    folded_errors = {name: by_setting["folded"] for name, by_setting in errors.items()}
     if int8_readiness:
         spreads = readiness.measure(folded_model, sig, inputs, hosts)
     else:
         spreads = [host.spread for host in hosts]
-    return folded_model, FoldReport(folded, kept, errors, scales, spreads, channels)
+    return folded_model, FoldReport(folded, kept, folded_errors, scales, spreads, channels)
 
 
-def fold_decisions(model):
+def fold_decisions(model: keras.Model) -> tuple[list[FoldedBN], list[KeptBN]]:
     """Which batch norms `fold_batch_norms` folds and which it keeps, without building a probe
     or comparing outputs (`check_batchnorm` asks only this).
 
@@ -165,24 +174,28 @@ def fold_decisions(model):
     return folded, kept
 
 
-def _contains_bn(model):
+def _contains_bn(model: keras.Model) -> bool:
     return any(
         _bn_layers.is_batch_norm(layer) for layer in model._flatten_layers(include_self=False)
     )
 
 
-def _fold_model(model, prefix):
+def _fold_model(
+    model: keras.Model, prefix: str
+) -> tuple[keras.Model, list[FoldedBN], list[KeptBN], list[readiness.Host]]:
     """(new model, folded list, kept list, readiness.Host list) for one Sequential/Functional
     model."""
     graph = _models.layer_graph(model, "fold batch norms in")
     info = _rewrite.Graph(graph)
-    folded: list = []
-    kept: list = []
-    weights: dict = {}  # folded (kernels, bias) of each host, by id(original host)
-    dropped = set()  # ids of the BNs that were folded away
-    hosts, forward_hosts = {}, set()  # by id: every host, and those that took a forward fold
+    folded: list[FoldedBN] = []
+    kept: list[KeptBN] = []
+    weights: _Weights = {}  # folded (kernels, bias) of each host, by id(original host)
+    dropped: set[int] = set()  # ids of the BNs that were folded away
+    # by id: every host, and those that took a forward fold
+    hosts: dict[int, keras.layers.Layer] = {}
+    forward_hosts: set[int] = set()
 
-    pending = []
+    pending: list[tuple[Node, _rewrite.Refusal]] = []
     for node in info.nodes:  # backward folds first: they need the hosts' original kernels
         bn = node.operation
         if type(bn) not in BN_TYPES:
@@ -201,18 +214,22 @@ def _fold_model(model, prefix):
 
     for node, backward_refusal in pending:
         bn = node.operation
-        consumer, forward_refusal = _forward_target(bn, node, info, backward_refusal)
-        if forward_refusal is None:
-            _fold_forward(bn, node, consumer, weights)
-            hosts[id(consumer)] = consumer
-            forward_hosts.add(id(consumer))
-            folded.append(FoldedBN(prefix + bn.name, prefix + consumer.name, "forward"))
-            dropped.add(id(bn))
-        elif all(k.bn != prefix + bn.name for k in kept):  # a shared BN is reported once
-            kept.append(KeptBN(prefix + bn.name, forward_refusal.message, forward_refusal.kind))
+        target = _forward_target(bn, node, info, backward_refusal)
+        if isinstance(target, _rewrite.Refusal):
+            if all(k.bn != prefix + bn.name for k in kept):  # a shared BN is reported once
+                kept.append(KeptBN(prefix + bn.name, target.message, target.kind))
+            continue
+        _fold_forward(bn, node, target, weights)
+        hosts[id(target)] = target
+        forward_hosts.add(id(target))
+        folded.append(FoldedBN(prefix + bn.name, prefix + target.name, "forward"))
+        dropped.add(id(bn))
 
-    copies, refolded, inner_models = {}, set(), []
-    biases = {}  # ChannelBias after each folded channels_first host, by id(original host)
+    copies: dict[int, keras.Operation] = {}
+    refolded: set[int] = set()
+    inner_models: list[list[readiness.Host]] = []
+    # ChannelBias after each folded channels_first host, by id(original host)
+    biases: dict[int, ChannelBias] = {}
     for node in info.nodes:
         layer = node.operation
         if id(layer) in copies or id(layer) in dropped:
@@ -258,13 +275,15 @@ def _fold_model(model, prefix):
     return new_model, folded, kept, measured + [h for inner in inner_models for h in inner]
 
 
-def _forward_target(bn, node, info, backward_refusal):
-    """(consumer, None) when the BN folds into the one layer it feeds, else (None, refusal).
+def _forward_target(
+    bn: keras.layers.Layer, node: Node, info: _rewrite.Graph, backward_refusal: _rewrite.Refusal
+) -> keras.layers.Layer | _rewrite.Refusal:
+    """The consumer when the BN folds into the one layer it feeds, else the refusal.
 
     The refusal's message keeps the backward reason first: it is the fold one would expect.
     """
     if backward_refusal.kind == "shared_bn":
-        return None, backward_refusal
+        return backward_refusal
     output = node.outputs[0]
     consumers = info.consumers.get(id(output), [])
     if info.fan_out(output) != 1 or not consumers:
@@ -291,13 +310,11 @@ def _forward_target(bn, node, info, backward_refusal):
                 f"'{consumer.name}'"
             )
         if why is None:
-            return consumer, None
-    return None, _rewrite.Refusal(
-        backward_refusal.kind, f"{backward_refusal.message}; forward: {why}"
-    )
+            return consumer
+    return _rewrite.Refusal(backward_refusal.kind, f"{backward_refusal.message}; forward: {why}")
 
 
-def _host_weights(host, weights):
+def _host_weights(host: keras.layers.Layer, weights: _Weights) -> _HostWeights:
     """The host's (kernel, bias) as folded so far: a layer may take a fold in each direction."""
     if id(host) in weights:
         return weights[id(host)]
@@ -307,13 +324,15 @@ def _host_weights(host, weights):
     return values[: kernel_index + 1], bias
 
 
-def _fold_backward(bn, host, weights):
+def _fold_backward(bn: keras.layers.Layer, host: keras.layers.Layer, weights: _Weights) -> None:
     kernels, bias = _host_weights(host, weights)
     kernel, bias = BACKWARD_FOLDS[type(host)](kernels[-1], bias, *_bn_layers.inference_affine(bn))
     weights[id(host)] = (kernels[:-1] + [kernel], bias)
 
 
-def _fold_forward(bn, node, consumer, weights):
+def _fold_forward(
+    bn: keras.layers.Layer, node: Node, consumer: keras.layers.Layer, weights: _Weights
+) -> None:
     kernels, bias = _host_weights(consumer, weights)
     scale, shift = _bn_layers.inference_affine(bn)
     kernel, bias = fold.fold_forward(
@@ -322,7 +341,13 @@ def _fold_forward(bn, node, consumer, weights):
     weights[id(consumer)] = (kernels[:-1] + [kernel], bias)
 
 
-def _host(prefix, host, copy, folded_weights, forward):
+def _host(
+    prefix: str,
+    host: keras.layers.Layer,
+    copy: keras.layers.Layer,
+    folded_weights: tuple[list[np.ndarray], np.ndarray],
+    forward: bool,
+) -> readiness.Host:
     """The readiness.Host of a folded host: the ChannelSpread of its folded kernel (a
     SeparableConv's pointwise kernel, the last of its kernels) and the copy's variable that
     holds that kernel."""
@@ -339,14 +364,20 @@ def _host(prefix, host, copy, folded_weights, forward):
     return readiness.Host(spread, copy.weights[len(kernels) - 1], layout)
 
 
-def _affine_copy(bn, node):
+def _affine_copy(bn: keras.layers.Layer, node: Node) -> InferenceAffine:
     axes = _rewrite.bn_axes(bn, node)
     return InferenceAffine(axes, bn.moving_mean.shape, name=bn.name, dtype=bn.dtype_policy)
 
 
-def _copy_weights(nodes, copies, biases, weights, refolded):
+def _copy_weights(
+    nodes: list[Node],
+    copies: dict[int, keras.Operation],
+    biases: dict[int, ChannelBias],
+    weights: _Weights,
+    refolded: set[int],
+) -> None:
     """Load the copies: folded weights for hosts, the affine for kept BNs, else the originals."""
-    done = set()
+    done: set[int] = set()
     for node in nodes:
         layer = node.operation
         if id(layer) in done or id(layer) not in copies or copies[id(layer)] is layer:

@@ -13,6 +13,9 @@ DequantizeLinear pair, and its kernels as inputs of the traced function, which e
 then makes int8 initializers read by per-channel DequantizeLinear nodes.
 """
 
+import os
+from collections.abc import Callable
+
 import keras
 import numpy as np
 import onnx
@@ -21,6 +24,7 @@ import tensorflow as tf
 import tf2onnx
 from onnx import numpy_helper
 
+from keras_bn import _models
 from keras_bn._errors import UnsupportedModelError, one_line
 from keras_bn.export import pipeline, qat, qdq, report, trace
 from keras_bn.quantize import hosts
@@ -47,17 +51,17 @@ QAT_MIN_OPSET = 13
 
 
 def export_onnx(
-    model,
-    path,
-    opset=17,
-    fold=True,
-    probe=None,
-    scale_tolerance=None,
-    strict=True,
-    on_stage=None,
+    model: keras.Model,
+    path: str | os.PathLike[str],
+    opset: int = 17,
+    fold: bool = True,
+    probe: trace.ModelInput | None = None,
+    scale_tolerance: float | None = None,
+    strict: bool = True,
+    on_stage: Callable[[str], None] | None = None,
     *,
-    atol=None,
-):
+    atol: float | None = None,
+) -> report.ExportReport:
     """Write `model` as an .onnx file at `path`, once it matches the Keras model in onnxruntime.
 
     A quantization-aware model (one holding keras_bn.quantize layers, from `quantize_model`)
@@ -131,12 +135,12 @@ class _ONNX(pipeline.Format):
     name = "onnx"
     names = NAMES
 
-    def __init__(self, opset):
+    def __init__(self, opset: int) -> None:
         if isinstance(opset, bool) or not isinstance(opset, int) or opset < 1:
             raise ValueError(f"opset must be a positive int; received opset={opset!r}.")
         self.opset = opset
 
-    def check_model(self, model):
+    def check_model(self, model: keras.Model) -> None:
         for layer in model._flatten_layers(include_self=False):
             if type(layer) is L.Conv3D and layer.groups > 1:
                 raise UnsupportedModelError(
@@ -146,65 +150,62 @@ class _ONNX(pipeline.Format):
                     f"channels, concatenated."
                 )
 
-    def convert(self, model, sig):
+    def convert(self, model: keras.Model, sig: trace.Signature) -> bytes:
         function = trace.inference_function(plain_convolutions(model), sig)
         proto, _ = tf2onnx.convert.from_function(
             function, input_signature=function.input_signature, opset=self.opset
         )
         return proto.SerializeToString()
 
-    def check_file(self, written, target):
+    def check_file(self, written: str, target: str | os.PathLike[str]) -> None:
         check(written, name=target)
 
-    def run(self, path, inputs):
+    def run(self, path: str, inputs: dict[str, np.ndarray]) -> dict[str, dict[str, np.ndarray]]:
         return {setting: run(path, inputs, level) for setting, level in SESSION_SETTINGS.items()}
 
-    def op_names(self, path):
+    def op_names(self, path: str) -> list[str]:
         return [node.op_type for node in onnx.load(path).graph.node]
 
 
-class _QuantizedONNX(_ONNX):
+class _QuantizedONNX(pipeline.QuantizedFormat, _ONNX):
     """A QAT model's file: QDQ from its export form, with int8 kernel initializers."""
 
-    quantized = True
     quantization = "int8"
 
-    def __init__(self, opset):
+    def __init__(self, opset: int) -> None:
         super().__init__(opset)
         if opset < QAT_MIN_OPSET:
             raise ValueError(
                 f"A quantization-aware model's ONNX file needs opset {QAT_MIN_OPSET} or more "
                 f"(per-channel DequantizeLinear); received opset={opset!r}."
             )
-        self._weights = []
 
-    def check_model(self, model):
-        super().check_model(model)
-        for layer in model._flatten_layers(include_self=False):
-            if not isinstance(layer, qat.QAT_HOSTS):
-                continue
-            host = layer.host
-            if type(host) not in QAT_HOSTS or getattr(host, "groups", 1) > 1:
-                raise UnsupportedModelError(
-                    f"ONNX export of a quantization-aware model takes Dense, Conv2D "
-                    f"(ungrouped), DepthwiseConv2D and SeparableConv2D hosts; '{layer.name}' "
-                    f"hosts a {type(host).__name__}"
-                    f"{f' with groups={host.groups}' if type(host) in QAT_HOSTS else ''}."
-                )
+    def host_refusal(self, layer: keras.layers.Layer) -> str | None:
+        host = layer.host
+        if type(host) in QAT_HOSTS and getattr(host, "groups", 1) == 1:
+            return None
+        return (
+            f"ONNX export of a quantization-aware model takes Dense, Conv2D (ungrouped), "
+            f"DepthwiseConv2D and SeparableConv2D hosts; '{layer.name}' hosts a "
+            f"{type(host).__name__}"
+            f"{f' with groups={host.groups}' if type(host) in QAT_HOSTS else ''}."
+        )
 
-    def convert(self, model, sig):
+    def convert(self, model: keras.Model, sig: trace.Signature) -> bytes:
         """The export form traced with each kernel an input named by its tag (tf2onnx keeps
         input names, not constants'), then the kernels made int8 (export/qdq.py)."""
-        self._weights = qat.host_weights(model, taken=(*sig.input_names, *sig.output_names))
-        kernels: dict = {}  # tag → the traced function's input, while it is traced
-        traced = qat.export_model(model, self._weights, lambda weight: kernels[weight.tag])
+        self.take_weights(model, sig)
+        kernels: dict[str, tf.Tensor] = {}  # tag → the traced function's input, while traced
+        traced = qat.export_model(
+            model, self._weights, lambda weight: kernels[weight.tag], halves_as_ops=True
+        )
         specs = [
             *sig.input_specs,
             *(tf.TensorSpec(w.grid.q.shape, tf.float32, name=w.tag) for w in self._weights),
         ]
         count = len(sig.input_names)
 
-        def infer(*tensors):
+        def infer(*tensors: tf.Tensor) -> dict[str, tf.Tensor]:
             kernels.update(zip((w.tag for w in self._weights), tensors[count:]))
             feed = dict(zip(sig.input_names, tensors[:count]))
             results = traced(sig.pack(feed), training=False)
@@ -215,11 +216,11 @@ class _QuantizedONNX(_ONNX):
         qdq.int8_weights(proto, self._weights)
         return proto.SerializeToString()
 
-    def check_weights(self, path):
+    def check_weights(self, path: str) -> list[report.WeightCheck]:
         graph = onnx.load(path).graph
         initializers = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
         producers = {name: node for node in graph.node for name in node.output}
-        consumers: dict[str, list] = {}
+        consumers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
         for node in graph.node:
             for index, name in enumerate(node.input):
                 consumers.setdefault(name, []).append((node, index))
@@ -228,7 +229,12 @@ class _QuantizedONNX(_ONNX):
         ]
 
 
-def _weight_check(weight, initializers, producers, consumers):
+def _weight_check(
+    weight: qat.HostWeight,
+    initializers: dict[str, np.ndarray],
+    producers: dict[str, onnx.NodeProto],
+    consumers: dict[str, list[tuple[onnx.NodeProto, int]]],
+) -> report.WeightCheck:
     """The report.WeightCheck of one kernel: its int8 initializer, read by a DequantizeLinear
     whose output is input 1 of a Conv, MatMul or Gemm and nothing else, in that op's layout."""
     names = qdq.kernel_names(weight)
@@ -248,7 +254,7 @@ def _weight_check(weight, initializers, producers, consumers):
         and readers[0][1] == 1
         and readers[0][0].op_type in qdq.WEIGHT_CONSUMERS
     )
-    if matches:
+    if matches and dequantize is not None:
         expected = weight.grid.q.transpose(layout)
         transposed = any(
             a.name == "transB" and a.i for a in readers[0][0].attribute
@@ -276,7 +282,9 @@ def _weight_check(weight, initializers, producers, consumers):
     )
 
 
-def _plain_convolution(layer, inputs, kernel):
+def _plain_convolution(
+    layer: keras.layers.Layer, inputs: tf.Tensor, kernel: tf.Tensor
+) -> tf.Tensor:
     """A Conv1D/2D/3D's convolution as one TensorFlow op, never an XLA-compiled function.
 
     TensorFlow cannot run a grouped one on a CPU: it is only traced, for tf2onnx.
@@ -294,24 +302,24 @@ def _plain_convolution(layer, inputs, kernel):
 
 
 class _PlainConv1D(keras.layers.Conv1D):
-    def call(self, inputs):
+    def call(self, inputs: tf.Tensor) -> tf.Tensor:
         # Conv1D's own call pads a causal input, then calls ops.conv directly; BaseConv's call
         # goes through convolution_op.
         if self.padding == "causal":
             inputs = keras.ops.pad(inputs, self._compute_causal_padding())
         return super(keras.layers.Conv1D, self).call(inputs)
 
-    def convolution_op(self, inputs, kernel):
+    def convolution_op(self, inputs: tf.Tensor, kernel: tf.Tensor) -> tf.Tensor:
         return _plain_convolution(self, inputs, kernel)
 
 
 class _PlainConv2D(keras.layers.Conv2D):
-    def convolution_op(self, inputs, kernel):
+    def convolution_op(self, inputs: tf.Tensor, kernel: tf.Tensor) -> tf.Tensor:
         return _plain_convolution(self, inputs, kernel)
 
 
 class _PlainConv3D(keras.layers.Conv3D):
-    def convolution_op(self, inputs, kernel):
+    def convolution_op(self, inputs: tf.Tensor, kernel: tf.Tensor) -> tf.Tensor:
         return _plain_convolution(self, inputs, kernel)
 
 
@@ -322,14 +330,14 @@ PLAIN_CONVOLUTIONS: dict[type, type[keras.layers.Layer]] = {
 }
 
 
-def _needs_xla(layer):
+def _needs_xla(layer: keras.layers.Layer) -> bool:
     """Keras's own test (its TensorFlow `conv`): grouped, or a channels_first Conv3D."""
     return type(layer) in PLAIN_CONVOLUTIONS and (
         layer.groups > 1 or (layer.rank == 3 and layer.data_format == "channels_first")
     )
 
 
-def plain_convolutions(model):
+def plain_convolutions(model: keras.Model) -> keras.Model:
     """`model`, or a copy for tracing whose grouped convolutions (and channels_first Conv3Ds)
     are one plain TensorFlow convolution op each; the copy shares every other layer.
 
@@ -341,22 +349,16 @@ def plain_convolutions(model):
     """
     if not any(_needs_xla(layer) for layer in model._flatten_layers()):
         return model
-    copies = []
 
-    def clone(layer):
+    def plain(layer: keras.layers.Layer) -> keras.layers.Layer | None:
         if not _needs_xla(layer):
-            return layer
-        copy = PLAIN_CONVOLUTIONS[type(layer)].from_config(layer.get_config())
-        copies.append((layer, copy))
-        return copy
+            return None
+        return PLAIN_CONVOLUTIONS[type(layer)].from_config(layer.get_config())
 
-    traced = keras.models.clone_model(model, clone_function=clone, recursive=True)
-    for layer, copy in copies:
-        copy.set_weights(layer.get_weights())
-    return traced
+    return _models.clone_replacing(model, plain)
 
 
-def check(path, name=None):
+def check(path: str | os.PathLike[str], name: str | os.PathLike[str] | None = None) -> None:
     """onnx.checker.check_model with full shape inference; a ValueError naming `name` (default
     `path`) if the file is not a valid ONNX model."""
     try:
@@ -367,7 +369,11 @@ def check(path, name=None):
         ) from error
 
 
-def run(path, inputs, level=ort.GraphOptimizationLevel.ORT_ENABLE_ALL):
+def run(
+    path: str | os.PathLike[str],
+    inputs: np.ndarray | dict[str, np.ndarray],
+    level: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+) -> dict[str, np.ndarray]:
     """Run an .onnx file in onnxruntime (CPU).
 
     Args:

@@ -20,7 +20,14 @@ weights read back from the file (`Format.check_weights`, `Format.float_ops`).
 import os
 import typing
 import warnings
+from collections.abc import Callable
+from typing import Any
 
+import keras
+import numpy as np
+
+from keras_bn import _models
+from keras_bn._errors import UnsupportedModelError
 from keras_bn.export import atomic, defaults, qat, report, trace
 from keras_bn.export.graph import fold_batch_norms
 
@@ -46,11 +53,11 @@ class Format:
     names = trace.ANY_NAMES  # the names its files can hold
     quantized = False  # a QAT model: converted from its export form, judged in output steps
 
-    def default_scale_tolerance(self):
+    def default_scale_tolerance(self) -> float:
         """The tolerance when the caller gives none, as a fraction of each output's scale."""
         return defaults.FLOAT32_SCALE_TOLERANCE
 
-    def samples(self, sig, probe):
+    def samples(self, sig: trace.Signature, probe: trace.ModelInput | None) -> Samples:
         """The Samples to verify on: `probe` (a structure `model.predict` takes) when given,
         else seeded random input (`defaults.PROBE_SAMPLES` samples for a QAT model, whose
         output percentiles need many values); nothing calibrated."""
@@ -60,40 +67,77 @@ class Format:
             return Samples(trace.random_feed(sig, batch=defaults.PROBE_SAMPLES))
         return Samples(trace.random_feed(sig))
 
-    def check_model(self, model):
+    def check_model(self, model: keras.Model) -> None:
         """Raise a one-line UnsupportedModelError for a model the converter is known to get
         wrong."""
 
-    def convert(self, model, sig):
+    def convert(self, model: keras.Model, sig: trace.Signature) -> bytes:
         """The file's bytes for `model`, traced with the inputs and outputs of `sig`."""
         raise NotImplementedError
 
-    def check_file(self, written, target):
+    def check_file(self, written: str, target: str | os.PathLike[str]) -> None:
         """Raise if the `written` file is not a valid file of its format; the error names
         `target`, the path the caller gave (the written file is a temporary)."""
 
-    def run(self, path, inputs):
+    def run(self, path: str, inputs: dict[str, np.ndarray]) -> dict[str, dict[str, np.ndarray]]:
         """{runtime setting: {output name: array}} for a {input name: array} feed."""
         raise NotImplementedError
 
-    def op_names(self, path):
+    def op_names(self, path: str) -> list[str]:
         """The name of every op in the file (repeated as often as it occurs)."""
         raise NotImplementedError
 
-    def check_weights(self, path):
+    def check_weights(self, path: str) -> list[report.WeightCheck]:
         """For a QAT model: a report.WeightCheck per kernel `convert` wrote, read from the
         file."""
         raise NotImplementedError
 
-    def float_ops(self, path):
+    def float_ops(self, path: str) -> dict[str, int] | None:
         """For a QAT model: op name → count of the file's ops that compute in float, or None
         where the format does not tell (ONNX's QDQ form computes between its pairs)."""
         return None
 
 
+class QuantizedFormat(Format):
+    """What a QAT model's format adds to its float format's (list it first among the bases):
+    the model's kernels, taken when it converts (`take_weights`), which `check_weights` reads
+    back; and the refusal of the QAT hosts the format cannot hold (`host_refusal`)."""
+
+    quantized = True
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self._weights: list[qat.HostWeight] = []
+
+    def host_refusal(self, layer: keras.layers.Layer) -> str | None:
+        """Why the format cannot hold the QAT host `layer` (a message), or None."""
+        return None
+
+    def check_model(self, model: keras.Model) -> None:
+        """The float format's refusals, then each QAT host's `host_refusal`."""
+        super().check_model(model)
+        for layer in _models.layers_within(model, qat.QAT_HOSTS):
+            refusal = self.host_refusal(layer)
+            if refusal:
+                raise UnsupportedModelError(refusal)
+
+    def take_weights(self, model: keras.Model, sig: trace.Signature) -> list[qat.HostWeight]:
+        """The model's kernels (`qat.host_weights`), their tags clear of the file's input and
+        output names, kept for `check_weights`."""
+        self._weights = qat.host_weights(model, taken=(*sig.input_names, *sig.output_names))
+        return self._weights
+
+
 def export(
-    model, path, fmt, scale_tolerance=None, strict=True, fold=True, probe=None, on_stage=None
-):
+    model: keras.Model,
+    path: str | os.PathLike[str],
+    fmt: Format,
+    scale_tolerance: float | None = None,
+    strict: bool = True,
+    fold: bool = True,
+    probe: trace.ModelInput | None = None,
+    on_stage: Callable[[str], None] | None = None,
+) -> report.ExportReport:
     """Fold `model`, convert it with `fmt`, write it to `path` only if it verifies.
 
     See export_tflite / export_onnx for the arguments; returns the ExportReport.
@@ -114,7 +158,7 @@ def export(
     atomic.target(path)  # a folder or a device fails here, not after the conversion
     sig = trace.signature(model, fmt.names)
     fmt.check_model(model)
-    steps = None
+    steps: dict[str, float] = {}  # each output's step, for a QAT model
     if fmt.quantized:
         qat.check_exportable(model, fmt.names.format)
         steps = dict(zip(sig.output_names, qat.output_steps(model)))
@@ -136,19 +180,22 @@ def export(
     )
     stage("convert")
     content = fmt.convert(source, sig)
-    # A QAT file's per-channel errors are reported (at int8's channel floor), not judged.
-    channel_tolerance = defaults.SCALE_TOLERANCES["int8"] if fmt.quantized else scale_tolerance
+    # A QAT file (no scale_tolerance) has its per-channel errors reported, at int8's channel
+    # floor, not judged.
+    channel_tolerance = (
+        defaults.SCALE_TOLERANCES["int8"] if scale_tolerance is None else scale_tolerance
+    )
 
-    def verify(written):
+    def verify(written: str) -> report.ExportReport:
         fmt.check_file(written, path)
         actual = fmt.run(written, samples.probe)
         errors, scales, channels = report.compare(expected, actual, channel_tolerance)
         in_sample_errors = in_sample_channels = None
         if in_sample is not None:
             in_sample_errors, _, in_sample_channels = report.compare(
-                expected_in_sample, fmt.run(written, in_sample), scale_tolerance
+                expected_in_sample, fmt.run(written, in_sample), channel_tolerance
             )
-        quantized = {}
+        quantized: dict[str, Any] = {}
         if fmt.quantized:
             quantized = dict(
                 lsb_errors=report.lsb_errors(expected, actual, steps, defaults.QAT_PERCENTILE),
@@ -188,7 +235,7 @@ _LSB_TOLERANCE = report.LsbTolerance(
 )
 
 
-def default_scale_tolerance(model, fmt=None):
+def default_scale_tolerance(model: keras.Model, fmt: Format | None = None) -> float:
     """The format's default tolerance (the float32 one for the folded Keras model itself, when
     `fmt` is None), or the half-precision floor if larger and any layer of the model computes in
     a 16-bit float."""
@@ -200,7 +247,7 @@ def default_scale_tolerance(model, fmt=None):
     return tolerance
 
 
-def scale_tolerance_argument(scale_tolerance, atol):
+def scale_tolerance_argument(scale_tolerance: float | None, atol: float | None) -> float | None:
     """The tolerance an exporter was given, under its name or its deprecated one, `atol`.
 
     Called by the exporters themselves: the DeprecationWarning points at their caller.

@@ -17,8 +17,11 @@ float, so a correct file differs from the Keras model by a few steps, and a wron
 """
 
 import dataclasses
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import keras
+import tensorflow as tf
 
 from keras_bn import _models
 from keras_bn._errors import UnsupportedModelError
@@ -26,9 +29,10 @@ from keras_bn.export import trace
 from keras_bn.quantize import fake_quant, hosts, spec
 from keras_bn.quantize.activation import ActivationQuantizer
 from keras_bn.quantize.layers import QuantizedHost, QuantizedHostBatchNorm
+from keras_bn.quantize.pooling import QuantizedAveragePooling
 
 QAT_HOSTS = (QuantizedHost, QuantizedHostBatchNorm)
-QAT_LAYERS = (ActivationQuantizer, *QAT_HOSTS)
+QAT_LAYERS = (ActivationQuantizer, QuantizedAveragePooling, *QAT_HOSTS)
 L = keras.layers
 
 
@@ -53,7 +57,7 @@ class HostWeight:
     tag: str
 
     @property
-    def layout_kind(self):
+    def layout_kind(self) -> str:
         """The kind whose kernel layout this kernel has: a separable host's depthwise kernel is
         a depthwise one, its "kernel" a 1×1 convolution's."""
         if self.kind == hosts.SEPARABLE:
@@ -61,7 +65,7 @@ class HostWeight:
         return self.kind
 
 
-def is_quantized(model):
+def is_quantized(model: keras.Model) -> bool:
     """Whether `model` holds keras_bn.quantize layers (nested ones included): a QAT model.
 
     Args:
@@ -70,10 +74,10 @@ def is_quantized(model):
     Returns:
         bool.
     """
-    return any(isinstance(layer, QAT_LAYERS) for layer in model._flatten_layers(include_self=False))
+    return bool(_models.layers_within(model, QAT_LAYERS))
 
 
-def _layers(model, prefix=""):
+def _layers(model: keras.Model, prefix: str = "") -> Iterator[tuple[str, keras.layers.Layer]]:
     """(path, layer) for every layer of a Sequential/Functional model, nested models' layers
     instead of the nested models (a subclassed nested model is a layer)."""
     for layer in model.layers:
@@ -84,7 +88,7 @@ def _layers(model, prefix=""):
             yield path, layer
 
 
-def check_exportable(model, format_name):
+def check_exportable(model: keras.Model, format_name: str) -> None:
     """Refuse a QAT model that no integer file can compute, naming the layers.
 
     Args:
@@ -97,7 +101,7 @@ def check_exportable(model, format_name):
             weight_bits=None or activation_bits=None (float weights or output).
         ValueError: an activation quantizer that has not seen a training batch (no range).
     """
-    floating = []
+    floating: list[str] = []
     for path, layer in _layers(model):
         if isinstance(layer, QAT_LAYERS):
             continue
@@ -111,7 +115,8 @@ def check_exportable(model, format_name):
             f"in float, with the reasons), or export the float model with "
             f'quantization="int8" and representative_data.'
         )
-    unquantized, unset = [], []
+    unquantized: list[str] = []
+    unset: list[str] = []
     for path, layer in _layers(model):
         if isinstance(layer, QAT_HOSTS):
             floats = [
@@ -120,10 +125,8 @@ def check_exportable(model, format_name):
             if floats:
                 unquantized.append(f"'{path}' ({', '.join(floats)})")
         if isinstance(layer, QAT_LAYERS):
-            for quantizer in layer._flatten_layers(include_self=True):
-                if isinstance(quantizer, ActivationQuantizer) and not (
-                    quantizer.built and bool(quantizer.range_initialized.numpy())
-                ):
+            for quantizer in _models.layers_within(layer, ActivationQuantizer, include_self=True):
+                if not (quantizer.built and bool(quantizer.range_initialized.numpy())):
                     inner = "" if quantizer is layer else f"/{quantizer.name}"
                     unset.append(f"'{path}{inner}'")
     if unquantized:
@@ -140,7 +143,7 @@ def check_exportable(model, format_name):
         )
 
 
-def host_weights(model, taken=()):
+def host_weights(model: keras.Model, taken: Iterable[str] = ()) -> list[HostWeight]:
     """Every fake-quantized kernel of `model`'s QAT hosts, in model order.
 
     Args:
@@ -151,8 +154,8 @@ def host_weights(model, taken=()):
         list of HostWeight.
     """
     names = set(taken)
-    found: list = []
-    seen = set()
+    found: list[HostWeight] = []
+    seen: set[int] = set()
     for path, layer in _layers(model):
         if not isinstance(layer, QAT_HOSTS) or id(layer) in seen:
             continue
@@ -167,19 +170,24 @@ def host_weights(model, taken=()):
 class _ExportForm(keras.layers.Layer):
     """A QAT layer's `export_function` as a layer, in its place in the traced copy."""
 
-    def __init__(self, layer, function):
+    def __init__(self, layer: keras.layers.Layer, function: Callable[..., tf.Tensor]) -> None:
         super().__init__(name=layer.name)
         self._function = function
         self._output_shape = layer.compute_output_shape
 
-    def call(self, inputs):
-        return self._function(inputs)
+    def call(self, inputs: tf.Tensor, **options: Any) -> tf.Tensor:
+        return self._function(inputs, **options)
 
-    def compute_output_shape(self, input_shape):
+    def compute_output_shape(self, input_shape: tuple[int | None, ...]) -> tuple[int | None, ...]:
         return self._output_shape(input_shape)
 
 
-def export_model(model, weights, weight_op):
+def export_model(
+    model: keras.Model,
+    weights: list[HostWeight],
+    weight_op: Callable[[HostWeight], tf.Tensor],
+    halves_as_ops: bool = False,
+) -> keras.Model:
     """The export form of a QAT model: a copy whose QAT layers compute their `export_function`s
     (every other layer shared), for the converter to trace.
 
@@ -188,6 +196,9 @@ def export_model(model, weights, weight_op):
         weights: `host_weights(model)`.
         weight_op: called as weight_op(HostWeight) while the copy is traced; returns the float
             tensor of that kernel in its grid's layout (see `QuantizedHost.export_function`).
+        halves_as_ops: write how an average pool's output rounds its halves as ops
+            (`ActivationQuantizer.export_function`): for a format whose runtime rounds it in
+            float (ONNX), not for TFLite, whose int8 AVERAGE_POOL_2D rounds them so itself.
 
     Returns:
         A keras.Model with the model's inputs and outputs.
@@ -197,9 +208,9 @@ def export_model(model, weights, weight_op):
         by_layer.setdefault(id(layer), path)
     tagged = {(weight.host, weight.kernel): weight for weight in weights}
 
-    def clone(layer):
-        if isinstance(layer, ActivationQuantizer):
-            return _ExportForm(layer, layer.export_function())
+    def clone(layer: keras.layers.Layer) -> keras.layers.Layer:
+        if isinstance(layer, (ActivationQuantizer, QuantizedAveragePooling)):
+            return _ExportForm(layer, layer.export_function(halves_as_ops))
         if isinstance(layer, QAT_HOSTS):
             path = by_layer[id(layer)]
             return _ExportForm(
@@ -210,11 +221,12 @@ def export_model(model, weights, weight_op):
     return keras.models.clone_model(model, clone_function=clone, recursive=True)
 
 
-def output_steps(model):
+def output_steps(model: keras.Model) -> list[float]:
     """Each output's quantization step (its LSB), in the model's flat output order.
 
-    An output's step is that of the last grid it is rounded to: the ActivationQuantizer or QAT
-    layer output quantizer that produces it, through the layers that keep their input's grid
+    An output's step is that of the last grid it is rounded to: the ActivationQuantizer, QAT
+    layer output quantizer or QuantizedAveragePooling that produces it, through the layers
+    that keep their input's grid
     (pooling, reshapes, dropout; `keras_bn.quantize.spec`), or the step the TFLite int8 spec
     fixes for a softmax, sigmoid, tanh or log-softmax output (1/256 for a softmax).
 
@@ -231,16 +243,19 @@ def output_steps(model):
     return [_step(model, tensor) for tensor in trace.output_tensors(model)]
 
 
-def _step(model, tensor):
+def _step(model: keras.Model, tensor: keras.KerasTensor) -> float:
     operation, node_index, tensor_index = tensor._keras_history
     if isinstance(operation, ActivationQuantizer):
         return operation.grid().scale
     if isinstance(operation, QAT_HOSTS) and operation.output_quantizer is not None:
         return operation.output_quantizer.grid().scale
+    if isinstance(operation, QuantizedAveragePooling):
+        return operation.input_quantizer.grid().scale
     if isinstance(operation, keras.Model) and _models.has_layer_graph(operation):
         return _step(operation, trace.output_tensors(operation)[tensor_index])
-    if isinstance(operation, L.Layer) and spec.role(operation) == spec.FIXED:
-        return spec.fixed_step(operation)
+    fixed = spec.fixed_step(operation) if isinstance(operation, L.Layer) else None
+    if fixed is not None:
+        return fixed
     node = operation._inbound_nodes[node_index]
     if (
         isinstance(operation, L.Layer)

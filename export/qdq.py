@@ -12,8 +12,15 @@ integers in the layout the chain ends in, found by running the same chain on the
 DequantizeLinear on the axis the output channels end on.
 """
 
+from collections.abc import Iterable
+from typing import Any
+
 import numpy as np
+import onnx
 from onnx import helper, numpy_helper
+
+from keras_bn.export import qat
+from keras_bn.quantize import fake_quant
 
 # The nodes that only move a kernel's values: the chain between an input and its consumer.
 _LAYOUT_OPS = ("Reshape", "Transpose", "Identity", "Squeeze", "Unsqueeze")
@@ -21,7 +28,7 @@ _LAYOUT_OPS = ("Reshape", "Transpose", "Identity", "Squeeze", "Unsqueeze")
 WEIGHT_CONSUMERS = ("Conv", "MatMul", "Gemm")
 
 
-def kernel_names(weight):
+def kernel_names(weight: qat.HostWeight) -> dict[str, str]:
     """The names `int8_weights` gives a kernel's initializers and its DequantizeLinear output.
 
     Args:
@@ -39,7 +46,7 @@ def kernel_names(weight):
     }
 
 
-def int8_weights(proto, weights):
+def int8_weights(proto: onnx.ModelProto, weights: list[qat.HostWeight]) -> None:
     """Make every kernel input of `proto` an int8 initializer and a DequantizeLinear, in place.
 
     Args:
@@ -83,20 +90,20 @@ def int8_weights(proto, weights):
     _remove(graph, removed_nodes, {weight.tag for weight in weights})
 
 
-def _consumers(graph):
-    found: dict[str, list] = {}
+def _consumers(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
+    found: dict[str, list[onnx.NodeProto]] = {}
     for node in graph.node:
         for name in node.input:
             found.setdefault(name, []).append(node)
     return found
 
 
-def _chain(graph, tag):
+def _chain(graph: onnx.GraphProto, tag: str) -> tuple[list[onnx.NodeProto], onnx.NodeProto]:
     """(the layout nodes from input `tag` to its consumer, the consumer)."""
     if tag not in {value.name for value in graph.input}:
         raise RuntimeError(f"The ONNX graph has no kernel input {tag!r}.")
     consumers = _consumers(graph)
-    chain: list = []
+    chain: list[onnx.NodeProto] = []
     current = tag
     while True:
         users = consumers.get(current, [])
@@ -116,12 +123,14 @@ def _chain(graph, tag):
         current = node.output[0]
 
 
-def _channel_ids(q):
+def _channel_ids(q: np.ndarray) -> np.ndarray:
     """An array of q's shape holding each value's output channel (q's last axis)."""
     return np.broadcast_to(np.arange(q.shape[-1]), q.shape)
 
 
-def _follow(chain, initializers, *arrays):
+def _follow(
+    chain: list[onnx.NodeProto], initializers: dict[str, onnx.TensorProto], *arrays: np.ndarray
+) -> tuple[np.ndarray, ...]:
     """`arrays` through the chain's layout changes, as onnxruntime would compute them."""
     for node in chain:
         attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
@@ -139,15 +148,18 @@ def _follow(chain, initializers, *arrays):
             axes = attributes.get("axes")
             if axes is None and len(node.input) > 1:
                 axes = numpy_helper.to_array(initializers[node.input[1]]).astype(int).tolist()
-            if axes is None:  # Squeeze without axes drops every size-1 dimension
-                arrays = tuple(np.squeeze(a) for a in arrays)
+            if node.op_type == "Squeeze":  # no axes: every dimension of size 1
+                arrays = tuple(np.squeeze(a, None if axes is None else tuple(axes)) for a in arrays)
+            elif axes is None:
+                raise RuntimeError(f"The Unsqueeze node '{node.name}' has no axes.")
             else:
-                function = np.squeeze if node.op_type == "Squeeze" else np.expand_dims
-                arrays = tuple(function(a, tuple(axes)) for a in arrays)
+                arrays = tuple(np.expand_dims(a, tuple(axes)) for a in arrays)
     return arrays
 
 
-def _scale(grid, channel, shape):
+def _scale(
+    grid: fake_quant.WeightGrid, channel: np.ndarray, shape: tuple[int, ...]
+) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
     """(scale, zero point, DequantizeLinear attributes) for the integers laid out as
     `channel` says (each value's output channel, in the final layout)."""
     if not grid.per_channel:
@@ -165,7 +177,7 @@ def _scale(grid, channel, shape):
     raise RuntimeError(f"The output channels of a kernel of shape {shape} lie on no one axis.")
 
 
-def _remove(graph, nodes, inputs):
+def _remove(graph: onnx.GraphProto, nodes: Iterable[onnx.NodeProto], inputs: set[str]) -> None:
     """Remove `nodes` (and what shape inference recorded of their outputs) and the graph
     inputs named in `inputs`, then any initializer nothing reads any more (a Reshape's
     shape)."""

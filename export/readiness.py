@@ -22,7 +22,9 @@ measures only with int8_readiness=True (the int8 exporters turn it on).
 import dataclasses
 import typing
 
+import keras
 import numpy as np
+import numpy.typing as npt
 
 from keras_bn.export import defaults, fold, report, trace
 from keras_bn.quantize import fake_quant
@@ -46,7 +48,7 @@ class Host(typing.NamedTuple):
     layout: str
 
 
-def round_kernel(kernel, layout, per_channel):
+def round_kernel(kernel: npt.ArrayLike, layout: str, per_channel: bool) -> np.ndarray:
     """`kernel` rounded to the symmetric narrow-range int8 grid, as a runtime quantizes it.
 
     Args:
@@ -83,7 +85,9 @@ def round_kernel(kernel, layout, per_channel):
     return back(q * scale)
 
 
-def measure(folded_model, sig, inputs, hosts):
+def measure(
+    folded_model: keras.Model, sig: trace.Signature, inputs: trace.Feed, hosts: list[Host]
+) -> list[report.ChannelSpread]:
     """Each host's ChannelSpread with its measured rounding errors.
 
     Args:
@@ -106,14 +110,14 @@ def measure(folded_model, sig, inputs, hosts):
     infer = trace.inference_function(folded_model, sig)
     tensors = [inputs[name] for name in sig.input_names]
 
-    def run():
+    def run() -> dict[str, np.ndarray]:
         return {name: np.asarray(value, np.float64) for name, value in infer(*tensors).items()}
 
     reference = run()
     measured = []
     for host in hosts:
         original = host.kernel.numpy()
-        errors = {}
+        errors: dict[bool, float] = {}
         for per_channel in (False, True):
             if not np.all(np.isfinite(original)):
                 errors[per_channel] = float("nan")

@@ -21,8 +21,11 @@ whatever the output's scale.
 import collections
 import dataclasses
 import warnings
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from keras_bn.export import defaults
 
@@ -38,27 +41,30 @@ INT8_SPREAD_THRESHOLD = 10.0
 INT8_READINESS_TOLERANCE = defaults.SCALE_TOLERANCES["int8"]
 
 
-def max_abs_error(actual, expected):
-    """max |actual − expected| in float64; inf when the shapes differ (a wrong file)."""
-    actual = np.asarray(actual, np.float64)
-    expected = np.asarray(expected, np.float64)
-    if actual.shape != expected.shape:
+def max_abs_error(actual: npt.ArrayLike | None, expected: npt.ArrayLike) -> float:
+    """max |actual − expected| in float64; inf when `actual` is missing (None) or the shapes
+    differ (a wrong file)."""
+    if actual is None:
         return float("inf")
-    return float(np.max(np.abs(actual - expected), initial=0.0))
+    got = np.asarray(actual, np.float64)
+    wanted = np.asarray(expected, np.float64)
+    if got.shape != wanted.shape:
+        return float("inf")
+    return float(np.max(np.abs(got - wanted), initial=0.0))
 
 
-def scale(expected):
+def scale(expected: npt.ArrayLike) -> float:
     """max |expected|: what an output's error is measured against (NaN if it has a NaN)."""
     return float(np.max(np.abs(np.asarray(expected, np.float64)), initial=0.0))
 
 
-def worst(values):
+def worst(values: Iterable[float]) -> float:
     """The largest of `values`, NaN if any is NaN; 0 for none."""
-    values = np.asarray(list(values), np.float64)
-    return float(np.max(values, initial=0.0)) if values.size else 0.0
+    array = np.asarray(list(values), np.float64)
+    return float(np.max(array, initial=0.0)) if array.size else 0.0
 
 
-def relative(error, output_scale):
+def relative(error: float, output_scale: float) -> float:
     """`error` / `output_scale`; NaN when the scale is not finite (0 counts as 1e-30)."""
     return error / max(output_scale, 1e-30) if np.isfinite(output_scale) else float("nan")
 
@@ -89,7 +95,7 @@ class WorstChannel:
     scale: float
 
 
-def channel_scale_floor(scale_tolerance):
+def channel_scale_floor(scale_tolerance: float) -> float:
     """The least a channel is judged against, as a fraction of its output's scale:
     FLOAT32_SCALE_TOLERANCE / scale_tolerance, at most 1 (a float32 file: the output's scale).
 
@@ -102,12 +108,14 @@ def channel_scale_floor(scale_tolerance):
     return min(1.0, defaults.FLOAT32_SCALE_TOLERANCE / scale_tolerance)
 
 
-def _by_channel(array):
+def _by_channel(array: np.ndarray) -> np.ndarray:
     """(samples × positions, channels): the last axis is the channel axis."""
     return array.reshape(-1, 1) if array.ndim < 2 else array.reshape(-1, array.shape[-1])
 
 
-def worst_channel(expected, actuals, scale_tolerance):
+def worst_channel(
+    expected: npt.ArrayLike, actuals: Iterable[npt.ArrayLike | None], scale_tolerance: float
+) -> WorstChannel:
     """The WorstChannel of one output.
 
     Args:
@@ -141,7 +149,11 @@ def worst_channel(expected, actuals, scale_tolerance):
     )
 
 
-def compare(expected, actual, scale_tolerance):
+def compare(
+    expected: Mapping[str, npt.ArrayLike],
+    actual: Mapping[str, Mapping[str, npt.ArrayLike]],
+    scale_tolerance: float,
+) -> tuple[dict[str, dict[str, float]], dict[str, float], dict[str, WorstChannel]]:
     """Every output of every runtime setting against the Keras model.
 
     Args:
@@ -154,7 +166,9 @@ def compare(expected, actual, scale_tolerance):
         (errors, output_scales, worst_channels): output name → {setting: max abs error};
         output name → max |Keras output|; output name → WorstChannel.
     """
-    errors, scales, channels = {}, {}, {}
+    errors: dict[str, dict[str, float]] = {}
+    scales: dict[str, float] = {}
+    channels: dict[str, WorstChannel] = {}
     for name, value in expected.items():
         got = [outputs.get(name) for outputs in actual.values()]
         errors[name] = {
@@ -165,7 +179,7 @@ def compare(expected, actual, scale_tolerance):
     return errors, scales, channels
 
 
-def check_varies(expected, what):
+def check_varies(expected: Mapping[str, npt.ArrayLike], what: str) -> None:
     """Refuse a probe on which an output is the same for every sample.
 
     Such a probe verifies nothing: a file that ignores its input (a wrong kernel layout, a
@@ -239,7 +253,7 @@ class LsbTolerance:
     percentile: float
     percentile_lsb: float
 
-    def admits(self, error):
+    def admits(self, error: LsbError) -> bool:
         """Whether `error` is within both bounds (NaN never is).
 
         Args:
@@ -256,14 +270,16 @@ class LsbTolerance:
             and error.percentile_lsb <= self.percentile_lsb + slack
         )
 
-    def __str__(self):
+    def __str__(self) -> str:
         return (
             f"max {self.max_lsb:g} LSB, {self.percentile:g}th percentile {self.percentile_lsb:g} "
             f"LSB of each output's step"
         )
 
 
-def lsb_error(actual, expected, step, percentile):
+def lsb_error(
+    actual: npt.ArrayLike | None, expected: npt.ArrayLike, step: float, percentile: float
+) -> LsbError:
     """The LsbError of one output of one runtime setting.
 
     Args:
@@ -293,7 +309,12 @@ def lsb_error(actual, expected, step, percentile):
     )
 
 
-def lsb_errors(expected, actual, steps, percentile):
+def lsb_errors(
+    expected: Mapping[str, npt.ArrayLike],
+    actual: Mapping[str, Mapping[str, npt.ArrayLike]],
+    steps: Mapping[str, float],
+    percentile: float,
+) -> dict[str, dict[str, LsbError]]:
     """Every output of every runtime setting against the Keras model, in output steps.
 
     Args:
@@ -340,12 +361,12 @@ class WeightCheck:
     matches: bool
 
 
-def histogram(op_names):
+def histogram(op_names: Iterable[str]) -> dict[str, int]:
     """op name → count, most frequent first."""
     return dict(collections.Counter(op_names).most_common())
 
 
-def over_tolerance(error, tolerance=INT8_READINESS_TOLERANCE):
+def over_tolerance(error: float | None, tolerance: float = INT8_READINESS_TOLERANCE) -> bool | None:
     """Whether a measured rounding error is over `tolerance`: None when not measured, True for
     NaN (NaN never reads as fine).
 
@@ -395,20 +416,20 @@ class ChannelSpread:
     per_channel_error: float | None = None
 
     @property
-    def int8_risk(self):
+    def int8_risk(self) -> bool | None:
         """True when `per_tensor_error` is over INT8_READINESS_TOLERANCE (or NaN): precision
         that matters is lost where the weights are quantized per tensor (one scale for the
         whole kernel). None when not measured."""
         return over_tolerance(self.per_tensor_error)
 
     @property
-    def per_channel_int8_risk(self):
+    def per_channel_int8_risk(self) -> bool | None:
         """True when `per_channel_error` is over INT8_READINESS_TOLERANCE (or NaN): precision is
         lost even where each output channel has its own scale (TFLite's int8). None when not
         measured."""
         return over_tolerance(self.per_channel_error)
 
-    def to_dict(self):
+    def to_dict(self) -> dict[str, Any]:
         """The fields and both risk flags, as a JSON-ready dict.
 
         Returns:
@@ -432,11 +453,11 @@ class _OutputErrors:
     output_scales: dict
     worst_channels: dict
 
-    def _error_by_output(self):
+    def _error_by_output(self) -> dict[str, float]:
         return self.errors
 
     @property
-    def relative_errors(self):
+    def relative_errors(self) -> dict[str, float]:
         """output name → the relative error of its worst channel (`worst_channels`), the one
         judged; for an output without one (a report built by hand), its error (the worst over
         runtime settings, in an ExportReport) / its scale."""
@@ -448,13 +469,13 @@ class _OutputErrors:
         }
 
     @property
-    def max_abs_error(self):
+    def max_abs_error(self) -> float:
         """The largest absolute error over the outputs (and runtime settings); NaN if any is
         NaN, 0 for none."""
         return worst(self._error_by_output().values())
 
     @property
-    def relative_error(self):
+    def relative_error(self) -> float:
         """The worst relative error over the outputs (and runtime settings); NaN if any output
         or error is not finite."""
         return worst(self.relative_errors.values())
@@ -490,7 +511,7 @@ class FoldReport(_OutputErrors):
         return all(spread.per_tensor_error is not None for spread in self.channel_spreads)
 
     @property
-    def int8_risks(self):
+    def int8_risks(self) -> list[ChannelSpread] | None:
         """The ChannelSpread of each host whose measured rounding error is over
         INT8_READINESS_TOLERANCE (or NaN), per tensor (`int8_risk`) or per channel
         (`per_channel_int8_risk`, TFLite's int8); None when not measured
@@ -503,7 +524,7 @@ class FoldReport(_OutputErrors):
             if spread.int8_risk or spread.per_channel_int8_risk
         ]
 
-    def to_dict(self):
+    def to_dict(self) -> dict[str, Any]:
         """The report as a JSON-ready dict: the fields (FoldedBN, KeptBN, ChannelSpread and
         WorstChannel as dicts), `relative_errors`, `relative_error`, `int8_spread_threshold`,
         `int8_readiness_tolerance`, `int8_readiness_measured` and `int8_risks` (the names of
@@ -588,17 +609,19 @@ class ExportReport(_OutputErrors):
     weights: list | None = None
     float_ops: dict | None = None
 
-    def _error_by_output(self):
+    def _error_by_output(self) -> dict[str, float]:
         return {name: worst(by_setting.values()) for name, by_setting in self.errors.items()}
 
     @property
-    def passed(self):
+    def passed(self) -> bool:
         """For a float model's file: the worst channel of every output, in every runtime
         setting, within `scale_tolerance` of its scale on the probe (NaN fails); the
         in-sample errors are reported, not judged. For a QAT model's file: every output of
         every setting within `lsb_tolerance`, every WeightCheck matching and no float op."""
-        if self.lsb_tolerance is None:
-            return bool(self.relative_error <= self.scale_tolerance)
+        if self.lsb_tolerance is None:  # a float model's file (no tolerance: nothing passes)
+            return self.scale_tolerance is not None and bool(
+                self.relative_error <= self.scale_tolerance
+            )
         return (
             all(
                 self.lsb_tolerance.admits(error)
@@ -626,7 +649,7 @@ class ExportReport(_OutputErrors):
         return worst(e.percentile_lsb for s in self.lsb_errors.values() for e in s.values())
 
     @property
-    def in_sample_relative_errors(self):
+    def in_sample_relative_errors(self) -> dict[str, float] | None:
         """For int8, output name → its worst channel's relative error on calibration
         samples; None for other files."""
         if self.in_sample_worst_channels is None:
@@ -634,13 +657,13 @@ class ExportReport(_OutputErrors):
         return {name: c.relative_error for name, c in self.in_sample_worst_channels.items()}
 
     @property
-    def in_sample_relative_error(self):
+    def in_sample_relative_error(self) -> float | None:
         """For int8, the worst of `in_sample_relative_errors`; None for other files."""
         by_output = self.in_sample_relative_errors
         return None if by_output is None else worst(by_output.values())
 
     @property
-    def atol(self):
+    def atol(self) -> float | None:
         """The deprecated name of `scale_tolerance` (read-only; a DeprecationWarning)."""
         warnings.warn(
             "ExportReport.atol is deprecated: read ExportReport.scale_tolerance (the same "
@@ -650,7 +673,7 @@ class ExportReport(_OutputErrors):
         )
         return self.scale_tolerance
 
-    def to_dict(self):
+    def to_dict(self) -> dict[str, Any]:
         """The report as a JSON-ready dict: the fields (`fold` as `FoldReport.to_dict`,
         WorstChannel, LsbError, LsbTolerance and WeightCheck as dicts), plus `max_abs_error`,
         `relative_errors`, `relative_error`, `in_sample_relative_errors`,
@@ -691,10 +714,10 @@ class VerificationError(Exception):
             gone and whose `errors` say by how much each output missed.
     """
 
-    def __init__(self, report):
+    def __init__(self, report: ExportReport) -> None:
         self.report = report
         if report.lsb_tolerance is not None:
-            super().__init__(_quantized_failure(report))
+            super().__init__(_quantized_failure(report, report.lsb_tolerance))
             return
         relative_errors = report.relative_errors
         worst_name = max(
@@ -717,12 +740,13 @@ class VerificationError(Exception):
         )
 
 
-def _quantized_failure(report):
-    """VerificationError's message for a QAT model's file: what it failed on."""
+def _quantized_failure(report: ExportReport, tolerance: LsbTolerance) -> str:
+    """VerificationError's message for a QAT model's file (judged at `tolerance`, its
+    `lsb_tolerance`): what it failed on."""
     problems = []
-    for name, by_setting in report.lsb_errors.items():
+    for name, by_setting in (report.lsb_errors or {}).items():
         for setting, error in by_setting.items():
-            if not report.lsb_tolerance.admits(error):
+            if not tolerance.admits(error):
                 problems.append(
                     f"output '{name}' ({setting}) is off by {error.max_lsb:.3g} LSB at most and "
                     f"{error.percentile_lsb:.3g} LSB at the {error.percentile:g}th percentile "

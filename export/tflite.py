@@ -14,8 +14,11 @@ kernels are found again in the file by the name of their FakeQuant op.
 
 import contextlib
 import io
+import os
 import tempfile
 import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import keras
 import numpy as np
@@ -60,18 +63,18 @@ QAT_LAYOUTS = {
 
 
 def export_tflite(
-    model,
-    path,
-    quantization=None,
-    representative_data=None,
-    fold=True,
-    probe=None,
-    scale_tolerance=None,
-    strict=True,
-    on_stage=None,
+    model: keras.Model,
+    path: str | os.PathLike[str],
+    quantization: str | None = None,
+    representative_data: trace.ModelInput | None = None,
+    fold: bool = True,
+    probe: trace.ModelInput | None = None,
+    scale_tolerance: float | None = None,
+    strict: bool = True,
+    on_stage: Callable[[str], None] | None = None,
     *,
-    atol=None,
-):
+    atol: float | None = None,
+) -> report.ExportReport:
     """Write `model` as a .tflite file at `path`, once it matches the Keras model in LiteRT.
 
     A quantization-aware model (one holding keras_bn.quantize layers, from `quantize_model`)
@@ -187,17 +190,19 @@ class _TFLite(pipeline.Format):
     name = "tflite"
     names = NAMES
 
-    def __init__(self, quantization, representative_data):
+    def __init__(
+        self, quantization: str | None, representative_data: trace.ModelInput | None
+    ) -> None:
         self.quantization = quantization
         self._representative_data = representative_data
 
-    def default_scale_tolerance(self):
+    def default_scale_tolerance(self) -> float:
         return defaults.SCALE_TOLERANCES[self.quantization]
 
-    def _representative(self, sig):
+    def _representative(self, sig: trace.Signature) -> trace.Feed:
         return trace.feed(sig, self._representative_data, "representative_data")
 
-    def samples(self, sig, probe):
+    def samples(self, sig: trace.Signature, probe: trace.ModelInput | None) -> pipeline.Samples:
         if self.quantization == "int8":  # held-out samples: not the ones it calibrates on
             calibration, held_out = trace.held_out_split(self._representative(sig))
             given = None if probe is None else trace.feed(sig, probe)
@@ -208,7 +213,7 @@ class _TFLite(pipeline.Format):
             )
         return super().samples(sig, probe)
 
-    def check_model(self, model):
+    def check_model(self, model: keras.Model) -> None:
         for layer in model._flatten_layers(include_self=False):
             if layer.compute_dtype in defaults.HALF_PRECISION_DTYPES and not isinstance(
                 layer, L.InputLayer
@@ -235,7 +240,7 @@ class _TFLite(pipeline.Format):
                     f"model channels_last (TFLite's own layout), or export it to ONNX."
                 )
 
-    def convert(self, model, sig):
+    def convert(self, model: keras.Model, sig: trace.Signature) -> bytes:
         function = trace.inference_function(model, sig)
         archive = keras.export.ExportArchive()
         archive.track(model)
@@ -253,7 +258,7 @@ class _TFLite(pipeline.Format):
             self._configure(converter, sig)
             return converter.convert()
 
-    def _configure(self, converter, sig):
+    def _configure(self, converter: tf.lite.TFLiteConverter, sig: trace.Signature) -> None:
         # Builtins only: a folded model needs no Flex (Keras's own export turns SELECT_TF_OPS on).
         converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS]
         if self.quantization is not None:
@@ -263,72 +268,64 @@ class _TFLite(pipeline.Format):
         if self.quantization == "int8":
             samples, _ = trace.held_out_split(self._representative(sig))
 
-            def calibration():
+            def calibration() -> Iterator[dict[str, np.ndarray]]:
                 for i in range(samples.samples):
                     yield {name: array[i : i + 1] for name, array in samples.items()}
 
             converter.representative_dataset = calibration
             converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
 
-    def run(self, path, inputs):
+    def run(self, path: str, inputs: dict[str, np.ndarray]) -> dict[str, dict[str, np.ndarray]]:
         return {"litert": run(path, inputs)}
 
-    def op_names(self, path):
+    def op_names(self, path: str) -> list[str]:
         return [op["op_name"] for op in _plain_interpreter(path)._get_ops_details()]
 
 
-class _QuantizedTFLite(_TFLite):
+class _QuantizedTFLite(pipeline.QuantizedFormat, _TFLite):
     """A QAT model's file: full integer from its export form, no calibration; its
     `representative_data` only gives the default probe."""
 
-    quantized = True
-
-    def __init__(self, representative_data):
+    def __init__(self, representative_data: trace.ModelInput | None) -> None:
         super().__init__("int8", representative_data)
-        self._weights = []
 
-    def samples(self, sig, probe):
+    def samples(self, sig: trace.Signature, probe: trace.ModelInput | None) -> pipeline.Samples:
         if probe is None and self._representative_data is not None:
             return pipeline.Samples(
                 trace.spread_samples(self._representative(sig), defaults.PROBE_SAMPLES)
             )
         return pipeline.Format.samples(self, sig, probe)
 
-    def check_model(self, model):
-        super().check_model(model)
-        for layer in model._flatten_layers(include_self=False):
-            if not isinstance(layer, qat.QAT_HOSTS):
-                continue
-            host = layer.host
-            if type(host) not in QAT_HOSTS or getattr(host, "data_format", "") == (
-                "channels_first"
-            ):
-                raise UnsupportedModelError(
-                    f"TFLite export of a quantization-aware model takes Dense, Conv2D, "
-                    f"DepthwiseConv2D and SeparableConv2D hosts, channels_last; '{layer.name}' "
-                    f"hosts a {type(host).__name__}"
-                    f"{' (channels_first)' if type(host) in QAT_HOSTS else ''}. Export it to "
-                    f"ONNX."
-                )
-            if layer.kind == hosts.DENSE and layer.per_channel:
-                raise UnsupportedModelError(
-                    f"TFLite cannot hold the per-channel weights of '{layer.name}' (Dense): "
-                    f"its FULLY_CONNECTED takes one weight scale (the converter fails on a "
-                    f"per-channel one). Build the QAT layer with per_channel=False, as "
-                    f"quantize_model does for Dense, or export it to ONNX."
-                )
+    def host_refusal(self, layer: keras.layers.Layer) -> str | None:
+        host = layer.host
+        if type(host) not in QAT_HOSTS or getattr(host, "data_format", "") == "channels_first":
+            return (
+                f"TFLite export of a quantization-aware model takes Dense, Conv2D, "
+                f"DepthwiseConv2D and SeparableConv2D hosts, channels_last; '{layer.name}' "
+                f"hosts a {type(host).__name__}"
+                f"{' (channels_first)' if type(host) in QAT_HOSTS else ''}. Export it to "
+                f"ONNX."
+            )
+        if layer.kind == hosts.DENSE and layer.per_channel:
+            return (
+                f"TFLite cannot hold the per-channel weights of '{layer.name}' (Dense): "
+                f"its FULLY_CONNECTED takes one weight scale (the converter fails on a "
+                f"per-channel one). Build the QAT layer with per_channel=False, as "
+                f"quantize_model does for Dense, or export it to ONNX."
+            )
+        return None
 
-    def convert(self, model, sig):
-        self._weights = qat.host_weights(model, taken=(*sig.input_names, *sig.output_names))
-        return super().convert(qat.export_model(model, self._weights, _on_int8_grid), sig)
+    def convert(self, model: keras.Model, sig: trace.Signature) -> bytes:
+        weights = self.take_weights(model, sig)
+        return super().convert(qat.export_model(model, weights, _on_int8_grid), sig)
 
-    def _configure(self, converter, sig):
+    def _configure(self, converter: tf.lite.TFLiteConverter, sig: trace.Signature) -> None:
         # The ranges are in the graph (FakeQuant ops): quantize, calibrate nothing. Builtins
         # only; an op the converter left in float shows in `float_ops`.
         converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS]
         converter.optimizations = [tf.lite.Optimize.DEFAULT]
 
-    def check_weights(self, path):
+    def check_weights(self, path: str) -> list[report.WeightCheck]:
         plain = _plain_interpreter(path)
         details = {d["index"]: d for d in plain.get_tensor_details()}
         kernels = [
@@ -338,12 +335,12 @@ class _QuantizedTFLite(_TFLite):
         ]
         return [_weight_check(plain, weight, kernels) for weight in self._weights]
 
-    def float_ops(self, path):
+    def float_ops(self, path: str) -> dict[str, int]:
         plain = _plain_interpreter(path)
         details = {d["index"]: d for d in plain.get_tensor_details()}
         inputs = {d["index"] for d in plain.get_input_details()}
         outputs = {d["index"] for d in plain.get_output_details()}
-        found = []
+        found: list[str] = []
         for op in plain._get_ops_details():
             tensors = [i for i in (*op["inputs"], *op["outputs"]) if i >= 0]
             if op["op_name"] == "QUANTIZE" and set(op["inputs"]) <= inputs:
@@ -355,7 +352,7 @@ class _QuantizedTFLite(_TFLite):
         return report.histogram(found)
 
 
-def _on_int8_grid(weight):
+def _on_int8_grid(weight: qat.HostWeight) -> tf.Tensor:
     """A kernel for the converter: its grid's values under an 8-bit narrow-range FakeQuant
     whose range is ±127 steps, so that the file holds the k-bit integers themselves as int8;
     named by the kernel's tag, to be found in the file."""
@@ -370,7 +367,9 @@ def _on_int8_grid(weight):
     )
 
 
-def _weight_check(plain, weight, kernels):
+def _weight_check(
+    plain: Interpreter, weight: qat.HostWeight, kernels: list[tuple[str, dict[str, Any]]]
+) -> report.WeightCheck:
     """The report.WeightCheck of one kernel: the weight tensor of a CONV_2D,
     DEPTHWISE_CONV_2D or FULLY_CONNECTED op named after the kernel's FakeQuant op (its tag,
     which TensorFlow may suffix when a shared layer traces it twice)."""
@@ -412,7 +411,7 @@ def _weight_check(plain, weight, kernels):
     )
 
 
-def _tagged(tensor_name, tag):
+def _tagged(tensor_name: str, tag: str) -> bool:
     """Whether a TFLite tensor name (op names joined by ';') names the op `tag` (or `tag_N`)."""
     parts = {part for name in tensor_name.split(";") for part in name.split("/")}
     return tag in parts or any(
@@ -420,7 +419,7 @@ def _tagged(tensor_name, tag):
     )
 
 
-def _plain_interpreter(path):
+def _plain_interpreter(path: str | os.PathLike[str]) -> Interpreter:
     """An interpreter without the default delegate: its ops and tensors as the file holds them
     (a delegate shows partitions as DELEGATE ops)."""
     return Interpreter(
@@ -429,7 +428,9 @@ def _plain_interpreter(path):
     )
 
 
-def run(path, inputs):
+def run(
+    path: str | os.PathLike[str], inputs: np.ndarray | dict[str, np.ndarray]
+) -> dict[str, np.ndarray]:
     """Run a .tflite file written by export_tflite in LiteRT.
 
     Args:

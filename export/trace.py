@@ -29,7 +29,10 @@ Keras 3 paths of tf2onnx's from_keras (tf2onnx#2329, #2348, #2448).
 """
 
 import dataclasses
+import os
 import re
+from collections.abc import Callable, Collection, Sequence
+from typing import Any, TypeAlias
 
 import keras
 import numpy as np
@@ -38,6 +41,10 @@ import tensorflow as tf
 from keras_bn import _models
 from keras_bn._errors import UnsupportedModelError
 from keras_bn.export import defaults
+
+# What `model.predict` takes: one array, or the model's own (nested) structure of arrays, a
+# flat list or dict of them; its shape is the model's.
+ModelInput: TypeAlias = Any
 
 RANDOM_BATCH = 4
 UNKNOWN_DIM = 8  # a free non-batch dim in random input
@@ -69,20 +76,22 @@ ANY_NAMES = NameRules()
 class Signature:
     """Names, shapes and dtypes of a model's inputs and outputs, in the model's flat order."""
 
-    input_names: tuple  # unique, and valid in the format: the names in the files and in feeds
-    input_keys: tuple  # the model's own name of each input (dict key path, or Input name)
-    input_specs: tuple  # tf.TensorSpec per input, batch dim free, named as the input
-    output_names: tuple
+    # unique, and valid in the format: the names in the files and in feeds
+    input_names: tuple[str, ...]
+    # the model's own name of each input (dict key path, or Input name)
+    input_keys: tuple[str, ...]
+    input_specs: tuple[tf.TensorSpec, ...]  # per input, batch dim free, named as the input
+    output_names: tuple[str, ...]
     _inputs_struct: object  # what the model is called with, with inputs as leaves
 
-    def pack(self, feed):
+    def pack(self, feed: dict[str, Any]) -> ModelInput:
         """The model's own input structure from a {name: array} feed."""
         return keras.tree.pack_sequence_as(
             self._inputs_struct, [feed[name] for name in self.input_names]
         )
 
 
-def signature(model, rules=ANY_NAMES):
+def signature(model: keras.Model, rules: NameRules = ANY_NAMES) -> Signature:
     """The Signature of a built Sequential or Functional model (nested structures allowed).
 
     Args:
@@ -117,26 +126,26 @@ def signature(model, rules=ANY_NAMES):
     return Signature(input_names, input_keys, specs, output_names, inputs)
 
 
-def _outputs_struct(model):
+def _outputs_struct(model: keras.Model) -> Any:
     outputs = getattr(model, "_outputs_struct", None)
     if outputs is None:  # Sequential
         outputs = model.outputs[0] if len(model.outputs) == 1 else list(model.outputs)
     return outputs
 
 
-def output_tensors(model):
+def output_tensors(model: keras.Model) -> list[keras.KerasTensor]:
     """A Sequential or Functional model's symbolic output tensors, in `Signature.output_names`
     order (the flattened output structure)."""
     return keras.tree.flatten(_outputs_struct(model))
 
 
-def _leaves(structure):
+def _leaves(structure: object) -> list[tuple[str | None, str]]:
     """(user-chosen name or None, generated base name) per leaf, in flat order.
 
     A leaf's name is user-chosen when it is the value of a top-level dict key; otherwise it
     is the dict keys along its path joined by "_", else its producing layer's name.
     """
-    leaves = []
+    leaves: list[tuple[str | None, str]] = []
     for path, tensor in keras.tree.flatten_with_path(structure):
         along = [str(p) for p in path if isinstance(p, str)]
         user = path[0] if len(path) == 1 and isinstance(path[0], str) else None
@@ -145,7 +154,7 @@ def _leaves(structure):
     return leaves
 
 
-def _check_user_names(user_inputs, user_outputs, rules):
+def _check_user_names(user_inputs: list[str], user_outputs: list[str], rules: NameRules) -> None:
     """Refuse a user-chosen name the format cannot hold: renaming it could hand it to, or
     take it from, another tensor."""
     if rules.input_pattern is not None:
@@ -165,7 +174,7 @@ def _check_user_names(user_inputs, user_outputs, rules):
         )
 
 
-def _cleaner(rules):
+def _cleaner(rules: NameRules) -> Callable[[str], str]:
     """A generated name made to fit `rules` (TensorFlow's argument names, for TFLite)."""
     if rules.input_pattern is None:
         return lambda name: name
@@ -174,15 +183,19 @@ def _cleaner(rules):
     )
 
 
-def _names(leaves, reserved=(), clean=lambda name: name):
+def _names(
+    leaves: list[tuple[str | None, str]],
+    reserved: Collection[str] = (),
+    clean: Callable[[str], str] = lambda name: name,
+) -> tuple[str, ...]:
     """One unique name per leaf: user-chosen ones as they are; generated ones (`clean`ed)
     never a user-chosen name nor one in `reserved`.
 
     Generated names that are free keep themselves first; only then do the rest get suffixes,
     so that a suffix (`x_1`) never takes the name another tensor has as its own.
     """
-    names = [user for user, _ in leaves]
-    taken = set(reserved) | {name for name in names if name is not None}
+    names = {index: user for index, (user, _) in enumerate(leaves) if user is not None}
+    taken = set(reserved) | set(names.values())
     later = []
     for index, (user, base) in enumerate(leaves):
         if user is not None:
@@ -196,10 +209,10 @@ def _names(leaves, reserved=(), clean=lambda name: name):
     for index, base in later:
         names[index] = _models.unique_name(base, taken)
         taken.add(names[index])
-    return tuple(names)
+    return tuple(names[index] for index in range(len(leaves)))
 
 
-class Feed(dict):
+class Feed(dict[str, np.ndarray]):
     """{input name: array}, as `feed` returns it, with `what`: what the caller called these
     samples ("probe", "representative_data", a CLI flag), for messages about them.
 
@@ -208,16 +221,16 @@ class Feed(dict):
         what: the name for messages.
     """
 
-    def __init__(self, arrays, what):
+    def __init__(self, arrays: dict[str, np.ndarray], what: str) -> None:
         super().__init__(arrays)
         self.what = what
 
     @property
-    def samples(self):
+    def samples(self) -> int:
         """The number of samples (the arrays' first dim)."""
         return len(next(iter(self.values()))) if self else 0
 
-    def rows(self, indices, what=None):
+    def rows(self, indices: np.ndarray, what: str | None = None) -> "Feed":
         """The Feed of these samples (an index array), named `what` (default: the same)."""
         return Feed(
             {name: array[indices] for name, array in self.items()},
@@ -225,7 +238,7 @@ class Feed(dict):
         )
 
 
-def feed(sig, data, what="probe"):
+def feed(sig: Signature, data: ModelInput, what: str = "probe") -> Feed:
     """A Feed ({input name: array}) from `data` in a structure `model.predict` takes.
 
     Args:
@@ -254,7 +267,7 @@ def feed(sig, data, what="probe"):
     elif isinstance(data, dict) or hasattr(data, "files"):  # dict, or np.load's NpzFile
         aliases = {name: name for name in names}
         aliases.update(zip(sig.input_keys, names))  # the model's own key first
-        given: dict = {}  # input name → the caller's key
+        given: dict[str | None, list[Any]] = {}  # input name → the caller's keys
         for key in data:  # a dict or an NpzFile: both are Mappings
             given.setdefault(aliases.get(key), []).append(key)
         unknown = sorted(map(str, given.pop(None, [])))
@@ -288,7 +301,7 @@ def feed(sig, data, what="probe"):
             f"{what} is one array, but the model has {len(names)} inputs "
             f"{list(sig.input_keys)}: give {order}a dict keyed by those names."
         )
-    result = {}
+    result: dict[str, np.ndarray] = {}
     for name, array, spec in zip(names, arrays, sig.input_specs):
         result[name] = _as_input(name, np.asarray(array), spec, what)
     counts = {name: len(a) for name, a in result.items()}
@@ -302,7 +315,7 @@ def feed(sig, data, what="probe"):
     return Feed(result, what)
 
 
-def _same_structure(data, structure):
+def _same_structure(data: ModelInput, structure: object) -> bool:
     try:
         keras.tree.assert_same_structure(data, structure)
     except (ValueError, TypeError):
@@ -310,7 +323,7 @@ def _same_structure(data, structure):
     return True
 
 
-def _as_input(name, array, spec, what):
+def _as_input(name: str, array: np.ndarray, spec: tf.TensorSpec, what: str) -> np.ndarray:
     dtype = np.dtype(spec.dtype.as_numpy_dtype)
     if array.ndim == 0:
         raise ValueError(f"{what} for input '{name}' is a scalar; it needs a batch axis.")
@@ -329,12 +342,12 @@ def _as_input(name, array, spec, what):
     return array.astype(dtype, copy=False)
 
 
-def random_feed(sig, batch=RANDOM_BATCH, seed=0):
+def random_feed(sig: Signature, batch: int = RANDOM_BATCH, seed: int = 0) -> Feed:
     """Seeded input for every model input: standard normal for floats, 0s and 1s for integer
     and bool inputs (valid ids and masks for any vocabulary); free dims get 8. A Feed named
     "the seeded random probe"."""
     rng = np.random.default_rng(seed)
-    result = {}
+    result: dict[str, np.ndarray] = {}
     for name, spec in zip(sig.input_names, sig.input_specs):
         shape = [batch] + [UNKNOWN_DIM if d is None else d for d in spec.shape[1:]]
         dtype = np.dtype(spec.dtype.as_numpy_dtype)
@@ -345,7 +358,9 @@ def random_feed(sig, batch=RANDOM_BATCH, seed=0):
     return Feed(result, "the seeded random probe")
 
 
-def by_input_name(inputs, names, path):
+def by_input_name(
+    inputs: np.ndarray | dict[str, np.ndarray], names: Sequence[str], path: str | os.PathLike[str]
+) -> dict[str, np.ndarray]:
     """{input name: array} for a runtime: `inputs` itself when it is a dict, else the one array
     of a single-input file under that input's name.
 
@@ -358,7 +373,7 @@ def by_input_name(inputs, names, path):
     return {names[0]: inputs}
 
 
-def evenly_spaced(count, total):
+def evenly_spaced(count: int, total: int) -> np.ndarray:
     """`count` distinct indices spread evenly over range(total), first and last included
     (all of them when count >= total)."""
     if count >= total:
@@ -366,12 +381,12 @@ def evenly_spaced(count, total):
     return np.linspace(0, total - 1, count).round().astype(int)  # steps >= 1: distinct
 
 
-def spread_samples(samples, count, what=None):
+def spread_samples(samples: Feed, count: int, what: str | None = None) -> Feed:
     """Up to `count` samples of a Feed, spread evenly over it (sorted data stays covered)."""
     return samples.rows(evenly_spaced(count, samples.samples), what)
 
 
-def held_out_split(samples):
+def held_out_split(samples: Feed) -> tuple[Feed, Feed]:
     """(calibration rows, held-out rows) of representative samples: int8 is verified on
     samples it was not calibrated with.
 
@@ -406,19 +421,21 @@ def held_out_split(samples):
     )
 
 
-def outputs(model, sig, inputs):
+def outputs(model: keras.Model, sig: Signature, inputs: Feed) -> dict[str, np.ndarray]:
     """{output name: float64 array}: the model run in inference mode on a feed."""
     results = keras.tree.flatten(model(sig.pack(inputs), training=False))
     return {name: np.asarray(r, np.float64) for name, r in zip(sig.output_names, results)}
 
 
-def inference_function(model, sig):
+def inference_function(
+    model: keras.Model, sig: Signature
+) -> tf.types.experimental.PolymorphicFunction:
     """tf.function(*inputs) -> {output name: tensor}, the model in inference mode.
 
     Its positional arguments follow `sig.input_names`, each with its TensorSpec.
     """
 
-    def infer(*tensors):
+    def infer(*tensors: tf.Tensor) -> dict[str, tf.Tensor]:
         results = model(sig.pack(dict(zip(sig.input_names, tensors))), training=False)
         return dict(zip(sig.output_names, keras.tree.flatten(results)))
 

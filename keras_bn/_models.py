@@ -108,6 +108,52 @@ def config_of(layer):
         raise _not_round_tripping(layer, error) from error
 
 
+def layers_within(model, classes, include_self=False):
+    """Every layer of `model` (nested ones included) that is an instance of `classes`.
+
+    Args:
+        model: a Keras model or layer.
+        classes: a class or a tuple of classes.
+        include_self: whether `model` itself counts.
+
+    Returns:
+        list of layers, in Keras's walk order.
+    """
+    return [
+        layer
+        for layer in model._flatten_layers(include_self=include_self)
+        if isinstance(layer, classes)
+    ]
+
+
+def clone_replacing(model, replace):
+    """A copy of `model` (nested Sequential/Functional models copied too) in which each layer
+    `replace` returns a new layer for is that new layer, with the old one's weights; every
+    other layer is shared.
+
+    Args:
+        model: a built Sequential or Functional model.
+        replace: called with each layer; returns its replacement (unbuilt, from its config)
+            or None to share the layer.
+
+    Returns:
+        The copy.
+    """
+    pairs = []
+
+    def clone(layer):
+        new = replace(layer)
+        if new is None:
+            return layer
+        pairs.append((layer, new))
+        return new
+
+    copy = keras.models.clone_model(model, clone_function=clone, recursive=True)
+    for old, new in pairs:
+        new.set_weights(old.get_weights())
+    return copy
+
+
 def _not_round_tripping(layer, error):
     return UnsupportedModelError(
         f"Cannot copy layer '{layer.name}' ({type(layer).__name__}) from its config, which does "

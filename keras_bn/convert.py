@@ -94,38 +94,27 @@ def _swap(
     model: keras.Model, source: type[keras.layers.Layer], target: type[keras.layers.Layer]
 ) -> keras.Model:
     _models.layer_graph(model, "convert the batch norms of")
-    pairs = []
 
-    def clone_layer(layer: keras.layers.Layer) -> keras.layers.Layer:
+    def copy_layer(layer: keras.layers.Layer) -> keras.layers.Layer:
         if type(layer) is source:
             config = _models.config_of(layer)
             if target is _KERAS_BN:
                 _check_keras_can_take(config)
-            new = _models.from_config(
+            return _models.from_config(
                 layer, _models.translate_config(config, source, target), cls=target
             )
-        else:
-            if isinstance(layer, source):
-                raise UnsupportedModelError(
-                    f"Layer '{layer.name}' is a subclass of {source.__name__} "
-                    f"({type(layer).__name__}); only the class itself is converted."
-                )
-            hidden = [
-                sub.name
-                for sub in layer._flatten_layers(include_self=False)
-                if isinstance(sub, source)
-            ]
-            if hidden:
-                raise UnsupportedModelError(
-                    f"Layer '{layer.name}' ({type(layer).__name__}) holds BatchNormalization "
-                    f"layer(s) {hidden} inside its own code; only Sequential and Functional "
-                    f"models can be converted through."
-                )
-            new = _models.from_config(layer, _models.config_of(layer))
-        pairs.append((layer, new))
-        return new
+        if isinstance(layer, source):
+            raise UnsupportedModelError(
+                f"Layer '{layer.name}' is a subclass of {source.__name__} "
+                f"({type(layer).__name__}); only the class itself is converted."
+            )
+        hidden = [sub.name for sub in _models.layers_within(layer, source)]
+        if hidden:
+            raise UnsupportedModelError(
+                f"Layer '{layer.name}' ({type(layer).__name__}) holds BatchNormalization "
+                f"layer(s) {hidden} inside its own code; only Sequential and Functional "
+                f"models can be converted through."
+            )
+        return _models.from_config(layer, _models.config_of(layer))
 
-    clone = keras.models.clone_model(model, clone_function=clone_layer, recursive=True)
-    for old, new in pairs:
-        new.set_weights(old.get_weights())
-    return clone
+    return _models.clone_replacing(model, copy_layer)

@@ -92,7 +92,9 @@ def gradient_norms_by_layer(
     """
     layers = _kernel_layers(model)
     with _hooks.model_state(model):
-        grads = _gradients(model, x, y, loss, [layer.kernel for layer in layers], training)
+        _, grads = _loss_and_gradients(
+            model, x, y, loss, [layer.kernel for layer in layers], training
+        )
     return {layer.name: float(np.sum(np.square(g))) for layer, g in zip(layers, grads)}
 
 
@@ -243,7 +245,7 @@ def internal_covariate_shift(
             if _has_kernel(layer):
                 for v, old, new in zip(variables, before, after):
                     v.assign(new if id(v) in seen else old)
-                (shifted,) = _gradients(model, x, y, loss, [layer.kernel], training)
+                _, (shifted,) = _loss_and_gradients(model, x, y, loss, [layer.kernel], training)
                 original = grads[index[id(layer.kernel)]]
                 distances.append(float(np.linalg.norm(original - shifted)))
                 cosines.append(_cosine(original, shifted))
@@ -284,17 +286,6 @@ def _loss_and_gradients(
         missing = [v.path for v, g in zip(variables, grads) if g is None]
         raise ValueError(f"The loss does not depend on {missing}.")
     return float(value), [tf.convert_to_tensor(g).numpy() for g in grads]
-
-
-def _gradients(
-    model: keras.Model,
-    x: _Inputs,
-    y: npt.ArrayLike,
-    loss: _Loss,
-    variables: Sequence[keras.Variable],
-    training: bool,
-) -> list[np.ndarray]:
-    return _loss_and_gradients(model, x, y, loss, variables, training)[1]
 
 
 def _global_norm(arrays: Iterable[np.ndarray]) -> float:

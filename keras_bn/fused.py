@@ -71,6 +71,23 @@ def _view_4d(x, data_format):
     return tf.reshape(x, [tf.shape(x)[0], x.shape[1], -1, 1])  # (N, C, ...) -> (N, C, R, 1)
 
 
+def _fused(x4, gamma, beta, mean, variance, epsilon, data_format, is_training):
+    """FusedBatchNormV3's outputs (y, mean, variance, three reserve spaces): in training the
+    batch's statistics (`mean` and `variance` empty), else the given ones; no moving average
+    of its own (exponential_avg_factor=1)."""
+    return tf.raw_ops.FusedBatchNormV3(
+        x=x4,
+        scale=gamma,
+        offset=beta,
+        mean=mean,
+        variance=variance,
+        epsilon=epsilon,
+        exponential_avg_factor=1.0,
+        data_format=data_format,
+        is_training=is_training,
+    )
+
+
 def batch_norm_train(x, gamma, beta, channel_axes, epsilon, data_format):
     """Train-mode BN with the contract of `ops.batch_norm_train` (no mask, one device).
 
@@ -91,17 +108,7 @@ def batch_norm_train(x, gamma, beta, channel_axes, epsilon, data_format):
     @tf.custom_gradient
     def _normalize(x4, gamma, beta):
         def kernel(x4):
-            return tf.raw_ops.FusedBatchNormV3(
-                x=x4,
-                scale=gamma,
-                offset=beta,
-                mean=empty,
-                variance=empty,
-                epsilon=epsilon,
-                exponential_avg_factor=1.0,
-                data_format=data_format,
-                is_training=True,
-            )
+            return _fused(x4, gamma, beta, empty, empty, epsilon, data_format, is_training=True)
 
         outputs = kernel(x4)
         mean, unbiased_variance = outputs[1], outputs[2]
@@ -168,15 +175,7 @@ def batch_norm_eval(x, mean, variance, gamma, beta, epsilon):
     Returns:
         y, in x's dtype and shape.
     """
-    y = tf.raw_ops.FusedBatchNormV3(
-        x=_view_4d(x, "NHWC"),
-        scale=gamma,
-        offset=beta,
-        mean=mean,
-        variance=variance,
-        epsilon=epsilon,
-        exponential_avg_factor=1.0,
-        data_format="NHWC",
-        is_training=False,
+    y = _fused(
+        _view_4d(x, "NHWC"), gamma, beta, mean, variance, epsilon, "NHWC", is_training=False
     )[0]
     return tf.reshape(y, tf.shape(x))

@@ -226,42 +226,28 @@ class BatchNormalization(keras.layers.Layer):
             )
         shape = tuple(d for d in dims.values() if d is not None)  # every one, after the check
         if self.scale:
-            self.gamma = self.add_weight(
-                shape=shape,
-                name="gamma",
-                initializer=self.gamma_initializer,
-                regularizer=self.gamma_regularizer,
-                constraint=self.gamma_constraint,
-                trainable=True,
-                autocast=False,
+            self.gamma = self._float32_weight(
+                "gamma",
+                shape,
+                self.gamma_initializer,
+                True,
+                self.gamma_regularizer,
+                self.gamma_constraint,
             )
         if self.center:
-            self.beta = self.add_weight(
-                shape=shape,
-                name="beta",
-                initializer=self.beta_initializer,
-                regularizer=self.beta_regularizer,
-                constraint=self.beta_constraint,
-                trainable=True,
-                autocast=False,
+            self.beta = self._float32_weight(
+                "beta",
+                shape,
+                self.beta_initializer,
+                True,
+                self.beta_regularizer,
+                self.beta_constraint,
             )
-        # "mean" aggregation keeps the moving statistics identical on every replica under
-        # tf.distribute (Keras's "none" lets each replica's copy drift apart).
-        self.moving_mean = self.add_weight(
-            shape=shape,
-            name="moving_mean",
-            initializer=self.moving_mean_initializer,
-            trainable=False,
-            autocast=False,
-            aggregation="mean",
+        self.moving_mean = self._float32_weight(
+            "moving_mean", shape, self.moving_mean_initializer, False
         )
-        self.moving_variance = self.add_weight(
-            shape=shape,
-            name="moving_variance",
-            initializer=self.moving_variance_initializer,
-            trainable=False,
-            autocast=False,
-            aggregation="mean",
+        self.moving_variance = self._float32_weight(
+            "moving_variance", shape, self.moving_variance_initializer, False
         )
         self._build_optional_state(shape)
         self.input_spec = keras.layers.InputSpec(ndim=rank, axes=dims)
@@ -322,6 +308,29 @@ class BatchNormalization(keras.layers.Layer):
             )
         return tf.cast(y, self.compute_dtype)
 
+    def _float32_weight(
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        initializer: keras.initializers.Initializer,
+        trainable: bool,
+        regularizer: keras.regularizers.Regularizer | None = None,
+        constraint: keras.constraints.Constraint | None = None,
+    ) -> keras.Variable:
+        """γ or β (trainable), or a moving statistic: kept in float32 (never autocast). A
+        statistic's "mean" aggregation keeps it identical on every replica under tf.distribute
+        (Keras's "none" lets each replica's copy drift apart)."""
+        return self.add_weight(
+            shape=shape,
+            name=name,
+            initializer=initializer,
+            regularizer=regularizer,
+            constraint=constraint,
+            trainable=trainable,
+            autocast=False,
+            aggregation="none" if trainable else "mean",
+        )
+
     def _build_optional_state(self, shape: tuple[int, ...]) -> None:
         """Weights that exist only when their feature is on, after the four of Keras's BN."""
         self.moving_stddev: keras.Variable | None = None
@@ -336,18 +345,7 @@ class BatchNormalization(keras.layers.Layer):
                 ("renorm_mean", self.moving_mean_initializer),
                 ("renorm_stddev", stddev_initializer),
             ):
-                setattr(
-                    self,
-                    name,
-                    self.add_weight(
-                        shape=shape,
-                        name=name,
-                        initializer=initializer,
-                        trainable=False,
-                        autocast=False,
-                        aggregation="mean",
-                    ),
-                )
+                setattr(self, name, self._float32_weight(name, shape, initializer, False))
         if self.momentum is None:
             self.num_batches_tracked = self.add_weight(
                 shape=(),

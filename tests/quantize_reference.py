@@ -79,6 +79,27 @@ def away_from_ties(kernel, kind, scale_per_channel, bits, per_channel):
     return view.reshape(kernel.shape)
 
 
+def activation_indices(x, lo, hi, bits):
+    """The unsigned integers 0..2^k − 1 of x on the asymmetric grid of [lo, hi]."""
+    scale, zero_point = activation_grid(lo, hi, bits)
+    return np.clip(np.floor(np.asarray(x, np.float64) / scale + 0.5) + zero_point, 0, 2**bits - 1)
+
+
+def average_pool_int8(indices, size):
+    """TFLite's int8 AVERAGE_POOL_2D, in integers: channels-last (n, h, w, c) grid indices
+    (a k-bit grid is the int8 grid's lowest 2^k levels, so its int8 value is index − 128), in
+    size × size windows at stride size, no padding. Each window's int8 values are summed and
+    the sum divided by the count, rounded half away from 0 (TFLite's reference kernel:
+    (sum ± count/2)/count in C's truncating division). Returns indices again."""
+    q = np.asarray(indices, np.int64) - 128
+    n, h, w, c = q.shape
+    q = q[:, : h // size * size, : w // size * size]
+    total = q.reshape(n, h // size, size, w // size, size, c).sum(axis=(2, 4))
+    count = size * size
+    away = np.where(total >= 0, (total + count // 2) // count, -((-total + count // 2) // count))
+    return away + 128
+
+
 def _same_padding(size, kernel, stride, dilation):
     span = (kernel - 1) * dilation + 1
     out = -(-size // stride)

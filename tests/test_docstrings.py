@@ -174,9 +174,10 @@ def _entries(lines):
 
 def _parameters(obj):
     """The documented parameters: a function's, or a class's constructor's (self dropped)."""
-    target = obj.__init__ if inspect.isclass(obj) else obj
-    if inspect.isclass(obj) and "__init__" not in vars(obj):
-        # Inherits its constructor (e.g. from keras.layers.Layer): nothing of its own.
+    target = _members(obj).get("__init__") if inspect.isclass(obj) else obj
+    if target is None:
+        # Inherits its constructor from Keras or Python (keras.layers.Layer's): nothing of its
+        # own; a keras_bn base's (a private one's) is its own.
         return []
     names = list(inspect.signature(target).parameters)
     return [name for name in names if name not in ("self", "cls")]

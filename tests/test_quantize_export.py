@@ -23,6 +23,8 @@ import pytest
 import quantize_reference as ref
 from ai_edge_litert.interpreter import Interpreter, OpResolverType
 from onnx import numpy_helper
+from tensorflow.lite.python.convert import ConverterError
+from test_quantize_model import _branches, _branches_input, _pooled
 
 import digits
 import keras_bn
@@ -43,6 +45,7 @@ from keras_bn.export import tflite as tflite_export
 from keras_bn.export.report import LsbTolerance
 from keras_bn.quantize import (
     FreezeBatchNorm,
+    QuantizedAveragePooling,
     QuantizedHost,
     QuantizedHostBatchNorm,
     fake_quant,
@@ -336,6 +339,73 @@ def _assert_activation_pairs_on_the_models_grids(model, quantizers, initializers
             abs(float(scale) - step) <= 1e-6 * step and int(zero_point) == zero
             for step, zero in grids
         ), (node.name, scale, zero_point)
+
+
+# --------------------------------------------------------------------------- average pools
+
+
+def _trained_pools(model, x, y, losses):
+    keras.utils.set_random_seed(0)
+    model = quantize_model(model)
+    model.compile(keras.optimizers.Adam(3e-3), losses)
+    model.fit(x, y, epochs=5, batch_size=16, verbose=0, callbacks=[FreezeBatchNorm(8)])
+    return model
+
+
+@pytest.mark.parametrize("fan_out", [False, True], ids=["branches", "fan_out"])
+def test_average_pools_export_within_the_lsb_check(tmp_path, fan_out):
+    """An AveragePooling2D after a Concatenate (`_branches`: it becomes a
+    QuantizedAveragePooling), or after a QAT layer another conv reads too (its quantizer is
+    shared): both files pass in every runtime, AVERAGE_POOL_2D with one scale and zero point
+    on its input and output, MEAN (GlobalAveragePooling) with its own."""
+    rng = np.random.default_rng(1)
+    if fan_out:
+        x = rng.normal(size=(64, 8, 8, 3)).astype("float32")
+        model = _trained_pools(_pooled(fan_out=True), x, rng.normal(size=(64, 3)), "mse")
+    else:
+        x = _branches_input(n=64)
+        y = [rng.integers(0, 3, 64), rng.normal(size=(64, 2))]
+        model = _trained_pools(_branches(), x, y, ["sparse_categorical_crossentropy", "mse"])
+    result = export_tflite(model, tmp_path / "m.tflite", probe=x)
+    assert result.passed and result.float_ops == {}
+    assert result.percentile_lsb_error <= defaults.QAT_PERCENTILE_LSB
+    plain = Interpreter(
+        model_path=str(tmp_path / "m.tflite"),
+        experimental_op_resolver_type=OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES,
+    )
+    details = {d["index"]: d["quantization_parameters"] for d in plain.get_tensor_details()}
+
+    def grids(op):
+        return [
+            (float(details[i]["scales"][0]), int(details[i]["zero_points"][0]))
+            for i in (op["inputs"][0], op["outputs"][0])
+        ]
+
+    ops = {op["op_name"]: op for op in plain._get_ops_details()}
+    pool_in, pool_out = grids(ops["AVERAGE_POOL_2D"])
+    mean_in, mean_out = grids(ops["MEAN"])
+    assert pool_in == pool_out and mean_in != mean_out
+    result = export_onnx(model, tmp_path / "m.onnx", probe=x)
+    assert result.passed and result.percentile_lsb_error <= defaults.QAT_PERCENTILE_LSB
+
+
+def test_a_shared_average_pool_is_refused_by_the_tflite_converter(tmp_path):
+    """One AveragePooling2D called on two convolutions' outputs becomes one
+    QuantizedAveragePooling that requantizes each input onto its own grid; TFLite's
+    AVERAGE_POOL_2D needs its input's scale on its output, so the converter refuses the model
+    (a ConverterError) and no file is written."""
+    image = L.Input((8, 8, 3))
+    pool = L.AveragePooling2D(2, name="shared_pool")
+    a = L.ReLU()(BN(name="a_bn")(L.Conv2D(4, 3, padding="same", name="a")(image)))
+    b = L.ReLU()(BN(name="b_bn")(L.Conv2D(4, 3, padding="same", name="b")(image)))
+    outputs = L.Dense(2, name="head")(L.Flatten()(L.Concatenate()([pool(a), pool(b)])))
+    x = np.random.default_rng(0).normal(size=(64, 8, 8, 3)).astype("float32")
+    y = np.random.default_rng(1).normal(size=(64, 2))
+    model = _trained_pools(keras.Model(image, outputs), x, y, "mse")
+    assert isinstance(model.get_layer("shared_pool_qat"), QuantizedAveragePooling)
+    with pytest.raises(ConverterError, match="same scale constraint"):
+        export_tflite(model, tmp_path / "m.tflite", probe=x)
+    assert not (tmp_path / "m.tflite").exists()
 
 
 # --------------------------------------------------------------------------- refusals

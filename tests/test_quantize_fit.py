@@ -103,12 +103,13 @@ def test_keras_round_trip_is_bit_exact(tmp_path, freeze_ranges_step):
     saved, restored = _weights_by_path(model), _weights_by_path(loaded)
     assert saved.keys() == restored.keys()
     assert sum(p.endswith("batch_norm_frozen") for p in saved) == 3
-    # Six quantizers in the graph, four QAT outputs and a separable conv's intermediate.
+    # Five quantizers in the graph, the average pool's, four QAT outputs and a separable
+    # conv's intermediate.
     assert sum(p.endswith("ranges_frozen") for p in saved) == 11
     for name, value in saved.items():
         assert restored[name].dtype == value.dtype, name
         np.testing.assert_array_equal(restored[name], value, err_msg=name)
-    assert bool(loaded.get_layer("cat_quantizer").ranges_frozen.numpy()) == (
+    assert bool(loaded.get_layer("avg_qat").input_quantizer.ranges_frozen.numpy()) == (
         freeze_ranges_step is not None
     )
     for layer in model.layers:

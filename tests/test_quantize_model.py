@@ -10,6 +10,7 @@ import keras
 import numpy as np
 import pytest
 import quantize_reference as ref
+import tensorflow as tf
 
 import digits
 import keras_bn
@@ -21,6 +22,7 @@ from keras_bn.quantize import (
     ActivationQuantizer,
     KeptLayer,
     QuantizationReport,
+    QuantizedAveragePooling,
     QuantizedHost,
     QuantizedHostBatchNorm,
     fake_quant,
@@ -97,11 +99,13 @@ def _get(model, path):
     return model
 
 
-def _hosts_of(report):
-    """{QAT layer path: its host's path}: the first original mapped to each QAT layer."""
+def _hosts_of(qat, report):
+    """{QAT host layer path: its host's path}: the first original mapped to each QAT layer
+    that hosts a Dense or convolution (not the QuantizedAveragePooling layers)."""
     found = {}
-    for original, qat in report.quantized.items():
-        found.setdefault(qat, original)
+    for original, path in report.quantized.items():
+        if isinstance(_get(qat, path), (QuantizedHost, QuantizedHostBatchNorm)):
+            found.setdefault(path, original)
     return found
 
 
@@ -112,7 +116,7 @@ def _fold_with_qat_weights(model, qat, report):
     activation range is set."""
     folded, fold_report = fold_batch_norms(model)
     assert not fold_report.kept
-    for qat_path, host_path in _hosts_of(report).items():
+    for qat_path, host_path in _hosts_of(qat, report).items():
         layer, host = _get(qat, qat_path), _get(folded, host_path)
         kernel, bias = layer.folded_weights()
         separable = isinstance(host, (L.SeparableConv1D, L.SeparableConv2D))
@@ -200,18 +204,20 @@ def test_inference_is_the_fold_with_the_weights_rounded(build):
 
 
 def test_quantizers_follow_the_int8_spec_on_a_branching_model():
-    """Own scales (inputs, Add's ReLU, Concatenate) get quantizers; Average pooling keeps its
-    input's grid; a QAT layer or GlobalAveragePooling feeding only a Concatenate leaves its
-    quantizer out (they share the Concatenate's scale); the softmax gets none."""
+    """Own scales (inputs, Add's ReLU, Concatenate) get quantizers; a QAT layer or
+    GlobalAveragePooling feeding only a Concatenate leaves its quantizer out (they share the
+    Concatenate's scale), and so does the Concatenate feeding only the AveragePooling2D, which
+    becomes a QuantizedAveragePooling quantizing its input itself; the softmax gets none."""
     qat, report = quantize_model(_branches(), return_report=True)
     assert report.quantizers == {
         "image_quantizer": "image",
         "extra_quantizer": "extra",
         "add_relu_quantizer": "add_relu",  # the Add's output quantizer moves after its ReLU
-        "cat_quantizer": "cat",
-        "gap_quantizer": "gap",  # feeds the Concatenate and head2: a scale of its own
+        "gap_quantizer": "gap",  # feeds the Concatenate and head2: a scale of its own (MEAN)
         "cat2_quantizer": "cat2",
     }
+    assert report.quantized["avg"] == "avg_qat"
+    assert isinstance(qat.get_layer("avg_qat"), QuantizedAveragePooling)
     quantizers = [layer.name for layer in qat.layers if isinstance(layer, ActivationQuantizer)]
     assert sorted(quantizers) == sorted(report.quantizers)
     outputs_quantized = {
@@ -230,7 +236,7 @@ def test_quantizers_follow_the_int8_spec_on_a_branching_model():
     }
     d = qat.get_layer("d_qat")  # a separable conv's intermediate tensor is still quantized
     assert d.intermediate_quantizer is not None and d.output_quantizer is None
-    assert {layer.name for layer in qat.layers} >= {"add", "add_relu", "avg", "gap", "cat"}
+    assert {layer.name for layer in qat.layers} >= {"add", "add_relu", "avg_qat", "gap", "cat"}
     assert report.quantized["a_relu"] == "a_qat" and report.quantized["e"] == "e_qat"
     assert qat.get_layer("e_qat").activation == "relu"  # the host's own ReLU, taken over
 
@@ -249,6 +255,97 @@ def test_nested_models_are_rewritten_inside():
     assert report.quantizers == {"pixels_quantizer": "pixels", "gap_quantizer": "gap"}
     block = qat.get_layer("block")
     assert [type(layer).__name__ for layer in block.layers] == ["QuantizedHostBatchNorm"] * 2
+
+
+def _pooled(fan_out):
+    """Conv → BN → ReLU → AveragePooling2D → GlobalAveragePooling → Dense; with `fan_out`, a
+    strided conv reads the ReLU's output too and is added to the pool's."""
+    image = keras.Input((8, 8, 3), name="image")
+    a = L.Conv2D(6, 3, padding="same", name="a")(image)
+    a = L.ReLU(name="a_relu")(BN(name="a_bn")(a))
+    pooled = L.AveragePooling2D(2, name="avg")(a)
+    if fan_out:
+        pooled = L.Add(name="add")([pooled, L.Conv2D(6, 2, strides=2, name="side")(a)])
+    outputs = L.Dense(3, name="head")(L.GlobalAveragePooling2D(name="gap")(pooled))
+    return randomise_batch_norms(keras.Model(image, outputs, name="pooled"))
+
+
+def _pool_probe(qat, fan_out):
+    """(a model giving the pool's float input and its output, the quantizer whose grid both
+    lie on): a QuantizedAveragePooling's own, or the quantizer the QAT layer's output moved
+    to, called again after the copied pool."""
+    source = qat.get_layer("a_qat").output  # not quantized inside: the grid is the pool's
+    if fan_out:
+        quantizer = qat.get_layer("a_qat_quantizer")
+        first, after_pool = quantizer._inbound_nodes
+        assert first.input_tensors[0] is source
+        assert after_pool.arguments.kwargs == {"training": False, "average_of": 4}
+        pooled = after_pool.outputs[0]
+    else:
+        layer = qat.get_layer("avg_qat")
+        quantizer, pooled = layer.input_quantizer, layer.output
+    return keras.Model(qat.input, [source, pooled]), quantizer
+
+
+@pytest.mark.parametrize("mode", ["inference", "training", "training_graph"])
+@pytest.mark.parametrize("fan_out", [False, True], ids=["pool_only", "fan_out"])
+def test_an_average_pool_rounds_onto_its_inputs_grid_as_int8_does(fan_out, mode):
+    """The pool's output is TFLite's int8 AVERAGE_POOL_2D of its input's integers on the
+    input's own grid (numpy, in integers: halves away from the int8 zero), in training (the
+    grid this batch moved the range to) and at inference, whether the pool quantizes its input
+    itself or shares the grid of a quantizer that other layers read. GlobalAveragePooling
+    (TFLite's MEAN) keeps a scale of its own."""
+    qat, report = quantize_model(_pooled(fan_out), return_report=True)
+    assert report.quantizers["gap_quantizer"] == "gap"
+    if fan_out:
+        assert type(qat.get_layer("avg")) is L.AveragePooling2D
+        assert report.quantizers["a_qat_quantizer"] == "a_qat"
+    else:
+        assert report.quantized["avg"] == "avg_qat" and "a_qat_quantizer" not in report.quantizers
+    assert not qat.get_layer("a_qat").quantize_output
+    probe, quantizer = _pool_probe(qat, fan_out)
+    rng = np.random.default_rng(1)
+    qat(rng.normal(size=(8, 8, 8, 3)).astype("float32"), training=True)  # sets the ranges
+    x = rng.normal(size=(8, 8, 8, 3)).astype("float32")
+    before = float(quantizer.range_max.numpy())
+    if mode == "inference":
+        source, pooled = probe(x, training=False)
+    elif mode == "training":
+        source, pooled = probe(x, training=True)
+    else:
+        source, pooled = tf.function(lambda t: probe(t, training=True))(x)
+    moved = float(quantizer.range_max.numpy()) != before
+    assert moved == (mode != "inference")
+    low, high = float(quantizer.range_min.numpy()), float(quantizer.range_max.numpy())
+    scale, zero_point = ref.activation_grid(low, high, 8)
+    indices = ref.activation_indices(source, low, high, 8)
+    want = (ref.average_pool_int8(indices, 2) - zero_point) * scale
+    # Windows holding an input within float32's reach of a rounding boundary are left out.
+    near = ref.distance_to_rounding_boundary(source, low, high, 8) < 1e-3
+    clear = ~near.reshape(8, 4, 2, 4, 2, 6).any(axis=(2, 4))
+    assert clear.mean() > 0.9
+    np.testing.assert_allclose(np.asarray(pooled)[clear], want[clear], rtol=0, atol=1e-3 * scale)
+    # Halves below the int8 zero exist, where ⌊u + ½⌋ would round up and int8 rounds down.
+    sums = (indices.reshape(8, 4, 2, 4, 2, 6).sum(axis=(2, 4)) - 4 * 128) % 4
+    assert np.any(sums == 2)
+
+
+@pytest.mark.parametrize("fan_out", [False, True], ids=["pool_only", "fan_out"])
+def test_a_saved_model_keeps_the_pools_grid(tmp_path, fan_out):
+    """After a `.keras` round trip the pool still rounds onto its input's grid, in training
+    too (the shared quantizer's second call keeps its arguments)."""
+    qat = quantize_model(_pooled(fan_out))
+    x = np.random.default_rng(2).normal(size=(8, 8, 8, 3)).astype("float32")
+    qat(x, training=True)
+    qat.save(tmp_path / "qat.keras")
+    loaded = keras.saving.load_model(tmp_path / "qat.keras")
+    np.testing.assert_array_equal(loaded(x, training=False), qat(x, training=False))
+    probe, quantizer = _pool_probe(loaded, fan_out)
+    _, pooled = probe(x * 2.0, training=True)
+    low, high = float(quantizer.range_min.numpy()), float(quantizer.range_max.numpy())
+    scale, zero_point = ref.activation_grid(low, high, 8)
+    steps = np.asarray(pooled, np.float64) / scale + zero_point
+    np.testing.assert_allclose(steps, np.round(steps), atol=1e-3)
 
 
 def test_the_original_model_is_untouched():

@@ -19,62 +19,6 @@ import typing
 import pytest
 from test_docstrings import PUBLIC, _members
 
-# keras_bn.export's public API is annotated on its own branch, and keras_bn.quantize's layer and
-# callback methods are not yet: until they are, these fail, and strict xfail fails the moment
-# one of them is annotated, so each list must shrink with it.
-ANNOTATED_IN_THE_EXPORT_BRANCH = {
-    "keras_bn.export.ChannelBias.__init__",
-    "keras_bn.export.ChannelBias.call",
-    "keras_bn.export.ChannelBias.compute_output_shape",
-    "keras_bn.export.ChannelBias.get_config",
-    "keras_bn.export.ChannelSpread.int8_risk",
-    "keras_bn.export.ChannelSpread.per_channel_int8_risk",
-    "keras_bn.export.ChannelSpread.to_dict",
-    "keras_bn.export.ExportReport.atol",
-    "keras_bn.export.ExportReport.in_sample_relative_error",
-    "keras_bn.export.ExportReport.in_sample_relative_errors",
-    "keras_bn.export.ExportReport.max_abs_error",
-    "keras_bn.export.ExportReport.passed",
-    "keras_bn.export.ExportReport.relative_error",
-    "keras_bn.export.ExportReport.relative_errors",
-    "keras_bn.export.ExportReport.to_dict",
-    "keras_bn.export.FoldReport.int8_risks",
-    "keras_bn.export.FoldReport.max_abs_error",
-    "keras_bn.export.FoldReport.relative_error",
-    "keras_bn.export.FoldReport.relative_errors",
-    "keras_bn.export.FoldReport.to_dict",
-    "keras_bn.export.InferenceAffine.__init__",
-    "keras_bn.export.InferenceAffine.call",
-    "keras_bn.export.InferenceAffine.compute_output_shape",
-    "keras_bn.export.InferenceAffine.get_config",
-    "keras_bn.export.InferenceAffine.set_affine",
-    "keras_bn.export.VerificationError.__init__",
-    "keras_bn.export.export_onnx",
-    "keras_bn.export.export_tflite",
-    "keras_bn.export.fold_batch_norms",
-}
-QUANTIZE_METHODS_NOT_YET_ANNOTATED = {
-    # the constructors: only their **kwargs
-    "keras_bn.quantize.ActivationQuantizer.__init__",
-    "keras_bn.quantize.QuantizedHost.__init__",
-    "keras_bn.quantize.QuantizedHostBatchNorm.__init__",
-    *(
-        f"keras_bn.quantize.{layer}.{method}"
-        for layer in ("ActivationQuantizer", "QuantizedHost", "QuantizedHostBatchNorm")
-        for method in ("build", "call", "compute_output_shape", "get_config")
-    ),
-    "keras_bn.quantize.QuantizedHost.folded_weights",
-    "keras_bn.quantize.QuantizedHostBatchNorm.folded_weights",
-    "keras_bn.quantize.FreezeBatchNorm.on_train_begin",
-    "keras_bn.quantize.FreezeBatchNorm.on_train_batch_begin",
-}
-NOT_YET_ANNOTATED = {
-    **dict.fromkeys(ANNOTATED_IN_THE_EXPORT_BRANCH, "annotated in the export branch"),
-    **dict.fromkeys(
-        QUANTIZE_METHODS_NOT_YET_ANNOTATED, "keras_bn.quantize's methods: not yet annotated"
-    ),
-}
-
 
 def _functions():
     """{qualified name: function} for every public function, method, property getter and
@@ -109,18 +53,9 @@ def unannotated(function):
 FUNCTIONS = _functions()
 
 
-def _cases():
-    for name in sorted(FUNCTIONS):
-        marks = ()
-        if name in NOT_YET_ANNOTATED:
-            marks = pytest.mark.xfail(strict=True, reason=NOT_YET_ANNOTATED[name])
-        yield pytest.param(name, marks=marks, id=name)
-
-
 def test_the_walk_reaches_every_kind_of_public_callable():
     """Functions, methods, hooks, constructors (a dataclass's included) and property getters
-    are all checked, so a broken walk cannot pass vacuously; the xfail list names only what
-    the walk reaches."""
+    are all checked, so a broken walk cannot pass vacuously."""
     for name in (
         "keras_bn.recalibrate",
         "keras_bn.BatchNormalization.__init__",
@@ -136,10 +71,9 @@ def test_the_walk_reaches_every_kind_of_public_callable():
         "keras_bn.export.FoldReport.relative_error",
     ):
         assert name in FUNCTIONS, name
-    assert set(NOT_YET_ANNOTATED) <= set(FUNCTIONS), sorted(set(NOT_YET_ANNOTATED) - set(FUNCTIONS))
 
 
-@pytest.mark.parametrize("name", _cases())
+@pytest.mark.parametrize("name", sorted(FUNCTIONS))
 def test_every_parameter_and_the_return_have_a_type(name):
     function = FUNCTIONS[name]
     missing = unannotated(function)

@@ -12,8 +12,9 @@ switches it to the folded BN for good.
   `QuantizationReport` of what became which QAT layer and what stayed float (`KeptLayer`).
 - `fake_quant`: the k-bit grids (TensorFlow FakeQuant ops, and the same grid in numpy).
 - `QuantizedHostBatchNorm`, `QuantizedHost` (no BN), `ActivationQuantizer` (model inputs,
-  Add/Concatenate/pooling outputs): the layers, registered with Keras, so a `.keras` file
-  holding them loads after `import keras_bn` with no `custom_objects`.
+  Add/Concatenate/global pooling outputs), `QuantizedAveragePooling` (an average pool rounding
+  its output onto its input's grid, as the int8 one does): the layers, registered with Keras,
+  so a `.keras` file holding them loads after `import keras_bn` with no `custom_objects`.
 - `from_layers`: a QAT layer from existing host, BN and activation layers, weights copied.
 - `FreezeBatchNorm`, `freeze_batch_norm`, `freeze_ranges`.
 
@@ -32,6 +33,7 @@ from keras_bn.quantize.activation import ActivationQuantizer
 from keras_bn.quantize.factory import from_layers
 from keras_bn.quantize.freeze import FreezeBatchNorm, freeze_batch_norm, freeze_ranges
 from keras_bn.quantize.layers import QuantizedHost, QuantizedHostBatchNorm
+from keras_bn.quantize.pooling import QuantizedAveragePooling
 from keras_bn.quantize.report import KeptLayer, QuantizationReport
 from keras_bn.quantize.rewrite import quantize_model
 
@@ -40,6 +42,7 @@ __all__ = [
     "FreezeBatchNorm",
     "KeptLayer",
     "QuantizationReport",
+    "QuantizedAveragePooling",
     "QuantizedHost",
     "QuantizedHostBatchNorm",
     "fake_quant",

@@ -30,8 +30,10 @@ class ActivationQuantizer(keras.layers.Layer):
     The state is four non-trainable weights, saved with the model: `range_min`, `range_max`
     (float32 scalars), `range_initialized` and `ranges_frozen` (bool scalars).
 
-    Use it on a model's input and on the outputs of Add, Concatenate and pooling layers; the
-    QAT layers hold their own for their outputs.
+    Use it on a model's input and on the outputs of Add, Concatenate and global pooling
+    layers; the QAT layers hold their own for their outputs. Called again on an average pool's
+    output with `average_of` (and training=False), it rounds that onto its own grid, as an
+    int8 average pool does.
 
     Args:
         bits: 2..8, the grid's size 2^bits.
@@ -48,54 +50,90 @@ class ActivationQuantizer(keras.layers.Layer):
     range_initialized: Any
     ranges_frozen: Any
 
-    def __init__(self, bits: int = 8, momentum: float = 0.99, **kwargs) -> None:
+    def __init__(self, bits: int = 8, momentum: float = 0.99, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.bits: int = fake_quant.validate_bits(bits, "bits")
         self.momentum = validate_momentum(momentum, "momentum")
         self.range_min = self.range_max = None
         self.range_initialized = self.ranges_frozen = None
 
-    def build(self, input_shape):
+    def build(self, input_shape: tuple[int | None, ...]) -> None:
         """Create the range and its two flags (the range does not depend on the shape).
 
         Args:
             input_shape: the input's shape.
         """
         for name in ("range_min", "range_max"):
-            setattr(self, name, self._state(name, "float32"))
+            setattr(self, name, scalar_state(self, name, "float32"))
         for name in ("range_initialized", "ranges_frozen"):
-            setattr(self, name, self._state(name, "bool"))
+            setattr(self, name, scalar_state(self, name, "bool"))
 
-    def _state(self, name, dtype):
-        return self.add_weight(
-            shape=(),
-            name=name,
-            dtype=dtype,
-            initializer="zeros",
-            trainable=False,
-            autocast=False,
-        )
-
-    def call(self, inputs, training=None):
+    def call(
+        self, inputs: tf.Tensor, training: bool | None = None, average_of: int | None = None
+    ) -> tf.Tensor:
         """Fake-quantize `inputs`, first moving the range in training.
 
         Args:
             inputs: float tensor.
             training: Python bool or None; true (and the layer trainable) updates the range
                 from this batch unless it is frozen.
+            average_of: None, or the window size of the average pool whose output `inputs`
+                is, the pool's input being on this layer's grid: the range then stays as it
+                is, and halves round as TFLite's int8 AVERAGE_POOL_2D rounds them
+                (`fake_quant.halves_away_from_int8_zero`).
 
         Returns:
             The fake-quantized tensor (the input itself while no range has been observed).
+        """
+        low, high, initialized = self.batch_range(inputs, training and average_of is None)
+        return self.round_onto(inputs, low, high, initialized, average_of)
+
+    def batch_range(self, inputs: Any, training: bool | None = None) -> tuple[Any, Any, Any]:
+        """The range `call` rounds `inputs` onto: in training (and the layer trainable) the
+        stored range moved toward this batch's, and stored (unless frozen or not finite),
+        else the stored one.
+
+        Args:
+            inputs: float tensor.
+            training: as in `call`.
+
+        Returns:
+            (low, high, initialized): float32 scalars and a bool scalar, false while no
+            range has been observed.
         """
         x = tf.cast(inputs, tf.float32)
         low, high = tf.convert_to_tensor(self.range_min), tf.convert_to_tensor(self.range_max)
         initialized = tf.convert_to_tensor(self.range_initialized)
         if training and self.trainable:
             low, high, initialized = self._observe(x, low, high, initialized)
-        quantized = fake_quant.fake_quant_activations(x, low, high, self.bits)
+        return low, high, initialized
+
+    def round_onto(
+        self, inputs: Any, low: Any, high: Any, initialized: Any, average_of: int | None = None
+    ) -> Any:
+        """`inputs` fake-quantized on the layer's `bits`-bit grid of [low, high] (a
+        `batch_range`), or passed through where `initialized` is false.
+
+        Args:
+            inputs: float tensor.
+            low: float32 scalar ≤ 0.
+            high: float32 scalar ≥ 0.
+            initialized: bool scalar.
+            average_of: as in `call`.
+
+        Returns:
+            The tensor in the layer's compute dtype.
+        """
+        x = tf.cast(inputs, tf.float32)
+        moved = x
+        if average_of is not None:
+            moved = fake_quant.halves_away_from_int8_zero(x, low, high, self.bits, average_of)
+        quantized = fake_quant.fake_quant_activations(moved, low, high, self.bits)
         return tf.cast(tf.where(initialized, quantized, x), self.compute_dtype)
 
-    def _observe(self, x, low, high, initialized):
+    def _observe(
+        self, x: tf.Tensor, low: tf.Tensor, high: tf.Tensor, initialized: tf.Tensor
+    ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
         """Move the stored range toward this batch's (unless frozen or not finite); return the
         range and flag to quantize with."""
         batch_low, batch_high = tf.reduce_min(x), tf.reduce_max(x)
@@ -138,27 +176,39 @@ class ActivationQuantizer(keras.layers.Layer):
             float(self.range_min.numpy()), float(self.range_max.numpy()), self.bits
         )
 
-    def export_function(self) -> Callable[[Any], Any]:
+    def export_function(self, halves_as_ops: bool = False) -> Callable[..., Any]:
         """The layer's inference as an exporter traces it, from the range it holds now.
 
         The range is read once, here, and becomes constants of the function:
         `fake_quant.export_activations` on `grid()`, with 8-bit FakeQuant ops only, which
-        computes what `call(x, training=False)` computes.
+        computes what `call(x, training=False)` computes. The function takes `average_of`
+        as `call` does.
+
+        Args:
+            halves_as_ops: with `average_of`, write the move that rounds halves as TFLite's
+                int8 AVERAGE_POOL_2D (`fake_quant.halves_away_from_int8_zero`) as ops, for a
+                runtime that rounds a pool's output in float (onnxruntime, whose halves fall
+                either way); False leaves it to that int8 pool, which rounds them so itself.
 
         Returns:
-            A function of a float tensor.
+            A function of a float tensor (and `average_of`).
 
         Raises:
             ValueError: as `grid`.
         """
         grid = self.grid()
 
-        def quantize(inputs):
-            return fake_quant.export_activations(tf.cast(inputs, tf.float32), grid)
+        def quantize(inputs: tf.Tensor, average_of: int | None = None) -> tf.Tensor:
+            x = tf.cast(inputs, tf.float32)
+            if average_of is not None and halves_as_ops:
+                x = fake_quant.halves_away_from_int8_zero(
+                    x, grid.minimum, grid.maximum, grid.bits, average_of
+                )
+            return fake_quant.export_activations(x, grid)
 
         return quantize
 
-    def compute_output_shape(self, input_shape):
+    def compute_output_shape(self, input_shape: tuple[int | None, ...]) -> tuple[int | None, ...]:
         """The output shape: `input_shape` itself.
 
         Args:
@@ -169,7 +219,7 @@ class ActivationQuantizer(keras.layers.Layer):
         """
         return input_shape
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         """Every constructor argument, for `from_config` and saving.
 
         Returns:
@@ -178,7 +228,23 @@ class ActivationQuantizer(keras.layers.Layer):
         return {**super().get_config(), "bits": self.bits, "momentum": self.momentum}
 
 
-def validate_momentum(momentum, name):
+def scalar_state(layer: keras.layers.Layer, name: str, dtype: str) -> keras.Variable:
+    """A new scalar weight of `layer` for its state: zero, not trainable, never autocast.
+
+    Args:
+        layer: the layer, in its `build`.
+        name: the weight's name.
+        dtype: "float32" or "bool".
+
+    Returns:
+        The variable.
+    """
+    return layer.add_weight(
+        shape=(), name=name, dtype=dtype, initializer="zeros", trainable=False, autocast=False
+    )
+
+
+def validate_momentum(momentum: object, name: str) -> float:
     """A float in [0, 1).
 
     Raises:

@@ -9,6 +9,7 @@ continue the average in keras_bn's unbiased convention (for the m = batch × spa
 convolution the two differ by the factor m/(m−1), which QAT's moving averages soon replace).
 """
 
+from collections.abc import Iterable
 from typing import Any
 
 import keras
@@ -99,7 +100,7 @@ def from_layers(
     return layer
 
 
-def _copy(source, target, names):
+def _copy(source: keras.layers.Layer, target: keras.layers.Layer, names: Iterable[str]) -> None:
     """Assign each named weight of `source` to `target`'s (copies of the values)."""
     for name in names:
         weight = getattr(source, name, None)
@@ -108,7 +109,7 @@ def _copy(source, target, names):
         getattr(target, name).assign(np.array(weight))
 
 
-def fusable_activation(activation):
+def fusable_activation(activation: str | keras.layers.Layer) -> str | None:
     """ "relu" or "relu6" when `activation` computes one of them, which a QAT layer can fuse;
     None for anything else (a linear activation included).
 
@@ -132,7 +133,7 @@ def fusable_activation(activation):
     return None
 
 
-def _activation_name(activation):
+def _activation_name(activation: Any) -> str | None:
     """None, "relu" or "relu6" for the activations a QAT layer can fuse.
 
     Raises:

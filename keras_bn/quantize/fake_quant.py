@@ -281,6 +281,40 @@ def activation_grid(minimum: float, maximum: float, bits: int) -> ActivationGrid
     )
 
 
+def halves_away_from_int8_zero(
+    average: tf.Tensor,
+    minimum: tf.Tensor | float,
+    maximum: tf.Tensor | float,
+    bits: int,
+    window: int,
+) -> tf.Tensor:
+    """An average of on-grid values moved so that `fake_quant_activations` on [minimum,
+    maximum] rounds its halves as TFLite's int8 AVERAGE_POOL_2D does, away from the int8 zero,
+    and every other value as before.
+
+    The int8 kernel sums the input's integers q (a k-bit grid is the int8 grid's lowest 2^k
+    levels: q = index − 128) and rounds sum/count half away from 0, where FakeQuant rounds a
+    half up (or either way, by float error). An average that is not a half lies at least
+    1/(2·count) of a step from one, so a move of a quarter of that toward the side TFLite
+    takes changes halves only; float error is far smaller.
+
+    Args:
+        average: float32 tensor, each value the average of at most `window` values on the grid.
+        minimum: the range's low end (≤ 0), as `fake_quant_activations` receives it.
+        maximum: its high end (≥ 0).
+        bits: 2..8.
+        window: the most values one average takes (an average pool's window size).
+
+    Returns:
+        The moved tensor.
+    """
+    maximum = tf.maximum(maximum, minimum + MIN_RANGE)
+    scale = (maximum - minimum) / (2.0**bits - 1.0)
+    zero_point = tf.floor(-minimum / scale + 0.5)  # the range holds 0: no clamp needed
+    int8_zero = (128.0 - zero_point) * scale
+    return average + tf.sign(average - int8_zero) * scale / (4.0 * window)
+
+
 def export_activations(x: tf.Tensor, grid: ActivationGrid) -> tf.Tensor:
     """`fake_quant_activations` on `grid`, written with 8-bit FakeQuant ops only.
 
@@ -305,7 +339,7 @@ def export_activations(x: tf.Tensor, grid: ActivationGrid) -> tf.Tensor:
         )
     wide_max = float(np.float32(grid.nudged_min) + np.float32(255) * np.float32(grid.scale))
 
-    def on_wide_grid(tensor):
+    def on_wide_grid(tensor: tf.Tensor) -> tf.Tensor:
         return tf.quantization.fake_quant_with_min_max_vars(
             tensor, grid.nudged_min, wide_max, num_bits=8, narrow_range=False
         )

@@ -10,13 +10,18 @@ layer then computes exactly the folded BN an int8 file holds, and the last steps
 that. Freezing the ranges stops the activation grids from moving for the final steps.
 """
 
+from typing import Any, TypeVar
+
 import keras
 
+from keras_bn import _models
 from keras_bn.quantize.activation import ActivationQuantizer
 from keras_bn.quantize.layers import QuantizedHostBatchNorm
 
+_Frozen = TypeVar("_Frozen", ActivationQuantizer, QuantizedHostBatchNorm)
 
-def freeze_batch_norm(model: keras.layers.Layer) -> list:
+
+def freeze_batch_norm(model: keras.layers.Layer) -> list[QuantizedHostBatchNorm]:
     """Switch every QuantizedHostBatchNorm of `model` to its moving statistics, for good.
 
     Args:
@@ -34,7 +39,7 @@ def freeze_batch_norm(model: keras.layers.Layer) -> list:
     return layers
 
 
-def freeze_ranges(model: keras.layers.Layer) -> list:
+def freeze_ranges(model: keras.layers.Layer) -> list[ActivationQuantizer]:
     """Stop every activation range of `model` from moving (each ActivationQuantizer's, those
     inside the QAT layers included).
 
@@ -60,10 +65,10 @@ def freeze_ranges(model: keras.layers.Layer) -> list:
     return layers
 
 
-def _find(model, cls):
+def _find(model: keras.layers.Layer, cls: type[_Frozen]) -> list[_Frozen]:
     """Every built `cls` layer inside `model` (itself included); a ValueError if none, or if
     one is not built."""
-    layers = [layer for layer in model._flatten_layers(include_self=True) if isinstance(layer, cls)]
+    layers = _models.layers_within(model, cls, include_self=True)
     if not layers:
         raise ValueError(f"'{model.name}' holds no {cls.__name__} layer: nothing to freeze.")
     unbuilt = [layer.name for layer in layers if not layer.built]
@@ -75,9 +80,7 @@ def _find(model, cls):
     return layers
 
 
-def _validate_steps(value, name, minimum, allow_none=False):
-    if value is None and allow_none:
-        return None
+def _validate_steps(value: object, name: str, minimum: int, allow_none: bool = False) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(
             f"{name} must be an int ≥ {minimum}{' or None' if allow_none else ''}; "
@@ -114,12 +117,16 @@ class FreezeBatchNorm(keras.callbacks.Callback):
     def __init__(self, after_steps: int, freeze_ranges_after_steps: int | None = None) -> None:
         super().__init__()
         self.after_steps = _validate_steps(after_steps, "after_steps", 0)
-        self.freeze_ranges_after_steps = _validate_steps(
-            freeze_ranges_after_steps, "freeze_ranges_after_steps", 1, allow_none=True
+        self.freeze_ranges_after_steps = (
+            None
+            if freeze_ranges_after_steps is None
+            else _validate_steps(
+                freeze_ranges_after_steps, "freeze_ranges_after_steps", 1, allow_none=True
+            )
         )
         self._done = {"batch_norm": False, "ranges": False}
 
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         """Freeze at once what a resumed run has already passed.
 
         Args:
@@ -128,7 +135,7 @@ class FreezeBatchNorm(keras.callbacks.Callback):
         self._done = {"batch_norm": False, "ranges": False}
         self._freeze_due()
 
-    def on_train_batch_begin(self, batch, logs=None):
+    def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         """Freeze what is due at this optimizer step.
 
         Args:
@@ -137,7 +144,7 @@ class FreezeBatchNorm(keras.callbacks.Callback):
         """
         self._freeze_due()
 
-    def _freeze_due(self):
+    def _freeze_due(self) -> None:
         step = int(self.model.optimizer.iterations.numpy())
         if not self._done["batch_norm"] and step >= self.after_steps:
             freeze_batch_norm(self.model)

@@ -18,9 +18,14 @@ quantization.
 """
 
 import json
+from collections.abc import Callable
+from typing import Any, TypeAlias
 
 import keras
 from keras import ops
+
+# A backend tensor or a keras.Variable: what keras.ops take and return.
+Tensor: TypeAlias = Any
 
 DENSE, CONV, DEPTHWISE, SEPARABLE = "dense", "conv", "depthwise", "separable"
 KINDS = {
@@ -35,7 +40,7 @@ KINDS = {
 }
 
 
-def kind_of(host):
+def kind_of(host: keras.layers.Layer) -> str:
     """The host's kind: "dense", "conv", "depthwise" or "separable".
 
     Raises:
@@ -68,7 +73,9 @@ def kind_of(host):
     return kind
 
 
-def deserialize(host):
+def deserialize(
+    host: keras.layers.Layer | dict[str, Any],
+) -> tuple[keras.layers.Layer, dict[str, Any]]:
     """A fresh, unbuilt host layer from a layer or its `keras.layers.serialize` dict.
 
     Returns:
@@ -78,7 +85,7 @@ def deserialize(host):
     return keras.layers.deserialize(serialized), serialized
 
 
-def config_only(serialized):
+def config_only(serialized: dict[str, Any]) -> dict[str, Any]:
     """A `keras.layers.serialize` dict without its build state (deserializing one with a
     "build_config" builds the layer at once, and the QAT layer builds its copies itself), in
     its JSON form (tuples as lists), so that the config is the same after a `.keras` load."""
@@ -86,17 +93,17 @@ def config_only(serialized):
     return json.loads(json.dumps(kept))
 
 
-def channel_axis(host):
+def channel_axis(host: keras.layers.Layer) -> int:
     """The output's channel axis: −1, or 1 for a channels_first convolution."""
     return 1 if getattr(host, "data_format", "channels_last") == "channels_first" else -1
 
 
-def folded_kernel(host):
+def folded_kernel(host: keras.layers.Layer) -> keras.Variable:
     """The kernel batch norm scales per output channel: the kernel, or the pointwise one."""
     return host.pointwise_kernel if kind_of(host) == SEPARABLE else host.kernel
 
 
-def output_channels(host):
+def output_channels(host: keras.layers.Layer) -> int:
     """How many output channels the host has (C·M for a depthwise convolution)."""
     kernel = folded_kernel(host)
     if kind_of(host) == DEPTHWISE:
@@ -104,7 +111,7 @@ def output_channels(host):
     return kernel.shape[-1]
 
 
-def channels_last(kernel, kind):
+def channels_last(kernel: Tensor, kind: str) -> Tensor:
     """`kernel` viewed with its output channels on the last axis (see the module docstring)."""
     if kind != DEPTHWISE:
         return kernel
@@ -112,12 +119,18 @@ def channels_last(kernel, kind):
     return ops.reshape(kernel, shape[:-2] + (1, shape[-2] * shape[-1]))
 
 
-def from_channels_last(view, kernel_shape):
+def from_channels_last(view: Tensor, kernel_shape: tuple[int, ...]) -> Tensor:
     """Undo `channels_last`: the host's kernel layout again."""
     return ops.reshape(view, tuple(kernel_shape))
 
 
-def linear(host, inputs, kernel, depthwise_kernel=None, between=None):
+def linear(
+    host: keras.layers.Layer,
+    inputs: Tensor,
+    kernel: Tensor,
+    depthwise_kernel: Tensor | None = None,
+    between: Callable[[Tensor], Tensor] | None = None,
+) -> Tensor:
     """The host's output without bias for the given kernel(s).
 
     Args:

@@ -30,6 +30,7 @@ s/s', which is exactly 1 where γ ≠ 0 and 0 where γ = 0. Per-tensor weight ra
 W·s itself, so a γ = 0 channel never widens the other channels' grid.
 """
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -43,7 +44,7 @@ from keras_bn._bn_layers import KERAS_BN, KERAS_BN_BN
 from keras_bn._errors import UnsupportedModelError
 from keras_bn._moving_average import average_into, usable
 from keras_bn.quantize import fake_quant, hosts
-from keras_bn.quantize.activation import ActivationQuantizer, validate_momentum
+from keras_bn.quantize.activation import ActivationQuantizer, scalar_state, validate_momentum
 
 ACTIVATIONS = ("relu", "relu6")
 
@@ -64,7 +65,7 @@ class _QuantizedHostLayer(keras.layers.Layer):
         per_channel: bool = True,
         range_momentum: float = 0.99,
         quantize_output: bool = True,
-        **kwargs,
+        **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.host, self._host_config = hosts.deserialize(host)
@@ -98,7 +99,7 @@ class _QuantizedHostLayer(keras.layers.Layer):
                     bits, self.range_momentum, name="intermediate_quantizer"
                 )
 
-    def build(self, input_shape):
+    def build(self, input_shape: tuple[int | None, ...]) -> None:
         """Build the host for `input_shape`, then the quantizers (and the batch norm).
 
         Args:
@@ -109,7 +110,7 @@ class _QuantizedHostLayer(keras.layers.Layer):
             if quantizer is not None:
                 quantizer.build(())
 
-    def compute_output_shape(self, input_shape):
+    def compute_output_shape(self, input_shape: tuple[int | None, ...]) -> tuple[int | None, ...]:
         """The host's output shape.
 
         Args:
@@ -120,24 +121,25 @@ class _QuantizedHostLayer(keras.layers.Layer):
         """
         return self.host.compute_output_shape(input_shape)
 
-    def _channel_axes(self, outputs):
+    def _channel_axes(self, outputs: tf.Tensor) -> list[int]:
         return [hosts.channel_axis(self.host) % outputs.shape.rank]
 
-    def _kernel_view(self):
+    def _kernel_view(self) -> tf.Tensor:
         """The folded kernel with its output channels on the last axis (float32)."""
         kernel = tf.cast(hosts.folded_kernel(self.host), tf.float32)
         return hosts.channels_last(kernel, self.kind)
 
-    def _fake_quant(self, view, max_abs):
+    def _fake_quant(self, view: tf.Tensor, max_abs: tf.Tensor) -> tf.Tensor:
         """FQ_w of a channels-last kernel view (unchanged with weight_bits=None)."""
         if self.weight_bits is None:
             return view
         return fake_quant.fake_quant_weights(view, max_abs, self.weight_bits)
 
-    def _linear(self, inputs, view, training):
+    def _linear(self, inputs: tf.Tensor, view: tf.Tensor, training: bool | None) -> tf.Tensor:
         """The host's map without bias, with the fake-quantized channels-last kernel `view`."""
         kernel = hosts.from_channels_last(view, hosts.folded_kernel(self.host).shape)
-        depthwise, between = None, None
+        depthwise = None
+        between: Callable[[tf.Tensor], tf.Tensor] | None = None
         if self.kind == hosts.SEPARABLE:
             depthwise_view = hosts.channels_last(
                 tf.cast(self.host.depthwise_kernel, tf.float32), hosts.DEPTHWISE
@@ -148,19 +150,18 @@ class _QuantizedHostLayer(keras.layers.Layer):
             depthwise = hosts.from_channels_last(depthwise_view, self.host.depthwise_kernel.shape)
             quantizer = self.intermediate_quantizer
             if quantizer is not None:
-
-                def between(middle):
-                    return quantizer(middle, training=training)
-
+                # (`__call__` spelt out: mypy's partial cannot see a Keras layer's, whose base
+                # class has no types)
+                between = functools.partial(quantizer.__call__, training=training)
         return hosts.linear(self.host, inputs, kernel, depthwise, between)
 
-    def _host_bias(self):
+    def _host_bias(self) -> tf.Tensor:
         """The host's bias as float32 (zeros without one)."""
         if self.host.bias is None:
             return tf.zeros([hosts.output_channels(self.host)], tf.float32)
         return tf.cast(self.host.bias, tf.float32)
 
-    def _activate(self, outputs):
+    def _activate(self, outputs: tf.Tensor) -> tf.Tensor:
         """ReLU/ReLU6 if fused."""
         if self.activation == "relu":
             return ops.relu(outputs)
@@ -168,14 +169,14 @@ class _QuantizedHostLayer(keras.layers.Layer):
             return ops.relu6(outputs)
         return outputs
 
-    def _finish(self, outputs, training):
+    def _finish(self, outputs: tf.Tensor, training: bool | None) -> tf.Tensor:
         """ReLU/ReLU6 if fused, then the output's fake quantization."""
         outputs = self._activate(outputs)
         if self.output_quantizer is not None:
             outputs = self.output_quantizer(outputs, training=training)
         return tf.cast(outputs, self.compute_dtype)
 
-    def weight_grids(self) -> dict:
+    def weight_grids(self) -> dict[str, fake_quant.WeightGrid]:
         """The integers and scales of the weights the layer's inference rounds to, by name.
 
         Returns:
@@ -245,7 +246,7 @@ class _QuantizedHostLayer(keras.layers.Layer):
         if self.intermediate_quantizer is not None:
             between = self.intermediate_quantizer.export_function()
 
-        def infer(inputs):
+        def infer(inputs: tf.Tensor) -> tf.Tensor:
             kernels = {
                 name: hosts.from_channels_last(weight_op(name, grid), shapes[name])
                 for name, grid in grids.items()
@@ -263,7 +264,7 @@ class _QuantizedHostLayer(keras.layers.Layer):
 
         return infer
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         """Every constructor argument, for `from_config` and saving.
 
         Returns:
@@ -300,9 +301,10 @@ class QuantizedHost(_QuantizedHostLayer):
         per_channel: one weight range per output channel (True) or one per tensor.
         range_momentum: the activation ranges' EMA momentum, in [0, 1).
         quantize_output: whether the layer fake-quantizes its output (with activation_bits);
-            False where the layer's only consumer quantizes it instead, on a scale shared with
-            other tensors (`quantize_model` does this for a layer feeding only a Concatenate,
-            whose inputs and output share one scale in an int8 file).
+            False where another layer quantizes it instead, on a scale shared with other
+            tensors (`quantize_model` does this for a layer feeding only a Concatenate, whose
+            inputs and output share one scale in an int8 file, and for one an average pool
+            reads, which rounds its output onto its input's grid).
         **kwargs: base layer arguments (`name`, `trainable`, ...).
 
     Raises:
@@ -310,29 +312,7 @@ class QuantizedHost(_QuantizedHostLayer):
             message names the value).
     """
 
-    def __init__(
-        self,
-        host: "keras.layers.Layer | dict",
-        activation: str | None = None,
-        weight_bits: int | None = 8,
-        activation_bits: int | None = 8,
-        per_channel: bool = True,
-        range_momentum: float = 0.99,
-        quantize_output: bool = True,
-        **kwargs,
-    ) -> None:
-        super().__init__(
-            host,
-            activation,
-            weight_bits,
-            activation_bits,
-            per_channel,
-            range_momentum,
-            quantize_output,
-            **kwargs,
-        )
-
-    def call(self, inputs, training=None):
+    def call(self, inputs: tf.Tensor, training: bool | None = None) -> tf.Tensor:
         """act(host(x, FQ_w(W)) + b), fake-quantized.
 
         Args:
@@ -349,7 +329,7 @@ class QuantizedHost(_QuantizedHostLayer):
         outputs = outputs + statistics.per_channel(self._host_bias(), outputs, axes)
         return self._finish(outputs, training)
 
-    def folded_weights(self):
+    def folded_weights(self) -> tuple[np.ndarray, np.ndarray]:
         """The float kernel and bias an int8 file quantizes: the host's own.
 
         Returns:
@@ -387,9 +367,10 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
         per_channel: one weight range per output channel (True) or one per tensor.
         range_momentum: the activation ranges' EMA momentum, in [0, 1).
         quantize_output: whether the layer fake-quantizes its output (with activation_bits);
-            False where the layer's only consumer quantizes it instead, on a scale shared with
-            other tensors (`quantize_model` does this for a layer feeding only a Concatenate,
-            whose inputs and output share one scale in an int8 file).
+            False where another layer quantizes it instead, on a scale shared with other
+            tensors (`quantize_model` does this for a layer feeding only a Concatenate, whose
+            inputs and output share one scale in an int8 file, and for one an average pool
+            reads, which rounds its output onto its input's grid).
         **kwargs: base layer arguments (`name`, `trainable`, ...).
 
     Raises:
@@ -410,7 +391,7 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
         per_channel: bool = True,
         range_momentum: float = 0.99,
         quantize_output: bool = True,
-        **kwargs,
+        **kwargs: Any,
     ) -> None:
         super().__init__(
             host,
@@ -425,7 +406,7 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
         self.batch_norm = _keras_bn_copy(batch_norm, hosts.channel_axis(self.host))
         self.batch_norm_frozen: Any = None  # a bool variable, created by build
 
-    def build(self, input_shape):
+    def build(self, input_shape: tuple[int | None, ...]) -> None:
         """Build the host, the batch norm on the host's output and the freeze flag.
 
         Args:
@@ -444,16 +425,9 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
                 f"but host '{self.host.name}' puts its channels on axis {expected[0]} of its "
                 f"output (shape {tuple(output_shape)}): the fold needs them to agree."
             )
-        self.batch_norm_frozen = self.add_weight(
-            shape=(),
-            name="batch_norm_frozen",
-            dtype="bool",
-            initializer="zeros",
-            trainable=False,
-            autocast=False,
-        )
+        self.batch_norm_frozen = scalar_state(self, "batch_norm_frozen", "bool")
 
-    def _bn_parameters(self):
+    def _bn_parameters(self) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]:
         """γ, β, μ, v and the host bias as float32 vectors (γ = 1, β = 0 when absent)."""
         bn = self.batch_norm
         mean = tf.convert_to_tensor(bn.moving_mean)
@@ -461,7 +435,9 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
         beta = tf.zeros_like(mean) if bn.beta is None else tf.convert_to_tensor(bn.beta)
         return gamma, beta, mean, tf.convert_to_tensor(bn.moving_variance), self._host_bias()
 
-    def _scaled_kernel(self, gamma, sigma):
+    def _scaled_kernel(
+        self, gamma: tf.Tensor, sigma: tf.Tensor
+    ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]:
         """(s, s', the kernel view scaled by s', its weight range); see the module docstring."""
         scale = gamma / sigma
         safe_scale = tf.where(gamma == 0.0, 1.0 / sigma, scale)
@@ -476,7 +452,7 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
             fake_quant.weight_max_abs(ranged, self.per_channel),
         )
 
-    def call(self, inputs, training=None):
+    def call(self, inputs: tf.Tensor, training: bool | None = None) -> tf.Tensor:
         """The folded host → BN → activation, fake-quantized.
 
         Args:
@@ -497,7 +473,7 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
         z = self._linear(tf.cast(inputs, tf.float32), self._fake_quant(view, max_abs), training)
         axes = self._channel_axes(z)
 
-        def per_channel(t):
+        def per_channel(t: tf.Tensor) -> tf.Tensor:
             return statistics.per_channel(t, z, axes)
 
         ratio = scale / safe_scale  # exactly 1 where γ ≠ 0, 0 where γ = 0
@@ -514,7 +490,14 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
         outputs = z * per_channel(multiplier) + per_channel(offset)
         return self._finish(outputs, training)
 
-    def _update_moving_statistics(self, z, axes, mean, variance, frozen):
+    def _update_moving_statistics(
+        self,
+        z: tf.Tensor,
+        axes: list[int],
+        mean: tf.Tensor,
+        variance: tf.Tensor,
+        frozen: tf.Tensor,
+    ) -> None:
         """keras_bn.BatchNormalization's update: EMA of the mean and of the unbiased
         m/(m−1)·σ²_B, skipped for a non-finite batch, m ≤ 1 or a frozen layer."""
         count = statistics.element_count(z, axes)
@@ -533,7 +516,7 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
         average_into(self.batch_norm.moving_mean, mean, momentum, update)
         average_into(self.batch_norm.moving_variance, unbiased, momentum, update)
 
-    def folded_weights(self):
+    def folded_weights(self) -> tuple[np.ndarray, np.ndarray]:
         """The float kernel and bias an int8 file quantizes: W·s and β + s·(b − μ).
 
         Computed with the same float32 ops as `call`, so `fake_quant.weight_grid` of the kernel
@@ -550,7 +533,7 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
         )
         return np.asarray(kernel), np.asarray(beta + scale * (bias - mean))
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         """Every constructor argument, for `from_config` and saving.
 
         Returns:
@@ -563,7 +546,7 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
         }
 
 
-def validate_activation(activation):
+def validate_activation(activation: str | None) -> str | None:
     """None ("linear" is taken as None), "relu" or "relu6".
 
     Raises:
@@ -578,14 +561,16 @@ def validate_activation(activation):
     return activation
 
 
-def _keras_bn_copy(batch_norm, axis):
+def _keras_bn_copy(
+    batch_norm: keras.layers.Layer | dict[str, Any] | None, axis: int
+) -> keras.layers.Layer:
     """A fresh, unbuilt keras_bn.BatchNormalization with `batch_norm`'s config (None: defaults
     on `axis`); Keras's BN config is translated (its biased moving variance is then read as the
     unbiased one, as keras_bn.convert does)."""
     if batch_norm is None:
         return KERAS_BN_BN(axis=axis, name="batch_norm")
     if isinstance(batch_norm, dict):
-        batch_norm = keras.layers.deserialize(hosts.config_only(batch_norm))
+        return _keras_bn_copy(keras.layers.deserialize(hosts.config_only(batch_norm)), axis)
     if type(batch_norm) not in (KERAS_BN, KERAS_BN_BN):
         raise ValueError(
             f"batch_norm must be a keras_bn.BatchNormalization or a "
@@ -602,7 +587,7 @@ def _keras_bn_copy(batch_norm, axis):
     return copy
 
 
-def batch_norm_refusal(batch_norm):
+def batch_norm_refusal(batch_norm: keras.layers.Layer) -> str | None:
     """Why the folded QAT layer cannot train `batch_norm` (either BN class), or None.
 
     Args:
@@ -628,7 +613,7 @@ def batch_norm_refusal(batch_norm):
     return None
 
 
-def refuse_folded_batch_norms(model, action):
+def refuse_folded_batch_norms(model: keras.layers.Layer, action: str) -> None:
     """Refuse a model that holds QuantizedHostBatchNorm layers, for a tool that measures the
     input of every BN layer (`recalibrate`, `check_batchnorm`).
 
@@ -646,8 +631,7 @@ def refuse_folded_batch_norms(model, action):
     """
     folded = [
         layer.name
-        for layer in model._flatten_layers(include_self=True)
-        if isinstance(layer, QuantizedHostBatchNorm)
+        for layer in _models.layers_within(model, QuantizedHostBatchNorm, include_self=True)
     ]
     if folded:
         raise UnsupportedModelError(

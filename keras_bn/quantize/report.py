@@ -37,9 +37,10 @@ class QuantizationReport:
     Attributes:
         quantized: {original layer path: QAT layer path}: every host, batch norm and fused
             ReLU/ReLU6 that a QAT layer now computes (a host and its BN map to the same QAT
-            layer).
+            layer), and every average pool that became a QuantizedAveragePooling.
         quantizers: {ActivationQuantizer path: the path of the model input or layer whose
-            output it fake-quantizes}, for the quantizers outside the QAT layers.
+            output it fake-quantizes}, for the quantizers outside the QAT layers (one that an
+            average pool's output shares rounds that output too).
         kept: tuple of `KeptLayer`, the layers with weights that stay float (batch norms that
             could not be folded included), in model order.
         weight_bits: the weights' bits.
@@ -55,8 +56,8 @@ class QuantizationReport:
     activation_bits: int
     per_channel: bool
 
-    def __str__(self):
-        grouped: dict = {}
+    def __str__(self) -> str:
+        grouped: dict[str, list[str]] = {}
         for original, qat in self.quantized.items():
             grouped.setdefault(qat, []).append(original)
         lines = [

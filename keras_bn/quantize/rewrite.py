@@ -7,18 +7,26 @@ ReLU/ReLU6, or a following ReLU/ReLU6 layer, fused; any other activation of its 
 as a float Activation layer). Activation quantizers go where the TFLite int8 spec gives a
 tensor a scale of its own (`keras_bn.quantize.spec`): the model's float inputs, the QAT layers'
 outputs (inside them), Add/Subtract/Multiply, GlobalAveragePooling and other operations' outputs;
-not where the spec makes the output share its input's scale (pooling, reshapes) or fixes it
-(softmax). Everything else is copied in float, and every layer with weights that stays float is
-reported, with the reason.
+not where the spec makes the output share its input's scale (max pooling, reshapes) or fixes it
+(softmax). An average pool, whose int8 kernel rounds onto its input's grid, becomes a
+`QuantizedAveragePooling` that quantizes its input and rounds its output onto that grid, or,
+where the input's quantizer has other readers, is followed by that quantizer again. Everything
+else is copied in float, and every layer with weights that stays float is reported, with the
+reason.
 
 Sequential and Functional models are walked through their graph of nodes; a nested one is
 rewritten on its own, its inputs taken as quantized where the outer model quantizes them. The
 input model is only read: every layer of the result is a copy.
 """
 
+import dataclasses
+import functools
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import keras
+from keras.src.ops.node import Node
 
 from keras_bn import _bn_layers, _models, _rewrite
 from keras_bn._errors import KerasBNWarning
@@ -27,6 +35,7 @@ from keras_bn.quantize import fake_quant, hosts, spec
 from keras_bn.quantize.activation import ActivationQuantizer, validate_momentum
 from keras_bn.quantize.factory import from_layers, fusable_activation
 from keras_bn.quantize.layers import QuantizedHost, QuantizedHostBatchNorm, batch_norm_refusal
+from keras_bn.quantize.pooling import QuantizedAveragePooling, window_size
 from keras_bn.quantize.report import KeptLayer, QuantizationReport
 
 L = keras.layers
@@ -38,6 +47,7 @@ _HOSTS_TAKEN = (
 # a channels_first bias on the last axis whenever that axis has as many entries as there are
 # channels; their float copies add it with a ChannelBias instead.
 _BIAS_ADDING = (*hosts.KINDS, L.Conv1DTranspose, L.Conv2DTranspose, L.Conv3DTranspose)
+_QAT_LAYERS = (ActivationQuantizer, QuantizedHost, QuantizedHostBatchNorm, QuantizedAveragePooling)
 
 
 def quantize_model(
@@ -68,10 +78,19 @@ def quantize_model(
     - an `ActivationQuantizer` fake-quantizes each float model input and the outputs that
       the TFLite int8 spec gives a scale of their own (Add, Subtract, Multiply,
       GlobalAveragePooling, Concatenate, a ReLU after an Add, a layer kept in float, ...);
-      none follows a layer whose output keeps its input's scale (Max/AveragePooling,
-      Flatten, Reshape, padding, Dropout, ...) or whose scale the spec fixes (softmax,
-      sigmoid, tanh); a layer feeding only a Concatenate leaves its own out, so both share
-      the Concatenate's scale (see `keras_bn.quantize.spec`);
+      none follows a layer whose output keeps its input's scale (MaxPooling, Flatten,
+      Reshape, padding, Dropout, ...) or whose scale the spec fixes (softmax, sigmoid, tanh);
+      a layer feeding only a Concatenate leaves its own out, so both share the
+      Concatenate's scale (see `keras_bn.quantize.spec`);
+    - each AveragePooling1D/2D/3D rounds its output onto its input's grid, as TFLite's int8
+      AVERAGE_POOL_2D does (halves away from the int8 zero): a layer that only it reads
+      (directly or through Dropout, padding and the like) leaves its quantizer out, and the
+      pool becomes a `QuantizedAveragePooling`, which quantizes its input and rounds its
+      output onto that one grid; where other layers read the input too, its quantizer (one in
+      the model: a QAT layer's moves out of it) is called again after the copied pool, at
+      inference, so the output shares that range. A pool whose input's grid is set elsewhere
+      (by a nested model, or fixed by the spec) or that is shared requantizes its input,
+      which TFLite's converter refuses before an AVERAGE_POOL_2D (ONNX takes it);
     - every other layer is a float copy with the original's weights. A layer with weights
       that stays float (a BN that cannot be folded, a shared host, a transposed convolution,
       a custom layer, ...) is listed in the report's `kept` with the reason, and a
@@ -113,11 +132,7 @@ def quantize_model(
     for name, value in (("per_channel", per_channel), ("return_report", return_report)):
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be True or False; received {name}={value!r}.")
-    quantized = [
-        layer.name
-        for layer in model._flatten_layers(include_self=False)
-        if isinstance(layer, (ActivationQuantizer, QuantizedHost, QuantizedHostBatchNorm))
-    ]
+    quantized = [layer.name for layer in _models.layers_within(model, _QAT_LAYERS)]
     if quantized:
         raise ValueError(
             f"'{model.name}' is quantization-aware already (layers {quantized}); "
@@ -151,29 +166,31 @@ def quantize_model(
     return (new_model, report) if return_report else new_model
 
 
+@dataclasses.dataclass(frozen=True)
 class _Settings:
     """The quantization arguments every QAT layer and quantizer of the rewrite gets."""
 
-    def __init__(self, weight_bits, activation_bits, per_channel, range_momentum):
-        self.weight_bits = weight_bits
-        self.activation_bits = activation_bits
-        self.per_channel = per_channel
-        self.range_momentum = range_momentum
+    weight_bits: int
+    activation_bits: int
+    per_channel: bool
+    range_momentum: float
 
 
+@dataclasses.dataclass
 class _Findings:
     """What the report lists, gathered over the model and its nested models."""
 
-    def __init__(self):
-        self.quantized: dict = {}
-        self.quantizers: dict = {}
-        self.kept: list = []
+    quantized: dict[str, str] = dataclasses.field(default_factory=dict)
+    quantizers: dict[str, str] = dataclasses.field(default_factory=dict)
+    kept: list[KeptLayer] = dataclasses.field(default_factory=list)
 
 
 class _ModelRewrite:
     """The rewrite of one Sequential or Functional model (a nested one gets its own)."""
 
-    def __init__(self, settings, findings, model, prefix):
+    def __init__(
+        self, settings: _Settings, findings: _Findings, model: keras.Model, prefix: str
+    ) -> None:
         self.settings = settings
         self.findings = findings
         self.model = model
@@ -181,16 +198,28 @@ class _ModelRewrite:
         self.graph = _models.layer_graph(model, "quantize")
         self.info = _rewrite.Graph(self.graph)
         self.names = {operation.name for operation in self.graph.operations}
-        self.copies: dict = {}  # id(operation) → what computes it in the new model
-        self.dropped: set = set()  # ids of the BNs and activations a QAT layer computes
-        self.after: dict = {}  # id(operation) → one list of layers per flattened output
-        self.qat: dict = {}  # id(host) → (QAT layer, the Activation split off or None)
-        self.float_copies: dict = {}  # id(layer) → (layer, copy, ChannelBias or None)
-        self.on_grid: dict = {}  # id(tensor) → whether it lies on a quantization grid
-        self.outputs_on_grid: dict = {}  # id(operation) → per output, on a grid as copied
-        self.kept_ids: set = set()
+        # id(operation) → what computes it in the new model
+        self.copies: dict[int, keras.Operation] = {}
+        self.dropped: set[int] = set()  # ids of the BNs and activations a QAT layer computes
+        # id(operation) → one list of layers (or calls) per flattened output
+        self.after: dict[int, list[list[Callable[..., Any]]]] = {}
+        # id(host) → (QAT layer, the Activation split off or None, whether a quantizer in the
+        # model rounds its output, for an average pool to share)
+        self.qat: dict[int, tuple[keras.layers.Layer, keras.layers.Layer | None, bool]] = {}
+        # id(layer) → (layer, copy, ChannelBias or None)
+        self.float_copies: dict[
+            int, tuple[keras.layers.Layer, keras.layers.Layer, ChannelBias | None]
+        ] = {}
+        self.on_grid: dict[int, bool] = {}  # id(tensor) → whether it lies on a quantization grid
+        # id(tensor) → the ActivationQuantizer of this model whose grid it lies on, if any
+        self.grid_source: dict[int, ActivationQuantizer] = {}
+        # id(average pool) → the quantizer it shares, or None
+        self.pool_grids: dict[int, ActivationQuantizer | None] = {}
+        # id(operation) → per output, on a grid as copied
+        self.outputs_on_grid: dict[int, list[bool]] = {}
+        self.kept_ids: set[int] = set()
 
-    def run(self, inputs_on_grid):
+    def run(self, inputs_on_grid: list[bool] | None) -> tuple[keras.Model, list[bool]]:
         """(the new model, whether each flattened output lies on a grid).
 
         Args:
@@ -216,9 +245,9 @@ class _ModelRewrite:
 
     # The decisions.
 
-    def _paired_batch_norms(self):
+    def _paired_batch_norms(self) -> dict[int, Node]:
         """{id(host): the node of the BN folded into it}; the other exact BNs are kept."""
-        pairs = {}
+        pairs: dict[int, Node] = {}
         for node in self.info.nodes:
             bn = node.operation
             if type(bn) not in _bn_layers.BN_TYPES:
@@ -227,15 +256,16 @@ class _ModelRewrite:
             refusal = _rewrite.refuse_bn(bn, node, self.info) or _rewrite.refuse_backward(
                 bn, node, host, self.info, hosts.KINDS, _HOSTS_TAKEN
             )
-            if refusal is None and batch_norm_refusal(bn):
-                refusal = _rewrite.Refusal("batch_norm_config", batch_norm_refusal(bn))
+            config_refusal = batch_norm_refusal(bn)
+            if refusal is None and config_refusal:
+                refusal = _rewrite.Refusal("batch_norm_config", config_refusal)
             if refusal is None:
                 pairs[id(host)] = node
             else:
                 self._keep(bn, f"{refusal.message}; it stays a float BN", refusal.kind)
         return pairs
 
-    def _quantize_hosts(self, pairs):
+    def _quantize_hosts(self, pairs: dict[int, Node]) -> None:
         """A QAT layer for every host that can have one."""
         for node in self.info.nodes:
             host = node.operation
@@ -259,6 +289,12 @@ class _ModelRewrite:
                 source = _linear_copy(host)
                 label = own if isinstance(own, str) else "activation"
                 split = L.Activation(host.activation, name=self._unique(f"{host.name}_{label}"))
+            quantize_output = split is not None or not self._deferred(tail.outputs[0], host)
+            # An average pool that reads the output (among other layers) shares its grid, so a
+            # quantizer in the model computes it, not one inside the QAT layer.
+            pooled = (
+                split is None and quantize_output and self._reaches_average_pool(tail.outputs[0])
+            )
             layer = from_layers(
                 source,
                 bn,
@@ -267,12 +303,12 @@ class _ModelRewrite:
                 activation_bits=self.settings.activation_bits,
                 per_channel=self.settings.per_channel and type(host) is not L.Dense,
                 range_momentum=self.settings.range_momentum,
-                quantize_output=split is not None or not self._deferred(tail.outputs[0], host),
+                quantize_output=quantize_output and not pooled,
                 name=self._unique(f"{host.name}_qat"),
             )
             if bn is not None and not bn.trainable and isinstance(layer, QuantizedHostBatchNorm):
                 layer.batch_norm_frozen.assign(True)  # a frozen BN: its inference statistics
-            self.qat[id(host)] = (layer, split)
+            self.qat[id(host)] = (layer, split, pooled)
             self.copies[id(host)] = layer
             for original in (host, bn, activation):
                 if original is not None:
@@ -280,7 +316,7 @@ class _ModelRewrite:
                     if original is not host:
                         self.dropped.add(id(original))
 
-    def _fusable_consumer(self, node):
+    def _fusable_consumer(self, node: Node) -> Node | None:
         """The node of a ReLU/ReLU6 layer that alone reads `node`'s output, or None."""
         output = node.outputs[0]
         consumers = self.info.consumers.get(id(output), [])
@@ -291,11 +327,11 @@ class _ModelRewrite:
             return None
         return consumers[0]
 
-    def _deferred(self, tensor, producer):
+    def _deferred(self, tensor: keras.KerasTensor, producer: keras.Operation | None) -> bool:
         """Whether the output `tensor` of `producer` (None for a model input) leaves its
         quantization to the one operation that reads it: a Concatenate-like operation, whose
-        inputs and output share a scale, or a ReLU/ReLU6 that TFLite fuses into an
-        Add/Subtract/Multiply."""
+        inputs and output share a scale, an average pool, which quantizes its input itself, or
+        a ReLU/ReLU6 that TFLite fuses into an Add/Subtract/Multiply."""
         if (producer is not None and self.info.shared(producer)) or id(tensor) in self.info.outputs:
             return False
         consumers = self.info.consumers.get(id(tensor), [])
@@ -304,16 +340,48 @@ class _ModelRewrite:
         consumer = consumers[0].operation
         if self.info.shared(consumer) or id(consumer) in self.dropped:
             return False
-        if spec.role(consumer) == spec.SHARES:
+        if spec.role(consumer) == spec.SHARES or self._pooled_only(tensor):
             return True
         return type(producer) in spec.RELU_FUSING and fusable_activation(consumer) is not None
 
+    def _pooled_only(self, tensor: keras.KerasTensor) -> bool:
+        """Whether one average pool alone reads `tensor`, directly or through ops that keep
+        their input's grid (a Dropout, a ZeroPadding, ...), each the only reader of the one
+        before, none shared and none a model output."""
+        consumers = self.info.consumers.get(id(tensor), [])
+        if id(tensor) in self.info.outputs or len(consumers) != 1:
+            return False
+        node = consumers[0]
+        if self.info.shared(node.operation) or id(node.operation) in self.dropped:
+            return False
+        role = spec.role(node.operation)
+        return role == spec.AVERAGES or (
+            role == spec.PRESERVES
+            and len(node.input_tensors) == len(node.outputs) == 1
+            and self._pooled_only(node.outputs[0])
+        )
+
+    def _reaches_average_pool(self, tensor: keras.KerasTensor) -> bool:
+        """Whether an average pool reads `tensor`, directly or through ops that keep their
+        input's grid."""
+        for node in self.info.consumers.get(id(tensor), []):
+            role = spec.role(node.operation)
+            if role == spec.AVERAGES or (
+                role == spec.PRESERVES
+                and len(node.input_tensors) == 1
+                and any(self._reaches_average_pool(t) for t in node.outputs)
+            ):
+                return True
+        return False
+
     # The activation quantizers, in graph order.
 
-    def _place_input_quantizers(self, inputs_on_grid):
+    def _place_input_quantizers(
+        self, inputs_on_grid: list[bool] | None
+    ) -> list[list[ActivationQuantizer]]:
         input_layers = []
         for index, tensor in enumerate(self.graph.inputs):
-            layers = []
+            layers: list[ActivationQuantizer] = []
             if inputs_on_grid is not None:
                 self.on_grid[id(tensor)] = inputs_on_grid[index]
             elif not _is_float(tensor):
@@ -323,22 +391,25 @@ class _ModelRewrite:
             else:
                 layers.append(self._quantizer(tensor._keras_history.operation.name))
                 self.on_grid[id(tensor)] = True
+                self.grid_source[id(tensor)] = layers[-1]
             input_layers.append(layers)
         return input_layers
 
-    def _visit(self, node):
+    def _visit(self, node: Node) -> None:
         """Copy the node's operation (at its first call) and decide which of its outputs get
         quantizers."""
         operation = node.operation
         if id(operation) in self.dropped:  # computed by the QAT layer before it
-            self.on_grid[id(node.outputs[0])] = self.on_grid[id(node.input_tensors[0])]
+            self._inherit_grid(node)
             return
         if id(operation) in self.qat:
-            layer, split = self.qat[id(operation)]
-            on_grid = layer.quantize_output
-            if split is not None:
-                on_grid = self._after_split(operation, split)
-            self.on_grid[id(node.outputs[0])] = on_grid
+            layer, split, pooled = self.qat[id(operation)]
+            self.on_grid[id(node.outputs[0])] = layer.quantize_output
+            if split is not None or pooled:
+                self._after_qat_layer(node, layer, split)
+            return
+        if spec.role(operation) == spec.AVERAGES:
+            self._visit_average_pool(node)
             return
         inputs_on_grid = all(self.on_grid.get(id(t), True) for t in node.input_tensors)
         if id(operation) not in self.outputs_on_grid:  # its first call
@@ -354,25 +425,84 @@ class _ModelRewrite:
                 self.after[id(operation)] = after
         after = self.after.get(id(operation), [[]] * len(node.outputs))
         for index, (tensor, layers) in enumerate(zip(node.outputs, after)):
+            quantizers = [layer for layer in layers if isinstance(layer, ActivationQuantizer)]
             self.on_grid[id(tensor)] = (
-                any(isinstance(layer, ActivationQuantizer) for layer in layers)
+                bool(quantizers)
                 or self.outputs_on_grid[id(operation)][index]
                 or self._grid_without_quantizer(operation, tensor, inputs_on_grid)
             )
+            if quantizers:
+                self.grid_source[id(tensor)] = quantizers[-1]
+            elif spec.role(operation) == spec.PRESERVES and self.on_grid[id(tensor)]:
+                self._inherit_grid(node)
 
-    def _after_split(self, host, split):
-        """The layers after a QAT layer whose host's own activation was split off; whether
-        the result lies on a grid (it always does: fixed by the spec, or quantized)."""
-        layers = [split]
-        if spec.role(split) == spec.OWN:
-            layers.append(self._quantizer(split.name))
-        self.after[id(host)] = [layers]
-        return True
+    def _inherit_grid(self, node: Node) -> None:
+        """The node's output keeps its (first) input's grid."""
+        source = node.input_tensors[0]
+        self.on_grid[id(node.outputs[0])] = self.on_grid[id(source)]
+        if id(source) in self.grid_source:
+            self.grid_source[id(node.outputs[0])] = self.grid_source[id(source)]
 
-    def _output_layers(self, operation, tensor, on_grid, inputs_on_grid):
+    def _after_qat_layer(
+        self, node: Node, layer: keras.layers.Layer, split: keras.layers.Layer | None
+    ) -> None:
+        """The layers after a QAT layer whose host's own activation was split off, or whose
+        output an average pool shares: the Activation, and the quantizer of the result (none
+        where the spec fixes its scale). The result always lies on a grid."""
+        layers: list[keras.layers.Layer] = [] if split is None else [split]
+        if split is None or spec.role(split) == spec.OWN:
+            layers.append(self._quantizer((split or layer).name))
+            self.grid_source[id(node.outputs[0])] = layers[-1]
+        self.after[id(node.operation)] = [layers]
+        self.on_grid[id(node.outputs[0])] = True
+
+    def _visit_average_pool(self, node: Node) -> None:
+        """An average pool rounds its output onto its input's grid. Where that grid is a
+        quantizer's of this model (the input's producer has other readers), the pool is copied
+        and that quantizer called again after it, at inference; otherwise the pool becomes a
+        QuantizedAveragePooling, which quantizes its input itself (its producer left its
+        quantizer out) and rounds its output onto that grid."""
+        pool, (tensor,) = node.operation, node.input_tensors
+        if id(pool) not in self.copies:  # its first call
+            source = self.grid_source.get(id(tensor)) if self.on_grid.get(id(tensor)) else None
+            functional = not isinstance(self.model, keras.Sequential)
+            if source is not None and functional and not self.info.shared(pool):
+                self.copies[id(pool)] = _rewrite.copy_layer(pool)
+                # The quantizer called again (`__call__` spelt out for mypy's partial, which
+                # cannot see a Keras layer's).
+                self.after[id(pool)] = [
+                    [
+                        functools.partial(
+                            source.__call__, training=False, average_of=window_size(pool)
+                        )
+                    ]
+                ]
+            else:
+                source = None
+                layer = QuantizedAveragePooling(
+                    pool,
+                    self.settings.activation_bits,
+                    self.settings.range_momentum,
+                    name=self._unique(f"{pool.name}_qat"),
+                )
+                self.copies[id(pool)] = layer
+                self.findings.quantized[self.prefix + pool.name] = self.prefix + layer.name
+            self.pool_grids[id(pool)] = source
+        self.on_grid[id(node.outputs[0])] = True
+        shared = self.pool_grids[id(pool)]
+        if shared is not None:
+            self.grid_source[id(node.outputs[0])] = shared
+
+    def _output_layers(
+        self,
+        operation: keras.Operation,
+        tensor: keras.KerasTensor,
+        on_grid: bool,
+        inputs_on_grid: bool,
+    ) -> list[keras.layers.Layer]:
         """The layers after one output: its ChannelBias (a copy's), then its quantizer if it
         needs one."""
-        layers = []
+        layers: list[keras.layers.Layer] = []
         copied = self.float_copies.get(id(operation))
         if copied is not None and copied[2] is not None:
             layers.append(copied[2])
@@ -385,7 +515,9 @@ class _ModelRewrite:
             layers.append(self._quantizer(operation.name))
         return layers
 
-    def _grid_without_quantizer(self, operation, tensor, inputs_on_grid):
+    def _grid_without_quantizer(
+        self, operation: keras.Operation, tensor: keras.KerasTensor, inputs_on_grid: bool
+    ) -> bool:
         """Whether this output needs no quantizer: not a float tensor, a spec-fixed scale, or
         its input's grid kept."""
         if not _is_float(tensor):
@@ -393,7 +525,7 @@ class _ModelRewrite:
         role = spec.role(operation)
         return role == spec.FIXED or (role == spec.PRESERVES and inputs_on_grid)
 
-    def _quantizer(self, source):
+    def _quantizer(self, source: str) -> ActivationQuantizer:
         name = self._unique(f"{source}_quantizer")
         self.findings.quantizers[self.prefix + name] = self.prefix + source
         return ActivationQuantizer(
@@ -402,7 +534,7 @@ class _ModelRewrite:
 
     # The float copies.
 
-    def _copy(self, operation, inputs_on_grid):
+    def _copy(self, operation: keras.Operation, inputs_on_grid: list[bool]) -> list[bool] | None:
         """Copy `operation`, or rewrite it if it is a nested model; for a nested model, whether
         each of its flattened outputs lies on a grid (None otherwise).
 
@@ -441,7 +573,7 @@ class _ModelRewrite:
         self.float_copies[id(operation)] = (operation, copy, bias)
         return None
 
-    def _keep_float(self, layer):
+    def _keep_float(self, layer: keras.layers.Layer) -> None:
         """Report a float copy's weights, and the BNs it computes out of sight."""
         unseen = _rewrite.unseen_batch_norms(layer, self.prefix, reader="quantize_model")
         for path, reason, kind in unseen:
@@ -457,23 +589,23 @@ class _ModelRewrite:
                 "not_quantizable",
             )
 
-    def _keep(self, layer, reason, kind):
+    def _keep(self, layer: keras.layers.Layer, reason: str, kind: str) -> None:
         self._keep_path(id(layer), self.prefix + layer.name, reason, kind)
 
-    def _keep_path(self, key, path, reason, kind):
+    def _keep_path(self, key: int | None, path: str, reason: str, kind: str) -> None:
         if key is not None:
             if key in self.kept_ids:
                 return
             self.kept_ids.add(key)
         self.findings.kept.append(KeptLayer(path, reason, kind))
 
-    def _unique(self, name):
+    def _unique(self, name: str) -> str:
         name = _models.unique_name(name, self.names)
         self.names.add(name)
         return name
 
 
-def _linear_copy(host):
+def _linear_copy(host: keras.layers.Layer) -> keras.layers.Layer:
     """A built copy of `host` with a linear activation, its weights copied."""
     config = _models.config_of(host)
     config["activation"] = "linear"
@@ -483,7 +615,7 @@ def _linear_copy(host):
     return copy
 
 
-def _holds_hosts(layer):
+def _holds_hosts(layer: keras.layers.Layer) -> bool:
     """Whether a layer computes a host or a BN inside its own code."""
     return any(
         type(inner) in hosts.KINDS or _bn_layers.is_batch_norm(inner)
@@ -491,5 +623,5 @@ def _holds_hosts(layer):
     )
 
 
-def _is_float(tensor):
+def _is_float(tensor: keras.KerasTensor) -> bool:
     return keras.backend.standardize_dtype(tensor.dtype).startswith(("float", "bfloat"))

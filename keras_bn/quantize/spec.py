@@ -3,17 +3,20 @@
 
 TensorFlow Lite's 8-bit quantization specification ("int8 quantized operator specifications")
 gives every activation tensor one per-tensor scale and zero point, and restricts them for some
-operators. Each operation of a Keras model falls in one of four roles:
+operators. Each operation of a Keras model falls in one of five roles:
 
 - OWN: the operator's output has a scale of its own (ADD, SUB, MUL, MEAN, and the convolutions
   and FULLY_CONNECTED, whose output quantizer the QAT layers hold themselves): an
   ActivationQuantizer learns it.
 - PRESERVES: "Input and outputs must all have same scale/zero_point" with one input
-  (MAX_POOL_2D, AVERAGE_POOL_2D, RESHAPE, PAD, SLICE, TRANSPOSE, SQUEEZE, SPACE_TO_DEPTH,
-  RESIZE_BILINEAR, ...), and the layers that are the identity at inference (Dropout and the
-  like): the output lies on its input's grid, so no quantizer of its own. (An average is
-  rounded back onto that grid by the int8 kernel; training sees it unrounded, within half a
-  step.)
+  (MAX_POOL_2D, RESHAPE, PAD, SLICE, TRANSPOSE, SQUEEZE, SPACE_TO_DEPTH, RESIZE_BILINEAR,
+  ...), and the layers that are the identity at inference (Dropout and the like): the output
+  lies on its input's grid, so no quantizer of its own.
+- AVERAGES: the same restriction (AVERAGE_POOL_2D), but an average of grid values mostly lies
+  between two of them, and the int8 kernel rounds it back onto the grid. The layer becomes a
+  `QuantizedAveragePooling`, which quantizes its input and rounds its output onto that same
+  grid (one range, shared); a producer whose only consumer it is leaves its own quantizer
+  out, as for SHARES.
 - SHARES: the same restriction with several inputs (CONCATENATION, MAXIMUM, MINIMUM): one
   quantizer on the output sets the scale, and a producer whose only consumer it is leaves its
   own quantizer out, so that it writes directly on the shared grid.
@@ -30,16 +33,13 @@ then moves after the ReLU.
 import keras
 
 L = keras.layers
-OWN, PRESERVES, SHARES, FIXED = "own", "preserves", "shares", "fixed"
+OWN, PRESERVES, AVERAGES, SHARES, FIXED = "own", "preserves", "averages", "shares", "fixed"
 
 # Exact classes: a subclass may compute something else, and gets the safe role, OWN.
 _PRESERVING = (
     L.MaxPooling1D,
     L.MaxPooling2D,
     L.MaxPooling3D,
-    L.AveragePooling1D,
-    L.AveragePooling2D,
-    L.AveragePooling3D,
     L.GlobalMaxPooling1D,
     L.GlobalMaxPooling2D,
     L.GlobalMaxPooling3D,
@@ -67,6 +67,8 @@ _PRESERVING = (
     L.AlphaDropout,
     L.ActivityRegularization,
 )
+#: The average pools (AVERAGES), which `QuantizedAveragePooling` computes.
+AVERAGING = (L.AveragePooling1D, L.AveragePooling2D, L.AveragePooling3D)
 _SHARING = (L.Concatenate, L.Maximum, L.Minimum)
 #: The operations whose ReLU/ReLU6 TFLite fuses (ADD, SUB, MUL): a ReLU that is their only
 #: consumer takes over their output quantizer.
@@ -76,7 +78,7 @@ FIXED_STEPS = {"softmax": 1 / 256, "sigmoid": 1 / 256, "tanh": 1 / 128, "log_sof
 _FIXED_ACTIVATIONS = tuple(FIXED_STEPS)
 
 
-def fixed_step(operation):
+def fixed_step(operation: keras.Operation) -> float | None:
     """The output step the spec fixes for a FIXED operation (1/256 for a softmax).
 
     Args:
@@ -92,18 +94,21 @@ def fixed_step(operation):
     return FIXED_STEPS[keras.activations.serialize(operation.activation)]
 
 
-def role(operation):
-    """The operation's role: OWN, PRESERVES, SHARES or FIXED (see the module docstring).
+def role(operation: keras.Operation) -> str:
+    """The operation's role: OWN, PRESERVES, AVERAGES, SHARES or FIXED (see the module
+    docstring).
 
     Args:
         operation: a Keras layer or operation of the model.
 
     Returns:
-        One of the four role strings.
+        One of the five role strings.
     """
     kind = type(operation)
     if kind in _PRESERVING:
         return PRESERVES
+    if kind in AVERAGING:
+        return AVERAGES
     if kind in _SHARING:
         return SHARES
     if kind is L.Softmax:

@@ -1,0 +1,145 @@
+"""QuantizedAveragePooling: an average pool that rounds its output back onto its input's grid,
+as an int8 AVERAGE_POOL_2D does.
+
+The TFLite int8 spec requires AVERAGE_POOL_2D's input and output to have the same scale and
+zero point, and its kernel rounds each average to the nearest integer of that grid. An
+average of on-grid values mostly lies between two grid values, so a float pool would leave
+the QAT model up to half a step away from the file after every pool, and the layers after it
+can multiply that. This layer quantizes its input with its own `ActivationQuantizer` (the
+producer it reads leaves its quantizer out, as for a Concatenate) and rounds the pooled output
+onto the same grid, the range shared, never learned for the output.
+"""
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import keras
+
+from keras_bn.quantize import fake_quant, hosts, spec
+from keras_bn.quantize.activation import ActivationQuantizer, validate_momentum
+
+
+@keras.saving.register_keras_serializable(package="keras_bn.quantize")
+class QuantizedAveragePooling(keras.layers.Layer):
+    """An average pool between two roundings onto one grid: its input's, learned by
+    `input_quantizer` (an `ActivationQuantizer`), and the pooled output's, the same grid.
+
+    y = FQ(pool(FQ(x))), both FQ on the range `input_quantizer` holds (in training, the range
+    this batch moved it to). `quantize_model` puts one in place of each AveragePooling1D/2D/3D
+    layer.
+
+    Args:
+        pool: the pooling layer, or its `keras.layers.serialize` dict: exactly
+            AveragePooling1D, AveragePooling2D or AveragePooling3D. Only its config is used.
+        bits: 2..8, the grid's bits.
+        momentum: the input range's EMA momentum, in [0, 1).
+        **kwargs: base layer arguments (`name`, `trainable`, ...).
+
+    Raises:
+        ValueError: `pool` is not one of the three classes, or `bits` or `momentum` is out of
+            range (the message names the value).
+    """
+
+    def __init__(
+        self,
+        pool: "keras.layers.Layer | dict",
+        bits: int = 8,
+        momentum: float = 0.99,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.pool, self._pool_config = hosts.deserialize(pool)
+        if type(self.pool) not in spec.AVERAGING:
+            raise ValueError(
+                f"Layer '{self.pool.name}' ({type(self.pool).__name__}) is no average pool: "
+                f"QuantizedAveragePooling computes exactly "
+                f"{', '.join(cls.__name__ for cls in spec.AVERAGING)}."
+            )
+        self.bits: int = fake_quant.validate_bits(bits, "bits")
+        self.momentum = validate_momentum(momentum, "momentum")
+        self.input_quantizer = ActivationQuantizer(bits, momentum, name="input_quantizer")
+        self.window = window_size(self.pool)
+
+    def build(self, input_shape: Any) -> None:
+        """Build the pool for `input_shape`, and the quantizer.
+
+        Args:
+            input_shape: the input's shape.
+        """
+        self.pool.build(input_shape)
+        self.input_quantizer.build(input_shape)
+
+    def call(self, inputs: Any, training: bool | None = None) -> Any:
+        """The input fake-quantized, average-pooled, and rounded onto the same grid.
+
+        Args:
+            inputs: float tensor.
+            training: Python bool or None; true (and the layer trainable) moves the input's
+                range, unless it is frozen.
+
+        Returns:
+            The pooled tensor, on the input's grid (the float pool while no range is set).
+        """
+        quantizer = self.input_quantizer
+        low, high, initialized = quantizer.batch_range(inputs, training)
+        pooled = self.pool(quantizer.round_onto(inputs, low, high, initialized))
+        return quantizer.round_onto(pooled, low, high, initialized, self.window)
+
+    def export_function(self, halves_as_ops: bool = False) -> Callable[[Any], Any]:
+        """The layer's inference as an exporter traces it, from the range it holds now: the
+        input quantizer's `export_function` before and after the pool, so that a converter
+        sees one scale on both sides of it.
+
+        Args:
+            halves_as_ops: as in `ActivationQuantizer.export_function`.
+
+        Returns:
+            A function of a float tensor.
+
+        Raises:
+            ValueError: the input quantizer has no range yet.
+        """
+        quantize = self.input_quantizer.export_function(halves_as_ops)
+
+        def infer(inputs: Any) -> Any:
+            return quantize(self.pool(quantize(inputs)), average_of=self.window)
+
+        return infer
+
+    def compute_output_shape(self, input_shape: Any) -> Any:
+        """The pool's output shape.
+
+        Args:
+            input_shape: the input's shape.
+
+        Returns:
+            The output shape.
+        """
+        return self.pool.compute_output_shape(input_shape)
+
+    def get_config(self) -> dict[str, Any]:
+        """Every constructor argument, for `from_config` and saving.
+
+        Returns:
+            A dict with the base layer's config, the pool's serialized config, `bits` and
+            `momentum`.
+        """
+        return {
+            **super().get_config(),
+            "pool": self._pool_config,
+            "bits": self.bits,
+            "momentum": self.momentum,
+        }
+
+
+def window_size(pool: keras.layers.Layer) -> int:
+    """How many values the window of an average pool holds (the product of its pool_size).
+
+    Args:
+        pool: an AveragePooling1D/2D/3D layer.
+
+    Returns:
+        int.
+    """
+    return math.prod(pool.pool_size)
