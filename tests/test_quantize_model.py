@@ -502,3 +502,33 @@ def test_inputs_feeding_only_a_concatenate_share_its_scale():
     x = [np.ones((2, 4), "float32"), np.full((2, 3), 2.0, "float32")]
     folded = _fold_with_qat_weights(model, qat, report)
     assert_close(_outputs(qat, x)[0], _outputs(folded, x)[0], 1e-6)
+
+
+def test_activity_regularized_hosts_and_batch_norms_stay_float_with_their_loss_terms():
+    """A QAT layer computes the host's linear map and the BN itself, never calling them, so it
+    would drop their activity regularizers' loss terms: such a host or BN stays float (with the
+    BN before or after it), reported and warned, and model.losses keeps every term."""
+    l2 = keras.regularizers.L2(1.0)
+    inputs = keras.Input((6,), name="x")
+    a = BN(activity_regularizer=l2, name="a_bn")(L.Dense(4, name="a")(inputs))
+    b = BN(name="b_bn")(L.Dense(4, activity_regularizer=l2, name="b")(a))
+    relu = L.ReLU(activity_regularizer=l2, name="c_relu")(L.Dense(4, name="c")(b))
+    model = keras.Model(inputs, L.Dense(2, name="head")(relu), name="regularized")
+    with pytest.warns(KerasBNWarning, match=r"kept 3 layer\(s\) of 'regularized' in float"):
+        qat, report = quantize_model(model, return_report=True)
+    assert [(k.layer, k.kind) for k in report.kept] == [
+        ("a_bn", "activity_regularizer"),
+        ("b_bn", "activity_regularizer"),
+        ("b", "activity_regularizer"),
+    ]
+    reasons = {k.layer: k.reason for k in report.kept}
+    assert "BN layer 'a_bn' has an activity_regularizer" in reasons["a_bn"]
+    assert "its host 'b' has an activity_regularizer" in reasons["b_bn"]
+    assert type(qat.get_layer("b")) is L.Dense and type(qat.get_layer("c_relu")) is L.ReLU
+    assert isinstance(qat.get_layer("a_qat"), QuantizedHost)  # without its BN
+    assert isinstance(qat.get_layer("c_qat"), QuantizedHost)  # without the ReLU
+    x = np.random.default_rng(0).normal(size=(4, 6)).astype("float32")
+    model(x, training=True)
+    qat(x, training=True)
+    assert len(model.losses) == len(qat.losses) == 3
+    assert all(float(loss) > 0 for loss in qat.losses)

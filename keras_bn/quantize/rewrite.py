@@ -61,7 +61,8 @@ def quantize_model(
       that BN backward (the host's output feeds only the BN, neither is shared, the BN's axis
       is the host's channel axis, no activation in between, no LoRA or Keras quantization)
       and the BN is one the QAT layer can train (no renorm, virtual_batch_size,
-      synchronized=True or momentum=None);
+      synchronized=True or momentum=None); a host or BN with an activity_regularizer stays
+      float (a QAT layer would drop its loss term);
     - every other such host is a `QuantizedHost`, which takes over the host's own
       ReLU/ReLU6 or a ReLU/ReLU6 layer after it; any other activation of the host's own
       follows it as a float `Activation` layer;
@@ -230,6 +231,8 @@ class _ModelRewrite:
             if refusal is None and batch_norm_refusal(bn):
                 refusal = _rewrite.Refusal("batch_norm_config", batch_norm_refusal(bn))
             if refusal is None:
+                refusal = _activity_refusal(bn, "BN layer") or _activity_refusal(host, "its host")
+            if refusal is None:
                 pairs[id(host)] = node
             else:
                 self._keep(bn, f"{refusal.message}; it stays a float BN", refusal.kind)
@@ -241,7 +244,7 @@ class _ModelRewrite:
             host = node.operation
             if type(host) not in hosts.KINDS or id(host) in self.qat or id(host) in self.kept_ids:
                 continue
-            refusal = _rewrite.refuse_host(host, self.info)
+            refusal = _rewrite.refuse_host(host, self.info) or _activity_refusal(host, "host")
             if refusal:
                 self._keep(host, f"{refusal.message}; it stays float", refusal.kind)
                 continue
@@ -288,6 +291,8 @@ class _ModelRewrite:
             return None
         layer = consumers[0].operation
         if self.info.shared(layer) or fusable_activation(layer) is None:
+            return None
+        if layer.activity_regularizer is not None:  # its loss term needs the layer called
             return None
         return consumers[0]
 
@@ -471,6 +476,19 @@ class _ModelRewrite:
         name = _models.unique_name(name, self.names)
         self.names.add(name)
         return name
+
+
+def _activity_refusal(layer: keras.layers.Layer, role: str) -> _rewrite.Refusal | None:
+    """Why a QAT layer cannot compute `layer` (a host or a BN): it has an activity regularizer,
+    whose loss term only the layer's own call adds (a QAT layer computes the host's linear map
+    and the BN itself); None without one. `role` names the layer in the message ("host")."""
+    if layer.activity_regularizer is None:
+        return None
+    return _rewrite.Refusal(
+        "activity_regularizer",
+        f"{role} '{layer.name}' has an activity_regularizer, whose loss term (in model.losses) "
+        f"a QAT layer would drop",
+    )
 
 
 def _linear_copy(host):
