@@ -532,3 +532,30 @@ def test_activity_regularized_hosts_and_batch_norms_stay_float_with_their_loss_t
     qat(x, training=True)
     assert len(model.losses) == len(qat.losses) == 3
     assert all(float(loss) > 0 for loss in qat.losses)
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_mixed_precision_models_are_refused_naming_the_layers(policy):
+    """Under a mixed policy the QAT model would cast its fake-quantized values back to 16 bits
+    and compute its float layers there, which no int8 file does: refused up front."""
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(policy)
+    try:
+        inputs = keras.Input((6, 6, 2), name="x")
+        x = BN(name="bn")(L.Conv2D(3, 3, name="conv")(inputs))
+        model = keras.Model(inputs, L.Dense(2, name="head")(L.Flatten(name="flat")(x)))
+    finally:
+        keras.config.set_dtype_policy(previous)
+    with pytest.raises(ValueError, match=rf"float32 layers only: 'conv' \({policy}\), 'bn'") as e:
+        quantize_model(model)
+    assert "'head'" in str(e.value) and "set_dtype_policy('float32')" in str(e.value)
+
+
+def test_a_float64_layer_is_refused_before_anything_is_copied():
+    """A float64 BN: refused with the ValueError, not the InvalidArgumentError that folding it
+    into a float32 QAT layer raised."""
+    inputs = keras.Input((8, 8, 3))
+    outputs = BN(dtype="float64", name="bn64")(L.Conv2D(4, 3, name="conv")(inputs))
+    model = keras.Model(inputs, outputs, name="double")
+    with pytest.raises(ValueError, match=r"'bn64' \(float64\) of 'double'"):
+        quantize_model(model)

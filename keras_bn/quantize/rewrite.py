@@ -100,7 +100,9 @@ def quantize_model(
     Raises:
         ValueError: `weight_bits` or `activation_bits` is not an int from 2 to 8 (bools
             included), `per_channel` or `return_report` is not a bool, or `range_momentum` is
-            not in [0, 1) (the message names the value); or `model` holds QAT layers already.
+            not in [0, 1) (the message names the value); `model` holds QAT layers already; or
+            a layer computes or keeps weights in a float type other than float32 (a
+            mixed_float16 or mixed_bfloat16 policy, float64), named with its policy.
         UnsupportedModelError: the model, or a nested one holding a host or BN, is subclassed
             (it has no layer graph) or an unbuilt Sequential, or a layer's config does not
             round-trip.
@@ -124,6 +126,7 @@ def quantize_model(
             f"'{model.name}' is quantization-aware already (layers {quantized}); "
             f"quantize_model takes the float model."
         )
+    _refuse_float_dtypes(model)
     settings = _Settings(
         fake_quant.validate_bits(weight_bits, "weight_bits"),
         fake_quant.validate_bits(activation_bits, "activation_bits"),
@@ -491,6 +494,37 @@ def _activity_refusal(layer: keras.layers.Layer, role: str) -> _rewrite.Refusal 
     )
 
 
+def _refuse_float_dtypes(model: keras.Model) -> None:
+    """Refuse a model whose layers compute or keep weights in a float type other than float32,
+    before anything is copied.
+
+    The QAT layers and an int8 file compute in float32: under a mixed policy (float16 or
+    bfloat16) the fake-quantized values are cast back to the lower precision and the float
+    layers between them compute in it, so the QAT model is not what its exported file
+    computes; a float64 batch norm cannot be folded into a float32 QAT layer.
+
+    Raises:
+        ValueError: naming each such layer and its dtype policy.
+    """
+    other = [
+        f"'{layer.name}' ({layer.dtype_policy.name})"
+        for layer in model._flatten_layers(include_self=False)
+        if not isinstance(layer, L.InputLayer)
+        and any(
+            _is_float_dtype(dtype) and dtype != "float32"
+            for dtype in (layer.dtype_policy.compute_dtype, layer.dtype_policy.variable_dtype)
+        )
+    ]
+    if other:
+        raise ValueError(
+            f"quantize_model takes float32 layers only: {', '.join(other)} of '{model.name}' "
+            f"compute or keep weights in another float type, which quantization-aware training "
+            f"and the int8 file it exports to do not. Build the float model under the float32 "
+            f"policy (keras.config.set_dtype_policy('float32')) and copy its weights into it, "
+            f"then call quantize_model."
+        )
+
+
 def _linear_copy(host):
     """A built copy of `host` with a linear activation, its weights copied."""
     config = _models.config_of(host)
@@ -510,4 +544,9 @@ def _holds_hosts(layer):
 
 
 def _is_float(tensor):
-    return keras.backend.standardize_dtype(tensor.dtype).startswith(("float", "bfloat"))
+    return _is_float_dtype(tensor.dtype)
+
+
+def _is_float_dtype(dtype: object) -> bool:
+    """Whether `dtype` is a floating-point type (bfloat16 included)."""
+    return keras.backend.standardize_dtype(dtype).startswith(("float", "bfloat"))
