@@ -445,7 +445,8 @@ def test_channels_first_qat_layer_matches_numpy_where_keras_bias_add_is_wrong():
     for name, key in (("gamma", "gamma"), ("beta", "beta"), ("moving_mean", "mean")):
         getattr(bn, name).assign(weights[key].astype("float32"))
     bn.moving_variance.assign(weights["variance"].astype("float32"))
-    qat = quantize_model(model)
+    with pytest.warns(KerasBNWarning, match="'conv' of '.*': channels_first with a bias"):
+        qat = quantize_model(model)
     x = rng.normal(size=SHAPE).astype("float32")
     spec = {"kind": "conv", "strides": (1, 1), "padding": "valid", "dilation": (1, 1)}
     expected, _, _ = ref.qat_forward(
@@ -462,7 +463,10 @@ def test_channels_first_float_copy_adds_its_bias_on_the_channel_axis(tmp_path):
     first, second = keras.Input(SHAPE[1:], name="first"), keras.Input(SHAPE[1:], name="second")
     model = keras.Model([first, second], [conv(first), conv(second)])
     conv.bias.assign(rng.normal(size=4).astype("float32") + 2.0)
-    with pytest.warns(KerasBNWarning, match="'conv' \\(shared_host\\)"):
+    with (
+        pytest.warns(KerasBNWarning, match="'conv' of '.*': channels_first with a bias"),
+        pytest.warns(KerasBNWarning, match="'conv' \\(shared_host\\)"),
+    ):
         qat = quantize_model(model)
     bias = qat.get_layer("conv_bias")
     assert isinstance(bias, ChannelBias) and bias.trainable_weights == [bias.bias]
@@ -559,3 +563,39 @@ def test_a_float64_layer_is_refused_before_anything_is_copied():
     model = keras.Model(inputs, outputs, name="double")
     with pytest.raises(ValueError, match=r"'bn64' \(float64\) of 'double'"):
         quantize_model(model)
+
+
+@pytest.mark.parametrize(
+    ("spatial", "warned"), [(4, True), (None, True), (5, False)], ids=["equal", "dynamic", "other"]
+)
+def test_channels_first_hosts_with_a_bias_warn_where_keras_adds_it_on_the_wrong_axis(
+    spatial, warned
+):
+    """Keras 3.15 adds a channels_first bias on the last axis when that axis has as many entries
+    as there are channels: the QAT layer adds it on the channel axis, so the QAT model differs
+    from the float one there, and quantize_model says so (a dynamic length may be equal)."""
+    size = None if spatial is None else spatial + 2
+    inputs = keras.Input((3, 6, size))
+    conv = L.Conv2D(4, 3, data_format="channels_first", name="conv")(inputs)
+    plain = L.Conv2D(4, 3, data_format="channels_first", use_bias=False, name="plain")(inputs)
+    model = keras.Model(inputs, [BN(axis=1, name="bn")(conv), plain], name="cf")
+    model.get_layer("conv").bias.assign(np.array([0.0, 3.0, 6.0, 9.0], "float32"))
+    if not warned:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", KerasBNWarning)
+            qat = quantize_model(model)
+    else:
+        with pytest.warns(KerasBNWarning) as record:
+            qat = quantize_model(model)
+        ours = [str(w.message) for w in record if w.category is KerasBNWarning]
+        assert len(ours) == 1
+        message = ours[0]
+        assert message.startswith("'conv' of 'cf': channels_first with a bias")
+        assert "the float Keras model is wrong at such sizes" in message
+        assert "the QAT model, which adds the bias on the channel axis" in message
+    assert isinstance(qat.get_layer("conv_qat"), QuantizedHostBatchNorm)
+    # The dynamic model is run at a width where it is equal.
+    x = np.random.default_rng(0).normal(size=(2, 3, 6, spatial + 2 if spatial else 6))
+    x = x.astype("float32")
+    largest = np.abs(np.asarray(model(x)[0]) - np.asarray(qat(x, training=False)[0])).max()
+    assert (largest > 1.0) == warned  # Keras's wrong add, not the weights' rounding

@@ -16,6 +16,7 @@ rewritten on its own, its inputs taken as quantized where the outer model quanti
 input model is only read: every layer of the result is a copy.
 """
 
+import typing
 import warnings
 
 import keras
@@ -152,6 +153,18 @@ def quantize_model(
             ),
             stacklevel=2,
         )
+    if findings.wrong_bias_add:
+        named = ", ".join(f"'{path}'" for path in findings.wrong_bias_add)
+        warnings.warn(
+            KerasBNWarning(
+                f"{named} of '{model.name}': channels_first with a bias, at an output whose last "
+                f"(spatial) axis has as many entries as there are channels, or may have (its "
+                f"length is unknown). There Keras 3.15 adds the bias on that last axis: the "
+                f"float Keras model is wrong at such sizes, and the QAT model, which adds the "
+                f"bias on the channel axis, computes the correct bias add and differs from it."
+            ),
+            stacklevel=2,
+        )
     return (new_model, report) if return_report else new_model
 
 
@@ -172,6 +185,7 @@ class _Findings:
         self.quantized: dict = {}
         self.quantizers: dict = {}
         self.kept: list = []
+        self.wrong_bias_add: list = []  # channels_first layers whose Keras bias add is wrong
 
 
 class _ModelRewrite:
@@ -338,6 +352,7 @@ class _ModelRewrite:
         """Copy the node's operation (at its first call) and decide which of its outputs get
         quantizers."""
         operation = node.operation
+        self._check_bias_add(operation, node)
         if id(operation) in self.dropped:  # computed by the QAT layer before it
             self.on_grid[id(node.outputs[0])] = self.on_grid[id(node.input_tensors[0])]
             return
@@ -367,6 +382,23 @@ class _ModelRewrite:
                 or self.outputs_on_grid[id(operation)][index]
                 or self._grid_without_quantizer(operation, tensor, inputs_on_grid)
             )
+
+    def _check_bias_add(self, operation: object, node: typing.Any) -> None:
+        """Note a channels_first layer with a bias whose output's last (spatial) axis may have
+        as many entries as there are channels: there Keras 3.15 adds the bias on that axis, so
+        the float model is wrong where the QAT model (its QAT layer or float copy with a
+        ChannelBias) adds it on the channel axis."""
+        if not (
+            type(operation) in _BIAS_ADDING
+            and _rewrite.channels_first(operation)
+            and operation.use_bias
+        ):
+            return
+        shape = node.outputs[0].shape
+        if shape[-1] is None or shape[-1] == shape[1]:
+            path = self.prefix + operation.name
+            if path not in self.findings.wrong_bias_add:
+                self.findings.wrong_bias_add.append(path)
 
     def _after_split(self, host, split):
         """The layers after a QAT layer whose host's own activation was split off; whether
