@@ -621,3 +621,36 @@ def test_the_cli_refuses_what_a_qat_model_cannot_take(saved, tmp_path, model, ar
     errors = [line for line in result.stderr.splitlines() if "keras-bn-export: error" in line]
     assert len(errors) == 1 and message in errors[0]
     assert not (tmp_path / "m.tflite").exists()
+
+
+@pytest.mark.parametrize("zeroed", ["gamma", "kernel"])
+def test_a_channel_of_zero_weights_exports_within_the_tolerance(zeroed, tmp_path):
+    """γ = 0 (or an all-zero kernel channel) leaves a channel whose folded weights are all 0:
+    its range is 1, not MIN_RANGE, so the file's int32 bias (bias / (input scale · weight
+    scale)) does not overflow, and the channel's constant output, β, is in both files."""
+    keras.utils.set_random_seed(7)
+    rng = np.random.default_rng(7)
+    inputs = keras.Input((8, 8, 3))
+    conv, bn = L.Conv2D(4, 3, padding="same", name="conv"), BN(name="bn")
+    model = keras.Model(inputs, L.GlobalAveragePooling2D(name="gap")(bn(conv(inputs))))
+    if zeroed == "gamma":
+        bn.gamma.assign(np.float32([1, 0, 1, 1]))
+    else:
+        conv.kernel.assign(np.asarray(conv.kernel) * np.float32([1, 0, 1, 1]))
+    bn.beta.assign(np.float32([0, 0.7, 0, 0]))
+    x = rng.normal(size=(32, 8, 8, 3)).astype("float32")
+    qat = quantize_model(model)
+    qat.compile(keras.optimizers.SGD(0.0), "mse")
+    qat.fit(x, np.zeros((32, 4), "float32"), batch_size=16, epochs=1, verbose=0)
+    layer = qat.get_layer("conv_qat")
+    kernel, _ = layer.folded_weights()
+    q, scale = fake_quant.weight_grid(np.asarray(kernel), 8, True)
+    assert scale[1] == np.float32(1 / 127) and not q[..., 1].any()
+    want = np.asarray(qat(x, training=False))
+    # β, whatever the input, on the QAT layer's output grid.
+    assert np.ptp(want[:, 1]) == 0
+    np.testing.assert_allclose(want[0, 1], 0.7, atol=layer.output_quantizer.grid().scale)
+    for exporter, name in ((export_tflite, "m.tflite"), (export_onnx, "m.onnx")):
+        result = exporter(qat, tmp_path / name, probe=x)
+        assert result.passed and all(w.matches for w in result.weights)
+        assert max(e.max_lsb for errors in result.lsb_errors.values() for e in errors.values()) <= 1

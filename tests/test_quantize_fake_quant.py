@@ -170,3 +170,27 @@ def test_activation_gradient_passes_inside_the_range_and_stops_outside():
 def test_activation_quantizer_refuses_bad_arguments(kwargs, value):
     with pytest.raises(ValueError, match=value):
         ActivationQuantizer(**kwargs)
+
+
+@pytest.mark.parametrize("per_channel", [True, False], ids=["per_channel", "per_tensor"])
+def test_an_all_zero_channel_or_tensor_gets_a_unit_range(per_channel):
+    """Its weights round to 0 whatever the range, but a step of MIN_RANGE/q_max would make a
+    file's int32 bias (bias / (input scale · weight scale)) overflow: the range is 1, in the
+    training op and in the grid the exporters write alike."""
+    kernel = np.zeros((3, 3, 2, 3), np.float32)
+    if per_channel:
+        kernel[..., 0] = np.random.default_rng(0).normal(size=(3, 3, 2))
+        kernel[0, 0, 0, 2] = 1e-12  # tiny but not zero: its range stays MIN_RANGE
+    ranges = fake_quant.weight_max_abs(tf.constant(kernel), per_channel)
+    out = np.asarray(fake_quant.fake_quant_weights(tf.constant(kernel), ranges, 8))
+    max_abs = np.asarray(ranges)
+    q, scale = fake_quant.weight_grid(kernel, 8, per_channel)
+    if per_channel:
+        np.testing.assert_array_equal(max_abs[1:], np.float32([1.0, fake_quant.MIN_RANGE]))
+        np.testing.assert_array_equal(scale[1:], np.float32([1.0, fake_quant.MIN_RANGE]) / 127)
+        assert max_abs[0] == np.abs(kernel[..., 0]).max()
+    else:
+        assert max_abs == 1.0 and scale == np.float32(1 / 127)
+    np.testing.assert_array_equal(out[..., 1], 0.0)
+    np.testing.assert_array_equal(q[..., 1], 0)
+    np.testing.assert_allclose(q * scale, out, rtol=0, atol=1e-7)
