@@ -194,3 +194,42 @@ def test_an_all_zero_channel_or_tensor_gets_a_unit_range(per_channel):
     np.testing.assert_array_equal(out[..., 1], 0.0)
     np.testing.assert_array_equal(q[..., 1], 0)
     np.testing.assert_allclose(q * scale, out, rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("rank", [2, 3, 4, 5])
+def test_per_channel_fake_quant_is_the_op_at_any_rank_with_a_straight_through_gradient(rank):
+    """The per-channel op runs on a (-1, channels) view: bit for bit what it gives the kernel
+    itself up to rank 4 (its gradient takes no more), a numpy reference at rank 5 (Conv3D),
+    and the gradient passes straight through at every rank."""
+    rng = np.random.default_rng(rank)
+    shape = (2, 3, 2, 4, 5)[-rank:]
+    kernel = tf.Variable((rng.normal(size=shape) * rng.uniform(0.1, 3.0, 5)).astype(np.float32))
+    upstream = tf.constant(rng.normal(size=shape).astype(np.float32))
+    max_abs = fake_quant.weight_max_abs(kernel, True)
+
+    @tf.function  # as fit runs it: a graph (where a rank-5 per-channel gradient was refused)
+    def forward_and_gradient():
+        with tf.GradientTape() as tape:
+            out = fake_quant.fake_quant_weights(kernel, max_abs, 4)
+            loss = tf.reduce_sum(out * upstream)
+        return out, tape.gradient(loss, kernel)
+
+    out, gradient = forward_and_gradient()
+    gradient = np.asarray(gradient)
+    # Straight through inside the range (a channel's extreme may round just outside the
+    # nudged range, where the op's gradient is 0).
+    inside = np.abs(np.asarray(kernel)) < np.asarray(max_abs)
+    np.testing.assert_array_equal(gradient[inside], np.asarray(upstream)[inside])
+    if rank <= 4:
+        with tf.GradientTape() as tape:
+            direct = tf.quantization.fake_quant_with_min_max_vars_per_channel(
+                kernel, -max_abs, max_abs, num_bits=4, narrow_range=True
+            )
+            loss = tf.reduce_sum(direct * upstream)
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(direct))
+        np.testing.assert_array_equal(gradient, np.asarray(tape.gradient(loss, kernel)))
+    expected = ref.fake_quant_weights(np.asarray(kernel), 4, True)
+    step = ref.weight_scale(np.asarray(kernel), 4, True)
+    u = np.asarray(kernel, np.float64) / step
+    off_ties = np.abs(u - np.floor(u) - 0.5) > 1e-4
+    np.testing.assert_allclose(np.asarray(out)[off_ties], expected[off_ties], rtol=1e-6)

@@ -130,9 +130,13 @@ def fake_quant_weights(kernel: tf.Tensor, max_abs: tf.Tensor, bits: int) -> tf.T
         range (every weight is, since the range is the largest magnitude).
     """
     if max_abs.shape.rank == 1:
-        return tf.quantization.fake_quant_with_min_max_vars_per_channel(
-            kernel, -max_abs, max_abs, num_bits=bits, narrow_range=True
+        # On a 2-D (-1, channels) view: the op is elementwise, but its gradient takes rank ≤ 4
+        # only (a Conv3D kernel has rank 5).
+        shape = tf.shape(kernel)
+        fake = tf.quantization.fake_quant_with_min_max_vars_per_channel(
+            tf.reshape(kernel, [-1, shape[-1]]), -max_abs, max_abs, num_bits=bits, narrow_range=True
         )
+        return tf.reshape(fake, shape)
     return tf.quantization.fake_quant_with_min_max_vars(
         kernel, -max_abs, max_abs, num_bits=bits, narrow_range=True
     )
