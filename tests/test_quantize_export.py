@@ -654,3 +654,29 @@ def test_a_channel_of_zero_weights_exports_within_the_tolerance(zeroed, tmp_path
         result = exporter(qat, tmp_path / name, probe=x)
         assert result.passed and all(w.matches for w in result.weights)
         assert max(e.max_lsb for errors in result.lsb_errors.values() for e in errors.values()) <= 1
+
+
+@pytest.mark.parametrize("exporter", [export_tflite, export_onnx], ids=["tflite", "onnx"])
+def test_shared_qat_layers_are_refused_by_name(exporter, tmp_path):
+    """A file holds one kernel per call: a QAT layer called twice (itself, or inside a nested
+    model called twice) is refused up front, naming it; quantize_model keeps a shared nested
+    model's hosts in float, which the export refuses by name."""
+    inputs = keras.Input((6, 6, 3), name="x")
+    conv, bn = L.Conv2D(3, 3, padding="same", name="conv"), BN(name="bn")
+    bn(conv(inputs))
+    shared = from_layers(conv, bn)
+    block_in = keras.Input((6, 6, 3))
+    block = keras.Model(block_in, shared(block_in), name="block")
+    for model, path, calls in (
+        (keras.Model(inputs, shared(shared(inputs)), name="itself"), "conv_qat", 2),
+        (keras.Model(inputs, block(block(block(inputs))), name="nested"), "block/conv_qat", 3),
+    ):
+        model(np.random.default_rng(0).normal(size=(8, 6, 6, 3)), training=True)  # ranges set
+        with pytest.raises(UnsupportedModelError, match=rf"QAT layers '{path}' \({calls} calls\)"):
+            exporter(model, tmp_path / "m.file")
+        assert not (tmp_path / "m.file").exists()
+    float_block = keras.Model(block_in, bn(conv(block_in)), name="float_block")
+    with pytest.warns(KerasBNWarning, match="shared_host"):
+        qat = quantize_model(keras.Model(inputs, float_block(float_block(inputs))))
+    with pytest.raises(UnsupportedModelError, match="float layers with weights 'float_block/conv'"):
+        exporter(qat, tmp_path / "m.file")

@@ -599,3 +599,31 @@ def test_channels_first_hosts_with_a_bias_warn_where_keras_adds_it_on_the_wrong_
     x = x.astype("float32")
     largest = np.abs(np.asarray(model(x)[0]) - np.asarray(qat(x, training=False)[0])).max()
     assert (largest > 1.0) == warned  # Keras's wrong add, not the weights' rounding
+
+
+def test_hosts_inside_a_shared_nested_model_stay_float_as_shared_hosts_do():
+    """A nested model called twice would share its QAT layers between the calls, as a shared
+    host would: its hosts and BNs (in a model nested in it too) stay float, reported."""
+    inner = keras.Sequential(
+        [keras.Input((6, 6, 4)), L.Conv2D(4, 1, name="conv2"), BN(name="bn2")], name="inner"
+    )
+    block_in = keras.Input((6, 6, 4))
+    x = L.ReLU(name="relu")(BN(name="bn")(L.Conv2D(4, 3, padding="same", name="conv")(block_in)))
+    block = keras.Model(block_in, inner(x), name="block")
+    inputs = keras.Input((6, 6, 3), name="x")
+    x = L.Conv2D(4, 1, name="stem")(inputs)
+    model = keras.Model(inputs, block(block(x)), name="twice")
+    with pytest.warns(KerasBNWarning, match=r"kept 4 layer\(s\) of 'twice' in float"):
+        qat, report = quantize_model(model, return_report=True)
+    assert [(k.layer, k.kind) for k in report.kept] == [
+        ("block/bn", "shared_bn"),
+        ("block/conv", "shared_host"),
+        ("block/inner/bn2", "shared_bn"),
+        ("block/inner/conv2", "shared_host"),
+    ]
+    assert "inside the nested model 'block', which is called 2 times" in report.kept[3].reason
+    assert isinstance(qat.get_layer("stem_qat"), QuantizedHost)
+    copied = qat.get_layer("block")
+    assert type(copied.get_layer("conv")) is L.Conv2D and type(copied.get_layer("bn")) is BN
+    x = np.random.default_rng(0).normal(size=(2, 6, 6, 3)).astype("float32")
+    assert np.asarray(qat(x, training=False)).shape == (2, 6, 6, 4)

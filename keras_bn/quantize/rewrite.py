@@ -75,9 +75,11 @@ def quantize_model(
       sigmoid, tanh); a layer feeding only a Concatenate leaves its own out, so both share
       the Concatenate's scale (see `keras_bn.quantize.spec`);
     - every other layer is a float copy with the original's weights. A layer with weights
-      that stays float (a BN that cannot be folded, a shared host, a transposed convolution,
-      a custom layer, ...) is listed in the report's `kept` with the reason, and a
-      `keras_bn.KerasBNWarning` names them.
+      that stays float (a BN that cannot be folded, a shared host or one inside a nested model
+      called more than once, a transposed convolution, a custom layer, ...) is listed in the
+      report's `kept` with the reason, and a `keras_bn.KerasBNWarning` names them. A
+      channels_first layer with a bias where Keras adds it on the wrong axis gets a
+      `KerasBNWarning` too (the QAT model adds it on the channel axis).
 
     Dense weights always have one range per tensor: TFLite's FULLY_CONNECTED takes no other.
     A BN that is frozen (trainable=False) gives a QAT layer frozen to its moving statistics.
@@ -191,11 +193,14 @@ class _Findings:
 class _ModelRewrite:
     """The rewrite of one Sequential or Functional model (a nested one gets its own)."""
 
-    def __init__(self, settings, findings, model, prefix):
+    def __init__(self, settings, findings, model, prefix, shared_in: str | None = None):
         self.settings = settings
         self.findings = findings
         self.model = model
         self.prefix = prefix
+        # Why every host and BN here is shared, when this nested model (or one around it) is
+        # called more than once: they stay float, as a shared host does.
+        self.shared_in = shared_in
         self.graph = _models.layer_graph(model, "quantize")
         self.info = _rewrite.Graph(self.graph)
         self.names = {operation.name for operation in self.graph.operations}
@@ -242,6 +247,11 @@ class _ModelRewrite:
             if type(bn) not in _bn_layers.BN_TYPES:
                 continue
             host = self.info.producer(node)
+            if self.shared_in is not None:
+                self._keep(
+                    bn, f"BN layer '{bn.name}' {self.shared_in}; it stays a float BN", "shared_bn"
+                )
+                continue
             refusal = _rewrite.refuse_bn(bn, node, self.info) or _rewrite.refuse_backward(
                 bn, node, host, self.info, hosts.KINDS, _HOSTS_TAKEN
             )
@@ -262,6 +272,8 @@ class _ModelRewrite:
             if type(host) not in hosts.KINDS or id(host) in self.qat or id(host) in self.kept_ids:
                 continue
             refusal = _rewrite.refuse_host(host, self.info) or _activity_refusal(host, "host")
+            if self.shared_in is not None:
+                refusal = _rewrite.Refusal("shared_host", f"host '{host.name}' {self.shared_in}")
             if refusal:
                 self._keep(host, f"{refusal.message}; it stays float", refusal.kind)
                 continue
@@ -453,8 +465,19 @@ class _ModelRewrite:
             self.copies[id(operation)] = operation
             return None
         if isinstance(operation, keras.Model) and _models.has_layer_graph(operation):
+            shared_in = self.shared_in
+            if shared_in is None and self.info.shared(operation):
+                shared_in = (
+                    f"is inside the nested model '{self.prefix}{operation.name}', which is "
+                    f"called {self.info.calls[id(operation)]} times (its QAT layers would be "
+                    f"shared, which no exported file can hold)"
+                )
             inner = _ModelRewrite(
-                self.settings, self.findings, operation, f"{self.prefix}{operation.name}/"
+                self.settings,
+                self.findings,
+                operation,
+                f"{self.prefix}{operation.name}/",
+                shared_in,
             )
             self.copies[id(operation)], outputs_on_grid = inner.run(inputs_on_grid)
             return outputs_on_grid
