@@ -680,3 +680,36 @@ def test_shared_qat_layers_are_refused_by_name(exporter, tmp_path):
         qat = quantize_model(keras.Model(inputs, float_block(float_block(inputs))))
     with pytest.raises(UnsupportedModelError, match="float layers with weights 'float_block/conv'"):
         exporter(qat, tmp_path / "m.file")
+
+
+@pytest.mark.parametrize(
+    ("host", "shape", "refused_by"),
+    [
+        (lambda: L.Conv1D(4, 3), (9, 3), ("TFLite", "ONNX")),
+        (lambda: L.DepthwiseConv1D(3), (9, 3), ("TFLite", "ONNX")),
+        (lambda: L.SeparableConv1D(4, 3), (9, 3), ("TFLite", "ONNX")),
+        (lambda: L.Conv3D(4, 2), (3, 5, 5, 3), ("TFLite", "ONNX")),
+        (lambda: L.Conv2D(4, 3, groups=2), (6, 6, 4), ("ONNX",)),
+    ],
+    ids=["conv1d", "depthwise1d", "separable1d", "conv3d", "grouped_conv2d"],
+)
+def test_the_hosts_each_format_takes(host, shape, refused_by, tmp_path):
+    """As the export guide states: both formats refuse the 1-D and 3-D hosts by name, ONNX a
+    grouped Conv2D too, which TFLite writes and passes."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input(shape)
+    layer = host()
+    model = keras.Model(inputs, BN(name="bn")(layer(inputs)))
+    qat_model = quantize_model(model)
+    x = np.random.default_rng(0).normal(size=(32, *shape)).astype("float32")
+    qat_model(x, training=True)  # every range set
+    for exporter, name in ((export_tflite, "TFLite"), (export_onnx, "ONNX")):
+        path = tmp_path / f"m.{name}"
+        if name in refused_by:
+            message = rf"{name} export of a quantization-aware model takes .*'{layer.name}_qat' "
+            with pytest.raises(UnsupportedModelError, match=message + "hosts a"):
+                exporter(qat_model, path, probe=x)
+            assert not path.exists()
+        else:
+            result = exporter(qat_model, path, probe=x)
+            assert result.passed and all(w.matches for w in result.weights)
