@@ -98,7 +98,7 @@ def _shared_hosts(model: keras.Model, prefix: str = "", calls: int = 1) -> list[
     return found
 
 
-def check_exportable(model, format_name):
+def check_exportable(model: keras.Model, format_name: str) -> None:
     """Refuse a QAT model that no integer file can compute, naming the layers.
 
     Args:

@@ -193,7 +193,14 @@ class _Findings:
 class _ModelRewrite:
     """The rewrite of one Sequential or Functional model (a nested one gets its own)."""
 
-    def __init__(self, settings, findings, model, prefix, shared_in: str | None = None):
+    def __init__(
+        self,
+        settings: "_Settings",
+        findings: "_Findings",
+        model: keras.Model,
+        prefix: str,
+        shared_in: str | None = None,
+    ) -> None:
         self.settings = settings
         self.findings = findings
         self.model = model
@@ -239,7 +246,7 @@ class _ModelRewrite:
 
     # The decisions.
 
-    def _paired_batch_norms(self):
+    def _paired_batch_norms(self) -> dict[int, typing.Any]:
         """{id(host): the node of the BN folded into it}; the other exact BNs are kept."""
         pairs = {}
         for node in self.info.nodes:
@@ -265,7 +272,7 @@ class _ModelRewrite:
                 self._keep(bn, f"{refusal.message}; it stays a float BN", refusal.kind)
         return pairs
 
-    def _quantize_hosts(self, pairs):
+    def _quantize_hosts(self, pairs: dict[int, typing.Any]) -> None:
         """A QAT layer for every host that can have one."""
         for node in self.info.nodes:
             host = node.operation
@@ -312,7 +319,7 @@ class _ModelRewrite:
                     if original is not host:
                         self.dropped.add(id(original))
 
-    def _fusable_consumer(self, node):
+    def _fusable_consumer(self, node: typing.Any) -> typing.Any:
         """The node of a ReLU/ReLU6 layer that alone reads `node`'s output, or None."""
         output = node.outputs[0]
         consumers = self.info.consumers.get(id(output), [])
@@ -360,7 +367,7 @@ class _ModelRewrite:
             input_layers.append(layers)
         return input_layers
 
-    def _visit(self, node):
+    def _visit(self, node: typing.Any) -> None:
         """Copy the node's operation (at its first call) and decide which of its outputs get
         quantizers."""
         operation = node.operation
@@ -395,7 +402,7 @@ class _ModelRewrite:
                 or self._grid_without_quantizer(operation, tensor, inputs_on_grid)
             )
 
-    def _check_bias_add(self, operation: object, node: typing.Any) -> None:
+    def _check_bias_add(self, operation: typing.Any, node: typing.Any) -> None:
         """Note a channels_first layer with a bias whose output's last (spatial) axis may have
         as many entries as there are channels: there Keras 3.15 adds the bias on that axis, so
         the float model is wrong where the QAT model (its QAT layer or float copy with a
@@ -454,7 +461,7 @@ class _ModelRewrite:
 
     # The float copies.
 
-    def _copy(self, operation, inputs_on_grid):
+    def _copy(self, operation: typing.Any, inputs_on_grid: list[bool]) -> list[bool] | None:
         """Copy `operation`, or rewrite it if it is a nested model; for a nested model, whether
         each of its flattened outputs lies on a grid (None otherwise).
 
