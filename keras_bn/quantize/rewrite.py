@@ -580,8 +580,8 @@ def _refuse_float_dtypes(model: keras.Model) -> None:
     if other:
         raise ValueError(
             f"quantize_model takes float32 layers only: {', '.join(other)} of '{model.name}' "
-            f"compute or keep weights in another float type, which quantization-aware training "
-            f"and the int8 file it exports to do not. Build the float model under the float32 "
+            f"compute or keep weights in another float type: the QAT model would round in it "
+            f"where its exported int8 file does not, and differ from the file unseen. Build the float model under the float32 "
             f"policy (keras.config.set_dtype_policy('float32')) and copy its weights into it, "
             f"then call quantize_model."
         )
