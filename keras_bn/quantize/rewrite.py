@@ -581,9 +581,9 @@ def _refuse_float_dtypes(model: keras.Model) -> None:
         raise ValueError(
             f"quantize_model takes float32 layers only: {', '.join(other)} of '{model.name}' "
             f"compute or keep weights in another float type: the QAT model would round in it "
-            f"where its exported int8 file does not, and differ from the file unseen. Build the float model under the float32 "
-            f"policy (keras.config.set_dtype_policy('float32')) and copy its weights into it, "
-            f"then call quantize_model."
+            f"where its exported int8 file does not, and differ from the file unseen. Build the "
+            f"float model under the float32 policy (keras.config.set_dtype_policy('float32')) "
+            f"and copy its weights into it, then call quantize_model."
         )
 
 
