@@ -23,7 +23,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from keras_bn import _models
+from keras_bn import _models, _rewrite
 from keras_bn._errors import UnsupportedModelError
 from keras_bn.export import trace
 from keras_bn.quantize import fake_quant, hosts, spec
@@ -88,6 +88,20 @@ def _layers(model: keras.Model, prefix: str = "") -> Iterator[tuple[str, keras.l
             yield path, layer
 
 
+def _shared_hosts(model: keras.Model, prefix: str = "", calls: int = 1) -> list[tuple[str, int]]:
+    """(path, calls) of every QAT host called more than once in all, counting the calls of the
+    nested models around it."""
+    graph = _rewrite.Graph(_models.layer_graph(model, "export"))
+    found = []
+    for layer in model.layers:
+        total = calls * graph.calls.get(id(layer), 1)
+        if isinstance(layer, keras.Model) and _models.has_layer_graph(layer):
+            found += _shared_hosts(layer, f"{prefix}{layer.name}/", total)
+        elif isinstance(layer, QAT_HOSTS) and total > 1:
+            found.append((prefix + layer.name, total))
+    return found
+
+
 def check_exportable(model: keras.Model, format_name: str) -> None:
     """Refuse a QAT model that no integer file can compute, naming the layers.
 
@@ -97,7 +111,8 @@ def check_exportable(model: keras.Model, format_name: str) -> None:
 
     Raises:
         UnsupportedModelError: a layer with weights that is not a QAT layer (a layer
-            `quantize_model` kept in float, a custom layer), or a QAT layer with
+            `quantize_model` kept in float, a custom layer), a QAT host called more than once
+            (shared, or inside a nested model that is), or a QAT layer with
             weight_bits=None or activation_bits=None (float weights or output).
         ValueError: an activation quantizer that has not seen a training batch (no range).
     """
@@ -114,6 +129,14 @@ def check_exportable(model: keras.Model, format_name: str) -> None:
             f"layer. Quantize them (keras_bn.quantize.quantize_model lists the layers it keeps "
             f"in float, with the reasons), or export the float model with "
             f'quantization="int8" and representative_data.'
+        )
+    shared = [f"'{path}' ({calls} calls)" for path, calls in _shared_hosts(model)]
+    if shared:
+        raise UnsupportedModelError(
+            f"{format_name} export of '{model.name}' cannot take the QAT layers {', '.join(shared)}"
+            f": each is called more than once (itself or a nested model holding it), and a file "
+            f"holds one kernel per call. Give each call its own layer; quantize_model keeps "
+            f"shared hosts in float."
         )
     unquantized: list[str] = []
     unset: list[str] = []

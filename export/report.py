@@ -74,8 +74,8 @@ class WorstChannel:
     """The channel of an output furthest from the Keras model, relative to its scale.
 
     A channel is an index on the output's last axis (an output of shape (batch,) is one
-    channel). It is judged against its own scale, max |Keras output| in that channel over the
-    probe, but never against less than 1e-4 / scale_tolerance of its output's scale
+    channel). It is judged against its own scale, the largest absolute Keras output in that
+    channel over the probe, but never against less than 1e-4 / scale_tolerance of its output's scale
     (`channel_scale_floor`; at most the output's scale). So a channel passes when it is within
     the tolerance of its own scale or within 1e-4, float32's tolerance, of its output's scale:
     float32 rounding follows the output's values, not a near-zero channel's. A channel whose
@@ -164,7 +164,7 @@ def compare(
 
     Returns:
         (errors, output_scales, worst_channels): output name → {setting: max abs error};
-        output name → max |Keras output|; output name → WorstChannel.
+        output name → the largest absolute Keras output; output name → WorstChannel.
     """
     errors: dict[str, dict[str, float]] = {}
     scales: dict[str, float] = {}
@@ -214,9 +214,9 @@ class LsbError:
 
     Attributes:
         step: the output's step: the scale of the int8 grid it is read from.
-        max_lsb: max |file − Keras| / step over every value of the output (inf for a wrong
+        max_lsb: max abs(file − Keras) / step over every value of the output (inf for a wrong
             shape or a missing output, NaN for a non-finite value).
-        percentile_lsb: the `percentile`-th percentile of |file − Keras| / step over every
+        percentile_lsb: the `percentile`-th percentile of abs(file − Keras) / step over every
             value of the output (samples × positions × channels).
         percentile: which percentile (`defaults.QAT_PERCENTILE`, 99).
         off_share: the share of values off by more than half a step: on another level of

@@ -23,7 +23,8 @@ def weight_scale(kernel, bits, per_channel):
         largest = magnitude.reshape(-1, kernel.shape[-1]).max(axis=0)
     else:
         largest = magnitude.max()
-    return np.maximum(largest, 1e-8) / q_max(bits)
+    # An all-zero channel gets the range 1 (its weights are 0 on any grid).
+    return np.where(largest > 0, np.maximum(largest, 1e-8), 1.0) / q_max(bits)
 
 
 def fake_quant_weights(kernel, bits, per_channel, scale=None):

@@ -691,3 +691,95 @@ def test_the_cli_refuses_what_a_qat_model_cannot_take(saved, tmp_path, model, ar
     errors = [line for line in result.stderr.splitlines() if "keras-bn-export: error" in line]
     assert len(errors) == 1 and message in errors[0]
     assert not (tmp_path / "m.tflite").exists()
+
+
+@pytest.mark.parametrize("zeroed", ["gamma", "kernel"])
+def test_a_channel_of_zero_weights_exports_within_the_tolerance(zeroed, tmp_path):
+    """γ = 0 (or an all-zero kernel channel) leaves a channel whose folded weights are all 0:
+    its range is 1, not MIN_RANGE, so the file's int32 bias (bias / (input scale · weight
+    scale)) does not overflow, and the channel's constant output, β, is in both files."""
+    keras.utils.set_random_seed(7)
+    rng = np.random.default_rng(7)
+    inputs = keras.Input((8, 8, 3))
+    conv, bn = L.Conv2D(4, 3, padding="same", name="conv"), BN(name="bn")
+    model = keras.Model(inputs, L.GlobalAveragePooling2D(name="gap")(bn(conv(inputs))))
+    if zeroed == "gamma":
+        bn.gamma.assign(np.float32([1, 0, 1, 1]))
+    else:
+        conv.kernel.assign(np.asarray(conv.kernel) * np.float32([1, 0, 1, 1]))
+    bn.beta.assign(np.float32([0, 0.7, 0, 0]))
+    x = rng.normal(size=(32, 8, 8, 3)).astype("float32")
+    qat = quantize_model(model)
+    qat.compile(keras.optimizers.SGD(0.0), "mse")
+    qat.fit(x, np.zeros((32, 4), "float32"), batch_size=16, epochs=1, verbose=0)
+    layer = qat.get_layer("conv_qat")
+    kernel, _ = layer.folded_weights()
+    q, scale = fake_quant.weight_grid(np.asarray(kernel), 8, True)
+    assert scale[1] == np.float32(1 / 127) and not q[..., 1].any()
+    want = np.asarray(qat(x, training=False))
+    # β, whatever the input, on the QAT layer's output grid.
+    assert np.ptp(want[:, 1]) == 0
+    np.testing.assert_allclose(want[0, 1], 0.7, atol=layer.output_quantizer.grid().scale)
+    for exporter, name in ((export_tflite, "m.tflite"), (export_onnx, "m.onnx")):
+        result = exporter(qat, tmp_path / name, probe=x)
+        assert result.passed and all(w.matches for w in result.weights)
+        assert max(e.max_lsb for errors in result.lsb_errors.values() for e in errors.values()) <= 1
+
+
+@pytest.mark.parametrize("exporter", [export_tflite, export_onnx], ids=["tflite", "onnx"])
+def test_shared_qat_layers_are_refused_by_name(exporter, tmp_path):
+    """A file holds one kernel per call: a QAT layer called twice (itself, or inside a nested
+    model called twice) is refused up front, naming it; quantize_model keeps a shared nested
+    model's hosts in float, which the export refuses by name."""
+    inputs = keras.Input((6, 6, 3), name="x")
+    conv, bn = L.Conv2D(3, 3, padding="same", name="conv"), BN(name="bn")
+    bn(conv(inputs))
+    shared = from_layers(conv, bn)
+    block_in = keras.Input((6, 6, 3))
+    block = keras.Model(block_in, shared(block_in), name="block")
+    for model, path, calls in (
+        (keras.Model(inputs, shared(shared(inputs)), name="itself"), "conv_qat", 2),
+        (keras.Model(inputs, block(block(block(inputs))), name="nested"), "block/conv_qat", 3),
+    ):
+        model(np.random.default_rng(0).normal(size=(8, 6, 6, 3)), training=True)  # ranges set
+        with pytest.raises(UnsupportedModelError, match=rf"QAT layers '{path}' \({calls} calls\)"):
+            exporter(model, tmp_path / "m.file")
+        assert not (tmp_path / "m.file").exists()
+    float_block = keras.Model(block_in, bn(conv(block_in)), name="float_block")
+    with pytest.warns(KerasBNWarning, match="shared_host"):
+        qat = quantize_model(keras.Model(inputs, float_block(float_block(inputs))))
+    with pytest.raises(UnsupportedModelError, match="float layers with weights 'float_block/conv'"):
+        exporter(qat, tmp_path / "m.file")
+
+
+@pytest.mark.parametrize(
+    ("host", "shape", "refused_by"),
+    [
+        (lambda: L.Conv1D(4, 3), (9, 3), ("TFLite", "ONNX")),
+        (lambda: L.DepthwiseConv1D(3), (9, 3), ("TFLite", "ONNX")),
+        (lambda: L.SeparableConv1D(4, 3), (9, 3), ("TFLite", "ONNX")),
+        (lambda: L.Conv3D(4, 2), (3, 5, 5, 3), ("TFLite", "ONNX")),
+        (lambda: L.Conv2D(4, 3, groups=2), (6, 6, 4), ("ONNX",)),
+    ],
+    ids=["conv1d", "depthwise1d", "separable1d", "conv3d", "grouped_conv2d"],
+)
+def test_the_hosts_each_format_takes(host, shape, refused_by, tmp_path):
+    """As the export guide states: both formats refuse the 1-D and 3-D hosts by name, ONNX a
+    grouped Conv2D too, which TFLite writes and passes."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input(shape)
+    layer = host()
+    model = keras.Model(inputs, BN(name="bn")(layer(inputs)))
+    qat_model = quantize_model(model)
+    x = np.random.default_rng(0).normal(size=(32, *shape)).astype("float32")
+    qat_model(x, training=True)  # every range set
+    for exporter, name in ((export_tflite, "TFLite"), (export_onnx, "ONNX")):
+        path = tmp_path / f"m.{name}"
+        if name in refused_by:
+            message = rf"{name} export of a quantization-aware model takes .*'{layer.name}_qat' "
+            with pytest.raises(UnsupportedModelError, match=message + "hosts a"):
+                exporter(qat_model, path, probe=x)
+            assert not path.exists()
+        else:
+            result = exporter(qat_model, path, probe=x)
+            assert result.passed and all(w.matches for w in result.weights)

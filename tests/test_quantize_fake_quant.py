@@ -170,3 +170,66 @@ def test_activation_gradient_passes_inside_the_range_and_stops_outside():
 def test_activation_quantizer_refuses_bad_arguments(kwargs, value):
     with pytest.raises(ValueError, match=value):
         ActivationQuantizer(**kwargs)
+
+
+@pytest.mark.parametrize("per_channel", [True, False], ids=["per_channel", "per_tensor"])
+def test_an_all_zero_channel_or_tensor_gets_a_unit_range(per_channel):
+    """Its weights round to 0 whatever the range, but a step of MIN_RANGE/q_max would make a
+    file's int32 bias (bias / (input scale · weight scale)) overflow: the range is 1, in the
+    training op and in the grid the exporters write alike."""
+    kernel = np.zeros((3, 3, 2, 3), np.float32)
+    if per_channel:
+        kernel[..., 0] = np.random.default_rng(0).normal(size=(3, 3, 2))
+        kernel[0, 0, 0, 2] = 1e-12  # tiny but not zero: its range stays MIN_RANGE
+    ranges = fake_quant.weight_max_abs(tf.constant(kernel), per_channel)
+    out = np.asarray(fake_quant.fake_quant_weights(tf.constant(kernel), ranges, 8))
+    max_abs = np.asarray(ranges)
+    q, scale = fake_quant.weight_grid(kernel, 8, per_channel)
+    if per_channel:
+        np.testing.assert_array_equal(max_abs[1:], np.float32([1.0, fake_quant.MIN_RANGE]))
+        np.testing.assert_array_equal(scale[1:], np.float32([1.0, fake_quant.MIN_RANGE]) / 127)
+        assert max_abs[0] == np.abs(kernel[..., 0]).max()
+    else:
+        assert max_abs == 1.0 and scale == np.float32(1 / 127)
+    np.testing.assert_array_equal(out[..., 1], 0.0)
+    np.testing.assert_array_equal(q[..., 1], 0)
+    np.testing.assert_allclose(q * scale, out, rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("rank", [2, 3, 4, 5])
+def test_per_channel_fake_quant_is_the_op_at_any_rank_with_a_straight_through_gradient(rank):
+    """The per-channel op runs on a (-1, channels) view: bit for bit what it gives the kernel
+    itself up to rank 4 (its gradient takes no more), a numpy reference at rank 5 (Conv3D),
+    and the gradient passes straight through at every rank."""
+    rng = np.random.default_rng(rank)
+    shape = (2, 3, 2, 4, 5)[-rank:]
+    kernel = tf.Variable((rng.normal(size=shape) * rng.uniform(0.1, 3.0, 5)).astype(np.float32))
+    upstream = tf.constant(rng.normal(size=shape).astype(np.float32))
+    max_abs = fake_quant.weight_max_abs(kernel, True)
+
+    @tf.function  # as fit runs it: a graph (where a rank-5 per-channel gradient was refused)
+    def forward_and_gradient():
+        with tf.GradientTape() as tape:
+            out = fake_quant.fake_quant_weights(kernel, max_abs, 4)
+            loss = tf.reduce_sum(out * upstream)
+        return out, tape.gradient(loss, kernel)
+
+    out, gradient = forward_and_gradient()
+    gradient = np.asarray(gradient)
+    # Straight through inside the range (a channel's extreme may round just outside the
+    # nudged range, where the op's gradient is 0).
+    inside = np.abs(np.asarray(kernel)) < np.asarray(max_abs)
+    np.testing.assert_array_equal(gradient[inside], np.asarray(upstream)[inside])
+    if rank <= 4:
+        with tf.GradientTape() as tape:
+            direct = tf.quantization.fake_quant_with_min_max_vars_per_channel(
+                kernel, -max_abs, max_abs, num_bits=4, narrow_range=True
+            )
+            loss = tf.reduce_sum(direct * upstream)
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(direct))
+        np.testing.assert_array_equal(gradient, np.asarray(tape.gradient(loss, kernel)))
+    expected = ref.fake_quant_weights(np.asarray(kernel), 4, True)
+    step = ref.weight_scale(np.asarray(kernel), 4, True)
+    u = np.asarray(kernel, np.float64) / step
+    off_ties = np.abs(u - np.floor(u) - 0.5) > 1e-4
+    np.testing.assert_allclose(np.asarray(out)[off_ties], expected[off_ties], rtol=1e-6)

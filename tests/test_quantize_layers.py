@@ -19,6 +19,7 @@ from keras_bn.quantize import (
     fake_quant,
     freeze_batch_norm,
     from_layers,
+    quantize_model,
 )
 
 L = keras.layers
@@ -45,6 +46,8 @@ HOSTS = {
     ),
     "conv2d_no_bias": (lambda: L.Conv2D(3, 2, use_bias=False), (3, 5, 5, 2)),
     "dense": (lambda: L.Dense(5), (6, 4)),
+    # A rank-5 kernel: its per-channel fake quantization runs on a 2-D view.
+    "conv3d": (lambda: L.Conv3D(4, (2, 3, 2), strides=(1, 2, 1)), (3, 3, 6, 4, 2)),
     # A 4×4 output of 4 filters: where Keras 3.15's own bias add (keras.ops.add on the
     # TensorFlow backend) puts a channels_first bias on the last axis, since it has as many
     # entries as there are channels. The QAT layer adds it on the channel axis.
@@ -431,3 +434,30 @@ def test_a_dynamic_batch_of_one_leaves_the_moving_statistics_alone():
         np.testing.assert_array_equal(old, new)
     step(tf.ones((2, 4)) * [[1.0], [2.0]])
     assert not np.array_equal(before[0], _moving(layer)[0])
+
+
+def test_a_per_channel_conv3d_trains_with_the_straight_through_gradient():
+    """A Conv3D QAT layer's kernel gradient, per channel, is autodiff's for the float Conv3D
+    times each channel's BN scale (the fold is linear in the kernel, and the fake quantization
+    passes the gradient straight through); and a quantize_model'd Conv3D model fits."""
+    layer, _, weights, x = _make("conv3d", 8, True, activation=None)
+    freeze_batch_norm(layer)
+    upstream = np.random.default_rng(1).normal(size=layer(x).shape).astype("float32")
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(layer(x, training=True) * upstream)
+    gradient = np.asarray(tape.gradient(loss, layer.host.kernel))
+    plain = L.Conv3D(4, (2, 3, 2), strides=(1, 2, 1), use_bias=False)
+    plain.build(x.shape)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(plain(x) * upstream)
+    s = weights["gamma"] / np.sqrt(weights["variance"] + EPSILON)
+    assert_close(gradient, np.asarray(tape.gradient(loss, plain.kernel)) * s, 1e-5)
+    inputs = keras.Input(HOSTS["conv3d"][1][1:])
+    model = keras.Model(inputs, keras_bn.BatchNormalization()(HOSTS["conv3d"][0]()(inputs)))
+    qat = quantize_model(model, per_channel=True)
+    qat.compile(keras.optimizers.SGD(0.1), "mse")
+    kernel = next(k for k in qat.layers if isinstance(k, QuantizedHostBatchNorm)).host.kernel
+    before = np.array(kernel)
+    history = qat.fit(x, np.asarray(model(x)) + 1.0, batch_size=3, epochs=2, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+    assert not np.array_equal(before, np.asarray(kernel))

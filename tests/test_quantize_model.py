@@ -542,7 +542,8 @@ def test_channels_first_qat_layer_matches_numpy_where_keras_bias_add_is_wrong():
     for name, key in (("gamma", "gamma"), ("beta", "beta"), ("moving_mean", "mean")):
         getattr(bn, name).assign(weights[key].astype("float32"))
     bn.moving_variance.assign(weights["variance"].astype("float32"))
-    qat = quantize_model(model)
+    with pytest.warns(KerasBNWarning, match="'conv' of '.*': channels_first with a bias"):
+        qat = quantize_model(model)
     x = rng.normal(size=SHAPE).astype("float32")
     spec = {"kind": "conv", "strides": (1, 1), "padding": "valid", "dilation": (1, 1)}
     expected, _, _ = ref.qat_forward(
@@ -559,7 +560,10 @@ def test_channels_first_float_copy_adds_its_bias_on_the_channel_axis(tmp_path):
     first, second = keras.Input(SHAPE[1:], name="first"), keras.Input(SHAPE[1:], name="second")
     model = keras.Model([first, second], [conv(first), conv(second)])
     conv.bias.assign(rng.normal(size=4).astype("float32") + 2.0)
-    with pytest.warns(KerasBNWarning, match="'conv' \\(shared_host\\)"):
+    with (
+        pytest.warns(KerasBNWarning, match="'conv' of '.*': channels_first with a bias"),
+        pytest.warns(KerasBNWarning, match="'conv' \\(shared_host\\)"),
+    ):
         qat = quantize_model(model)
     bias = qat.get_layer("conv_bias")
     assert isinstance(bias, ChannelBias) and bias.trainable_weights == [bias.bias]
@@ -599,3 +603,124 @@ def test_inputs_feeding_only_a_concatenate_share_its_scale():
     x = [np.ones((2, 4), "float32"), np.full((2, 3), 2.0, "float32")]
     folded = _fold_with_qat_weights(model, qat, report)
     assert_close(_outputs(qat, x)[0], _outputs(folded, x)[0], 1e-6)
+
+
+def test_activity_regularized_hosts_and_batch_norms_stay_float_with_their_loss_terms():
+    """A QAT layer computes the host's linear map and the BN itself, never calling them, so it
+    would drop their activity regularizers' loss terms: such a host or BN stays float (with the
+    BN before or after it), reported and warned, and model.losses keeps every term."""
+    l2 = keras.regularizers.L2(1.0)
+    inputs = keras.Input((6,), name="x")
+    a = BN(activity_regularizer=l2, name="a_bn")(L.Dense(4, name="a")(inputs))
+    b = BN(name="b_bn")(L.Dense(4, activity_regularizer=l2, name="b")(a))
+    relu = L.ReLU(activity_regularizer=l2, name="c_relu")(L.Dense(4, name="c")(b))
+    model = keras.Model(inputs, L.Dense(2, name="head")(relu), name="regularized")
+    with pytest.warns(KerasBNWarning, match=r"kept 3 layer\(s\) of 'regularized' in float"):
+        qat, report = quantize_model(model, return_report=True)
+    assert [(k.layer, k.kind) for k in report.kept] == [
+        ("a_bn", "activity_regularizer"),
+        ("b_bn", "activity_regularizer"),
+        ("b", "activity_regularizer"),
+    ]
+    reasons = {k.layer: k.reason for k in report.kept}
+    assert "BN layer 'a_bn' has an activity_regularizer" in reasons["a_bn"]
+    assert "its host 'b' has an activity_regularizer" in reasons["b_bn"]
+    assert type(qat.get_layer("b")) is L.Dense and type(qat.get_layer("c_relu")) is L.ReLU
+    assert isinstance(qat.get_layer("a_qat"), QuantizedHost)  # without its BN
+    assert isinstance(qat.get_layer("c_qat"), QuantizedHost)  # without the ReLU
+    x = np.random.default_rng(0).normal(size=(4, 6)).astype("float32")
+    model(x, training=True)
+    qat(x, training=True)
+    assert len(model.losses) == len(qat.losses) == 3
+    assert all(float(loss) > 0 for loss in qat.losses)
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_mixed_precision_models_are_refused_naming_the_layers(policy):
+    """Under a mixed policy the QAT model would cast its fake-quantized values back to 16 bits
+    and compute its float layers there, which no int8 file does: refused up front."""
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(policy)
+    try:
+        inputs = keras.Input((6, 6, 2), name="x")
+        x = BN(name="bn")(L.Conv2D(3, 3, name="conv")(inputs))
+        model = keras.Model(inputs, L.Dense(2, name="head")(L.Flatten(name="flat")(x)))
+    finally:
+        keras.config.set_dtype_policy(previous)
+    with pytest.raises(ValueError, match=rf"float32 layers only: 'conv' \({policy}\), 'bn'") as e:
+        quantize_model(model)
+    assert "'head'" in str(e.value) and "set_dtype_policy('float32')" in str(e.value)
+
+
+def test_a_float64_layer_is_refused_before_anything_is_copied():
+    """A float64 BN: refused with the ValueError, not the InvalidArgumentError that folding it
+    into a float32 QAT layer raised."""
+    inputs = keras.Input((8, 8, 3))
+    outputs = BN(dtype="float64", name="bn64")(L.Conv2D(4, 3, name="conv")(inputs))
+    model = keras.Model(inputs, outputs, name="double")
+    with pytest.raises(ValueError, match=r"'bn64' \(float64\) of 'double'"):
+        quantize_model(model)
+
+
+@pytest.mark.parametrize(
+    ("spatial", "warned"), [(4, True), (None, True), (5, False)], ids=["equal", "dynamic", "other"]
+)
+def test_channels_first_hosts_with_a_bias_warn_where_keras_adds_it_on_the_wrong_axis(
+    spatial, warned
+):
+    """Keras 3.15 adds a channels_first bias on the last axis when that axis has as many entries
+    as there are channels: the QAT layer adds it on the channel axis, so the QAT model differs
+    from the float one there, and quantize_model says so (a dynamic length may be equal)."""
+    size = None if spatial is None else spatial + 2
+    inputs = keras.Input((3, 6, size))
+    conv = L.Conv2D(4, 3, data_format="channels_first", name="conv")(inputs)
+    plain = L.Conv2D(4, 3, data_format="channels_first", use_bias=False, name="plain")(inputs)
+    model = keras.Model(inputs, [BN(axis=1, name="bn")(conv), plain], name="cf")
+    model.get_layer("conv").bias.assign(np.array([0.0, 3.0, 6.0, 9.0], "float32"))
+    if not warned:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", KerasBNWarning)
+            qat = quantize_model(model)
+    else:
+        with pytest.warns(KerasBNWarning) as record:
+            qat = quantize_model(model)
+        ours = [str(w.message) for w in record if w.category is KerasBNWarning]
+        assert len(ours) == 1
+        message = ours[0]
+        assert message.startswith("'conv' of 'cf': channels_first with a bias")
+        assert "the float Keras model is wrong at such sizes" in message
+        assert "the QAT model, which adds the bias on the channel axis" in message
+    assert isinstance(qat.get_layer("conv_qat"), QuantizedHostBatchNorm)
+    # The dynamic model is run at a width where it is equal.
+    x = np.random.default_rng(0).normal(size=(2, 3, 6, spatial + 2 if spatial else 6))
+    x = x.astype("float32")
+    largest = np.abs(np.asarray(model(x)[0]) - np.asarray(qat(x, training=False)[0])).max()
+    assert (largest > 1.0) == warned  # Keras's wrong add, not the weights' rounding
+
+
+def test_hosts_inside_a_shared_nested_model_stay_float_as_shared_hosts_do():
+    """A nested model called twice would share its QAT layers between the calls, as a shared
+    host would: its hosts and BNs (in a model nested in it too) stay float, reported."""
+    inner = keras.Sequential(
+        [keras.Input((6, 6, 4)), L.Conv2D(4, 1, name="conv2"), BN(name="bn2")], name="inner"
+    )
+    block_in = keras.Input((6, 6, 4))
+    x = L.ReLU(name="relu")(BN(name="bn")(L.Conv2D(4, 3, padding="same", name="conv")(block_in)))
+    block = keras.Model(block_in, inner(x), name="block")
+    inputs = keras.Input((6, 6, 3), name="x")
+    x = L.Conv2D(4, 1, name="stem")(inputs)
+    model = keras.Model(inputs, block(block(x)), name="twice")
+    with pytest.warns(KerasBNWarning, match=r"kept 4 layer\(s\) of 'twice' in float"):
+        qat, report = quantize_model(model, return_report=True)
+    assert [(k.layer, k.kind) for k in report.kept] == [
+        ("block/bn", "shared_bn"),
+        ("block/conv", "shared_host"),
+        ("block/inner/bn2", "shared_bn"),
+        ("block/inner/conv2", "shared_host"),
+    ]
+    assert "inside the nested model 'block', which is called 2 times" in report.kept[3].reason
+    assert isinstance(qat.get_layer("stem_qat"), QuantizedHost)
+    copied = qat.get_layer("block")
+    assert type(copied.get_layer("conv")) is L.Conv2D and type(copied.get_layer("bn")) is BN
+    x = np.random.default_rng(0).normal(size=(2, 6, 6, 3)).astype("float32")
+    assert np.asarray(qat(x, training=False)).shape == (2, 6, 6, 4)

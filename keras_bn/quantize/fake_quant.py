@@ -4,8 +4,9 @@ Two grids (Jacob et al., "Quantization and Training of Neural Networks for Effic
 Integer-Arithmetic-Only Inference", 2018; Krishnamoorthi, "Quantizing deep convolutional
 networks for efficient inference: A whitepaper", 2018):
 
-- weights: symmetric, narrow range. With m = max|w| (per output channel or per tensor) and
-  q_max = 2^(k−1) − 1, w ↦ q·m/q_max for the integer q = round(w·q_max/m), |q| ≤ q_max;
+- weights: symmetric, narrow range. With m = max|w| (per output channel or per tensor; 1 for
+  an all-zero one) and q_max = 2^(k−1) − 1, w ↦ q·m/q_max for the integer q = round(w·q_max/m),
+  |q| ≤ q_max;
 - activations: asymmetric, per tensor, over a range [min, max] that holds 0.
 
 The TensorFlow side uses `tf.quantization.fake_quant_with_min_max_vars` and its per-channel
@@ -35,9 +36,13 @@ import tensorflow as tf
 
 MIN_BITS = 2
 MAX_BITS = 8
-# The FakeQuant ops divide by max − min: a range narrower than this (an all-zero kernel channel,
-# an activation that was 0 on every batch seen) is widened to it, and 0 stays on the grid.
+# The FakeQuant ops divide by max − min: a range narrower than this (an activation that was 0 on
+# every batch seen, a kernel channel of tiny weights) is widened to it, and 0 stays on the grid.
 MIN_RANGE = 1e-8
+# The range m of an all-zero kernel channel (or tensor), as γ = 0 gives one: its weights round to
+# 0 on any grid, but a file's int32 bias is the bias divided by the input's and the weight's
+# scales, which overflows with a step of MIN_RANGE/q_max.
+ZERO_WEIGHT_RANGE = 1.0
 
 
 @typing.overload
@@ -97,7 +102,8 @@ def weight_max_abs(kernel: tf.Tensor, per_channel: bool) -> tf.Tensor:
         per_channel: one range per output channel (a vector) rather than one (a scalar).
 
     Returns:
-        A float32 vector of the last axis's size, or a scalar, at least MIN_RANGE.
+        A float32 vector of the last axis's size, or a scalar, at least MIN_RANGE;
+        ZERO_WEIGHT_RANGE where every weight is 0.
     """
     magnitude = tf.abs(tf.cast(kernel, tf.float32))
     if per_channel:
@@ -105,7 +111,10 @@ def weight_max_abs(kernel: tf.Tensor, per_channel: bool) -> tf.Tensor:
         largest = tf.reduce_max(magnitude, axis=0)
     else:
         largest = tf.reduce_max(magnitude)
-    return tf.stop_gradient(tf.maximum(largest, MIN_RANGE))
+    ranged = tf.where(
+        largest > 0, tf.maximum(largest, MIN_RANGE), tf.fill(tf.shape(largest), ZERO_WEIGHT_RANGE)
+    )
+    return tf.stop_gradient(ranged)
 
 
 def fake_quant_weights(kernel: tf.Tensor, max_abs: tf.Tensor, bits: int) -> tf.Tensor:
@@ -121,9 +130,13 @@ def fake_quant_weights(kernel: tf.Tensor, max_abs: tf.Tensor, bits: int) -> tf.T
         range (every weight is, since the range is the largest magnitude).
     """
     if max_abs.shape.rank == 1:
-        return tf.quantization.fake_quant_with_min_max_vars_per_channel(
-            kernel, -max_abs, max_abs, num_bits=bits, narrow_range=True
+        # On a 2-D (-1, channels) view: the op is elementwise, but its gradient takes rank ≤ 4
+        # only (a Conv3D kernel has rank 5).
+        shape = tf.shape(kernel)
+        fake = tf.quantization.fake_quant_with_min_max_vars_per_channel(
+            tf.reshape(kernel, [-1, shape[-1]]), -max_abs, max_abs, num_bits=bits, narrow_range=True
         )
+        return tf.reshape(fake, shape)
     return tf.quantization.fake_quant_with_min_max_vars(
         kernel, -max_abs, max_abs, num_bits=bits, narrow_range=True
     )
@@ -367,6 +380,8 @@ def weight_grid(kernel: np.ndarray, bits: int, per_channel: bool) -> tuple[np.nd
         largest = magnitude.reshape(-1, kernel.shape[-1]).max(axis=0)
     else:
         largest = magnitude.max()
-    largest = np.maximum(largest, np.float32(MIN_RANGE))
+    largest = np.where(
+        largest > 0, np.maximum(largest, np.float32(MIN_RANGE)), np.float32(ZERO_WEIGHT_RANGE)
+    )
     q, scale, _ = quantize(kernel, -largest, largest, bits, narrow_range=True)
     return q.astype(np.int8), scale

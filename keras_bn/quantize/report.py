@@ -16,8 +16,10 @@ class KeptLayer:
             "several_inputs", "several_axes", "reads_input", "not_a_host", "shared_host",
             "lora", "quantized", "activation", "fan_out", "axis", "inside_layer",
             "subclass") or "batch_norm_config" (renorm, virtual_batch_size,
-            synchronized=True or momentum=None, which the folded QAT layer cannot train); for
-            a host (Dense or convolution), "shared_host", "lora" or "quantized"; for any
+            synchronized=True or momentum=None, which the folded QAT layer cannot train) or
+            "activity_regularizer" (the BN's or its host's, whose loss term a QAT layer would
+            drop); for a host (Dense or convolution), "shared_host", "lora", "quantized" or
+            "activity_regularizer"; for any
             other layer with weights, "not_quantizable" (no QAT form: a transposed
             convolution, a normalization other than BN, an embedding, a custom layer, ...).
     """

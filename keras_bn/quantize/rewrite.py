@@ -71,7 +71,8 @@ def quantize_model(
       that BN backward (the host's output feeds only the BN, neither is shared, the BN's axis
       is the host's channel axis, no activation in between, no LoRA or Keras quantization)
       and the BN is one the QAT layer can train (no renorm, virtual_batch_size,
-      synchronized=True or momentum=None);
+      synchronized=True or momentum=None); a host or BN with an activity_regularizer stays
+      float (a QAT layer would drop its loss term);
     - every other such host is a `QuantizedHost`, which takes over the host's own
       ReLU/ReLU6 or a ReLU/ReLU6 layer after it; any other activation of the host's own
       follows it as a float `Activation` layer;
@@ -92,9 +93,11 @@ def quantize_model(
       (by a nested model, or fixed by the spec) or that is shared requantizes its input,
       which TFLite's converter refuses before an AVERAGE_POOL_2D (ONNX takes it);
     - every other layer is a float copy with the original's weights. A layer with weights
-      that stays float (a BN that cannot be folded, a shared host, a transposed convolution,
-      a custom layer, ...) is listed in the report's `kept` with the reason, and a
-      `keras_bn.KerasBNWarning` names them.
+      that stays float (a BN that cannot be folded, a shared host or one inside a nested model
+      called more than once, a transposed convolution, a custom layer, ...) is listed in the
+      report's `kept` with the reason, and a `keras_bn.KerasBNWarning` names them. A
+      channels_first layer with a bias where Keras adds it on the wrong axis gets a
+      `KerasBNWarning` too (the QAT model adds it on the channel axis).
 
     Dense weights always have one range per tensor: TFLite's FULLY_CONNECTED takes no other.
     A BN that is frozen (trainable=False) gives a QAT layer frozen to its moving statistics.
@@ -118,7 +121,9 @@ def quantize_model(
     Raises:
         ValueError: `weight_bits` or `activation_bits` is not an int from 2 to 8 (bools
             included), `per_channel` or `return_report` is not a bool, or `range_momentum` is
-            not in [0, 1) (the message names the value); or `model` holds QAT layers already.
+            not in [0, 1) (the message names the value); `model` holds QAT layers already; or
+            a layer computes or keeps weights in a float type other than float32 (a
+            mixed_float16 or mixed_bfloat16 policy, float64), named with its policy.
         UnsupportedModelError: the model, or a nested one holding a host or BN, is subclassed
             (it has no layer graph) or an unbuilt Sequential, or a layer's config does not
             round-trip.
@@ -138,6 +143,7 @@ def quantize_model(
             f"'{model.name}' is quantization-aware already (layers {quantized}); "
             f"quantize_model takes the float model."
         )
+    _refuse_float_dtypes(model)
     settings = _Settings(
         fake_quant.validate_bits(weight_bits, "weight_bits"),
         fake_quant.validate_bits(activation_bits, "activation_bits"),
@@ -163,6 +169,18 @@ def quantize_model(
             ),
             stacklevel=2,
         )
+    if findings.wrong_bias_add:
+        named = ", ".join(f"'{path}'" for path in findings.wrong_bias_add)
+        warnings.warn(
+            KerasBNWarning(
+                f"{named} of '{model.name}': channels_first with a bias, at an output whose last "
+                f"(spatial) axis has as many entries as there are channels, or may have (its "
+                f"length is unknown). There Keras 3.15 adds the bias on that last axis: the "
+                f"float Keras model is wrong at such sizes, and the QAT model, which adds the "
+                f"bias on the channel axis, computes the correct bias add and differs from it."
+            ),
+            stacklevel=2,
+        )
     return (new_model, report) if return_report else new_model
 
 
@@ -183,18 +201,28 @@ class _Findings:
     quantized: dict[str, str] = dataclasses.field(default_factory=dict)
     quantizers: dict[str, str] = dataclasses.field(default_factory=dict)
     kept: list[KeptLayer] = dataclasses.field(default_factory=list)
+    # channels_first layers whose Keras bias add is wrong
+    wrong_bias_add: list[str] = dataclasses.field(default_factory=list)
 
 
 class _ModelRewrite:
     """The rewrite of one Sequential or Functional model (a nested one gets its own)."""
 
     def __init__(
-        self, settings: _Settings, findings: _Findings, model: keras.Model, prefix: str
+        self,
+        settings: _Settings,
+        findings: _Findings,
+        model: keras.Model,
+        prefix: str,
+        shared_in: str | None = None,
     ) -> None:
         self.settings = settings
         self.findings = findings
         self.model = model
         self.prefix = prefix
+        # Why every host and BN here is shared, when this nested model (or one around it) is
+        # called more than once: they stay float, as a shared host does.
+        self.shared_in = shared_in
         self.graph = _models.layer_graph(model, "quantize")
         self.info = _rewrite.Graph(self.graph)
         self.names = {operation.name for operation in self.graph.operations}
@@ -253,12 +281,19 @@ class _ModelRewrite:
             if type(bn) not in _bn_layers.BN_TYPES:
                 continue
             host = self.info.producer(node)
+            if self.shared_in is not None:
+                self._keep(
+                    bn, f"BN layer '{bn.name}' {self.shared_in}; it stays a float BN", "shared_bn"
+                )
+                continue
             refusal = _rewrite.refuse_bn(bn, node, self.info) or _rewrite.refuse_backward(
                 bn, node, host, self.info, hosts.KINDS, _HOSTS_TAKEN
             )
             config_refusal = batch_norm_refusal(bn)
             if refusal is None and config_refusal:
                 refusal = _rewrite.Refusal("batch_norm_config", config_refusal)
+            if refusal is None:
+                refusal = _activity_refusal(bn, "BN layer") or _activity_refusal(host, "its host")
             if refusal is None:
                 pairs[id(host)] = node
             else:
@@ -271,7 +306,9 @@ class _ModelRewrite:
             host = node.operation
             if type(host) not in hosts.KINDS or id(host) in self.qat or id(host) in self.kept_ids:
                 continue
-            refusal = _rewrite.refuse_host(host, self.info)
+            refusal = _rewrite.refuse_host(host, self.info) or _activity_refusal(host, "host")
+            if self.shared_in is not None:
+                refusal = _rewrite.Refusal("shared_host", f"host '{host.name}' {self.shared_in}")
             if refusal:
                 self._keep(host, f"{refusal.message}; it stays float", refusal.kind)
                 continue
@@ -324,6 +361,8 @@ class _ModelRewrite:
             return None
         layer = consumers[0].operation
         if self.info.shared(layer) or fusable_activation(layer) is None:
+            return None
+        if layer.activity_regularizer is not None:  # its loss term needs the layer called
             return None
         return consumers[0]
 
@@ -399,6 +438,7 @@ class _ModelRewrite:
         """Copy the node's operation (at its first call) and decide which of its outputs get
         quantizers."""
         operation = node.operation
+        self._check_bias_add(operation, node)
         if id(operation) in self.dropped:  # computed by the QAT layer before it
             self._inherit_grid(node)
             return
@@ -442,6 +482,23 @@ class _ModelRewrite:
         self.on_grid[id(node.outputs[0])] = self.on_grid[id(source)]
         if id(source) in self.grid_source:
             self.grid_source[id(node.outputs[0])] = self.grid_source[id(source)]
+
+    def _check_bias_add(self, operation: keras.Operation, node: Node) -> None:
+        """Note a channels_first layer with a bias whose output's last (spatial) axis may have
+        as many entries as there are channels: there Keras 3.15 adds the bias on that axis, so
+        the float model is wrong where the QAT model (its QAT layer or float copy with a
+        ChannelBias) adds it on the channel axis."""
+        if not (
+            type(operation) in _BIAS_ADDING
+            and _rewrite.channels_first(operation)
+            and operation.use_bias
+        ):
+            return
+        shape = node.outputs[0].shape
+        if shape[-1] is None or shape[-1] == shape[1]:
+            path = self.prefix + operation.name
+            if path not in self.findings.wrong_bias_add:
+                self.findings.wrong_bias_add.append(path)
 
     def _after_qat_layer(
         self, node: Node, layer: keras.layers.Layer, split: keras.layers.Layer | None
@@ -545,8 +602,19 @@ class _ModelRewrite:
             self.copies[id(operation)] = operation
             return None
         if isinstance(operation, keras.Model) and _models.has_layer_graph(operation):
+            shared_in = self.shared_in
+            if shared_in is None and self.info.shared(operation):
+                shared_in = (
+                    f"is inside the nested model '{self.prefix}{operation.name}', which is "
+                    f"called {self.info.calls[id(operation)]} times (its QAT layers would be "
+                    f"shared, which no exported file can hold)"
+                )
             inner = _ModelRewrite(
-                self.settings, self.findings, operation, f"{self.prefix}{operation.name}/"
+                self.settings,
+                self.findings,
+                operation,
+                f"{self.prefix}{operation.name}/",
+                shared_in,
             )
             self.copies[id(operation)], outputs_on_grid = inner.run(inputs_on_grid)
             return outputs_on_grid
@@ -605,6 +673,50 @@ class _ModelRewrite:
         return name
 
 
+def _activity_refusal(layer: keras.layers.Layer, role: str) -> _rewrite.Refusal | None:
+    """Why a QAT layer cannot compute `layer` (a host or a BN): it has an activity regularizer,
+    whose loss term only the layer's own call adds (a QAT layer computes the host's linear map
+    and the BN itself); None without one. `role` names the layer in the message ("host")."""
+    if layer.activity_regularizer is None:
+        return None
+    return _rewrite.Refusal(
+        "activity_regularizer",
+        f"{role} '{layer.name}' has an activity_regularizer, whose loss term (in model.losses) "
+        f"a QAT layer would drop",
+    )
+
+
+def _refuse_float_dtypes(model: keras.Model) -> None:
+    """Refuse a model whose layers compute or keep weights in a float type other than float32,
+    before anything is copied.
+
+    The QAT layers and an int8 file compute in float32: under a mixed policy (float16 or
+    bfloat16) the fake-quantized values are cast back to the lower precision and the float
+    layers between them compute in it, so the QAT model is not what its exported file
+    computes; a float64 batch norm cannot be folded into a float32 QAT layer.
+
+    Raises:
+        ValueError: naming each such layer and its dtype policy.
+    """
+    other = [
+        f"'{layer.name}' ({layer.dtype_policy.name})"
+        for layer in model._flatten_layers(include_self=False)
+        if not isinstance(layer, L.InputLayer)
+        and any(
+            _is_float_dtype(dtype) and dtype != "float32"
+            for dtype in (layer.dtype_policy.compute_dtype, layer.dtype_policy.variable_dtype)
+        )
+    ]
+    if other:
+        raise ValueError(
+            f"quantize_model takes float32 layers only: {', '.join(other)} of '{model.name}' "
+            f"compute or keep weights in another float type: the QAT model would round in it "
+            f"where its exported int8 file does not, and differ from the file unseen. Build the "
+            f"float model under the float32 policy (keras.config.set_dtype_policy('float32')) "
+            f"and copy its weights into it, then call quantize_model."
+        )
+
+
 def _linear_copy(host: keras.layers.Layer) -> keras.layers.Layer:
     """A built copy of `host` with a linear activation, its weights copied."""
     config = _models.config_of(host)
@@ -624,4 +736,9 @@ def _holds_hosts(layer: keras.layers.Layer) -> bool:
 
 
 def _is_float(tensor: keras.KerasTensor) -> bool:
-    return keras.backend.standardize_dtype(tensor.dtype).startswith(("float", "bfloat"))
+    return _is_float_dtype(tensor.dtype)
+
+
+def _is_float_dtype(dtype: object) -> bool:
+    """Whether `dtype` is a floating-point type (bfloat16 included)."""
+    return keras.backend.standardize_dtype(dtype).startswith(("float", "bfloat"))
