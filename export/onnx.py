@@ -196,7 +196,7 @@ class _QuantizedONNX(_ONNX):
         """The export form traced with each kernel an input named by its tag (tf2onnx keeps
         input names, not constants'), then the kernels made int8 (export/qdq.py)."""
         self._weights = qat.host_weights(model, taken=(*sig.input_names, *sig.output_names))
-        kernels = {}  # tag → the traced function's input, while it is traced
+        kernels: dict = {}  # tag → the traced function's input, while it is traced
         traced = qat.export_model(model, self._weights, lambda weight: kernels[weight.tag])
         specs = [
             *sig.input_specs,
@@ -219,7 +219,7 @@ class _QuantizedONNX(_ONNX):
         graph = onnx.load(path).graph
         initializers = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
         producers = {name: node for node in graph.node for name in node.output}
-        consumers = {}
+        consumers: dict[str, list] = {}
         for node in graph.node:
             for index, name in enumerate(node.input):
                 consumers.setdefault(name, []).append((node, index))

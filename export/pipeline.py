@@ -42,7 +42,7 @@ class Format:
     """The format-specific steps of an export. Subclasses set `name` and implement the rest."""
 
     name = ""
-    quantization = None
+    quantization: str | None = None
     names = trace.ANY_NAMES  # the names its files can hold
     quantized = False  # a QAT model: converted from its export form, judged in output steps
 

@@ -151,7 +151,7 @@ def host_weights(model, taken=()):
         list of HostWeight.
     """
     names = set(taken)
-    found = []
+    found: list = []
     seen = set()
     for path, layer in _layers(model):
         if not isinstance(layer, QAT_HOSTS) or id(layer) in seen:
@@ -192,7 +192,7 @@ def export_model(model, weights, weight_op):
     Returns:
         A keras.Model with the model's inputs and outputs.
     """
-    by_layer = {}
+    by_layer: dict[int, str] = {}
     for path, layer in _layers(model):
         by_layer.setdefault(id(layer), path)
     tagged = {(weight.host, weight.kernel): weight for weight in weights}

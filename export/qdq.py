@@ -84,7 +84,7 @@ def int8_weights(proto, weights):
 
 
 def _consumers(graph):
-    found = {}
+    found: dict[str, list] = {}
     for node in graph.node:
         for name in node.input:
             found.setdefault(name, []).append(node)
@@ -96,7 +96,8 @@ def _chain(graph, tag):
     if tag not in {value.name for value in graph.input}:
         raise RuntimeError(f"The ONNX graph has no kernel input {tag!r}.")
     consumers = _consumers(graph)
-    chain, current = [], tag
+    chain: list = []
+    current = tag
     while True:
         users = consumers.get(current, [])
         if len(users) != 1:
@@ -138,8 +139,11 @@ def _follow(chain, initializers, *arrays):
             axes = attributes.get("axes")
             if axes is None and len(node.input) > 1:
                 axes = numpy_helper.to_array(initializers[node.input[1]]).astype(int).tolist()
-            function = np.squeeze if node.op_type == "Squeeze" else np.expand_dims
-            arrays = tuple(function(a, tuple(axes)) for a in arrays)
+            if axes is None:  # Squeeze without axes drops every size-1 dimension
+                arrays = tuple(np.squeeze(a) for a in arrays)
+            else:
+                function = np.squeeze if node.op_type == "Squeeze" else np.expand_dims
+                arrays = tuple(function(a, tuple(axes)) for a in arrays)
     return arrays
 
 

@@ -489,6 +489,11 @@ def test_lsb_errors_fail_a_file_off_by_steps():
     assert tolerance.admits(exact) and exact.off_share == 0.0
     shifted = report.lsb_error(want + 3 * step, want, step, 99)  # a wrong offset: 3 steps
     assert not tolerance.admits(shifted) and shifted.percentile_lsb == pytest.approx(3)
+    # Two steps off, read back through float32 (2.0000006 steps): at the bound, admitted.
+    at_bound = report.lsb_error(np.float32(want + 2 * step), np.float32(want), step, 99)
+    assert at_bound.percentile_lsb != 2.0 and abs(at_bound.percentile_lsb - 2.0) < 1e-4
+    assert tolerance.admits(at_bound)
+    assert not tolerance.admits(report.lsb_error(want + 2.01 * step, want, step, 99))
     one_value = want.copy()
     one_value[0, 0] += 5 * step  # one value far off: the max bound
     assert not tolerance.admits(report.lsb_error(one_value, want, step, 99))
