@@ -200,11 +200,16 @@ def test_bench_qat_smoke(tmp_path):
     verdicts = [
         line.split("|")[-2].strip() for line in out.splitlines() if "| ≤" in line or "| ≥" in line
     ]
-    assert len(verdicts) == len(record["targets"]) == 9
+    assert len(verdicts) == len(record["targets"]) == 11
     assert verdicts == [
         "n/a" if t["met"] is None else "yes" if t["met"] else "MISSED" for t in record["targets"]
     ]
-    assert [t["mode"] for t in record["step_times"]] == ["graph", "XLA"]
+    assert [(t["model"].split(",")[0], t["mode"]) for t in record["step_times"]] == [
+        ("digits CNN", "graph"),
+        ("digits CNN", "XLA"),
+        ("MobileNetV2 α=0.35", "graph"),
+        ("MobileNetV2 α=0.35", "XLA"),
+    ]
     for timing in record["step_times"]:
         assert timing["float_ms"] > 0 and timing["qat_ms"] > 0
         assert timing["ratio"] == pytest.approx(timing["qat_ms"] / timing["float_ms"])
