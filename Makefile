@@ -74,6 +74,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_layer.py --json benchmarks/results/bench_layer.json
 	$(PY) benchmarks/bench_model.py
 	$(PY) benchmarks/bench_sync.py
+	$(PY) benchmarks/bench_recalibrate.py --json benchmarks/results/bench_recalibrate.json
 
 # GPU readiness, in at most 8 minutes: the exactness tests and the layer benchmark on the GPU,
 # JSON results into build/gpu_check/. No venv prerequisite: it runs with .venv's Python if there

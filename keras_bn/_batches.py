@@ -19,13 +19,15 @@ Data: TypeAlias = tf.data.Dataset | np.ndarray | dict[str, Any] | Iterable[Any]
 
 
 class Batches:
-    """The input batches `x`, re-iterable once per pass (recalibrate makes one per BN layer).
+    """The input batches `x`, re-iterable once per pass (the per-layer method makes one per BN
+    layer).
 
-    A one-shot iterator is read once and kept in memory; datasets, arrays and other
-    re-iterable containers are iterated again for each pass.
+    A one-shot iterator is read once and kept in memory, unless `keep` is False (a caller that
+    makes one pass only: it is then streamed, and a second pass finds it empty); datasets,
+    arrays and other re-iterable containers are iterated again for each pass.
     """
 
-    def __init__(self, data: Data, steps: int | None, batch_size: int) -> None:
+    def __init__(self, data: Data, steps: int | None, batch_size: int, keep: bool = True) -> None:
         if steps is not None and (
             isinstance(steps, bool) or not isinstance(steps, int) or steps < 1
         ):
@@ -39,7 +41,7 @@ class Batches:
         elif isinstance(data, tf.data.Dataset):
             if steps is None and data.cardinality() == tf.data.INFINITE_CARDINALITY:
                 raise ValueError("recalibrate: the dataset is infinite; pass steps=.")
-        elif iter(data) is data:
+        elif keep and iter(data) is data:
             data = list(take(data, steps))
         self._data = data
         self._steps = steps
@@ -63,7 +65,8 @@ class Batches:
         elif batches != self._observed:
             raise ValueError(
                 f"recalibrate: `data` gave {batches} batches on one pass and {self._observed} on "
-                f"another; it must give the same batches on every pass (one pass per BN layer)."
+                f"another; it must give the same batches on every pass (the per-layer method makes "
+                f"one pass per BN layer)."
             )
 
     def fresh(self) -> "Batches":

@@ -61,10 +61,7 @@ class BatchNormCalls:
         def shadowed_call(inputs: tf.Tensor, *args: Any, **kwargs: Any) -> tf.Tensor:
             if self._recorded is not None:
                 if index in self._recorded:
-                    raise ValueError(
-                        f"recalibrate: layer '{layer.name}' is called more than once per "
-                        f"forward pass; a shared BN layer has no single input distribution."
-                    )
+                    raise shared_error(layer)
                 self._recorded[index] = batch_moments(layer, inputs, kwargs.get("mask"))
                 # Inference even where the caller's code passes training=True to this layer.
                 kwargs["training"] = False
@@ -94,6 +91,14 @@ class BatchNormCalls:
             return dict(self._recorded)
         finally:
             self._recorded = None
+
+
+def shared_error(layer: keras.layers.Layer) -> ValueError:
+    """The error for a BN layer called more than once per forward pass."""
+    return ValueError(
+        f"recalibrate: layer '{layer.name}' is called more than once per forward pass; a "
+        f"shared BN layer has no single input distribution."
+    )
 
 
 def batch_moments(layer: keras.layers.Layer, inputs: tf.Tensor, mask: tf.Tensor | None) -> Moments:

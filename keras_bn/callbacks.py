@@ -15,7 +15,7 @@ import keras
 from keras_bn import _bn_layers, _hooks
 from keras_bn._batches import Batches, Data
 from keras_bn._errors import KerasBNWarning
-from keras_bn.population import RecalibrationReport, recalibrate_layers
+from keras_bn.population import RecalibrationReport, check_max_memory, recalibrate_layers
 from keras_bn.quantize.layers import refuse_folded_batch_norms
 
 __all__ = ["Recalibrate"]
@@ -52,8 +52,11 @@ class Recalibrate(keras.callbacks.Callback):
     If `fit` stops with an exception during a validation run (e.g. KeyboardInterrupt), Keras
     runs no further callback, so the model keeps the statistics recalibrated for that run.
 
-    Each recalibration costs one inference pass over `data` per BN layer. `last_report` holds
-    the `RecalibrationReport` of the latest one (None before the first).
+    Each recalibration costs about one inference pass over `data` for a Sequential or
+    Functional model (`keras_bn.recalibrate`'s one pass, its compiled segments kept on the
+    model so that later recalibrations trace nothing again), one per BN layer for a subclassed
+    model. `last_report` holds the `RecalibrationReport` of the latest one (None before the
+    first): its `strategy` says which ran.
 
     Args:
         data: the batches to compute the statistics from, as for `keras_bn.recalibrate`: a
@@ -65,12 +68,15 @@ class Recalibrate(keras.callbacks.Callback):
         at_train_end: recalibrate in `on_train_end`.
         before_validation: recalibrate for each validation run, then restore.
         progress: show `recalibrate`'s progress bar.
+        max_memory: the bytes the one pass may keep in memory for the tensors later layers
+            still read, as for `keras_bn.recalibrate` (past it they go to disk); None: the
+            default there.
 
     Raises:
         ValueError: `steps` is not a positive int (nor None), `batch_size` is not a positive
-            int while `data` is a numpy array, a dataset is infinite
-            without `steps`, a flag is not a bool, or both `at_train_end` and
-            `before_validation` are False (the callback would do nothing).
+            int while `data` is a numpy array, a dataset is infinite without `steps`, a flag
+            is not a bool, `max_memory` is not an int ≥ 0 (nor None), or both `at_train_end`
+            and `before_validation` are False (the callback would do nothing).
     """
 
     def __init__(
@@ -81,6 +87,7 @@ class Recalibrate(keras.callbacks.Callback):
         at_train_end: bool = True,
         before_validation: bool = False,
         progress: bool = False,
+        max_memory: int | None = None,
     ) -> None:
         super().__init__()
         for name, value in (
@@ -98,6 +105,8 @@ class Recalibrate(keras.callbacks.Callback):
         # recalibrate's own checks of data, steps and batch_size, run now rather than at the
         # end of training; its batches (a one-shot iterator read into a list) are kept.
         self._batches = Batches(data, steps, batch_size)
+        check_max_memory(max_memory)
+        self.max_memory = max_memory
         self.batch_size = batch_size
         self.steps = steps
         self.at_train_end = at_train_end
@@ -179,4 +188,5 @@ class Recalibrate(keras.callbacks.Callback):
                 layers,
                 self._batches.fresh(),
                 self.progress,
+                self.max_memory,
             )

@@ -18,13 +18,21 @@ channel at most one value is left out of that channel (of every channel for kera
 `keras.layers.BatchNormalization` stores the biased variance, so its layers get
 Σ m_B·σ²_B / Σ m_B, the same convention as their own moving average.
 
-Upstream normalization while it runs: the layers are recalibrated one at a time, in the order
-the forward pass calls them, and every pass runs the whole model in inference mode (BN layers
-infer even where the model's code passes them training=True). So when a layer's statistics are
-gathered, every BN layer upstream of it already normalizes with its new population statistics:
-each layer's statistics describe exactly the input it gets at inference, which is what they are
-used for. Dropout and the other training-only layers are off. The cost is one pass over the
-data per BN layer (one compiled forward function serves every pass).
+Upstream normalization while it runs: the layers are recalibrated in the order the forward
+pass calls them, in inference mode (BN layers infer even where the model's code passes them
+training=True), each from activations computed with every BN upstream of it already
+recalibrated: each layer's statistics describe exactly the input it gets at inference, which
+is what they are used for. Dropout and the other training-only layers are off.
+
+Two methods give the same statistics:
+- one pass (keras_bn/_one_pass.py), for Sequential and Functional models: the graph runs node
+  by node over all the batches, cut into compiled segments at the BN layers; each BN is set
+  once every batch has reached it, before anything downstream of it runs. The cost is about
+  one inference pass. The tensors later nodes still read are kept per batch within
+  `max_memory`, on disk past it.
+- per layer (keras_bn/_layerwise.py), for subclassed models and inside custom layers that hide
+  BNs from the graph: one pass over the data per BN layer (one compiled forward function
+  serves every pass). It is also the reference the one pass is tested against.
 """
 
 import dataclasses
@@ -32,53 +40,16 @@ from collections.abc import Sequence
 
 import keras
 import numpy as np
-import numpy.typing as npt
-import tensorflow as tf
 
-from keras_bn import _bn_layers
+from keras_bn import _bn_layers, _frontier, _one_pass
 from keras_bn._batches import Batches, Data
-from keras_bn._hooks import BatchNormCalls
+from keras_bn._layerwise import LayerChange, PooledMoments, ProgressBar, in_call_order
 from keras_bn.quantize.layers import refuse_folded_batch_norms
 
+__all__ = ["LayerChange", "PooledMoments", "RecalibrationReport", "recalibrate"]
 
-@dataclasses.dataclass(frozen=True)
-class LayerChange:
-    """One layer's statistics before and after recalibration (float64 arrays, per channel).
-
-    Attributes:
-        name: the BN layer's name.
-        convention: "unbiased" for `keras_bn.BatchNormalization` (m/(m−1)·E_B[σ²_B]), "biased"
-            for `keras.layers.BatchNormalization` (E_B[σ²_B]).
-        old_mean: `moving_mean` before.
-        new_mean: `moving_mean` after.
-        old_variance: `moving_variance` before.
-        new_variance: `moving_variance` after.
-        batches_used: the batches whose statistics entered (at least one channel; every
-            channel for keras_bn's `momentum=None`); fewer than the report's `batches` where
-            some left this layer m ≤ 1 values in every channel (skipped, as training skips
-            them).
-        unchanged_channels: flat indices of the channels that no batch gave 2 values (a time
-            step that is padding in every sequence, under a mask): they keep their statistics.
-    """
-
-    name: str
-    convention: str  # "unbiased" (keras_bn) or "biased" (keras.layers.BatchNormalization)
-    old_mean: np.ndarray
-    new_mean: np.ndarray
-    old_variance: np.ndarray
-    new_variance: np.ndarray
-    batches_used: int | None = None
-    unchanged_channels: tuple[int, ...] = ()
-
-    @property
-    def mean_change(self) -> np.ndarray:
-        """new − old moving mean, per channel (float64 array)."""
-        return self.new_mean - self.old_mean
-
-    @property
-    def variance_change(self) -> np.ndarray:
-        """new − old moving variance, per channel (float64 array)."""
-        return self.new_variance - self.old_variance
+# The strategies a `RecalibrationReport` names.
+STRATEGIES = ("one_pass", "one_pass_spilled", "per_layer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,11 +65,32 @@ class RecalibrationReport:
             when the forward pass called no BN layer and `data` does not tell its length.
         not_called: names of the BN layers the forward pass never reached; they are left as
             they were.
+        strategy: how it ran: "one_pass" (the graph walked once over the data, its frontier
+            in memory), "one_pass_spilled" (the same, with part of the frontier spilled to
+            disk to stay within `max_memory`) or "per_layer" (one pass over the data per BN
+            layer: a subclassed model).
+        passes: the work in forward passes over the data: the layer (node) evaluations over
+            all the batches divided by those of one inference pass of the model. "per_layer"
+            makes one pass per BN layer; "one_pass" evaluates each node that leads to a BN
+            once per batch (at most 1: the head after the last BN does not run), plus, for each
+            BN recalibrated inside a custom layer, one evaluation of that layer per batch. None
+            where unknown.
+        peak_frontier_bytes: the most bytes the one pass kept in memory at once (the tensors
+            later layers still read, for every batch); 0 for "per_layer".
+        spilled_bytes: the bytes the one pass wrote to disk (0 unless "one_pass_spilled").
+        fallbacks: the BN layers recalibrated by the per-layer method inside a layer whose
+            `call` the graph does not expose (a custom layer, a subclassed model inside the
+            graph): each one's path and why.
     """
 
     layers: tuple[LayerChange, ...]
     batches: int | None
     not_called: tuple[str, ...] = ()  # BN layers the forward pass never reached (left as they were)
+    strategy: str = "per_layer"
+    passes: float | None = None
+    peak_frontier_bytes: int = 0
+    spilled_bytes: int = 0
+    fallbacks: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         lines = [
@@ -127,6 +119,15 @@ class RecalibrationReport:
             lines.append(f"Channels no batch gave 2 values (unchanged), per layer: {unchanged}")
         if self.not_called:
             lines.append(f"Not called by the forward pass (unchanged): {list(self.not_called)}")
+        passes = "" if self.passes is None else f", {self.passes:.3g} forward pass(es) of work"
+        spilled = self.spilled_bytes / 2**20
+        lines.append(
+            f"Strategy: {self.strategy}{passes}; frontier peak "
+            f"{self.peak_frontier_bytes / 2**20:.1f} MiB in memory"
+            + (f", {spilled:.1f} MiB spilled to disk." if self.spilled_bytes else ".")
+        )
+        for fallback in self.fallbacks:
+            lines.append(f"Per layer: {fallback}")
         return "\n".join(lines)
 
 
@@ -136,6 +137,7 @@ def recalibrate(
     steps: int | None = None,
     progress: bool = True,
     batch_size: int = 32,
+    max_memory: int | None = None,
 ) -> RecalibrationReport:
     """Set every BN layer of `model` (nested models included) to Algorithm 2's statistics.
 
@@ -153,10 +155,19 @@ def recalibrate(
     a mask can leave the channels different counts m_B,c (a (batch, time) mask with `axis=1`
     on (batch, time, features)).
 
-    The layers are recalibrated one at a time in the order the forward pass calls them, with
-    every pass in inference mode, so each layer's statistics describe the input it gets at
-    inference (upstream layers already use their new statistics). This costs one pass over
-    `data` per BN layer.
+    The layers are recalibrated in the order the forward pass calls them, in inference mode,
+    each from activations computed with every BN upstream of it already recalibrated, so each
+    layer's statistics describe exactly the input it gets at inference.
+
+    Cost: for a Sequential or Functional model (nested ones included) the graph runs layer by
+    layer over all the batches, each stretch between two BN layers as one compiled function,
+    and each BN is set once every batch has reached it: about one inference pass over `data`
+    in all (strategy "one_pass"). Meanwhile the tensors that later layers still read are kept
+    for every batch, within `max_memory` bytes, and written to a temporary folder past it
+    (strategy "one_pass_spilled"; the folder is removed afterwards). A BN inside a custom
+    layer, whose `call` the graph does not expose, is recalibrated by one pass of that layer
+    alone per such BN (`RecalibrationReport.fallbacks` names them). A subclassed model has no
+    graph to walk: it costs one pass over `data` per BN layer (strategy "per_layer").
     Only `moving_mean` and `moving_variance` change (and the bookkeeping that follows them:
     `moving_stddev` = √(moving_variance + ε) for renorm layers, the batch counter for
     `momentum=None`); trainable weights are untouched. A batch that gives a layer's channel at
@@ -172,17 +183,24 @@ def recalibrate(
         data: a `tf.data.Dataset`, a numpy array, a dict of numpy arrays (a model with named
             inputs), or an iterable of batches. Elements may be `x`, or `(x, y)` /
             `(x, y, sample_weight)` tuples, of which only `x` is used. An array, or each array
-            of a dict, is split along its first axis into batches of `batch_size`.
+            of a dict, is split along its first axis into batches of `batch_size`. A one-shot
+            iterator (a generator) is read once: streamed by the one pass, held in memory
+            for a subclassed model's passes.
         steps: how many batches to use; None uses them all (required for an infinite
             dataset).
         progress: show a progress bar (rich, on stderr).
         batch_size: batch size for numpy-array (or dict of arrays) data only.
+        max_memory: the bytes the one pass may keep in memory (on the device that computes
+            them) for the tensors later layers still read; past it they go to disk. None: 2 GiB,
+            or half the memory available when that is less.
 
     Returns:
-        A `RecalibrationReport` with the change in mean and variance of each layer.
+        A `RecalibrationReport` with the change in mean and variance of each layer, the
+        strategy that ran, the passes it cost and its peak memory.
 
     Raises:
         ValueError: the model has no BN layer; `steps` or `batch_size` is not a positive int;
+            `max_memory` is not an int ≥ 0 or None;
             the dataset is infinite and `steps` is None; the arrays of a dict differ in
             length; `data` gives no batch, or no batch with 2 values per channel for some
             layer, or a different number of batches on another pass; or a BN layer is called
@@ -200,193 +218,80 @@ def recalibrate(
     layers = _bn_layers.in_model(model)
     if not layers:
         raise ValueError(f"Model '{model.name}' has no BatchNormalization layer to recalibrate.")
-    return recalibrate_layers(model, layers, Batches(data, steps, batch_size), progress)
+    budget = check_max_memory(max_memory)
+    # The one pass reads `data` once: a generator is streamed, not held in memory.
+    batches = Batches(data, steps, batch_size, keep=not _one_pass.walkable(model))
+    return recalibrate_layers(model, layers, batches, progress, budget)
+
+
+def check_max_memory(max_memory: int | None) -> int:
+    """The frontier budget in bytes: `max_memory` checked, or the default for None.
+
+    Args:
+        max_memory: bytes (an int ≥ 0), or None for `_frontier.default_max_memory()`.
+
+    Returns:
+        The budget in bytes.
+
+    Raises:
+        ValueError: `max_memory` is not an int ≥ 0 (a bool, a float, a string, negative).
+    """
+    if max_memory is None:
+        return _frontier.default_max_memory()
+    if isinstance(max_memory, bool) or not isinstance(max_memory, int) or max_memory < 0:
+        raise ValueError(
+            f"max_memory must be a number of bytes (an int ≥ 0) or None; received "
+            f"max_memory={max_memory!r}."
+        )
+    return max_memory
 
 
 def recalibrate_layers(
-    model: keras.Model, layers: Sequence[keras.layers.Layer], batches: Batches, progress: bool
+    model: keras.Model,
+    layers: Sequence[keras.layers.Layer],
+    batches: Batches,
+    progress: bool,
+    max_memory: int | None = None,
 ) -> RecalibrationReport:
     """`recalibrate` for the BN `layers` of `model` only, over `Batches`; the other BN layers
-    keep their statistics (and normalize with them while the chosen ones are gathered)."""
-    with BatchNormCalls(layers) as statistics:
-        forward = tf.function(
-            lambda x: statistics.record(lambda: model(x, training=False)),
-            reduce_retracing=True,
-        )
-        forward(batches.first())
-        order = statistics.order
-        bar = _progress_bar(progress, len(order) * batches.count if batches.count else None)
-        changes = []
-        try:
-            for index in order:
-                layer = layers[index]
-                bar.set_description(layer.name)
-                sums = PooledMoments.for_layer(layer)
-                for x in batches:
-                    sums.add(*[t.numpy() for t in forward(x)[index]])
-                    bar.update(1)
-                batches.check_count(sums.batches + sums.skipped)
-                if not sums.batches:
-                    raise ValueError(
-                        f"recalibrate: no batch of `data` gives layer '{layer.name}' at least 2 "
-                        f"values per channel (m ≤ 1 in all {sums.skipped} batches), which "
-                        f"Algorithm 2 needs to estimate a batch variance. Use larger batches."
-                    )
-                changes.append(_assign(layer, sums))
-        finally:
-            bar.close()
-    not_called = tuple(layers[i].name for i in range(len(layers)) if i not in order)
-    return RecalibrationReport(tuple(changes), batches.count, not_called)
-
-
-class PooledMoments:
-    """Algorithm 2's pooling of one layer's batch moments, per channel, as running float64
-    sums over batches: Σm, Σm·μ, Σm·σ² and the batches each channel used.
-
-    A batch leaves out each channel where its count m_c ≤ 1 (no variance), as the layer's
-    moving update does. With `whole_batches` (keras_bn's `momentum=None`, whose one batch
-    counter must count every channel's batches) a batch with such a channel is left out of
-    every channel. A batch left out of every channel is only counted as skipped.
-
-    Args:
-        whole_batches: use a batch in every channel or in none.
-
-    Attributes:
-        batches: the batches used (in at least one channel).
-        skipped: the batches used in no channel.
-    """
-
-    def __init__(self, whole_batches: bool = False) -> None:
-        self.whole_batches = whole_batches
-        self.batches = 0
-        self.skipped = 0
-        # 0-d until the first batch broadcasts them to its channels' shape.
-        self._channel_batches: npt.NDArray[np.float64] = np.zeros(())
-        self._count: npt.NDArray[np.float64] = np.zeros(())
-        self._weighted_mean: npt.NDArray[np.float64] = np.zeros(())
-        self._weighted_variance: npt.NDArray[np.float64] = np.zeros(())
-
-    @classmethod
-    def for_layer(cls, layer: keras.layers.Layer) -> "PooledMoments":
-        """The pooling that matches `layer`'s own moving update: whole batches for a keras_bn
-        layer with `momentum=None`, per channel otherwise.
-
-        Args:
-            layer: a BN layer of either class.
-
-        Returns:
-            An empty `PooledMoments`.
-        """
-        return cls(whole_batches=getattr(layer, "num_batches_tracked", None) is not None)
-
-    def add(self, mean: npt.ArrayLike, variance: npt.ArrayLike, count: npt.ArrayLike) -> None:
-        """Pool one batch's mean and biased variance over `count` values in each channel.
-
-        Args:
-            mean: the batch's per-channel mean.
-            variance: the batch's per-channel biased variance.
-            count: m_c, per channel or one number for all.
-        """
-        mean = np.asarray(mean, np.float64)
-        count = np.broadcast_to(np.asarray(count, np.float64), mean.shape)
-        used = count >= 2
-        if self.whole_batches and not used.all():
-            used = np.zeros_like(used)
-        if not used.any():
-            self.skipped += 1
-            return
-        self.batches += 1
-        weight = np.where(used, count, 0.0)
-        self._channel_batches = self._channel_batches + used
-        self._count = self._count + weight
-        self._weighted_mean = self._weighted_mean + weight * np.where(used, mean, 0.0)
-        self._weighted_variance = self._weighted_variance + weight * np.where(
-            used, np.asarray(variance, np.float64), 0.0
-        )
-
-    @property
-    def seen(self) -> np.ndarray:
-        """Per channel, whether some batch was used in it (its population is defined)."""
-        return np.asarray(self._channel_batches) > 0
-
-    def population(self, unbiased: bool) -> tuple[np.ndarray, np.ndarray]:
-        """(E[x], Var[x]) per channel over the batches pooled, NaN where none was (see `seen`).
-
-        Args:
-            unbiased: Σm·σ² / Σ(m − 1), keras_bn's convention, when True; else Σm·σ² / Σm.
-
-        Returns:
-            (mean, variance) as float64 arrays.
-        """
-        divisor = self._count - self._channel_batches if unbiased else self._count
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return self._weighted_mean / self._count, self._weighted_variance / divisor
-
-
-def _assign(layer: keras.layers.Layer, sums: PooledMoments) -> LayerChange:
-    """Set `layer`'s statistics to the pooled ones in the channels some batch reached."""
-    mean, variance = sums.population(_bn_layers.unbiased_variance(layer))
-    seen = sums.seen
-    old_mean = layer.moving_mean.numpy().astype(np.float64)
-    old_variance = layer.moving_variance.numpy().astype(np.float64)
-    mean, variance = np.where(seen, mean, old_mean), np.where(seen, variance, old_variance)
-    layer.moving_mean.assign(mean.astype(layer.moving_mean.dtype))
-    layer.moving_variance.assign(variance.astype(layer.moving_variance.dtype))
-    # Renorm layers (both classes) keep moving_stddev = √(moving_variance + ε) for Keras.
-    if getattr(layer, "moving_stddev", None) is not None:
-        stddev = np.where(seen, np.sqrt(variance + layer.epsilon), layer.moving_stddev.numpy())
-        layer.moving_stddev.assign(stddev.astype("float32"))
-    # momentum=None: the cumulative average now stands for these batches (whole ones).
-    if getattr(layer, "num_batches_tracked", None) is not None:
-        layer.num_batches_tracked.assign(sums.batches)
-    return LayerChange(
-        name=layer.name,
-        convention=_bn_layers.variance_convention(layer),
-        old_mean=old_mean,
-        new_mean=layer.moving_mean.numpy().astype(np.float64),
-        old_variance=old_variance,
-        new_variance=layer.moving_variance.numpy().astype(np.float64),
-        batches_used=sums.batches,
-        unchanged_channels=tuple(int(i) for i in np.flatnonzero(~seen)),
+    keep their statistics (and normalize with them while the chosen ones are gathered). One
+    pass for a Sequential or Functional model, per layer for a subclassed one."""
+    if not _one_pass.walkable(model):
+        return recalibrate_per_layer(model, layers, batches, progress)
+    with ProgressBar(progress) as bar:
+        result = _one_pass.run(model, layers, batches, bar, check_max_memory(max_memory))
+    return RecalibrationReport(
+        layers=result.changes,
+        batches=result.batches,
+        not_called=tuple(layers[i].name for i in result.not_called),
+        strategy=result.strategy,
+        passes=result.passes,
+        peak_frontier_bytes=result.peak_frontier_bytes,
+        spilled_bytes=result.spilled_bytes,
+        fallbacks=result.fallbacks,
     )
 
 
-def _progress_bar(enabled: bool, total: int | None) -> "_ProgressBar":
-    return _ProgressBar(enabled, total)
-
-
-class _ProgressBar:
-    """A rich progress bar on stderr (rich comes with Keras): "<layer> ━━━ 3/8 0:00:01".
-
-    Where stderr is not a terminal (a log file, CI), rich draws the final state once.
-    """
-
-    def __init__(self, enabled: bool, total: int | None) -> None:
-        from rich.console import Console
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
+def recalibrate_per_layer(
+    model: keras.Model, layers: Sequence[keras.layers.Layer], batches: Batches, progress: bool
+) -> RecalibrationReport:
+    """The per-layer method on the whole model: one pass over `batches` per BN layer of
+    `layers`, in the order the forward pass calls them. The reference the one pass is tested
+    against, and the method for subclassed models."""
+    with ProgressBar(progress) as bar:
+        done = in_call_order(
+            layers,
+            lambda x: model(x, training=False),
+            batches,
+            batches.first(),
+            batches.count,
+            bar,
+            batches.check_count,
         )
-
-        self._progress = Progress(
-            TextColumn("recalibrate {task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=Console(stderr=True),
-            disable=not enabled,
-        )
-        self._task = self._progress.add_task("", total=total)
-        self._progress.start()
-
-    def set_description(self, description: str) -> None:
-        self._progress.update(self._task, description=description)
-
-    def update(self, steps: int) -> None:
-        self._progress.advance(self._task, steps)
-
-    def close(self) -> None:
-        self._progress.stop()
+    return RecalibrationReport(
+        layers=done.changes,
+        batches=batches.count,
+        not_called=tuple(layers[i].name for i in done.not_called),
+        strategy="per_layer",
+        passes=float(len(done.changes)),
+    )

@@ -259,3 +259,21 @@ def test_round_weights_is_the_qat_models_inference_before_training():
         np.testing.assert_allclose(rounded, qat, atol=1e-4 * np.abs(rounded).max())
         unrounded = model.predict(x_test, verbose=0)
         assert np.abs(rounded - unrounded).max() > 1e-3 * np.abs(unrounded).max()
+
+
+def test_bench_recalibrate_smoke(tmp_path):
+    out = _run("bench_recalibrate.py", "--json", str(tmp_path / "recalibrate.json"))
+    assert out.startswith("machine: ")
+    rows = [line for line in out.splitlines() if line.startswith("| small ResNet |")]
+    assert len(rows) == 1 and len(rows[0].split("|")) == 11
+    assert "target: small ResNet recalibrate ≤ 1.5× one predict pass" in out
+    record = json.loads((tmp_path / "recalibrate.json").read_text())
+    (row,) = record["rows"]
+    assert row["bn_layers"] == 16 and row["one_pass_strategy"] == "one_pass"
+    # The one pass does at most one pass of work, the per-layer method one per BN layer, and
+    # both give the same statistics (each statistic within 1e-5 of its scale).
+    assert row["one_pass_passes"] <= 1.0 and row["per_layer_passes"] == 16.0
+    assert row["max_relative_difference"] <= 1e-5
+    cells = [c.strip() for c in rows[0].split("|")[1:-1]]
+    assert float(cells[4]) == pytest.approx(row["one_pass_ratio"], abs=0.006)
+    assert [p.name for p in tmp_path.iterdir()] == ["recalibrate.json"]

@@ -1,0 +1,219 @@
+"""`keras_bn.recalibrate`'s cost as a multiple of one inference pass (`model.predict`) over the
+same data: the one pass (keras_bn/_one_pass.py) and the per-layer method it replaced (one pass
+per BN layer), on keras.applications.ResNet50(weights=None) at 64×64 and on a small residual
+net with 16 BN layers, 256 images in batches of 64.
+
+Each time is the median of `--reps` runs. "cold" is the first call on a fresh model (it traces
+its functions, as a first `predict` does); "warm" is a later call (`recalibrate` keeps its
+compiled segments on the model, as Keras keeps `predict_function`; the per-layer method traces
+again each call). Ratios are to the predict pass of the same temperature. The per-layer method
+is timed once (`--per-layer-reps`): it costs tens of predict passes.
+
+    python benchmarks/bench_recalibrate.py --json benchmarks/results/bench_recalibrate.json
+    python benchmarks/bench_recalibrate.py --smoke    # tiny models, one rep: CI's check
+"""
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import _tf_env  # noqa: F401  (before TensorFlow: its environment)
+import keras
+import numpy as np
+import tensorflow as tf
+from bench_layer import machine_description
+
+from keras_bn import _bn_layers, population
+from keras_bn._batches import Batches
+from keras_bn.export import atomic
+
+
+def small_resnet(image=32, widths=(16, 32, 64), stem=8):
+    """A residual net with 16 BN layers: a stem, 3 stages of 2 blocks, a BN on each projection
+    shortcut (the first block of every stage changes the width)."""
+
+    def conv_bn(x, filters, kernel=3, strides=1, relu=True):
+        x = keras.layers.Conv2D(filters, kernel, strides=strides, padding="same", use_bias=False)(x)
+        x = keras.layers.BatchNormalization()(x)
+        return keras.layers.ReLU()(x) if relu else x
+
+    inputs = keras.Input((image, image, 3))
+    x = conv_bn(inputs, stem)
+    for stage, filters in enumerate(widths):
+        for block in range(2):
+            strides = 2 if stage > 0 and block == 0 else 1
+            shortcut = x
+            y = conv_bn(x, filters, strides=strides)
+            y = conv_bn(y, filters, relu=False)
+            if block == 0:
+                shortcut = conv_bn(shortcut, filters, kernel=1, strides=strides, relu=False)
+            x = keras.layers.ReLU()(keras.layers.Add()([y, shortcut]))
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inputs, keras.layers.Dense(10)(x), name="small_resnet")
+
+
+def _models(smoke):
+    if smoke:
+        return [("small ResNet", lambda: small_resnet(image=8, widths=(4, 4, 4), stem=4), 8)]
+    return [
+        (
+            "ResNet50",
+            lambda: keras.applications.ResNet50(weights=None, input_shape=(64, 64, 3)),
+            64,
+        ),
+        ("small ResNet", small_resnet, 32),
+    ]
+
+
+def _timed(function):
+    start = time.perf_counter()
+    result = function()
+    return time.perf_counter() - start, result
+
+
+def measure(name, build, image, images, batch, reps, per_layer_reps, seed=0):
+    """One model's row: predict, one pass, per layer (seconds, cold and warm), the passes and
+    strategies the reports give, and the largest statistic difference between the methods."""
+    keras.utils.set_random_seed(seed)
+    model = build()
+    x = np.random.default_rng(seed).normal(size=(images, image, image, 3)).astype("float32")
+    bns = len(_bn_layers.in_model(model))
+
+    def predict():
+        return model.predict(x, batch_size=batch, verbose=0)
+
+    def statistics_now():
+        return [
+            (layer.moving_mean.numpy(), layer.moving_variance.numpy())
+            for layer in _bn_layers.in_model(model)
+        ]
+
+    start_statistics = statistics_now()
+
+    def restore():
+        for layer, (mean, variance) in zip(_bn_layers.in_model(model), start_statistics):
+            layer.moving_mean.assign(mean)
+            layer.moving_variance.assign(variance)
+
+    def one_pass():
+        restore()
+        return population.recalibrate(model, x, batch_size=batch, progress=False)
+
+    def per_layer():
+        restore()
+        layers = _bn_layers.in_model(model)
+        return population.recalibrate_per_layer(model, layers, Batches(x, None, batch), False)
+
+    predict_cold, _ = _timed(predict)
+    predict_warm = statistics.median(_timed(predict)[0] for _ in range(reps))
+    one_cold, report = _timed(one_pass)
+    one_warm = statistics.median(_timed(one_pass)[0] for _ in range(reps))
+    one_pass_statistics = statistics_now()
+    per_layer_times = [_timed(per_layer) for _ in range(per_layer_reps)]
+    per_layer_time = statistics.median(t for t, _ in per_layer_times)
+    reference = per_layer_times[0][1]
+    # As the tests compare: each statistic's largest difference over its largest value.
+    difference = max(
+        float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+        for one, reference_layer in zip(one_pass_statistics, statistics_now())
+        for a, b in zip(one, reference_layer)
+    )
+    return {
+        "model": name,
+        "bn_layers": bns,
+        "images": images,
+        "image": image,
+        "batch": batch,
+        "predict_cold_s": round(predict_cold, 4),
+        "predict_s": round(predict_warm, 4),
+        "one_pass_cold_s": round(one_cold, 4),
+        "one_pass_s": round(one_warm, 4),
+        "per_layer_s": round(per_layer_time, 4),
+        "one_pass_cold_ratio": round(one_cold / predict_cold, 3),
+        "one_pass_ratio": round(one_warm / predict_warm, 3),
+        "per_layer_ratio": round(per_layer_time / predict_warm, 3),
+        "one_pass_strategy": report.strategy,
+        "one_pass_passes": round(report.passes, 3),
+        "per_layer_passes": reference.passes,
+        "peak_frontier_mib": round(report.peak_frontier_bytes / 2**20, 2),
+        "max_relative_difference": difference,
+    }
+
+
+HEADER = (
+    "| model | BNs | predict (s) | one pass (s) | × predict | cold × predict | per layer (s) "
+    "| × predict | max diff / scale |\n|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def row_line(row):
+    return (
+        f"| {row['model']} | {row['bn_layers']} | {row['predict_s']:.3f} | "
+        f"{row['one_pass_s']:.3f} | {row['one_pass_ratio']:.2f} | "
+        f"{row['one_pass_cold_ratio']:.2f} | {row['per_layer_s']:.3f} | "
+        f"{row['per_layer_ratio']:.1f} | {row['max_relative_difference']:.1e} |"
+    )
+
+
+# The issue's targets, recalibrate ÷ one predict pass (warm).
+TARGETS = {"ResNet50": 2.0, "small ResNet": 1.5}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny model, one rep")
+    parser.add_argument("--reps", type=int, default=3, help="timed runs per contender (median)")
+    parser.add_argument(
+        "--per-layer-reps", type=int, default=1, help="runs of the per-layer method"
+    )
+    parser.add_argument("--images", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
+    args = parser.parse_args(argv)
+    for flag in ("reps", "per_layer_reps", "images", "batch"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1")
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes")
+    images, batch, reps = (16, 8, 1) if args.smoke else (args.images, args.batch, args.reps)
+    device = tf.identity(0.0).device
+    print(f"machine: {machine_description()}")
+    print(f"device: {device}")
+    print(f"{images} images in batches of {batch}; medians of {reps} run(s)\n")
+    print(HEADER, flush=True)
+    rows = []
+    for name, build, image in _models(args.smoke):
+        row = measure(name, build, image, images, batch, reps, args.per_layer_reps)
+        rows.append(row)
+        print(row_line(row), flush=True)
+    print()
+    for row in rows:
+        if row["model"] in TARGETS:
+            target = TARGETS[row["model"]]
+            met = "yes" if row["one_pass_ratio"] <= target else "MISSED"
+            print(
+                f"target: {row['model']} recalibrate ≤ {target}× one predict pass: "
+                f"{row['one_pass_ratio']:.2f}× → {met}"
+            )
+    if args.json:
+        argv = argv if argv is not None else sys.argv[1:]
+        record = {
+            "command": "python benchmarks/bench_recalibrate.py " + " ".join(argv),
+            "machine": machine_description(),
+            "device": device,
+            "started_utc": started,
+            "finished_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                timespec="minutes"
+            ),
+            "rows": rows,
+        }
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        atomic.write_text(args.json, json.dumps(record, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,300 @@
+"""Algorithm 2 for one BN layer at a time: pool its batch moments (`PooledMoments`), set them
+(`assign`, which reports a `LayerChange`), and the per-layer method (`in_call_order`).
+
+The per-layer method recalibrates the layers one at a time, in the order a forward function
+calls them, with one pass over the inputs per layer: when a layer's moments are recorded,
+every layer before it already normalizes with its new statistics. `recalibrate` keeps it as
+the reference its one-pass method is tested against, for subclassed models (which have no
+graph to walk), and for the BN layers inside a custom layer (whose `call` the walk cannot see
+into), where the forward function is that layer's call on its inputs.
+"""
+
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import keras
+import numpy as np
+import numpy.typing as npt
+import tensorflow as tf
+
+from keras_bn import _bn_layers
+from keras_bn._hooks import BatchNormCalls
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerChange:
+    """One layer's statistics before and after recalibration (float64 arrays, per channel).
+
+    Attributes:
+        name: the BN layer's name.
+        convention: "unbiased" for `keras_bn.BatchNormalization` (m/(m−1)·E_B[σ²_B]), "biased"
+            for `keras.layers.BatchNormalization` (E_B[σ²_B]).
+        old_mean: `moving_mean` before.
+        new_mean: `moving_mean` after.
+        old_variance: `moving_variance` before.
+        new_variance: `moving_variance` after.
+        batches_used: the batches whose statistics entered (at least one channel; every
+            channel for keras_bn's `momentum=None`); fewer than the report's `batches` where
+            some left this layer m ≤ 1 values in every channel (skipped, as training skips
+            them).
+        unchanged_channels: flat indices of the channels that no batch gave 2 values (a time
+            step that is padding in every sequence, under a mask): they keep their statistics.
+    """
+
+    name: str
+    convention: str  # "unbiased" (keras_bn) or "biased" (keras.layers.BatchNormalization)
+    old_mean: np.ndarray
+    new_mean: np.ndarray
+    old_variance: np.ndarray
+    new_variance: np.ndarray
+    batches_used: int | None = None
+    unchanged_channels: tuple[int, ...] = ()
+
+    @property
+    def mean_change(self) -> np.ndarray:
+        """new − old moving mean, per channel (float64 array)."""
+        return self.new_mean - self.old_mean
+
+    @property
+    def variance_change(self) -> np.ndarray:
+        """new − old moving variance, per channel (float64 array)."""
+        return self.new_variance - self.old_variance
+
+
+class PooledMoments:
+    """Algorithm 2's pooling of one layer's batch moments, per channel, as running float64
+    sums over batches: Σm, Σm·μ, Σm·σ² and the batches each channel used.
+
+    A batch leaves out each channel where its count m_c ≤ 1 (no variance), as the layer's
+    moving update does. With `whole_batches` (keras_bn's `momentum=None`, whose one batch
+    counter must count every channel's batches) a batch with such a channel is left out of
+    every channel. A batch left out of every channel is only counted as skipped.
+
+    Args:
+        whole_batches: use a batch in every channel or in none.
+
+    Attributes:
+        batches: the batches used (in at least one channel).
+        skipped: the batches used in no channel.
+    """
+
+    def __init__(self, whole_batches: bool = False) -> None:
+        self.whole_batches = whole_batches
+        self.batches = 0
+        self.skipped = 0
+        # 0-d until the first batch broadcasts them to its channels' shape.
+        self._channel_batches: npt.NDArray[np.float64] = np.zeros(())
+        self._count: npt.NDArray[np.float64] = np.zeros(())
+        self._weighted_mean: npt.NDArray[np.float64] = np.zeros(())
+        self._weighted_variance: npt.NDArray[np.float64] = np.zeros(())
+
+    @classmethod
+    def for_layer(cls, layer: keras.layers.Layer) -> "PooledMoments":
+        """The pooling that matches `layer`'s own moving update: whole batches for a keras_bn
+        layer with `momentum=None`, per channel otherwise.
+
+        Args:
+            layer: a BN layer of either class.
+
+        Returns:
+            An empty `PooledMoments`.
+        """
+        return cls(whole_batches=getattr(layer, "num_batches_tracked", None) is not None)
+
+    def add(self, mean: npt.ArrayLike, variance: npt.ArrayLike, count: npt.ArrayLike) -> None:
+        """Pool one batch's mean and biased variance over `count` values in each channel.
+
+        Args:
+            mean: the batch's per-channel mean.
+            variance: the batch's per-channel biased variance.
+            count: m_c, per channel or one number for all.
+        """
+        mean = np.asarray(mean, np.float64)
+        count = np.broadcast_to(np.asarray(count, np.float64), mean.shape)
+        used = count >= 2
+        if self.whole_batches and not used.all():
+            used = np.zeros_like(used)
+        if not used.any():
+            self.skipped += 1
+            return
+        self.batches += 1
+        weight = np.where(used, count, 0.0)
+        self._channel_batches = self._channel_batches + used
+        self._count = self._count + weight
+        self._weighted_mean = self._weighted_mean + weight * np.where(used, mean, 0.0)
+        self._weighted_variance = self._weighted_variance + weight * np.where(
+            used, np.asarray(variance, np.float64), 0.0
+        )
+
+    @property
+    def seen(self) -> np.ndarray:
+        """Per channel, whether some batch was used in it (its population is defined)."""
+        return np.asarray(self._channel_batches) > 0
+
+    def population(self, unbiased: bool) -> tuple[np.ndarray, np.ndarray]:
+        """(E[x], Var[x]) per channel over the batches pooled, NaN where none was (see `seen`).
+
+        Args:
+            unbiased: Σm·σ² / Σ(m − 1), keras_bn's convention, when True; else Σm·σ² / Σm.
+
+        Returns:
+            (mean, variance) as float64 arrays.
+        """
+        divisor = self._count - self._channel_batches if unbiased else self._count
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return self._weighted_mean / self._count, self._weighted_variance / divisor
+
+
+def assign(layer: keras.layers.Layer, sums: PooledMoments) -> LayerChange:
+    """Set `layer`'s statistics to the pooled ones in the channels some batch reached.
+
+    Raises:
+        ValueError: no batch gave the layer 2 values in any channel.
+    """
+    if not sums.batches:
+        raise ValueError(
+            f"recalibrate: no batch of `data` gives layer '{layer.name}' at least 2 "
+            f"values per channel (m ≤ 1 in all {sums.skipped} batches), which "
+            f"Algorithm 2 needs to estimate a batch variance. Use larger batches."
+        )
+    mean, variance = sums.population(_bn_layers.unbiased_variance(layer))
+    seen = sums.seen
+    old_mean = layer.moving_mean.numpy().astype(np.float64)
+    old_variance = layer.moving_variance.numpy().astype(np.float64)
+    mean, variance = np.where(seen, mean, old_mean), np.where(seen, variance, old_variance)
+    layer.moving_mean.assign(mean.astype(layer.moving_mean.dtype))
+    layer.moving_variance.assign(variance.astype(layer.moving_variance.dtype))
+    # Renorm layers (both classes) keep moving_stddev = √(moving_variance + ε) for Keras.
+    if getattr(layer, "moving_stddev", None) is not None:
+        stddev = np.where(seen, np.sqrt(variance + layer.epsilon), layer.moving_stddev.numpy())
+        layer.moving_stddev.assign(stddev.astype("float32"))
+    # momentum=None: the cumulative average now stands for these batches (whole ones).
+    if getattr(layer, "num_batches_tracked", None) is not None:
+        layer.num_batches_tracked.assign(sums.batches)
+    return LayerChange(
+        name=layer.name,
+        convention=_bn_layers.variance_convention(layer),
+        old_mean=old_mean,
+        new_mean=layer.moving_mean.numpy().astype(np.float64),
+        old_variance=old_variance,
+        new_variance=layer.moving_variance.numpy().astype(np.float64),
+        batches_used=sums.batches,
+        unchanged_channels=tuple(int(i) for i in np.flatnonzero(~seen)),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Recalibrated:
+    """What `in_call_order` did.
+
+    Attributes:
+        changes: one `LayerChange` per layer the forward function called, in call order.
+        not_called: the indices (into `layers`) of the layers it never called.
+    """
+
+    changes: tuple[LayerChange, ...]
+    not_called: tuple[int, ...]
+
+
+def in_call_order(
+    layers: Sequence[keras.layers.Layer],
+    forward: Callable[[Any], object],
+    inputs: Iterable[Any],
+    first: Any,
+    count: int | None,
+    bar: "ProgressBar",
+    check_count: Callable[[int], None] = lambda batches: None,
+) -> Recalibrated:
+    """The per-layer method: recalibrate `layers` one at a time in the order `forward` calls
+    them, each from one pass over `inputs` with every layer before it already recalibrated.
+
+    Args:
+        layers: the BN layers to recalibrate; the others keep their statistics.
+        forward: runs the computation on one input (a model's forward pass, a layer's call)
+            with the inference flag; traced once into a tf.function that serves every pass.
+        inputs: the inputs, iterable once per pass.
+        first: the first input, traced first to find the call order.
+        count: how many inputs a pass has, None when unknown (for the progress bar).
+        bar: the progress bar; its total grows by the passes × `count`, and it advances by
+            one per input of each pass.
+        check_count: called with the number of inputs of each pass (it raises when they
+            differ).
+
+    Returns:
+        A `Recalibrated`.
+
+    Raises:
+        ValueError: no input gives a layer 2 values in any channel; or a layer is called more
+            than once by `forward`.
+    """
+    with BatchNormCalls(layers) as statistics:
+        traced = tf.function(lambda x: statistics.record(lambda: forward(x)), reduce_retracing=True)
+        traced(first)
+        order = statistics.order
+        bar.add_total(len(order) * count if count is not None else None)
+        changes = []
+        for index in order:
+            layer = layers[index]
+            bar.set_description(layer.name)
+            sums = PooledMoments.for_layer(layer)
+            for x in inputs:
+                sums.add(*[t.numpy() for t in traced(x)[index]])
+                bar.update(1)
+            check_count(sums.batches + sums.skipped)
+            changes.append(assign(layer, sums))
+    not_called = tuple(i for i in range(len(layers)) if i not in order)
+    return Recalibrated(tuple(changes), not_called)
+
+
+class ProgressBar:
+    """A rich progress bar on stderr (rich comes with Keras): "<layer> ━━━ 3/8 0:00:01".
+
+    Where stderr is not a terminal (a log file, CI), rich draws the final state once. A
+    context manager: the bar stops on leaving the block.
+
+    Args:
+        enabled: draw it; when False nothing is drawn.
+    """
+
+    def __init__(self, enabled: bool) -> None:
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+
+        self._progress = Progress(
+            TextColumn("recalibrate {task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=Console(stderr=True),
+            disable=not enabled,
+        )
+        self._task = self._progress.add_task("", total=None)
+        self._total: int | None = 0  # None once some part's length is unknown
+
+    def add_total(self, steps: int | None) -> None:
+        """Count `steps` more steps in the total; None (a part of unknown length) makes the
+        total unknown."""
+        self._total = None if self._total is None or steps is None else self._total + steps
+        self._progress.update(self._task, total=self._total)
+
+    def __enter__(self) -> "ProgressBar":
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._progress.stop()
+
+    def set_description(self, description: str) -> None:
+        """Name the layer being recalibrated."""
+        self._progress.update(self._task, description=description)
+
+    def update(self, steps: int) -> None:
+        """Advance by `steps`."""
+        self._progress.advance(self._task, steps)
