@@ -84,6 +84,56 @@ def train(epochs=10, batch_size=64, jit_compile=False, seed=0, verbose=0):
     return model, float(accuracy)
 
 
+def separable_cnn(momentum=0.9):
+    """A depthwise-separable BN CNN with logits out: Conv2D–BN–ReLU, DepthwiseConv2D–BN–ReLU6,
+    1×1 Conv2D–BN–ReLU, max pooling, SeparableConv2D–BN–ReLU, global average pooling, Dense.
+
+    Its depthwise layers make one weight range per layer costly when it is quantized, as in
+    MobileNet (benchmarks/bench_qat.py, examples/07_qat.ipynb).
+    """
+
+    def block(x, host, activation):
+        return activation(keras_bn.BatchNormalization(momentum=momentum)(host(x)))
+
+    inputs = keras.Input((8, 8, 1), name="image")
+    x = block(
+        inputs, keras.layers.Conv2D(16, 3, padding="same", use_bias=False), keras.layers.ReLU()
+    )
+    x = block(
+        x, keras.layers.DepthwiseConv2D(3, padding="same", use_bias=False), keras.layers.ReLU(6.0)
+    )
+    x = block(x, keras.layers.Conv2D(32, 1, use_bias=False), keras.layers.ReLU())
+    x = keras.layers.MaxPooling2D()(x)
+    x = block(
+        x, keras.layers.SeparableConv2D(64, 3, padding="same", use_bias=False), keras.layers.ReLU()
+    )
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inputs, keras.layers.Dense(10, name="head")(x), name="separable_cnn")
+
+
+def train_separable(epochs=30, batch_size=64, seed=0):
+    """Train `separable_cnn` on digits from `seed` (Adam 3e-3, the shuffled stream of full
+    batches); return (model, test accuracy). The seed sets the weights and the batch order; the
+    split is `load()`'s."""
+    keras.utils.set_random_seed(seed)
+    x_train, y_train, x_test, y_test = load()
+    model = separable_cnn()
+    model.compile(
+        keras.optimizers.Adam(3e-3),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=False,
+    )
+    model.fit(
+        batches(x_train, y_train, batch_size, seed=seed),
+        steps_per_epoch=len(x_train) // batch_size,
+        epochs=epochs,
+        shuffle=False,  # the stream is shuffled already
+        verbose=0,
+    )
+    logits = model.predict(x_test, verbose=0)
+    return model, float(np.mean(logits.argmax(-1) == y_test))
+
+
 def train_mlp(epochs=5, seed=0):
     """Dense(32, "hidden") → BN → ReLU → Dense(10, "head", logits) on the 64 pixels, trained
     with Adam; returns (model, x_train)."""
@@ -119,6 +169,35 @@ def scale_hidden_channel(model, channel, factor):
     kernel = head.kernel.numpy()
     kernel[channel] /= factor
     head.kernel.assign(kernel)
+
+
+def round_weights(model, bits, per_channel=True):
+    """Round every Dense and convolution kernel of `model` to `bits` bits, in place: post-training
+    rounding of a folded model (`fold_batch_norms`), biases and activations left in float.
+
+    The grid is the one keras_bn.quantize's QAT layers round to (`fake_quant.weight_grid`:
+    symmetric, narrow range, the kernel viewed with its output channels last); a separable
+    convolution's depthwise and pointwise kernels are both rounded, and Dense kernels get one
+    range per tensor whatever `per_channel` says, as `quantize_model` makes them.
+    """
+    from keras_bn.quantize import fake_quant, hosts
+
+    for layer in model._flatten_layers(include_self=False):
+        kind = hosts.KINDS.get(type(layer))
+        if kind is None:
+            continue
+        if kind == hosts.SEPARABLE:
+            kernels = [
+                (layer.depthwise_kernel, hosts.DEPTHWISE),
+                (layer.pointwise_kernel, hosts.CONV),
+            ]
+        else:
+            kernels = [(layer.kernel, kind)]
+        for variable, layout in kernels:
+            view = np.asarray(hosts.channels_last(variable.numpy(), layout))
+            q, scale = fake_quant.weight_grid(view, bits, per_channel and kind != hosts.DENSE)
+            rounded = q.astype(np.float32) * scale
+            variable.assign(np.asarray(hosts.from_channels_last(rounded, variable.shape)))
 
 
 def tflite_accuracy(path):

@@ -3,6 +3,7 @@ Timings are never asserted: CI machines are too noisy for that."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -170,6 +171,94 @@ def test_offset_accuracy_smoke():
         "composite",
     ]
     assert rows["fused, not re-centred"][0] > 100 * rows["fused, re-centred"][0]
+
+
+@pytest.mark.slow
+def test_bench_qat_smoke(tmp_path):
+    """One seed, tiny epochs: the accuracy table (six rows, read from the runtime files), the
+    targets with their verdicts and the step-time table, printed and in the JSON alike."""
+    path = tmp_path / "qat.json"
+    out = _run("bench_qat.py", "--json", str(path))
+    assert out.startswith("# machine: ")
+    record = json.loads(path.read_text())
+    assert record["command"].endswith("--smoke --json " + str(path))
+    assert record["seeds"] == 1 and len(record["per_seed"]) == 1
+    rows = [line for line in out.splitlines() if re.match(r"\| w\da8 \|", line)]
+    assert len(rows) == len(record["rows"]) == 6
+    for row, line in zip(record["rows"], rows):
+        cells = [c.strip() for c in line.split("|")[1:-1]]
+        granularity = "per channel" if row["per_channel"] else "per tensor"
+        assert cells[:2] == [f"w{row['weight_bits']}a8", granularity]
+        # rounding, QAT in Keras, in LiteRT and in onnxruntime: percentages of 450 images
+        for column, name in ((2, "rounding"), (4, "qat_keras"), (5, "qat_tflite"), (6, "qat_onnx")):
+            value = row[name]["median"]
+            assert float(cells[column]) == pytest.approx(value, abs=0.051)
+            assert 0 <= value <= 100 and round(value * 4.5, 6) == round(value * 4.5)
+        # The converter's post-training int8 exists at 8 bits per channel only.
+        assert (cells[3] == "—") == ((row["weight_bits"], row["per_channel"]) != (8, True))
+        assert row["tflite_p99_lsb"]["max"] <= row["tflite_max_lsb"]["max"]
+        assert cells[8] in {"1/1 + 1/1", "0/1 + 1/1", "1/1 + 0/1", "0/1 + 0/1"}
+    verdicts = [
+        line.split("|")[-2].strip() for line in out.splitlines() if "| ≤" in line or "| ≥" in line
+    ]
+    assert len(verdicts) == len(record["targets"]) == 11
+    assert verdicts == [
+        "n/a" if t["met"] is None else "yes" if t["met"] else "MISSED" for t in record["targets"]
+    ]
+    assert [(t["model"].split(",")[0], t["mode"]) for t in record["step_times"]] == [
+        ("digits CNN", "graph"),
+        ("digits CNN", "XLA"),
+        ("MobileNetV2 α=0.35", "graph"),
+        ("MobileNetV2 α=0.35", "XLA"),
+    ]
+    for timing in record["step_times"]:
+        assert timing["float_ms"] > 0 and timing["qat_ms"] > 0
+        assert timing["ratio"] == pytest.approx(timing["qat_ms"] / timing["float_ms"])
+    assert [p.name for p in tmp_path.iterdir()] == ["qat.json"]  # no temporary left
+
+
+def test_round_weights_is_the_qat_models_inference_before_training():
+    """examples/digits.py's post-training rounding of a folded model computes what
+    `quantize_model`'s layers compute before any training step (no activation range yet, so
+    only the weights are rounded): the fold and the QAT layers' fold, rounded alike."""
+    import keras
+    import numpy as np
+
+    import digits
+    import keras_bn
+    from keras_bn.export import fold_batch_norms
+    from keras_bn.quantize import quantize_model
+
+    L = keras.layers
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8, 8, 1))
+    x = L.ReLU()(keras_bn.BatchNormalization()(L.Conv2D(8, 3, use_bias=False)(inputs)))
+    x = L.ReLU(6.0)(keras_bn.BatchNormalization()(L.DepthwiseConv2D(3)(x)))
+    x = keras_bn.BatchNormalization()(L.SeparableConv2D(8, 3, padding="same")(x))
+    model = keras.Model(inputs, L.Dense(10)(L.GlobalAveragePooling2D()(x)))
+    rng = np.random.default_rng(0)
+    for layer in model.layers:
+        if isinstance(layer, keras_bn.BatchNormalization):
+            n = layer.moving_mean.shape
+            layer.set_weights(
+                [
+                    rng.uniform(0.5, 2, n),
+                    rng.normal(0, 0.5, n),
+                    rng.normal(0, 0.5, n),
+                    rng.uniform(0.5, 2, n),
+                ]
+            )
+    x_test = digits.load()[2][:64]
+    folded, _ = fold_batch_norms(model, x_test)
+    base = folded.get_weights()
+    for bits, per_channel in ((8, True), (4, False), (3, True), (2, False)):
+        folded.set_weights(base)
+        digits.round_weights(folded, bits, per_channel)
+        rounded = folded.predict(x_test, verbose=0)
+        qat = quantize_model(model, bits, 8, per_channel)(x_test, training=False)
+        np.testing.assert_allclose(rounded, qat, atol=1e-4 * np.abs(rounded).max())
+        unrounded = model.predict(x_test, verbose=0)
+        assert np.abs(rounded - unrounded).max() > 1e-3 * np.abs(unrounded).max()
 
 
 def test_bench_recalibrate_smoke(tmp_path):

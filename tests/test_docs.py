@@ -160,7 +160,8 @@ def test_no_page_shows_tensorflow_log_lines(site):
 
 @pytest.mark.slow
 def test_readme_tour_runs(tmp_path, monkeypatch):
-    """The README's tour trains, recalibrates, folds and writes two verified files."""
+    """The README's tour trains, recalibrates, folds and writes two verified files, then
+    trains a quantization-aware copy and writes its verified int8 file."""
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     section = readme.split("\n## A tour\n", 1)[1].split("\n## ", 1)[0]
     (snippet,) = re.findall(r"```python\n(.*?)```", section, re.S)
@@ -170,7 +171,13 @@ def test_readme_tour_runs(tmp_path, monkeypatch):
     exec(compile(snippet, "README.md", "exec"), namespace)
     assert [f.host for f in namespace["report"].folded] == ["conv2d"]
     assert namespace["report"].relative_error < 1e-5
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx", "model.tflite"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "model.onnx",
+        "model.tflite",
+        "model_int8.tflite",
+    ]
+    qat_layers = [type(layer).__name__ for layer in namespace["qat"].layers]
+    assert "QuantizedHostBatchNorm" in qat_layers, qat_layers
 
 
 def test_readme_fits_on_a_screen_and_links_only_to_files_that_exist():

@@ -69,6 +69,7 @@ def test_every_reference_claim_has_a_notebook():
         "04_smoothness_and_ics",
         "05_length_direction",
         "06_population_statistics",
+        "07_qat",
     }
     assert expected <= stems, sorted(expected - stems)
 

@@ -1,0 +1,474 @@
+"""Quantization-aware training against post-training quantization, on digits, read from the files.
+
+A depthwise-separable BN CNN (Conv2D+BN+ReLU, DepthwiseConv2D+BN+ReLU6, a 1×1 Conv2D+BN+ReLU,
+max pooling, SeparableConv2D+BN+ReLU, GlobalAveragePooling, Dense logits) is trained in float
+on sklearn's 8×8 digits (examples/digits.py, its fixed split: 1,347 training and 450 test
+images), once per seed. For each seed, and at w8a8, w4a8 and w3a8, per channel and per tensor:
+
+- float: the Keras model's test accuracy, and its float32 TFLite file's (LiteRT);
+- rounding: the BN folded (`fold_batch_norms`), every kernel rounded to the k-bit symmetric
+  narrow-range grid (`keras_bn.quantize.fake_quant.weight_grid`; a separable convolution's
+  depthwise and pointwise kernels both; Dense always per tensor, as `quantize_model` makes it),
+  activations and biases left in float: the Keras folded model's accuracy;
+- PTQ int8: the TFLite converter's post-training full-integer quantization
+  (`export_tflite(model, quantization="int8", representative_data=x_train)`, per channel as
+  TFLite does; 8 bits only), accuracy read from the LiteRT file;
+- QAT: `quantize_model` of the trained float model, fine-tuned with `FreezeBatchNorm`, exported
+  with `export_tflite` and `export_onnx`; accuracy read from the files (LiteRT's signature
+  runner, onnxruntime with its optimiser on), beside the Keras QAT model's, and the export's
+  own verification in output steps (max and 99th-percentile LSB of the logits, on the 450 test
+  images as the probe).
+
+The seed sets the initial weights and the batch order, not the split. Accuracies are in
+percent, median [min–max] over the seeds; each target is judged on the median over seeds of
+the paired per-seed difference. The QAT train step is timed against the float model's: the
+same tf.function step (forward, loss, gradients, Adam update), same batch, interleaved, medians
+of `--rounds` samples after warm-up, in graph mode and under XLA.
+
+    python benchmarks/bench_qat.py --json benchmarks/results/bench_qat.json   # docs/guide/qat.md
+    python benchmarks/bench_qat.py --smoke    # one seed, tiny epochs: CI checks it runs
+"""
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import _tf_env  # noqa: F401  (before TensorFlow: its environment)
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+
+import keras
+import numpy as np
+import tensorflow as tf
+from bench_layer import machine_description
+
+import digits
+from keras_bn.export import atomic, export_onnx, export_tflite, fold_batch_norms
+from keras_bn.export import onnx as onnx_export
+from keras_bn.export import tflite as tflite_export
+from keras_bn.quantize import FreezeBatchNorm, quantize_model
+
+BATCH = 64
+MOBILENET_SIDE, MOBILENET_BATCH = 96, 32
+CONFIGS = [(8, True), (8, False), (4, True), (4, False), (3, True), (3, False)]
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def machine():
+    """The CPU, the versions of TensorFlow, Keras and the two runtimes."""
+    from importlib import metadata
+
+    runtimes = ", ".join(
+        f"{name} {metadata.version(name)}" for name in ("ai-edge-litert", "onnxruntime")
+    )
+    return f"{machine_description()}; {runtimes}"
+
+
+def accuracy(logits, labels):
+    """Top-1 accuracy in percent."""
+    return float(100.0 * np.mean(np.asarray(logits).argmax(-1) == labels))
+
+
+def only_output(outputs):
+    """The one output array of a runtime's {name: array}."""
+    (value,) = outputs.values()
+    return value
+
+
+def fine_tune(model, bits, per_channel, seed, recipe, data):
+    """`quantize_model(model)` fine-tuned with FreezeBatchNorm per `recipe`."""
+    x_train, y_train, _, _ = data
+    keras.utils.set_random_seed(seed + 1000)
+    qat = quantize_model(model, bits, 8, per_channel)
+    steps_per_epoch = len(x_train) // BATCH
+    total = recipe["epochs"] * steps_per_epoch
+    schedule = keras.optimizers.schedules.CosineDecay(recipe["learning_rate"], total)
+    qat.compile(keras.optimizers.Adam(schedule), LOSS, jit_compile=False)
+    qat.fit(
+        digits.batches(x_train, y_train, BATCH, seed=seed + 1000),
+        steps_per_epoch=steps_per_epoch,
+        epochs=recipe["epochs"],
+        shuffle=False,  # the stream is shuffled already
+        verbose=0,
+        callbacks=[
+            FreezeBatchNorm(
+                round(recipe["freeze_batch_norm"] * total),
+                freeze_ranges_after_steps=max(1, round(recipe["freeze_ranges"] * total)),
+            )
+        ],
+    )
+    return qat
+
+
+def run_seed(seed, recipe, float_epochs, onnx_bits, data, folder):
+    """Every accuracy and verification number of one seed, as a dict."""
+    x_train, _, x_test, y_test = data
+    model, _ = digits.train_separable(float_epochs, seed=seed)
+    result = {"seed": seed, "float_keras": accuracy(model.predict(x_test, verbose=0), y_test)}
+    path = os.path.join(folder, "float.tflite")
+    export_tflite(model, path, probe=x_test)
+    result["float_tflite"] = accuracy(only_output(tflite_export.run(path, x_test)), y_test)
+    path = os.path.join(folder, "ptq_int8.tflite")
+    ptq = export_tflite(model, path, quantization="int8", representative_data=x_train, strict=False)
+    result["ptq_int8_tflite"] = accuracy(only_output(tflite_export.run(path, x_test)), y_test)
+    result["ptq_int8_passed"] = ptq.passed
+
+    folded, _ = fold_batch_norms(model, x_test)
+    base = folded.get_weights()
+    configs = {}
+    for bits, per_channel in CONFIGS:
+        key = config_key(bits, per_channel)
+        folded.set_weights(base)
+        digits.round_weights(folded, bits, per_channel)
+        row = {"rounding": accuracy(folded.predict(x_test, verbose=0), y_test)}
+        qat = fine_tune(model, bits, per_channel, seed, recipe, data)
+        row["qat_keras"] = accuracy(qat.predict(x_test, verbose=0), y_test)
+        path = os.path.join(folder, f"{key}.tflite")
+        report = export_tflite(qat, path, probe=x_test, strict=False)
+        row["qat_tflite"] = accuracy(only_output(tflite_export.run(path, x_test)), y_test)
+        row["tflite_max_lsb"] = report.max_lsb_error
+        row["tflite_p99_lsb"] = report.percentile_lsb_error
+        row["tflite_passed"] = report.passed
+        if bits in onnx_bits:
+            path = os.path.join(folder, f"{key}.onnx")
+            report = export_onnx(qat, path, probe=x_test, strict=False)
+            row["qat_onnx"] = accuracy(only_output(onnx_export.run(path, x_test)), y_test)
+            row["onnx_max_lsb"] = report.max_lsb_error
+            row["onnx_p99_lsb"] = report.percentile_lsb_error
+            row["onnx_passed"] = report.passed
+        configs[key] = row
+        print(f"#   seed {seed} {key}: {row}", file=sys.stderr, flush=True)
+    result["configs"] = configs
+    return result
+
+
+def config_key(bits, per_channel):
+    return f"w{bits}a8 {'per channel' if per_channel else 'per tensor'}"
+
+
+def train_step(model, jit_compile):
+    """One compiled train step of `model`: forward, loss, gradients, an Adam update."""
+    optimizer = keras.optimizers.Adam(1e-4)
+    optimizer.build(model.trainable_variables)
+
+    @tf.function(jit_compile=jit_compile)
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = LOSS(y, model(x, training=True))
+        gradients = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply(gradients, model.trainable_variables)
+        return loss
+
+    return step
+
+
+# The train steps timed: the digits CNN on its batch, and a real-sized MobileNetV2 (53 BN):
+# name → (model factory, inputs of one batch, labels).
+def timed_models(data, smoke):
+    x_train, y_train, _, _ = data
+    side, batch = (32, 4) if smoke else (MOBILENET_SIDE, MOBILENET_BATCH)
+    rng = np.random.default_rng(0)
+    return {
+        "digits CNN": (digits.separable_cnn, x_train[:BATCH], y_train[:BATCH]),
+        f"MobileNetV2 α=0.35, {side} px, batch {batch}": (
+            lambda: keras.applications.MobileNetV2(
+                alpha=0.35, input_shape=(side, side, 3), weights=None, classes=10
+            ),
+            rng.random((batch, side, side, 3), np.float32),
+            rng.integers(0, 10, batch),
+        ),
+    }
+
+
+def step_times(jit_compile, rounds, warmup, inner, model_name, factory, x, y):
+    """Median seconds per train step of a float model and of its QAT copy (w8a8 per channel),
+    timed interleaved on the same batch, and the median of the per-round ratios."""
+    keras.utils.set_random_seed(0)
+    model = factory()
+    steps = {"float": train_step(model, jit_compile)}
+    steps["qat"] = train_step(quantize_model(model), jit_compile)
+    x, y = tf.constant(x), tf.constant(y)
+    for step in steps.values():
+        for _ in range(warmup):
+            step(x, y).numpy()
+    samples = {name: [] for name in steps}
+    for r in range(rounds):
+        for name in list(steps) if r % 2 == 0 else list(steps)[::-1]:
+            start = time.perf_counter()
+            for _ in range(inner):
+                loss = steps[name](x, y)
+            loss.numpy()
+            samples[name].append((time.perf_counter() - start) / inner)
+    ratios = [q / f for q, f in zip(samples["qat"], samples["float"])]
+    return {
+        "model": model_name,
+        "mode": "XLA" if jit_compile else "graph",
+        "float_ms": 1e3 * statistics.median(samples["float"]),
+        "qat_ms": 1e3 * statistics.median(samples["qat"]),
+        "ratio": statistics.median(samples["qat"]) / statistics.median(samples["float"]),
+        "median_round_ratio": statistics.median(ratios),
+        "rounds": rounds,
+        "calls_per_round": inner,
+    }
+
+
+def summary(values):
+    """{median, min, max, values} of a list of numbers (None when empty)."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "values": values,
+    }
+
+
+def cell(stats, digits_after=1):
+    """'median [min–max]', or '—'."""
+    if stats is None:
+        return "—"
+    if stats["min"] == stats["max"]:
+        return f"{stats['median']:.{digits_after}f}"
+    return (
+        f"{stats['median']:.{digits_after}f} [{stats['min']:.{digits_after}f}–"
+        f"{stats['max']:.{digits_after}f}]"
+    )
+
+
+def aggregate(seeds):
+    """The table's rows from the per-seed results."""
+    rows = []
+    for bits, per_channel in CONFIGS:
+        key = config_key(bits, per_channel)
+        per_seed = [s["configs"][key] for s in seeds]
+        row = {"config": key, "weight_bits": bits, "per_channel": per_channel}
+        for name in ("rounding", "qat_keras", "qat_tflite", "qat_onnx"):
+            row[name] = summary([r.get(name) for r in per_seed])
+        row["ptq_int8_tflite"] = (
+            summary([s["ptq_int8_tflite"] for s in seeds])
+            if (bits, per_channel) == (8, True)
+            else None
+        )
+        for runtime in ("tflite", "onnx"):
+            row[f"{runtime}_max_lsb"] = summary([r.get(f"{runtime}_max_lsb") for r in per_seed])
+            row[f"{runtime}_p99_lsb"] = summary([r.get(f"{runtime}_p99_lsb") for r in per_seed])
+            passed = [r[f"{runtime}_passed"] for r in per_seed if f"{runtime}_passed" in r]
+            row[f"{runtime}_files_passed"] = f"{sum(passed)}/{len(passed)}" if passed else None
+        rows.append(row)
+    return rows
+
+
+def paired(seeds, key, minuend, subtrahend):
+    """Median over seeds of minuend − subtrahend, each a function of (seed, config row)."""
+    return statistics.median(
+        minuend(s, s["configs"][key]) - subtrahend(s, s["configs"][key]) for s in seeds
+    )
+
+
+def targets(seeds, timings):
+    """The issue's targets, judged on medians over seeds of the paired differences."""
+
+    def float_(s, _):
+        return s["float_keras"]
+
+    def field(name):
+        return lambda _, r: r[name]
+
+    found = []
+    for per_channel in (True, False):
+        granularity = "per channel" if per_channel else "per tensor"
+        drop = paired(seeds, config_key(8, per_channel), float_, field("qat_tflite"))
+        found.append(
+            {
+                "target": f"w8a8 {granularity}: float − QAT TFLite",
+                "bound": "≤ 0.5 points",
+                "measured": round(drop, 3),
+                "met": drop <= 0.5,
+            }
+        )
+    for per_channel in (True, False):
+        granularity = "per channel" if per_channel else "per tensor"
+        key = config_key(4, per_channel)
+        rounding_drop = paired(seeds, key, float_, field("rounding"))
+        drop = paired(seeds, key, float_, field("qat_tflite"))
+        applies = rounding_drop > 1.0
+        found.append(
+            {
+                "target": f"w4a8 {granularity}: float − QAT TFLite, where rounding loses > 1 "
+                f"point (rounding loses {rounding_drop:.2f})",
+                "bound": "≤ 1 point",
+                "measured": round(drop, 3),
+                "met": drop <= 1.0 if applies else None,
+            }
+        )
+    for per_channel in (True, False):
+        granularity = "per channel" if per_channel else "per tensor"
+        gain = paired(seeds, config_key(3, per_channel), field("qat_tflite"), field("rounding"))
+        found.append(
+            {
+                "target": f"w3a8 {granularity}: QAT TFLite − rounding",
+                "bound": "≥ 5 points",
+                "measured": round(gain, 3),
+                "met": gain >= 5.0,
+            }
+        )
+    worst = max(r["tflite_p99_lsb"] for s in seeds for r in s["configs"].values())
+    found.append(
+        {
+            "target": "TFLite against the Keras QAT model, 99th percentile, worst file",
+            "bound": "≤ 2 LSB",
+            "measured": round(worst, 3),
+            # The errors are whole steps up to float rounding (2 LSB reads 2.0000006).
+            "met": worst <= 2.0 + 1e-3,
+        }
+    )
+    for timing in timings:
+        found.append(
+            {
+                "target": f"QAT train step / float train step, {timing['model']}, {timing['mode']}",
+                "bound": "≤ 2×",
+                "measured": round(timing["ratio"], 3),
+                "met": timing["ratio"] <= 2.0,
+            }
+        )
+    return found
+
+
+ROW_HEADER = (
+    "| weights | weight ranges | rounding (Keras) | PTQ int8 (LiteRT) | QAT (Keras) | "
+    "QAT (LiteRT) | QAT (onnxruntime) | LiteRT max / p99 LSB | files verified |\n"
+    "|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def format_row(row):
+    bits = f"w{row['weight_bits']}a8"
+    granularity = "per channel" if row["per_channel"] else "per tensor"
+    lsb = "—"
+    if row["tflite_max_lsb"] is not None:
+        lsb = f"{row['tflite_max_lsb']['max']:.0f} / {row['tflite_p99_lsb']['max']:.0f}"
+    files = [row["tflite_files_passed"], row["onnx_files_passed"]]
+    return (
+        f"| {bits} | {granularity} | {cell(row['rounding'])} | {cell(row['ptq_int8_tflite'])} | "
+        f"{cell(row['qat_keras'])} | {cell(row['qat_tflite'])} | {cell(row['qat_onnx'])} | "
+        f"{lsb} | {' + '.join(f for f in files if f)} |"
+    )
+
+
+def verdict(met):
+    return "n/a" if met is None else "yes" if met else "MISSED"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="one seed, tiny epochs (CI)")
+    parser.add_argument("--seeds", type=int, default=10)
+    parser.add_argument("--float-epochs", type=int, default=30)
+    parser.add_argument("--qat-epochs", type=int, default=5)
+    parser.add_argument("--qat-learning-rate", type=float, default=3e-4)
+    parser.add_argument(
+        "--freeze-batch-norm", type=float, default=0.5, help="fraction of the QAT steps"
+    )
+    parser.add_argument(
+        "--freeze-ranges", type=float, default=0.75, help="fraction of the QAT steps"
+    )
+    parser.add_argument(
+        "--onnx-bits",
+        default="8,4,3",
+        help="the weight bits whose QAT models are also exported to ONNX (comma-separated)",
+    )
+    parser.add_argument("--rounds", type=int, default=21, help="timed samples per model")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    args = parser.parse_args(argv)
+    argv = argv if argv is not None else sys.argv[1:]
+    if args.json:
+        atomic.target(args.json)  # refuse a folder or device before the run, not after
+    started = datetime.datetime.now(datetime.timezone.utc)
+    seeds, float_epochs = (1, 2) if args.smoke else (args.seeds, args.float_epochs)
+    recipe = {
+        "epochs": 1 if args.smoke else args.qat_epochs,
+        "learning_rate": args.qat_learning_rate,
+        "freeze_batch_norm": args.freeze_batch_norm,
+        "freeze_ranges": args.freeze_ranges,
+        "optimizer": "Adam, cosine decay to 0",
+        "batch_size": BATCH,
+    }
+    rounds, warmup, inner = (2, 1, 1) if args.smoke else (args.rounds, 5, 10)
+    onnx_bits = {int(b) for b in args.onnx_bits.split(",") if b}
+    data = digits.load()
+    with tempfile.TemporaryDirectory() as folder:
+        results = [
+            run_seed(seed, recipe, float_epochs, onnx_bits, data, folder) for seed in range(seeds)
+        ]
+    timings = []
+    for name, model in timed_models(data, args.smoke).items():
+        # MobileNetV2's steps take ~0.2–3 s on 2 cores: fewer, single-call rounds.
+        small = name.startswith("digits")
+        shape = (rounds, warmup, inner) if small else (max(3, rounds // 3), min(warmup, 2), 1)
+        timings += [step_times(jit, *shape, name, *model) for jit in (False, True)]
+    rows = aggregate(results)
+    found = targets(results, timings)
+
+    command = " ".join(["python benchmarks/bench_qat.py", *argv])
+    print(f"# machine: {machine()}")
+    print(f"# command: {command}")
+    print(f"# {started:%Y-%m-%d %H:%M} UTC; {seeds} seed(s), float {float_epochs} epochs")
+    print(f"# QAT recipe: {recipe}")
+    floats = [summary([s[name] for s in results]) for name in ("float_keras", "float_tflite")]
+    ptq_passed = sum(s["ptq_int8_passed"] for s in results)
+    print(
+        f"float test accuracy (%): Keras {cell(floats[0])}, float32 TFLite (LiteRT) "
+        f"{cell(floats[1])}; PTQ int8 files within the export's tolerance: "
+        f"{ptq_passed}/{len(results)}"
+    )
+    print()
+    print(ROW_HEADER)
+    for row in rows:
+        print(format_row(row))
+    print()
+    print("| target | bound | measured (median over seeds) | met |\n|---|---|---|---|")
+    for target in found:
+        print(
+            f"| {target['target']} | {target['bound']} | {target['measured']:g} | "
+            f"{verdict(target['met'])} |"
+        )
+    print()
+    print("| model | train step | float ms | QAT ms | QAT / float | median of per-round ratios |")
+    print("|---|---|---|---|---|---|")
+    for t in timings:
+        print(
+            f"| {t['model']} | {t['mode']} | {t['float_ms']:.2f} | {t['qat_ms']:.2f} | "
+            f"{t['ratio']:.2f} | {t['median_round_ratio']:.2f} |"
+        )
+    if args.json:
+        record = {
+            "command": command,
+            "machine": machine(),
+            "started_utc": started.isoformat(timespec="minutes"),
+            "finished_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                timespec="minutes"
+            ),
+            "seeds": seeds,
+            "float_epochs": float_epochs,
+            "qat_recipe": recipe,
+            "float_keras": floats[0],
+            "float_tflite": floats[1],
+            "rows": rows,
+            "targets": found,
+            "step_times": timings,
+            "per_seed": results,
+        }
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        atomic.write_text(args.json, json.dumps(record, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
