@@ -138,6 +138,22 @@ def randomise_batch_norms(model, seed=0):
     return model
 
 
+def hidden_bn_model():
+    """A functional model whose Keras BN sits inside a custom layer's own code (an attribute
+    its `call` uses), where no graph walk can reach it."""
+
+    class Holder(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.bn = keras.layers.BatchNormalization()
+
+        def call(self, x):
+            return self.bn(x)
+
+    inputs = keras.Input((3,))
+    return keras.Model(inputs, Holder()(inputs))
+
+
 def assert_xla_step_matches_eager(make_layer, shape, rtol=2e-5):
     """One training step (output, gradients, state updates) of two identical layers, one
     eager and one under jit_compile=True, agree."""
