@@ -105,6 +105,23 @@ def fine_tune(model, bits, per_channel, seed, recipe, data):
     return qat
 
 
+# Format → (exporter, what runs its file).
+EXPORTS = {"tflite": (export_tflite, tflite_export.run), "onnx": (export_onnx, onnx_export.run)}
+
+
+def qat_file_entries(qat, fmt, path, x_test, y_test):
+    """Write `qat` as a `fmt` file at `path`; its accuracy there and its verification's LSB
+    errors and verdict, as a config row's `qat_<fmt>` and `<fmt>_...` entries."""
+    export, run = EXPORTS[fmt]
+    report = export(qat, path, probe=x_test, strict=False)
+    return {
+        f"qat_{fmt}": accuracy(only_output(run(path, x_test)), y_test),
+        f"{fmt}_max_lsb": report.max_lsb_error,
+        f"{fmt}_p99_lsb": report.percentile_lsb_error,
+        f"{fmt}_passed": report.passed,
+    }
+
+
 def run_seed(seed, recipe, float_epochs, onnx_bits, data, folder):
     """Every accuracy and verification number of one seed, as a dict."""
     x_train, _, x_test, y_test = data
@@ -128,19 +145,9 @@ def run_seed(seed, recipe, float_epochs, onnx_bits, data, folder):
         row = {"rounding": accuracy(folded.predict(x_test, verbose=0), y_test)}
         qat = fine_tune(model, bits, per_channel, seed, recipe, data)
         row["qat_keras"] = accuracy(qat.predict(x_test, verbose=0), y_test)
-        path = os.path.join(folder, f"{key}.tflite")
-        report = export_tflite(qat, path, probe=x_test, strict=False)
-        row["qat_tflite"] = accuracy(only_output(tflite_export.run(path, x_test)), y_test)
-        row["tflite_max_lsb"] = report.max_lsb_error
-        row["tflite_p99_lsb"] = report.percentile_lsb_error
-        row["tflite_passed"] = report.passed
-        if bits in onnx_bits:
-            path = os.path.join(folder, f"{key}.onnx")
-            report = export_onnx(qat, path, probe=x_test, strict=False)
-            row["qat_onnx"] = accuracy(only_output(onnx_export.run(path, x_test)), y_test)
-            row["onnx_max_lsb"] = report.max_lsb_error
-            row["onnx_p99_lsb"] = report.percentile_lsb_error
-            row["onnx_passed"] = report.passed
+        for fmt in ("tflite", "onnx") if bits in onnx_bits else ("tflite",):
+            path = os.path.join(folder, f"{key}.{fmt}")
+            row.update(qat_file_entries(qat, fmt, path, x_test, y_test))
         configs[key] = row
         print(f"#   seed {seed} {key}: {row}", file=sys.stderr, flush=True)
     result["configs"] = configs

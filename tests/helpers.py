@@ -3,6 +3,7 @@ checks, model set-up, the tf.distribute strategy and the command line. Fixtures 
 stay in conftest.py, which tests do not import.
 """
 
+import json
 import os
 import shutil
 import subprocess
@@ -136,6 +137,22 @@ def randomise_batch_norms(model, seed=0):
             if variable is not None:
                 variable.assign(value.astype("float32"))
     return model
+
+
+def hidden_bn_model():
+    """A functional model whose Keras BN sits inside a custom layer's own code (an attribute
+    its `call` uses), where no graph walk can reach it."""
+
+    class Holder(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.bn = keras.layers.BatchNormalization()
+
+        def call(self, x):
+            return self.bn(x)
+
+    inputs = keras.Input((3,))
+    return keras.Model(inputs, Holder()(inputs))
 
 
 def assert_xla_step_matches_eager(make_layer, shape, rtol=2e-5):
@@ -305,6 +322,21 @@ def run_cli(*args):
     return subprocess.run(
         [CLI_SCRIPT, *map(str, args)], capture_output=True, text=True, env=env, timeout=300
     )
+
+
+def python_json(source, *args, timeout=300, **env):
+    """Run `source` with `python -c` in a fresh process (`args` as its sys.argv[1:], `env` added
+    to this process's environment, TensorFlow's C++ logging off); asserts it exits 0 and
+    returns the JSON its last stdout line holds."""
+    result = subprocess.run(
+        [sys.executable, "-c", source, *map(str, args)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", **env},
+        timeout=timeout,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def docs_page(name):

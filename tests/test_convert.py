@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import keras_bn
-from helpers import assert_close
+from helpers import assert_close, hidden_bn_model
 from keras_bn import convert
 
 
@@ -154,17 +154,8 @@ def test_keras_only_and_keras_bn_only_arguments_are_errors():
 
 
 def test_unconvertible_models_are_errors():
-    class Holder(keras.layers.Layer):
-        def __init__(self, **kwargs):
-            super().__init__(**kwargs)
-            self.bn = keras.layers.BatchNormalization()
-
-        def call(self, x):
-            return self.bn(x)
-
-    inputs = keras.Input((3,))
     with pytest.raises(ValueError, match="inside its own code"):
-        convert.from_keras(keras.Model(inputs, Holder()(inputs)))
+        convert.from_keras(hidden_bn_model())
     unbuilt = keras.Sequential([keras.layers.BatchNormalization()])
     with pytest.raises(ValueError, match="not built"):
         convert.from_keras(unbuilt)

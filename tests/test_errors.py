@@ -12,7 +12,7 @@ import tensorflow as tf
 from tensorflow.lite.python.convert import ConverterError
 
 import keras_bn
-from helpers import docs_page, run_cli
+from helpers import docs_page, hidden_bn_model, run_cli
 from keras_bn import convert
 from keras_bn.export import (
     UnsupportedModelError,
@@ -417,19 +417,6 @@ def _unbuilt():
     return keras.Sequential([keras.layers.Dense(3), keras_bn.BatchNormalization()])
 
 
-def _hidden_bn():
-    class Holder(keras.layers.Layer):
-        def __init__(self, **kwargs):
-            super().__init__(**kwargs)
-            self.bn = keras.layers.BatchNormalization()
-
-        def call(self, x):
-            return self.bn(x)
-
-    inputs = keras.Input((3,))
-    return keras.Model(inputs, Holder()(inputs))
-
-
 def _bn_subclass():
     class Shifted(keras.layers.BatchNormalization):
         pass
@@ -472,7 +459,7 @@ STRUCTURES = [
         [fold_batch_norms, export_onnx, convert.from_keras],
         "not built",
     ),
-    ("BN inside a custom layer", _hidden_bn, [convert.from_keras], "inside its own code"),
+    ("BN inside a custom layer", hidden_bn_model, [convert.from_keras], "inside its own code"),
     ("BN subclass", _bn_subclass, [convert.from_keras], "subclass of BatchNormalization"),
     (
         "config that does not round-trip",

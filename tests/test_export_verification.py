@@ -496,40 +496,27 @@ def test_cli_messages_about_the_representative_data_name_the_flag(tmp_path):
     ids = rng.integers(0, 5, (40, 3))
     suggestion = "an .npz with one array per input name: features, ids"
 
+    def onnx_export_with(data):
+        return run_cli(
+            tmp_path / "m.keras", "--onnx", tmp_path / "m.onnx", "--representative-data", data
+        )
+
     np.save(tmp_path / "x.npy", features)
-    result = run_cli(
-        tmp_path / "m.keras",
-        "--onnx",
-        tmp_path / "m.onnx",
-        "--representative-data",
-        tmp_path / "x.npy",
-    )
+    result = onnx_export_with(tmp_path / "x.npy")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     error = _last_error(result)
     assert f"--representative-data {tmp_path / 'x.npy'} is one array (.npy)" in error
     assert suggestion in error and "probe" not in error and "list" not in error
 
     np.savez(tmp_path / "missing.npz", features=features)
-    result = run_cli(
-        tmp_path / "m.keras",
-        "--onnx",
-        tmp_path / "m.onnx",
-        "--representative-data",
-        tmp_path / "missing.npz",
-    )
+    result = onnx_export_with(tmp_path / "missing.npz")
     error = _last_error(result)
     assert result.returncode == 2 and "missing ['ids']" in error
     assert error.startswith(f"keras-bn-export: error: --representative-data {tmp_path}")
     assert suggestion in error and "probe" not in error
 
     np.savez(tmp_path / "zeros.npz", features=np.zeros_like(features), ids=np.zeros_like(ids))
-    result = run_cli(
-        tmp_path / "m.keras",
-        "--onnx",
-        tmp_path / "m.onnx",
-        "--representative-data",
-        tmp_path / "zeros.npz",
-    )
+    result = onnx_export_with(tmp_path / "zeros.npz")
     error = _last_error(result)
     assert result.returncode == 2 and "is the same for all 40 samples of --representative" in error
     assert "probe" not in error

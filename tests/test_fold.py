@@ -183,62 +183,46 @@ def test_bad_shapes_and_values_raise_naming_them(call, message):
 
 # (rank, make(filters, data_format, use_bias), output channels for `filters` and 2 inputs).
 # padding="same", stride 1: every output has the input's spatial size, which the test picks.
+
+
+def _same_size(layer_class, depthwise=False):
+    """make(filters, data_format, use_bias) for a kernel-2 host of `layer_class`; for a
+    depthwise one, `filters` is the depth multiplier."""
+    if depthwise:
+        return lambda c, df, b: layer_class(
+            2, depth_multiplier=c, padding="same", data_format=df, use_bias=b
+        )
+    return lambda c, df, b: layer_class(c, 2, padding="same", data_format=df, use_bias=b)
+
+
 SIZED_HOSTS = {
     "Dense": (1, lambda c, df, b: L.Dense(c, use_bias=b), lambda c: c),
-    "Conv1D": (
-        1,
-        lambda c, df, b: L.Conv1D(c, 2, padding="same", data_format=df, use_bias=b),
-        lambda c: c,
-    ),
-    "Conv2D": (
-        2,
-        lambda c, df, b: L.Conv2D(c, 2, padding="same", data_format=df, use_bias=b),
-        lambda c: c,
-    ),
-    "Conv3D": (
-        3,
-        lambda c, df, b: L.Conv3D(c, 2, padding="same", data_format=df, use_bias=b),
-        lambda c: c,
-    ),
-    "DepthwiseConv1D": (
-        1,
-        lambda c, df, b: L.DepthwiseConv1D(
-            2, depth_multiplier=c, padding="same", data_format=df, use_bias=b
-        ),
-        lambda c: 2 * c,
-    ),
-    "DepthwiseConv2D": (
-        2,
-        lambda c, df, b: L.DepthwiseConv2D(
-            2, depth_multiplier=c, padding="same", data_format=df, use_bias=b
-        ),
-        lambda c: 2 * c,
-    ),
-    "SeparableConv1D": (
-        1,
-        lambda c, df, b: L.SeparableConv1D(c, 2, padding="same", data_format=df, use_bias=b),
-        lambda c: c,
-    ),
-    "SeparableConv2D": (
-        2,
-        lambda c, df, b: L.SeparableConv2D(c, 2, padding="same", data_format=df, use_bias=b),
-        lambda c: c,
-    ),
-    "Conv1DTranspose": (
-        1,
-        lambda c, df, b: L.Conv1DTranspose(c, 2, padding="same", data_format=df, use_bias=b),
-        lambda c: c,
-    ),
-    "Conv2DTranspose": (
-        2,
-        lambda c, df, b: L.Conv2DTranspose(c, 2, padding="same", data_format=df, use_bias=b),
-        lambda c: c,
-    ),
-    "Conv3DTranspose": (
-        3,
-        lambda c, df, b: L.Conv3DTranspose(c, 2, padding="same", data_format=df, use_bias=b),
-        lambda c: c,
-    ),
+    **{
+        f"{kind}{rank}D": (rank, _same_size(getattr(L, f"{kind}{rank}D")), lambda c: c)
+        for kind, rank in [
+            ("Conv", 1),
+            ("Conv", 2),
+            ("Conv", 3),
+            ("SeparableConv", 1),
+            ("SeparableConv", 2),
+        ]
+    },
+    **{
+        f"DepthwiseConv{rank}D": (
+            rank,
+            _same_size(getattr(L, f"DepthwiseConv{rank}D"), depthwise=True),
+            lambda c: 2 * c,
+        )
+        for rank in (1, 2)
+    },
+    **{
+        f"Conv{rank}DTranspose": (
+            rank,
+            _same_size(getattr(L, f"Conv{rank}DTranspose")),
+            lambda c: c,
+        )
+        for rank in (1, 2, 3)
+    },
 }
 IN_CHANNELS = 2
 

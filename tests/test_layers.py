@@ -1,11 +1,7 @@
 """keras_bn.BatchNormalization: numpy references, keras.layers.BatchNormalization parity,
 training semantics, guards, serialisation, mixed precision and XLA."""
 
-import json
-import os
 import re
-import subprocess
-import sys
 
 import keras
 import numpy as np
@@ -13,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import keras_bn
-from helpers import assert_close, mirrored_strategy, numpy_bn_train
+from helpers import assert_close, mirrored_strategy, numpy_bn_train, python_json
 
 EPS = 1e-3
 
@@ -628,16 +624,7 @@ print(json.dumps(found))
 def test_non_tensorflow_backend_is_an_import_error_on_first_use():
     """Under JAX, `import keras_bn` works (it is lazy), and the first use of a keras_bn name,
     or an import of keras_bn.layers, raises the guard's ImportError before any layer exists."""
-    env = {**os.environ, "KERAS_BACKEND": "jax"}
-    result = subprocess.run(
-        [sys.executable, "-c", _BACKEND_GUARD_SCRIPT],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr
-    found = json.loads(result.stdout.strip().splitlines()[-1])
+    found = python_json(_BACKEND_GUARD_SCRIPT, KERAS_BACKEND="jax")
     assert found.pop("keras imported by import keras_bn") is False
     assert found.pop("backend") == "jax"
     message = (

@@ -4,35 +4,18 @@ Each check runs in a fresh interpreter: what a process has imported, and what Ke
 registered, cannot be undone inside one.
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import keras
 import pytest
 
 import keras_bn
-from helpers import randomise_batch_norms
+from helpers import python_json, randomise_batch_norms
 from keras_bn.export import InferenceAffine, fold_batch_norms
 
 HEAVY = ("tensorflow", "keras", "tf2onnx", "ai_edge_litert", "onnxruntime", "onnx")
 
 
-def _python(source, **env):
-    result = subprocess.run(
-        [sys.executable, "-c", source],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", **env},
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
-
-
 def test_import_imports_nothing_heavy():
-    found = _python(
+    found = python_json(
         "import json, sys\n"
         "import keras_bn, keras_bn.export, keras_bn.export.cli\n"
         f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))"
@@ -100,7 +83,7 @@ print(json.dumps(found))
     ],
 )
 def test_a_plain_import_lets_keras_load_keras_bn_layers(saved, imports):
-    found = _python(LOAD.format(imports=imports, folder=str(saved)))
+    found = python_json(LOAD.format(imports=imports, folder=str(saved)))
     assert found == [
         "keras_bn.layers.BatchNormalization",
         "keras_bn.export.affine.InferenceAffine",
@@ -110,5 +93,5 @@ def test_a_plain_import_lets_keras_load_keras_bn_layers(saved, imports):
 def test_without_keras_bn_keras_cannot_load_them(saved):
     """Keras does not import a config's module itself (only its own packages'): the
     registration above is what makes the files load."""
-    found = _python(LOAD.format(imports="", folder=str(saved)))
+    found = python_json(LOAD.format(imports="", folder=str(saved)))
     assert found == ["TypeError", "TypeError"]

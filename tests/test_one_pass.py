@@ -25,6 +25,21 @@ def _data(shape, seed=0, loc=1.0, scale=2.0):
     return np.random.default_rng(seed).normal(loc, scale, size=shape).astype("float32")
 
 
+def _counted_dataset():
+    """A tf.data pipeline of three (16, 6) batches from a generator, and the list that gains
+    one entry each time the pipeline starts reading the generator."""
+    calls = []
+
+    def produce():
+        calls.append(1)
+        yield from (_data((16, 6), seed=i) for i in range(3))
+
+    dataset = tf.data.Dataset.from_generator(
+        produce, output_signature=tf.TensorSpec((None, 6), tf.float32)
+    )
+    return dataset, calls
+
+
 def _randomize_statistics(model, seed=0):
     """Moving statistics far from the data's, so that recalibrating a BN changes what every
     layer downstream of it sees (an upstream BN left stale would show)."""
@@ -279,15 +294,7 @@ def test_frontier_bytes_and_passes_are_what_was_kept_and_run():
 def test_data_is_read_once_by_the_one_pass():
     """A tf.data pipeline from a generator: the one pass reads it once, the per-layer method
     once per BN layer; a one-shot generator is read once by either."""
-    calls = []
-
-    def produce():
-        calls.append(1)
-        yield from (_data((16, 6), seed=i) for i in range(3))
-
-    dataset = tf.data.Dataset.from_generator(
-        produce, output_signature=tf.TensorSpec((None, 6), tf.float32)
-    )
+    dataset, calls = _counted_dataset()
     model = keras.Sequential(
         [keras.Input((6,)), keras.layers.Dense(5), keras_bn.BatchNormalization()]
         + [keras.layers.Dense(5), keras.layers.BatchNormalization()] * 1
@@ -453,15 +460,7 @@ def test_check_batchnorm_reads_the_data_once_whatever_the_bn_count():
     """check_batchnorm measures each BN's input under the statistics it has (no
     recalibration): one inference pass (and one training-mode pass) per batch, so a dataset
     is read once for 6 BN layers as for one."""
-    calls = []
-
-    def produce():
-        calls.append(1)
-        yield from (_data((16, 6), seed=i) for i in range(3))
-
-    dataset = tf.data.Dataset.from_generator(
-        produce, output_signature=tf.TensorSpec((None, 6), tf.float32)
-    )
+    dataset, calls = _counted_dataset()
     layers = [keras.Input((6,))]
     for _ in range(6):
         layers += [keras.layers.Dense(6), keras_bn.BatchNormalization()]

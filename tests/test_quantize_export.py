@@ -11,9 +11,6 @@ its kernels, and with the k-bit grid's bounds. Bad inputs are refused by name; a
 trip exports in a fresh process; and keras-bn-export takes a QAT file the same way."""
 
 import json
-import os
-import subprocess
-import sys
 
 import keras
 import numpy as np
@@ -28,7 +25,7 @@ from test_quantize_model import _branches, _branches_input, _pooled
 
 import digits
 import keras_bn
-from helpers import docs_page, run_cli
+from helpers import docs_page, python_json, run_cli
 from keras_bn import KerasBNWarning
 from keras_bn._errors import UnsupportedModelError
 from keras_bn.export import (
@@ -607,15 +604,9 @@ def test_a_saved_qat_model_exports_in_a_fresh_process(models, x_test, tmp_path):
     model.save(tmp_path / "qat.keras")
     np.save(tmp_path / "x.npy", x_test)
     files = [tmp_path / "m.tflite", tmp_path / "m.onnx"]
-    result = subprocess.run(
-        [sys.executable, "-c", LOAD_AND_EXPORT, tmp_path / "qat.keras", tmp_path / "x.npy", *files],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
-        timeout=600,
+    tflite, onnx_report = python_json(
+        LOAD_AND_EXPORT, tmp_path / "qat.keras", tmp_path / "x.npy", *files, timeout=600
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    tflite, onnx_report = json.loads(result.stdout.strip().splitlines()[-1])
     for exported in (tflite, onnx_report):
         assert exported["passed"] and exported["percentile_lsb_error"] <= 2
         assert all(w["matches"] for w in exported["weights"])

@@ -3,11 +3,6 @@
 load after a plain `import keras_bn`; recalibrate, check_batchnorm and the Recalibrate callback
 refuse a QAT model, naming its QAT layers."""
 
-import json
-import os
-import subprocess
-import sys
-
 import keras
 import numpy as np
 import pytest
@@ -15,6 +10,7 @@ from test_quantize_model import _branches, _branches_input
 
 import digits
 import keras_bn
+from helpers import python_json
 from keras_bn._errors import UnsupportedModelError
 from keras_bn.diagnostics import check_batchnorm
 from keras_bn.quantize import (
@@ -141,20 +137,7 @@ def test_a_plain_import_lets_keras_load_a_qat_model(tmp_path):
     model.save(tmp_path / "qat.keras")
     for index, array in enumerate(x):
         np.save(tmp_path / f"x{index}.npy", array)
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            LOAD,
-            *(str(tmp_path / n) for n in ("qat.keras", "x0.npy", "x1.npy")),
-        ],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    kind, outputs = json.loads(result.stdout.strip().splitlines()[-1])
+    kind, outputs = python_json(LOAD, *(tmp_path / n for n in ("qat.keras", "x0.npy", "x1.npy")))
     assert kind == "QuantizedHostBatchNorm"
     for got, want in zip(outputs, model(x, training=False)):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want))
