@@ -148,6 +148,21 @@ def test_before_any_training_batch_the_input_passes_through():
     assert not quantizer.range_initialized.numpy()
 
 
+def test_a_traced_quantizer_starts_rounding_once_a_range_is_observed_without_retracing():
+    """`range_initialized` is read at run time: a step traced before any training batch passes
+    x through, and rounds it (as eager inference does) once a batch has set the range."""
+    quantizer = ActivationQuantizer(bits=2)
+    quantizer.build(())
+    x = tf.constant([[0.123, -0.456, 0.789]])
+    step = tf.function(lambda x: quantizer(x, training=False))
+    np.testing.assert_array_equal(np.asarray(step(x)), np.asarray(x))
+    quantizer(np.array([[-1.0, 1.0]], np.float32), training=True)
+    rounded = np.asarray(step(x))
+    np.testing.assert_array_equal(rounded, np.asarray(quantizer(x, training=False)))
+    assert not np.array_equal(rounded, np.asarray(x))
+    assert step.experimental_get_tracing_count() == 1
+
+
 def test_activation_gradient_passes_inside_the_range_and_stops_outside():
     quantizer = ActivationQuantizer(bits=8)
     quantizer(np.array([[-1.0, 1.0]], np.float32), training=True)

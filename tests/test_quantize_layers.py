@@ -461,3 +461,74 @@ def test_a_per_channel_conv3d_trains_with_the_straight_through_gradient():
     history = qat.fit(x, np.asarray(model(x)) + 1.0, batch_size=3, epochs=2, verbose=0)
     assert np.isfinite(history.history["loss"]).all()
     assert not np.array_equal(before, np.asarray(kernel))
+
+
+def _function_ops(concrete):
+    """The op types of a traced function, its branch functions (tf.cond's) included."""
+    graph_def = concrete.graph.as_graph_def()
+    ops = {node.op for node in graph_def.node}
+    for function in graph_def.library.function:
+        ops.update(node.op for node in function.node_def)
+    return ops
+
+
+def test_fused_path_is_exact_far_from_zero():
+    """A channels-last 4D output goes through FusedBatchNormV3 before the freeze; far from zero
+    (|μ_B|/σ_B over 500, where the bare CPU kernel is off by more than 1e-5) it still matches the
+    numpy reference, forward and moving update. z is exact here: s' = 1 (γ = σ as float32
+    computes it) and the integer input and kernel sum exactly."""
+    host = L.Conv2D(3, 1, use_bias=True)
+    shape = (4, 5, 5, 2)
+    host.build(shape)
+    layer = QuantizedHostBatchNorm(
+        host,
+        keras_bn.BatchNormalization(momentum=MOMENTUM, epsilon=EPSILON),
+        activation=None,
+        weight_bits=None,
+        activation_bits=None,
+    )
+    layer.build(shape)
+    rng = np.random.default_rng(11)
+    variance = np.array([0.5, 1.0, 2.0], np.float32)
+    sigma = np.asarray(tf.sqrt(tf.constant(variance) + EPSILON))  # as `call` computes σ
+    weights = {
+        "kernel": np.array([[[[1.0, 2.0, -1.0], [3.0, 1.0, 2.0]]]]),
+        "bias": np.array([0.5, -0.25, 1.0]),
+        "gamma": sigma.astype(np.float64),
+        "beta": np.array([0.1, -0.2, 0.3]),
+        "mean": np.array([0.0, 1.0, -1.0]),
+        "variance": variance.astype(np.float64),
+    }
+    _assign(layer, weights)
+    x = (4096.0 + rng.integers(-3, 4, size=shape)).astype("float32")
+    step = tf.function(lambda x: layer(x, training=True))
+    assert "FusedBatchNormV3" in _function_ops(step.get_concrete_function(x))
+    expected, batch_mean, batch_var = ref.qat_forward(
+        _spec(host), x, weights, None, True, True, EPSILON
+    )
+    assert np.abs(batch_mean).min() > 500 * np.sqrt(batch_var).max()  # far from zero
+    assert_close(np.asarray(step(x)), expected, 1e-5)
+    m = x.size // shape[-1]
+    mean, moving_variance = _moving(layer)
+    assert_close(mean, MOMENTUM * weights["mean"] + (1 - MOMENTUM) * batch_mean, 1e-5)
+    unbiased = batch_var * m / (m - 1)
+    assert_close(moving_variance, MOMENTUM * variance + (1 - MOMENTUM) * unbiased, 1e-5)
+
+
+def test_freezing_after_tracing_switches_the_traced_step_without_retracing():
+    """The freeze flag is read at run time: a step traced before freeze_batch_norm computes
+    the folded form after it, bit for bit as inference, and moves nothing, on the fused path
+    (conv2d) and the composite one (dense)."""
+    for host_name in ("conv2d", "dense"):
+        layer, host, weights, x = _make(host_name, 8, True)
+        x = tf.constant(x)
+        step = tf.function(lambda x, layer=layer: layer(x, training=True))
+        expected, _, _ = _reference(host, x, weights, 8, True, True)
+        assert_close(np.asarray(step(x)), expected, 1e-5)
+        freeze_batch_norm(layer)
+        before = _moving(layer)
+        inference = np.asarray(layer(x, training=False))
+        np.testing.assert_array_equal(np.asarray(step(x)), inference)
+        for old, new in zip(before, _moving(layer)):
+            np.testing.assert_array_equal(old, new)
+        assert step.experimental_get_tracing_count() == 1

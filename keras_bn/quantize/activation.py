@@ -128,8 +128,14 @@ class ActivationQuantizer(keras.layers.Layer):
         moved = x
         if average_of is not None:
             moved = fake_quant.halves_away_from_int8_zero(x, low, high, self.bits, average_of)
-        quantized = fake_quant.fake_quant_activations(moved, low, high, self.bits)
-        return tf.cast(tf.where(initialized, quantized, x), self.compute_dtype)
+        # tf.cond rather than a select: the select would cost a pass over the tensor and one
+        # more over its gradient, for a flag that is true after the first training batch.
+        quantized = tf.cond(
+            initialized,
+            lambda: fake_quant.fake_quant_activations(moved, low, high, self.bits),
+            lambda: x,
+        )
+        return tf.cast(quantized, self.compute_dtype)
 
     def _observe(
         self, x: tf.Tensor, low: tf.Tensor, high: tf.Tensor, initialized: tf.Tensor

@@ -18,7 +18,9 @@ v and s = γ/σ per output channel:
 
 Before the freeze the layer therefore trains like batch-statistics BN (the host bias cancels),
 with gradients by autodiff through the batch moments (as PyTorch's
-`torch.ao.nn.intrinsic.qat.ConvBn2d` does) and straight-through for the rounding. The moving
+`torch.ao.nn.intrinsic.qat.ConvBn2d` does) and straight-through for the rounding; outside XLA
+a channels-last 4D output computes that as FusedBatchNormV3 in training of z/s, forward and
+backward (keras_bn/fused.py, which re-centres far from zero). The moving
 statistics follow keras_bn.BatchNormalization: μ ← momentum·μ + (1 − momentum)·(μ_B + b) and
 v ← momentum·v + (1 − momentum)·m/(m − 1)·σ²_B, skipped for a non-finite batch or m ≤ 1. The
 mean is that of the host's output with its bias, so that the folded form's b − μ is BN's.
@@ -39,7 +41,7 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
-from keras_bn import _models, statistics
+from keras_bn import _models, fused, statistics
 from keras_bn._bn_layers import KERAS_BN, KERAS_BN_BN
 from keras_bn._errors import UnsupportedModelError
 from keras_bn._moving_average import average_into, usable
@@ -478,16 +480,42 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
 
         ratio = scale / safe_scale  # exactly 1 where γ ≠ 0, 0 where γ = 0
         multiplier, offset = ratio, beta + scale * (bias - mean)  # the folded BN
-        if training and self.trainable:
-            batch_mean, batch_variance = statistics.moments(z / per_channel(safe_scale), axes)
+        if not (training and self.trainable):
+            return self._finish(z * per_channel(multiplier) + per_channel(offset), training)
+        frozen = tf.convert_to_tensor(self.batch_norm_frozen)
+        epsilon = self.batch_norm.epsilon
+
+        def normalized() -> tf.Tensor:
+            """z/s' as a product with the per-channel reciprocal: a full-tensor division,
+            forward and in its gradient, costs several times a multiplication on CPU."""
+            return z * per_channel(1.0 / safe_scale)
+
+        if z.shape.rank == 4 and fused.fused_data_format(z, axes, epsilon) == "NHWC":
+            # Before the freeze y = γ·(z/s' − μ_B)/σ_B + β is BN in training of z/s', which
+            # FusedBatchNormV3 computes forward and backward in one kernel each (re-centred
+            # where its one-pass variance would lose accuracy). tf.cond keeps the flag a
+            # run-time switch, and the frozen branch computes inference's folded form. Both
+            # read the offset through one tf.where, so that a variable only one branch needs
+            # (the host bias) still gets a zero gradient, not None, in eager mode.
+            shift = tf.where(frozen, offset, beta)
+
+            def folded() -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+                unused = tf.zeros_like(mean)  # the update is skipped when frozen
+                return z * per_channel(multiplier) + per_channel(shift), unused, unused
+
+            def batch_norm() -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+                return fused.batch_norm_train(normalized(), gamma, shift, axes, epsilon, "NHWC")
+
+            outputs, batch_mean, batch_variance = tf.cond(frozen, folded, batch_norm)
+        else:
+            batch_mean, batch_variance = statistics.moments(normalized(), axes)
             batch_mean = tf.reshape(batch_mean, [-1])
             batch_variance = tf.reshape(batch_variance, [-1])
-            batch_sigma = tf.sqrt(batch_variance + self.batch_norm.epsilon)
-            frozen = tf.convert_to_tensor(self.batch_norm_frozen)
+            batch_sigma = tf.sqrt(batch_variance + epsilon)
             multiplier = tf.where(frozen, multiplier, ratio * sigma / batch_sigma)
             offset = tf.where(frozen, offset, beta - gamma * batch_mean / batch_sigma)
-            self._update_moving_statistics(z, axes, batch_mean + bias, batch_variance, frozen)
-        outputs = z * per_channel(multiplier) + per_channel(offset)
+            outputs = z * per_channel(multiplier) + per_channel(offset)
+        self._update_moving_statistics(z, axes, batch_mean + bias, batch_variance, frozen)
         return self._finish(outputs, training)
 
     def _update_moving_statistics(
