@@ -23,6 +23,29 @@ def test_import_imports_nothing_heavy():
     assert found == []
 
 
+@pytest.mark.parametrize(
+    "first_import",
+    [
+        "import keras_bn.quantize",
+        "from keras_bn.quantize import quantize_model",
+        "import keras_bn.quantize.layers",
+        "import keras\nfrom keras_bn.quantize.fake_quant import weight_grid",
+        "import tensorflow\nimport keras_bn.quantize",
+    ],
+)
+def test_keras_bn_quantize_imports_first_in_a_fresh_process(first_import):
+    """Keras registers keras_bn's layers as soon as Keras and TensorFlow have loaded, which
+    imports keras_bn.quantize's layer modules: as the first import (TensorFlow loading inside
+    one of them) that raised AttributeError on a half-imported module."""
+    found = python_json(
+        f"import json\n{first_import}\n"
+        "import keras\n"
+        "print(json.dumps(keras.saving.get_registered_object("
+        "'keras_bn.quantize>QuantizedHostBatchNorm') is not None))"
+    )
+    assert found is True
+
+
 def test_the_lazy_names_are_the_public_ones():
     assert set(keras_bn.__all__) <= set(dir(keras_bn))
     assert set(keras_bn.export.__all__) <= set(dir(keras_bn.export))

@@ -4,9 +4,9 @@ Two grids (Jacob et al., "Quantization and Training of Neural Networks for Effic
 Integer-Arithmetic-Only Inference", 2018; Krishnamoorthi, "Quantizing deep convolutional
 networks for efficient inference: A whitepaper", 2018):
 
-- weights: symmetric, narrow range. With m = max|w| (per output channel or per tensor; 1 for
-  an all-zero one) and q_max = 2^(k−1) − 1, w ↦ q·m/q_max for the integer q = round(w·q_max/m),
-  |q| ≤ q_max;
+- weights: symmetric, narrow range. With m = max abs(w) (per output channel or per tensor; 1
+  for an all-zero one) and q_max = 2^(k−1) − 1, w ↦ q·m/q_max for the integer
+  q = round(w·q_max/m), abs(q) ≤ q_max;
 - activations: asymmetric, per tensor, over a range [min, max] that holds 0.
 
 The TensorFlow side uses `tf.quantization.fake_quant_with_min_max_vars` and its per-channel
