@@ -6,7 +6,6 @@ that runs Sphinx, at the sizes KERAS_BN_SMALL selects (full by default), and cac
 per size, so a rebuild re-executes only the notebooks that changed.
 """
 
-import json
 import os
 import pathlib
 import sys
@@ -22,37 +21,12 @@ os.environ["KERAS_BN_SMALL"] = "1" if SMALL else "0"  # the notebooks' kernels i
 os.environ.pop("MPLBACKEND", None)
 
 
-def _kernel_for_this_python():
-    """A 'python3' kernelspec that launches sys.executable, searched before any other.
+# The notebooks' kernel: this Python, its C++ logging kept out of the pages.
+sys.path.insert(0, str(ROOT / "examples"))
+from kernelspec import write_kernelspec  # noqa: E402
 
-    The kernel leaves its file descriptors alone (capture_fd_output=False): what C++ libraries
-    write there, TensorFlow's logging above all, goes to the build's stderr, not into the pages.
-    TF_CPP_MIN_LOG_LEVEL cannot keep it out: TensorFlow 2.21 prints "oneDNN custom operations
-    are on" and "Could not find cuda drivers" before it reads the variable. What Python writes
-    to sys.stderr (a warning a cell raises) is still shown.
-    """
-    spec_dir = BUILD / "kernels" / "python3"
-    spec_dir.mkdir(parents=True, exist_ok=True)
-    (spec_dir / "kernel.json").write_text(
-        json.dumps(
-            {
-                "argv": [
-                    sys.executable,
-                    "-m",
-                    "ipykernel_launcher",
-                    "--IPKernelApp.capture_fd_output=False",
-                    "-f",
-                    "{connection_file}",
-                ],
-                "display_name": "keras-bn (docs)",
-                "language": "python",
-            }
-        )
-    )
-    os.environ["JUPYTER_PATH"] = str(BUILD)
-
-
-_kernel_for_this_python()
+write_kernelspec(BUILD, "keras-bn (docs)")
+os.environ["JUPYTER_PATH"] = str(BUILD)
 
 project = "keras-bn"
 author = "the keras-bn developers"

@@ -14,11 +14,12 @@ import numpy.typing as npt
 import tensorflow as tf
 
 from keras_bn import _backend, ops
+from keras_bn._shapes import ShapePreserving
 
 _backend.require_tensorflow()  # before either layer can be built under another backend
 
 
-class _PerChannelMap(keras.layers.Layer):
+class _PerChannelMap(ShapePreserving, keras.layers.Layer):
     """A map applied channel by channel: the output has the input's shape."""
 
     def __init__(self, **kwargs: Any) -> None:
@@ -26,17 +27,6 @@ class _PerChannelMap(keras.layers.Layer):
         # An elementwise map keeps every position: a mask passes through, as it passes through
         # the BN this layer replaces (a masked LSTM after it must still see it).
         self.supports_masking = True
-
-    def compute_output_shape(self, input_shape: tuple[int | None, ...]) -> tuple[int | None, ...]:
-        """The output shape: `input_shape` itself.
-
-        Args:
-            input_shape: the input's shape.
-
-        Returns:
-            `input_shape`.
-        """
-        return input_shape
 
 
 @keras.saving.register_keras_serializable(package="keras_bn.export")

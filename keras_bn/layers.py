@@ -12,6 +12,7 @@ from keras_bn import _backend, ghost, ops, statistics
 from keras_bn import renorm as renormalization
 from keras_bn._moving_average import average_into as _average_into
 from keras_bn._moving_average import usable as _usable
+from keras_bn._shapes import ShapePreserving
 
 _backend.require_tensorflow()  # before any keras_bn layer can be built under another backend
 
@@ -21,7 +22,7 @@ _Identifier: TypeAlias = str | dict[str, Any] | Callable[..., Any]
 
 
 @keras.saving.register_keras_serializable(package="keras_bn")
-class BatchNormalization(keras.layers.Layer):
+class BatchNormalization(ShapePreserving, keras.layers.Layer):
     """Batch normalization with a hand-written gradient and unbiased population statistics.
 
     For each channel, over the m values reduced (batch × spatial; under a mask the unmasked
@@ -526,17 +527,6 @@ class BatchNormalization(keras.layers.Layer):
         self.moving_stddev.assign(
             tf.where(updated, tf.sqrt(self.moving_variance + self.epsilon), self.moving_stddev)
         )
-
-    def compute_output_shape(self, input_shape: tuple[int | None, ...]) -> tuple[int | None, ...]:
-        """The output shape: `input_shape` itself.
-
-        Args:
-            input_shape: the input's shape.
-
-        Returns:
-            `input_shape`.
-        """
-        return input_shape
 
     def get_config(self) -> dict[str, Any]:
         """The layer's config: every constructor argument, for `from_config` and saving.

@@ -14,9 +14,14 @@ import numpy as np
 import tensorflow as tf
 
 import keras_bn
-from keras_bn.export import fold
+from keras_bn.export import export_onnx, export_tflite, fold
+from keras_bn.export import onnx as onnx_export
+from keras_bn.export import tflite as tflite_export
 
 L = keras.layers
+# Each export format's writer and its runtime's runner, for tests parametrized over both.
+EXPORTERS = {"tflite": export_tflite, "onnx": export_onnx}
+RUNNERS = {"tflite": tflite_export.run, "onnx": onnx_export.run}
 
 
 def assert_close(actual, expected, rtol):

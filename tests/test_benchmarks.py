@@ -226,6 +226,7 @@ def test_round_weights_is_the_qat_models_inference_before_training():
 
     import digits
     import keras_bn
+    from helpers import randomise_batch_norms
     from keras_bn.export import fold_batch_norms
     from keras_bn.quantize import quantize_model
 
@@ -236,18 +237,7 @@ def test_round_weights_is_the_qat_models_inference_before_training():
     x = L.ReLU(6.0)(keras_bn.BatchNormalization()(L.DepthwiseConv2D(3)(x)))
     x = keras_bn.BatchNormalization()(L.SeparableConv2D(8, 3, padding="same")(x))
     model = keras.Model(inputs, L.Dense(10)(L.GlobalAveragePooling2D()(x)))
-    rng = np.random.default_rng(0)
-    for layer in model.layers:
-        if isinstance(layer, keras_bn.BatchNormalization):
-            n = layer.moving_mean.shape
-            layer.set_weights(
-                [
-                    rng.uniform(0.5, 2, n),
-                    rng.normal(0, 0.5, n),
-                    rng.normal(0, 0.5, n),
-                    rng.uniform(0.5, 2, n),
-                ]
-            )
+    randomise_batch_norms(model)
     x_test = digits.load()[2][:64]
     folded, _ = fold_batch_norms(model, x_test)
     base = folded.get_weights()

@@ -13,7 +13,7 @@ import pytest
 
 import digits
 import keras_bn
-from helpers import assert_close, randomise_batch_norms
+from helpers import EXPORTERS, RUNNERS, assert_close, randomise_batch_norms
 from keras_bn.export import (
     ExportReport,
     FoldReport,
@@ -28,8 +28,6 @@ from keras_bn.export import onnx as onnx_export
 from keras_bn.export import tflite as tflite_export
 
 L = keras.layers
-EXPORTERS = {"tflite": export_tflite, "onnx": export_onnx}
-RUNNERS = {"tflite": tflite_export.run, "onnx": onnx_export.run}
 
 
 @pytest.fixture(scope="module")

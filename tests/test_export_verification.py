@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 import pytest
 
-from helpers import assert_close, randomise_batch_norms, run_cli
+from helpers import EXPORTERS, RUNNERS, assert_close, randomise_batch_norms, run_cli
 from keras_bn.export import (
     UnsupportedModelError,
     VerificationError,
@@ -28,8 +28,6 @@ from keras_bn.export import onnx as onnx_export
 from keras_bn.export import tflite as tflite_export
 
 L = keras.layers
-EXPORTERS = {"tflite": export_tflite, "onnx": export_onnx}
-RUNNERS = {"tflite": tflite_export.run, "onnx": onnx_export.run}
 
 
 def _file_outputs(fmt, path, inputs):

@@ -9,14 +9,13 @@ it, so the notebooks import this checkout's keras_bn.
 KERAS_BN_EXECUTED_DIR.
 """
 
-import json
 import os
 import pathlib
 import re
-import sys
 
 import nbformat
 import pytest
+from kernelspec import write_kernelspec
 from nbclient import NotebookClient
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
@@ -35,24 +34,9 @@ def kernel_environment():
 
 @pytest.fixture
 def kernel_for_this_python(tmp_path, monkeypatch):
-    """A 'python3' kernelspec that launches sys.executable; JUPYTER_PATH is searched first.
-    The kernel does not capture its file descriptors' output, as in docs/conf.py: TensorFlow's
-    C++ logging goes to this process's stderr, not into the executed notebook."""
-    spec_dir = tmp_path / "kernels" / "python3"
-    spec_dir.mkdir(parents=True)
-    spec = {
-        "argv": [
-            sys.executable,
-            "-m",
-            "ipykernel_launcher",
-            "--IPKernelApp.capture_fd_output=False",
-            "-f",
-            "{connection_file}",
-        ],
-        "display_name": "keras-bn (tests)",
-        "language": "python",
-    }
-    (spec_dir / "kernel.json").write_text(json.dumps(spec))
+    """examples/kernelspec.py's kernel (this Python; TensorFlow's C++ logging goes to this
+    process's stderr, not into the executed notebook), searched first in JUPYTER_PATH."""
+    write_kernelspec(tmp_path, "keras-bn (tests)")
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path))
     monkeypatch.setenv("KERAS_BN_SMALL", os.environ.get("KERAS_BN_SMALL", "1"))
     # The inline backend (not Agg): plt.show() then leaves the figure in the executed copy.

@@ -6,11 +6,12 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from keras_bn._shapes import ShapePreserving
 from keras_bn.quantize import fake_quant
 
 
 @keras.saving.register_keras_serializable(package="keras_bn.quantize")
-class ActivationQuantizer(keras.layers.Layer):
+class ActivationQuantizer(ShapePreserving, keras.layers.Layer):
     """Fake-quantizes a tensor to `bits` bits over a range learned from the training batches.
 
     The range [range_min, range_max] is an exponential moving average of each training
@@ -213,17 +214,6 @@ class ActivationQuantizer(keras.layers.Layer):
             return fake_quant.export_activations(x, grid)
 
         return quantize
-
-    def compute_output_shape(self, input_shape: tuple[int | None, ...]) -> tuple[int | None, ...]:
-        """The output shape: `input_shape` itself.
-
-        Args:
-            input_shape: the input's shape.
-
-        Returns:
-            `input_shape`.
-        """
-        return input_shape
 
     def get_config(self) -> dict[str, Any]:
         """Every constructor argument, for `from_config` and saving.
