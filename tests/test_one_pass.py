@@ -483,3 +483,26 @@ def test_a_subclassed_model_inside_a_functional_one_falls_back_there_only():
     assert "(Subclassed)" in report.fallbacks[0]
     # The outer graph runs once; the subclassed model once more per BN inside it.
     assert 1.0 < report.passes < 3.0
+
+
+def test_a_nested_sequential_edited_after_a_recalibration_is_walked_anew():
+    """The plan kept on the model from a first recalibration walked the nested Sequential's
+    graph of then: after the Sequential's Dense is replaced (pop, add, the same BN put back),
+    the next recalibration must run the new graph, as the model does, not the kept one."""
+    backbone = keras.Sequential(
+        [keras.Input((5,)), keras.layers.Dense(5), keras_bn.BatchNormalization(name="inner")],
+        name="backbone",
+    )
+    inputs = keras.Input((4,))
+    h = keras.layers.Dense(5)(keras_bn.BatchNormalization(name="first")(inputs))
+    h = keras.layers.Dense(3, bias_initializer="ones")(backbone(h))  # means away from 0
+    model = keras.Model(inputs, keras_bn.BatchNormalization(name="last")(h))
+    x = _data((40, 4))
+    _compare(_randomize_statistics(model), x)
+    inner = backbone.layers[-1]
+    backbone.pop()
+    backbone.pop()
+    backbone.add(keras.layers.Dense(5, bias_initializer="ones"))
+    backbone.add(inner)
+    report = _compare(_randomize_statistics(model, seed=1), x)
+    assert report.strategy == "one_pass" and len(report.layers) == 3
