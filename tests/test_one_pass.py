@@ -506,3 +506,54 @@ def test_a_nested_sequential_edited_after_a_recalibration_is_walked_anew():
     backbone.add(inner)
     report = _compare(_randomize_statistics(model, seed=1), x)
     assert report.strategy == "one_pass" and len(report.layers) == 3
+
+
+def _failing_on_call(number):
+    """An identity function for a Lambda layer that raises when it runs for the `number`-th
+    time (at run time: in a compiled function as eagerly)."""
+    calls = []
+
+    def count(value):
+        calls.append(1)
+        if len(calls) == number:
+            raise RuntimeError(f"call {number}")
+        return value
+
+    def identity(x):
+        y = tf.py_function(count, [x], x.dtype)
+        y.set_shape(x.shape)
+        return y
+
+    return identity
+
+
+@pytest.mark.parametrize("method", ["one_pass", "one_pass_spilled", "per_layer"])
+def test_a_failure_part_way_leaves_every_statistic_as_it_was(method, tmp_path, monkeypatch):
+    """The model raises after the first BN was set, while the second BN's batches go through
+    (the one pass: on the third batch; the per-layer method, whose first pass runs the whole
+    model on the 4 batches, on the second batch of its second pass): the error comes out and
+    the first BN is put back (no model half recalibrated); the spill folder is gone."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    inputs = keras.Input((6,))
+    h = keras_bn.BatchNormalization(name="first")(keras.layers.Dense(5)(inputs))
+    failing = _failing_on_call(6 if method == "per_layer" else 3)
+    h = keras.layers.Lambda(failing, output_shape=(5,))(h)
+    h = keras.layers.BatchNormalization(renorm=True, name="second")(keras.layers.Dense(4)(h))
+    model = _randomize_statistics(keras.Model(inputs, h))
+    layers = _bn_layers.in_model(model)
+    before = _statistics(layers)
+    with pytest.raises(Exception, match=r"call [36]"):
+        if method == "per_layer":
+            population.recalibrate_per_layer(
+                model, layers, Batches(_data((64, 6)), None, 16), False
+            )
+        else:
+            budget = 0 if method == "one_pass_spilled" else None
+            keras_bn.recalibrate(
+                model, _data((64, 6)), batch_size=16, progress=False, max_memory=budget
+            )
+    for want, got in zip(before, _statistics(layers)):
+        for w, g in zip(want, got):
+            np.testing.assert_array_equal(g, w)
+    # (the per-layer method's autograph leaves its generated code there)
+    assert [p for p in tmp_path.iterdir() if p.name.startswith("keras_bn_recalibrate_")] == []
