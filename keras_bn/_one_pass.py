@@ -284,7 +284,7 @@ def run(
 
     Raises:
         ValueError: a BN layer is shared; `data` gives no batch, or no batch with 2 values
-            per channel for some layer.
+            per channel for some layer; a layer's statistics come out NaN or inf.
     """
     compiled = _compiled(model, layers)
     plan = compiled.plan

@@ -206,7 +206,9 @@ def recalibrate(
             `max_memory` is not an int ≥ 0 or None;
             the dataset is infinite and `steps` is None; the arrays of a dict differ in
             length; `data` gives no batch, or no batch with 2 values per channel for some
-            layer, or a different number of batches on another pass; or a BN layer is called
+            layer, or a different number of batches on another pass; a layer's statistics
+            would be NaN or inf (NaN or inf in the data or in the layer's input: the message
+            names the layer, the first such batch and the channels); or a BN layer is called
             more than once per forward pass (shared).
         UnsupportedModelError: the model holds quantization-aware layers with folded batch
             norms (`keras_bn.quantize`); recalibrate the float model before quantizing it.

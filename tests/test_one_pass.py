@@ -557,3 +557,26 @@ def test_a_failure_part_way_leaves_every_statistic_as_it_was(method, tmp_path, m
             np.testing.assert_array_equal(g, w)
     # (the per-layer method's autograph leaves its generated code there)
     assert [p for p in tmp_path.iterdir() if p.name.startswith("keras_bn_recalibrate_")] == []
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_non_finite_inputs_raise_and_change_nothing(bad):
+    """A NaN or inf in the data makes the pooled statistics of every BN after it NaN; both
+    methods refuse to write them, naming the layer, the batch and the channels, and leave
+    the statistics as they were."""
+    model = keras.Sequential(
+        [keras.Input((6,)), keras_bn.BatchNormalization(name="first")]
+        + [keras.layers.Dense(4), keras.layers.BatchNormalization(name="second")]
+    )
+    layers = _bn_layers.in_model(_randomize_statistics(model))
+    x = _data((48, 6))
+    x[20, 2] = bad  # batch 1, channel 2 of the first BN
+    before = _statistics(layers)
+    pattern = r"layer 'first'.* batch 1 of `data`.*NaN or inf.*channels \[2\]"
+    with pytest.raises(ValueError, match=pattern):
+        keras_bn.recalibrate(model, x, batch_size=16, progress=False)
+    with pytest.raises(ValueError, match=pattern):
+        population.recalibrate_per_layer(model, layers, Batches(x, None, 16), False)
+    for want, got in zip(before, _statistics(layers)):
+        for w, g in zip(want, got):
+            np.testing.assert_array_equal(g, w)
