@@ -208,8 +208,9 @@ def recalibrate(
             length; `data` gives no batch, or no batch with 2 values per channel for some
             layer, or a different number of batches on another pass; a layer's statistics
             would be NaN or inf (NaN or inf in the data or in the layer's input: the message
-            names the layer, the first such batch and the channels); or a BN layer is called
-            more than once per forward pass (shared).
+            names the layer, the first such batch and the channels); a BN layer is called
+            more than once per forward pass (shared); or the model holds a stateful layer (an
+            RNN with `stateful=True`).
         UnsupportedModelError: the model holds quantization-aware layers with folded batch
             norms (`keras_bn.quantize`); recalibrate the float model before quantizing it.
 
@@ -262,6 +263,7 @@ def recalibrate_layers(
     keep their statistics (and normalize with them while the chosen ones are gathered). One
     pass for a Sequential or Functional model, per layer for a subclassed one. On failure
     `layers` keep their statistics."""
+    _refuse_stateful_layers(model)
     if not _one_pass.walkable(model):
         return recalibrate_per_layer(model, layers, batches, progress)
     with _kept_on_failure(model, layers), ProgressBar(progress) as bar:
@@ -316,3 +318,19 @@ def _kept_on_failure(model: keras.Model, layers: Sequence[keras.layers.Layer]) -
     except BaseException:
         saved.restore()
         raise
+
+
+def _refuse_stateful_layers(model: keras.Model) -> None:
+    """ValueError for a stateful layer (an RNN with `stateful=True`): its state carries from
+    one batch to the next, so what the BNs after it receive depends on how often and in which
+    order the batches run (the per-layer method runs them once per BN), and running them
+    would change its state."""
+    for layer in model._flatten_layers(include_self=False):
+        if getattr(layer, "stateful", False) is True:
+            raise ValueError(
+                f"recalibrate: layer '{layer.name}' ({type(layer).__name__}) is stateful "
+                f"(stateful=True): its state carries from one batch to the next, so the "
+                f"inputs of the BN layers would depend on how often and in which order the "
+                f"batches run, and recalibrating would change its state. Recalibrate a copy "
+                f"of the model built with stateful=False and the same weights."
+            )

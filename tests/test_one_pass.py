@@ -580,3 +580,19 @@ def test_non_finite_inputs_raise_and_change_nothing(bad):
     for want, got in zip(before, _statistics(layers)):
         for w, g in zip(want, got):
             np.testing.assert_array_equal(g, w)
+
+
+def test_a_stateful_rnn_is_refused_and_keeps_its_state():
+    """A stateful LSTM carries its state from batch to batch: the second BN's input would
+    depend on how often the batches ran (the two methods disagreed, and both moved the
+    state). Refused, naming the layer, with nothing changed."""
+    inputs = keras.Input((4, 3), batch_size=8)
+    h = keras_bn.BatchNormalization()(inputs)
+    h = keras.layers.LSTM(4, stateful=True, return_sequences=True, name="carried")(h)
+    model = keras.Model(inputs, keras.layers.BatchNormalization()(h))
+    model(_data((8, 4, 3)))  # a state away from zero
+    before = [v.numpy() for v in model.variables]
+    with pytest.raises(ValueError, match=r"layer 'carried' \(LSTM\) is stateful"):
+        keras_bn.recalibrate(model, _data((32, 4, 3)), batch_size=8, progress=False)
+    for want, variable in zip(before, model.variables):
+        np.testing.assert_array_equal(variable.numpy(), want)
