@@ -77,12 +77,15 @@ class PooledMoments:
     Attributes:
         batches: the batches used (in at least one channel).
         skipped: the batches used in no channel.
+        first_non_finite: the index (among all batches added, from 0) of the first batch whose
+            mean or variance is NaN or inf in a channel it is used in; None if none.
     """
 
     def __init__(self, whole_batches: bool = False) -> None:
         self.whole_batches = whole_batches
         self.batches = 0
         self.skipped = 0
+        self.first_non_finite: int | None = None
         # 0-d until the first batch broadcasts them to its channels' shape.
         self._channel_batches: npt.NDArray[np.float64] = np.zeros(())
         self._count: npt.NDArray[np.float64] = np.zeros(())
@@ -118,14 +121,16 @@ class PooledMoments:
         if not used.any():
             self.skipped += 1
             return
+        variance = np.asarray(variance, np.float64)
+        finite = np.isfinite(mean) & np.isfinite(variance)
+        if self.first_non_finite is None and not finite[used].all():
+            self.first_non_finite = self.batches + self.skipped
         self.batches += 1
         weight = np.where(used, count, 0.0)
         self._channel_batches = self._channel_batches + used
         self._count = self._count + weight
         self._weighted_mean = self._weighted_mean + weight * np.where(used, mean, 0.0)
-        self._weighted_variance = self._weighted_variance + weight * np.where(
-            used, np.asarray(variance, np.float64), 0.0
-        )
+        self._weighted_variance = self._weighted_variance + weight * np.where(used, variance, 0.0)
 
     @property
     def seen(self) -> np.ndarray:
@@ -150,7 +155,9 @@ def assign(layer: keras.layers.Layer, sums: PooledMoments) -> LayerChange:
     """Set `layer`'s statistics to the pooled ones in the channels some batch reached.
 
     Raises:
-        ValueError: no batch gave the layer 2 values in any channel.
+        ValueError: no batch gave the layer 2 values in any channel; or the statistics are NaN
+            or inf in some channel (NaN or inf in the layer's input, or values too large for
+            its statistics' dtype): the layer is left as it was.
     """
     if not sums.batches:
         raise ValueError(
@@ -163,8 +170,12 @@ def assign(layer: keras.layers.Layer, sums: PooledMoments) -> LayerChange:
     old_mean = layer.moving_mean.numpy().astype(np.float64)
     old_variance = layer.moving_variance.numpy().astype(np.float64)
     mean, variance = np.where(seen, mean, old_mean), np.where(seen, variance, old_variance)
-    layer.moving_mean.assign(mean.astype(layer.moving_mean.dtype))
-    layer.moving_variance.assign(variance.astype(layer.moving_variance.dtype))
+    with np.errstate(over="ignore"):  # too large for the dtype: inf, refused below
+        mean = mean.astype(layer.moving_mean.dtype)
+        variance = variance.astype(layer.moving_variance.dtype)
+    _refuse_non_finite(layer, sums, seen & ~(np.isfinite(mean) & np.isfinite(variance)))
+    layer.moving_mean.assign(mean)
+    layer.moving_variance.assign(variance)
     # Renorm layers (both classes) keep moving_stddev = √(moving_variance + ε) for Keras.
     if getattr(layer, "moving_stddev", None) is not None:
         stddev = np.where(seen, np.sqrt(variance + layer.epsilon), layer.moving_stddev.numpy())
@@ -181,6 +192,26 @@ def assign(layer: keras.layers.Layer, sums: PooledMoments) -> LayerChange:
         new_variance=layer.moving_variance.numpy().astype(np.float64),
         batches_used=sums.batches,
         unchanged_channels=tuple(int(i) for i in np.flatnonzero(~seen)),
+    )
+
+
+def _refuse_non_finite(layer: keras.layers.Layer, sums: PooledMoments, bad: np.ndarray) -> None:
+    """ValueError naming the layer, the first batch and the channels (flat indices) where its
+    statistics came out NaN or inf, if any did."""
+    if not bad.any():
+        return
+    channels = [int(i) for i in np.flatnonzero(bad)]
+    shown = f"{channels[:10]}{' …' if len(channels) > 10 else ''}"
+    cause = (
+        f"the moments of its input in batch {sums.first_non_finite} of `data` are NaN or inf "
+        f"(NaN or inf in that input, or values too large for float32)"
+        if sums.first_non_finite is not None
+        else f"they overflow {layer.moving_variance.dtype}"
+    )
+    raise ValueError(
+        f"recalibrate: layer '{layer.name}' would get NaN or inf statistics: {cause}, in "
+        f"channels {shown} ({len(channels)} of {bad.size}). Every layer's statistics are left "
+        f"as they were. Check the data, and the weights and statistics of the layers before it."
     )
 
 
@@ -225,8 +256,8 @@ def in_call_order(
         A `Recalibrated`.
 
     Raises:
-        ValueError: no input gives a layer 2 values in any channel; or a layer is called more
-            than once by `forward`.
+        ValueError: no input gives a layer 2 values in any channel; a layer's statistics come
+            out NaN or inf; or a layer is called more than once by `forward`.
     """
     with BatchNormCalls(layers) as statistics:
         traced = tf.function(lambda x: statistics.record(lambda: forward(x)), reduce_retracing=True)

@@ -35,6 +35,7 @@ from keras.src.models.functional import Functional, operation_fn
 
 from keras_bn import _bn_layers, _layerwise, _models
 from keras_bn._batches import Batches
+from keras_bn._errors import UnsupportedModelError
 from keras_bn._frontier import Frontier
 from keras_bn._hooks import BatchNormCalls, shared_error
 
@@ -96,11 +97,25 @@ class Plan:
         self.aliases: dict[int, list[int]] = {}  # canonical id → every id of that value
         self._recorded: set[int] = set()
         self.fallbacks: list[str] = []  # why each BN inside a layer is recalibrated per layer
+        # (model, its graph) for every model walked: a nested Sequential's graph is rebuilt
+        # by its `add` and `pop`, after which the plan no longer describes the model.
+        self.graphs: list[tuple[keras.Model, Any]] = []
         self._walk(model, None, "")
         # One forward pass evaluates each node once: the unit of `passes`.
         self.nodes = sum(step.kind == "call" for step in self._steps)
         self.steps = _needed(self._steps)
         self.segments, self.last_read = _segments(self.steps)
+
+    @property
+    def current(self) -> bool:
+        """Whether every model walked still has the graph it was walked with (a Sequential
+        emptied by `pop` has none)."""
+        try:
+            return all(
+                _models.layer_graph(model, "recalibrate") is graph for model, graph in self.graphs
+            )
+        except UnsupportedModelError:
+            return False
 
     def _id(self, tensor: Any) -> int:
         return self._canonical[id(tensor)]
@@ -130,6 +145,7 @@ class Plan:
 
     def _walk(self, model: keras.Model, node: Any, prefix: str) -> None:
         graph = _models.layer_graph(model, "recalibrate")
+        self.graphs.append((model, graph))
         reads = [] if node is None else [self._id(t) for t in node.input_tensors]
         writes = [self._new(t) for t in graph.inputs]
         self._steps.append(_Step("enter", model, node, reads, writes, graph=graph))
@@ -268,7 +284,7 @@ def run(
 
     Raises:
         ValueError: a BN layer is shared; `data` gives no batch, or no batch with 2 values
-            per channel for some layer.
+            per channel for some layer; a layer's statistics come out NaN or inf.
     """
     compiled = _compiled(model, layers)
     plan = compiled.plan
@@ -360,17 +376,17 @@ class _Cache:
 
 def _compiled(model: keras.Model, layers: Sequence[keras.layers.Layer]) -> "_Compiled":
     """The model's `_Compiled` plan for `layers`, made (and kept on the model) if it has none
-    for them or its graph has changed since (a Sequential's `add`)."""
+    for them or the graph of the model or of a model nested in it has changed since (a
+    Sequential's `add` or `pop`)."""
     cache = model.__dict__.get(_CACHE)
     if not isinstance(cache, _Cache):
         cache = _Cache()
         object.__setattr__(model, _CACHE, cache)  # untracked: not a layer, nor saved
-    graph = _models.layer_graph(model, "recalibrate")
+    cache.plans = [compiled for compiled in cache.plans if compiled.plan.current]
     for compiled in cache.plans:
-        same = len(compiled.plan.layers) == len(layers) and all(
+        if len(compiled.plan.layers) == len(layers) and all(
             a is b for a, b in zip(compiled.plan.layers, layers)
-        )
-        if compiled.graph is graph and same:
+        ):
             return compiled
     compiled = _Compiled(model, layers)
     cache.plans = [compiled, *cache.plans][:_CACHED_PLANS]
@@ -389,7 +405,6 @@ class _Compiled:
     """
 
     def __init__(self, model: keras.Model, layers: Sequence[keras.layers.Layer]) -> None:
-        self.graph = _models.layer_graph(model, "recalibrate")
         self.plan = Plan(model, list(layers))
         recorded = [s.boundary.layers[0] for s in self.plan.segments if s.boundary.kind == "record"]
         self.statistics = BatchNormCalls([layers[i] for i in recorded])

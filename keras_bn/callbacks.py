@@ -139,8 +139,8 @@ class Recalibrate(keras.callbacks.Callback):
 
         Raises:
             ValueError: `data` gives no batch, no batch with 2 values per channel for some
-                layer, or a different number of batches on another pass (see
-                `keras_bn.recalibrate`).
+                layer, or a different number of batches on another pass; or a layer's
+                statistics would be NaN or inf (see `keras_bn.recalibrate`).
         """
         if self.at_train_end:
             self._recalibrate()

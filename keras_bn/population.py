@@ -35,14 +35,16 @@ Two methods give the same statistics:
   serves every pass). It is also the reference the one pass is tested against.
 """
 
+import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import keras
 import numpy as np
 
 from keras_bn import _bn_layers, _frontier, _one_pass
 from keras_bn._batches import Batches, Data
+from keras_bn._hooks import Snapshot
 from keras_bn._layerwise import LayerChange, PooledMoments, ProgressBar, in_call_order
 from keras_bn.quantize.layers import refuse_folded_batch_norms
 
@@ -176,7 +178,8 @@ def recalibrate(
     a keras_bn layer with `momentum=None`); `LayerChange.batches_used` counts the batches
     used. A channel that no batch gives 2 values keeps its statistics
     (`LayerChange.unchanged_channels`). The layers are recalibrated whether or not they are
-    trainable.
+    trainable. If it raises part way (an error in the model or the data), every layer keeps
+    the statistics it had: none is left recalibrated while the others are not.
 
     Args:
         model: a built Keras model (Sequential, Functional, subclassed, nested).
@@ -203,8 +206,11 @@ def recalibrate(
             `max_memory` is not an int ≥ 0 or None;
             the dataset is infinite and `steps` is None; the arrays of a dict differ in
             length; `data` gives no batch, or no batch with 2 values per channel for some
-            layer, or a different number of batches on another pass; or a BN layer is called
-            more than once per forward pass (shared).
+            layer, or a different number of batches on another pass; a layer's statistics
+            would be NaN or inf (NaN or inf in the data or in the layer's input: the message
+            names the layer, the first such batch and the channels); a BN layer is called
+            more than once per forward pass (shared); or the model holds a stateful layer (an
+            RNN with `stateful=True`).
         UnsupportedModelError: the model holds quantization-aware layers with folded batch
             norms (`keras_bn.quantize`); recalibrate the float model before quantizing it.
 
@@ -255,10 +261,12 @@ def recalibrate_layers(
 ) -> RecalibrationReport:
     """`recalibrate` for the BN `layers` of `model` only, over `Batches`; the other BN layers
     keep their statistics (and normalize with them while the chosen ones are gathered). One
-    pass for a Sequential or Functional model, per layer for a subclassed one."""
+    pass for a Sequential or Functional model, per layer for a subclassed one. On failure
+    `layers` keep their statistics."""
+    _refuse_stateful_layers(model)
     if not _one_pass.walkable(model):
         return recalibrate_per_layer(model, layers, batches, progress)
-    with ProgressBar(progress) as bar:
+    with _kept_on_failure(model, layers), ProgressBar(progress) as bar:
         result = _one_pass.run(model, layers, batches, bar, check_max_memory(max_memory))
     return RecalibrationReport(
         layers=result.changes,
@@ -277,8 +285,8 @@ def recalibrate_per_layer(
 ) -> RecalibrationReport:
     """The per-layer method on the whole model: one pass over `batches` per BN layer of
     `layers`, in the order the forward pass calls them. The reference the one pass is tested
-    against, and the method for subclassed models."""
-    with ProgressBar(progress) as bar:
+    against, and the method for subclassed models. On failure `layers` keep their statistics."""
+    with _kept_on_failure(model, layers), ProgressBar(progress) as bar:
         done = in_call_order(
             layers,
             lambda x: model(x, training=False),
@@ -295,3 +303,34 @@ def recalibrate_per_layer(
         strategy="per_layer",
         passes=float(len(done.changes)),
     )
+
+
+@contextlib.contextmanager
+def _kept_on_failure(model: keras.Model, layers: Sequence[keras.layers.Layer]) -> Iterator[None]:
+    """Put the statistics of `layers` back if the block raises: the layers are set one after
+    the other, and a failure part way would leave the model half recalibrated."""
+    saved = Snapshot(
+        [variable for layer in layers for variable in layer.non_trainable_variables],
+        model.distribute_strategy,
+    )
+    try:
+        yield
+    except BaseException:
+        saved.restore()
+        raise
+
+
+def _refuse_stateful_layers(model: keras.Model) -> None:
+    """ValueError for a stateful layer (an RNN with `stateful=True`): its state carries from
+    one batch to the next, so what the BNs after it receive depends on how often and in which
+    order the batches run (the per-layer method runs them once per BN), and running them
+    would change its state."""
+    for layer in model._flatten_layers(include_self=False):
+        if getattr(layer, "stateful", False) is True:
+            raise ValueError(
+                f"recalibrate: layer '{layer.name}' ({type(layer).__name__}) is stateful "
+                f"(stateful=True): its state carries from one batch to the next, so the "
+                f"inputs of the BN layers would depend on how often and in which order the "
+                f"batches run, and recalibrating would change its state. Recalibrate a copy "
+                f"of the model built with stateful=False and the same weights."
+            )

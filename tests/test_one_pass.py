@@ -483,3 +483,116 @@ def test_a_subclassed_model_inside_a_functional_one_falls_back_there_only():
     assert "(Subclassed)" in report.fallbacks[0]
     # The outer graph runs once; the subclassed model once more per BN inside it.
     assert 1.0 < report.passes < 3.0
+
+
+def test_a_nested_sequential_edited_after_a_recalibration_is_walked_anew():
+    """The plan kept on the model from a first recalibration walked the nested Sequential's
+    graph of then: after the Sequential's Dense is replaced (pop, add, the same BN put back),
+    the next recalibration must run the new graph, as the model does, not the kept one."""
+    backbone = keras.Sequential(
+        [keras.Input((5,)), keras.layers.Dense(5), keras_bn.BatchNormalization(name="inner")],
+        name="backbone",
+    )
+    inputs = keras.Input((4,))
+    h = keras.layers.Dense(5)(keras_bn.BatchNormalization(name="first")(inputs))
+    h = keras.layers.Dense(3, bias_initializer="ones")(backbone(h))  # means away from 0
+    model = keras.Model(inputs, keras_bn.BatchNormalization(name="last")(h))
+    x = _data((40, 4))
+    _compare(_randomize_statistics(model), x)
+    inner = backbone.layers[-1]
+    backbone.pop()
+    backbone.pop()
+    backbone.add(keras.layers.Dense(5, bias_initializer="ones"))
+    backbone.add(inner)
+    report = _compare(_randomize_statistics(model, seed=1), x)
+    assert report.strategy == "one_pass" and len(report.layers) == 3
+
+
+def _failing_on_call(number):
+    """An identity function for a Lambda layer that raises when it runs for the `number`-th
+    time (at run time: in a compiled function as eagerly)."""
+    calls = []
+
+    def count(value):
+        calls.append(1)
+        if len(calls) == number:
+            raise RuntimeError(f"call {number}")
+        return value
+
+    def identity(x):
+        y = tf.py_function(count, [x], x.dtype)
+        y.set_shape(x.shape)
+        return y
+
+    return identity
+
+
+@pytest.mark.parametrize("method", ["one_pass", "one_pass_spilled", "per_layer"])
+def test_a_failure_part_way_leaves_every_statistic_as_it_was(method, tmp_path, monkeypatch):
+    """The model raises after the first BN was set, while the second BN's batches go through
+    (the one pass: on the third batch; the per-layer method, whose first pass runs the whole
+    model on the 4 batches, on the second batch of its second pass): the error comes out and
+    the first BN is put back (no model half recalibrated); the spill folder is gone."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    inputs = keras.Input((6,))
+    h = keras_bn.BatchNormalization(name="first")(keras.layers.Dense(5)(inputs))
+    failing = _failing_on_call(6 if method == "per_layer" else 3)
+    h = keras.layers.Lambda(failing, output_shape=(5,))(h)
+    h = keras.layers.BatchNormalization(renorm=True, name="second")(keras.layers.Dense(4)(h))
+    model = _randomize_statistics(keras.Model(inputs, h))
+    layers = _bn_layers.in_model(model)
+    before = _statistics(layers)
+    with pytest.raises(Exception, match=r"call [36]"):
+        if method == "per_layer":
+            population.recalibrate_per_layer(
+                model, layers, Batches(_data((64, 6)), None, 16), False
+            )
+        else:
+            budget = 0 if method == "one_pass_spilled" else None
+            keras_bn.recalibrate(
+                model, _data((64, 6)), batch_size=16, progress=False, max_memory=budget
+            )
+    for want, got in zip(before, _statistics(layers)):
+        for w, g in zip(want, got):
+            np.testing.assert_array_equal(g, w)
+    # (the per-layer method's autograph leaves its generated code there)
+    assert [p for p in tmp_path.iterdir() if p.name.startswith("keras_bn_recalibrate_")] == []
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_non_finite_inputs_raise_and_change_nothing(bad):
+    """A NaN or inf in the data makes the pooled statistics of every BN after it NaN; both
+    methods refuse to write them, naming the layer, the batch and the channels, and leave
+    the statistics as they were."""
+    model = keras.Sequential(
+        [keras.Input((6,)), keras_bn.BatchNormalization(name="first")]
+        + [keras.layers.Dense(4), keras.layers.BatchNormalization(name="second")]
+    )
+    layers = _bn_layers.in_model(_randomize_statistics(model))
+    x = _data((48, 6))
+    x[20, 2] = bad  # batch 1, channel 2 of the first BN
+    before = _statistics(layers)
+    pattern = r"layer 'first'.* batch 1 of `data`.*NaN or inf.*channels \[2\]"
+    with pytest.raises(ValueError, match=pattern):
+        keras_bn.recalibrate(model, x, batch_size=16, progress=False)
+    with pytest.raises(ValueError, match=pattern):
+        population.recalibrate_per_layer(model, layers, Batches(x, None, 16), False)
+    for want, got in zip(before, _statistics(layers)):
+        for w, g in zip(want, got):
+            np.testing.assert_array_equal(g, w)
+
+
+def test_a_stateful_rnn_is_refused_and_keeps_its_state():
+    """A stateful LSTM carries its state from batch to batch: the second BN's input would
+    depend on how often the batches ran (the two methods disagreed, and both moved the
+    state). Refused, naming the layer, with nothing changed."""
+    inputs = keras.Input((4, 3), batch_size=8)
+    h = keras_bn.BatchNormalization()(inputs)
+    h = keras.layers.LSTM(4, stateful=True, return_sequences=True, name="carried")(h)
+    model = keras.Model(inputs, keras.layers.BatchNormalization()(h))
+    model(_data((8, 4, 3)))  # a state away from zero
+    before = [v.numpy() for v in model.variables]
+    with pytest.raises(ValueError, match=r"layer 'carried' \(LSTM\) is stateful"):
+        keras_bn.recalibrate(model, _data((32, 4, 3)), batch_size=8, progress=False)
+    for want, variable in zip(before, model.variables):
+        np.testing.assert_array_equal(variable.numpy(), want)
