@@ -36,9 +36,10 @@ test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The inner loop, under 3 minutes on 2 cores: the suite less the notebooks, the docs build, the
-# slow tests, and the three costliest of the rest: the CLI's end-to-end runs (each a new Python
-# importing TensorFlow), the property-based tests (700 examples a property) and bench_export's
-# smoke run. `make test` stays the full suite, which CI runs.
+# slow tests (marked from a --durations=0 run: every test function costing 8 s or more in all)
+# and three files of end-to-end runs: the CLI's (each a new Python importing TensorFlow), the
+# property-based tests (700 examples a property) and bench_export's smoke run. `make test`
+# stays the full suite, which CI runs.
 FAST_SKIP := test_notebooks test_docs test_cli test_properties test_bench_export
 test-fast: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS) -m "not slow" $(FAST_SKIP:%=--ignore=tests/%.py)

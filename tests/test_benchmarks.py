@@ -251,6 +251,7 @@ def test_round_weights_is_the_qat_models_inference_before_training():
         assert np.abs(rounded - unrounded).max() > 1e-3 * np.abs(unrounded).max()
 
 
+@pytest.mark.slow
 def test_bench_recalibrate_smoke(tmp_path):
     out = _run("bench_recalibrate.py", "--json", str(tmp_path / "recalibrate.json"))
     assert out.startswith("machine: ")

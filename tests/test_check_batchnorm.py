@@ -442,6 +442,7 @@ def test_a_frozen_bn_is_not_sent_to_recalibrate():
     assert "frozen (trainable=False)" in stale.message
 
 
+@pytest.mark.slow
 def test_statistics_averaged_over_in_model_augmentation_name_it_and_recalibration_clears_them():
     """A digits CNN trained with a strong RandomTranslation (zeros shifted in) has moving
     statistics that averaged translated images: on the clean training images the BN after

@@ -58,6 +58,7 @@ def _custom_loop(model, epochs, x, y):
             step(x[start : start + BATCH], y[start : start + BATCH])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("train", [_fit, _custom_loop], ids=["fit", "custom_loop"])
 def test_resume_from_keras_file_equals_uninterrupted_training(train, tmp_path):
     x, y = _data()

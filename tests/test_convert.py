@@ -109,6 +109,7 @@ def test_sequential_model():
     assert_close(ours(x, training=False), model(x, training=False), 1e-6)
 
 
+@pytest.mark.slow
 def test_mobilenet_v2_inference_equal_and_converted_model_trains():
     keras.utils.set_random_seed(0)
     model = keras.applications.MobileNetV2(

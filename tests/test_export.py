@@ -60,6 +60,7 @@ def test_tflite_without_fold_converts_the_model_as_is(cnn, tmp_path):
     assert report.fold is None and report.relative_error <= 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quantization", ["float16", "dynamic", "int8"])
 def test_quantized_files_meet_their_default_tolerance(cnn, tmp_path, quantization):
     data = _probe(64)

@@ -242,6 +242,7 @@ def _single_output_model():
     return randomise_batch_norms(keras.Model(x, L.Dense(3, name="y")(h)))
 
 
+@pytest.mark.slow
 def test_int8_is_judged_on_held_out_samples_where_it_fails_though_it_passes_in_sample(
     tmp_path,
 ):
@@ -487,6 +488,7 @@ def _last_error(result):
     return line
 
 
+@pytest.mark.slow
 def test_cli_messages_about_the_representative_data_name_the_flag(tmp_path):
     _two_input_model().save(tmp_path / "m.keras")
     rng = np.random.default_rng(0)
@@ -541,6 +543,7 @@ def test_cli_messages_about_the_representative_data_name_the_flag(tmp_path):
     ]
 
 
+@pytest.mark.slow
 def test_cli_summary_shows_the_worst_channel_and_the_held_out_samples(tmp_path):
     _quote_model().save(tmp_path / "q.keras")
     np.save(tmp_path / "x.npy", np.random.default_rng(0).normal(size=(300, 4)).astype("float32"))

@@ -77,6 +77,7 @@ def _cases(hosts):
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("use_bias", BIAS)
 @pytest.mark.parametrize("kind, data_format", _cases(BACKWARD_HOSTS))
 def test_backward_fold_matches_host_then_bn(kind, data_format, use_bias):
@@ -114,6 +115,7 @@ FORWARD_HOSTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("use_bias", BIAS)
 @pytest.mark.parametrize("kind, data_format", _cases(FORWARD_HOSTS))
 def test_forward_fold_matches_bn_then_host(kind, data_format, use_bias):

@@ -42,6 +42,7 @@ def _layer_pair(shape, axis, momentum=0.8):
     return fused, composite
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("layout", FUSED_LAYOUTS)
 def test_fused_matches_composite(layout, mode):
@@ -165,6 +166,7 @@ LARGE_OFFSET_BOUNDS = {  # path: (output and ∂l/∂x, moving variance)
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("layout", FUSED_LAYOUTS)
 def test_each_path_keeps_its_documented_accuracy_at_a_large_offset(layout, mode):

@@ -621,6 +621,7 @@ print(json.dumps(found))
 """
 
 
+@pytest.mark.slow
 def test_non_tensorflow_backend_is_an_import_error_on_first_use():
     """Under JAX, `import keras_bn` works (it is lazy), and the first use of a keras_bn name,
     or an import of keras_bn.layers, raises the guard's ImportError before any layer exists."""
@@ -768,6 +769,7 @@ def test_xla_train_step_matches_eager():
 # --------------------------------------------------------------------------- convergence
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
 def test_digits_cnn_converges(jit_compile):
     import digits

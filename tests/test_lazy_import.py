@@ -23,6 +23,7 @@ def test_import_imports_nothing_heavy():
     assert found == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "first_import",
     [
@@ -95,6 +96,7 @@ print(json.dumps(found))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "imports",
     [

@@ -103,6 +103,7 @@ def test_custom_gradient_matches_autodiff(layout, masked):
         assert_close(g, w, 1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("masked", MASKS, ids=MASK_IDS)
 def test_custom_gradient_matches_finite_differences(layout, masked):

@@ -171,6 +171,7 @@ def _expected_kernels(model):
 # --------------------------------------------------------------------------- TFLite
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("weight_bits, per_channel", CONFIGS, ids=CONFIG_IDS)
 def test_tflite_is_full_integer_and_within_two_lsb(
     models, x_test, tmp_path, weight_bits, per_channel
@@ -231,6 +232,7 @@ def test_tflite_is_full_integer_and_within_two_lsb(
     assert all(w.matches and w.dtype == "int8" and w.max_abs_q == limit for w in checks.values())
 
 
+@pytest.mark.slow
 def test_four_bit_activations_stay_integer(models, x_test, tmp_path):
     """k-bit activations are the int8 grid of the same step, clamped to its 2^k levels: the
     file stays full integer (MINIMUM ops, no float), within two steps."""
@@ -255,6 +257,7 @@ def test_four_bit_activations_stay_integer(models, x_test, tmp_path):
     _assert_within_lsb(session.run(None, {"image": x_test})[0], model(x_test, training=False), step)
 
 
+@pytest.mark.slow
 def test_a_softmax_output_is_judged_on_its_fixed_step(models, x_test, tmp_path):
     model = models(8, True, softmax=True)
     result = export_tflite(model, tmp_path / "m.tflite", probe=x_test)
@@ -349,6 +352,7 @@ def _trained_pools(model, x, y, losses):
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fan_out", [False, True], ids=["branches", "fan_out"])
 def test_average_pools_export_within_the_lsb_check(tmp_path, fan_out):
     """An AveragePooling2D after a Concatenate (`_branches`: it becomes a
@@ -386,6 +390,7 @@ def test_average_pools_export_within_the_lsb_check(tmp_path, fan_out):
     assert result.passed and result.percentile_lsb_error <= defaults.QAT_PERCENTILE_LSB
 
 
+@pytest.mark.slow
 def test_a_shared_average_pool_is_refused_by_the_tflite_converter(tmp_path):
     """One AveragePooling2D called on two convolutions' outputs becomes one
     QuantizedAveragePooling that requantizes each input onto its own grid; TFLite's
@@ -599,6 +604,7 @@ print(json.dumps([r.to_dict() for r in reports]))
 """
 
 
+@pytest.mark.slow
 def test_a_saved_qat_model_exports_in_a_fresh_process(models, x_test, tmp_path):
     model = models(4, True)
     model.save(tmp_path / "qat.keras")
@@ -629,6 +635,7 @@ def saved(models, tmp_path_factory):
     return folder
 
 
+@pytest.mark.slow
 def test_the_cli_exports_a_qat_model_and_reports_lsb(saved, tmp_path):
     result = run_cli(
         saved / "qat.keras",
@@ -662,12 +669,14 @@ def test_the_cli_exports_a_qat_model_and_reports_lsb(saved, tmp_path):
     assert set(onnx_report["lsb_errors"]["head_qat"]) == {"ort_disabled", "ort_enabled"}
 
 
+@pytest.mark.slow
 def test_the_cli_takes_quantize_int8_without_data_for_a_qat_model(saved, tmp_path):
     result = run_cli(saved / "qat.keras", "--tflite", tmp_path / "m.tflite", "--quantize", "int8")
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "m.tflite").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "model, args, message",
     [
@@ -684,6 +693,7 @@ def test_the_cli_refuses_what_a_qat_model_cannot_take(saved, tmp_path, model, ar
     assert not (tmp_path / "m.tflite").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("zeroed", ["gamma", "kernel"])
 def test_a_channel_of_zero_weights_exports_within_the_tolerance(zeroed, tmp_path):
     """γ = 0 (or an all-zero kernel channel) leaves a channel whose folded weights are all 0:

@@ -30,6 +30,7 @@ def trained():
     return digits.train(epochs=6, batch_size=BATCH)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
 def test_qat_fine_tuning_keeps_the_float_accuracy(trained, jit_compile):
     """Three epochs of QAT from the trained float model (8-bit weights and activations, BN
@@ -88,6 +89,7 @@ def _trained_branches(freeze_ranges_after_steps):
     return model, x
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("freeze_ranges_step", [None, 3], ids=["ranges_moving", "ranges_frozen"])
 def test_keras_round_trip_is_bit_exact(tmp_path, freeze_ranges_step):
     """Every weight (ranges and freeze flags included), every config and the outputs in
@@ -131,6 +133,7 @@ print(json.dumps([type(model.get_layer("a_qat")).__name__, outputs]))
 """
 
 
+@pytest.mark.slow
 def test_a_plain_import_lets_keras_load_a_qat_model(tmp_path):
     """No custom_objects, no import of keras_bn.quantize: the QAT layers are registered."""
     model, x = _trained_branches(3)

@@ -164,6 +164,7 @@ def _moving(layer):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", [8, 4, 3, 2])
 @pytest.mark.parametrize("per_channel", [True, False], ids=["per_channel", "per_tensor"])
 @pytest.mark.parametrize("host_name", list(HOSTS))

@@ -152,6 +152,7 @@ def test_xla_is_exact_at_a_large_offset(outlier):
     assert np.isfinite(dx).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sigmas", [3.0, 6.0, 7.9])
 def test_a_first_sample_several_sigma_out_costs_no_accuracy(sigmas):
     """The first sample several σ from the mean (below the old 8σ recentring threshold, where
