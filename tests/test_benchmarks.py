@@ -141,6 +141,7 @@ def test_gpu_check_without_tensorflow_stops_with_one_line(tmp_path):
     assert "nvidia_smi" in record and record["tests"] is None and record["bench"] is None
 
 
+@pytest.mark.slow
 def test_gpu_check_without_a_gpu_stops_with_one_line(tmp_path):
     import tensorflow as tf
 

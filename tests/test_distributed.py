@@ -99,6 +99,7 @@ def _data(shape, seed=0):
     return x, rng.normal(size=shape).astype("float32")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("replicas", [2, 4])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_synchronized_equals_single_device_on_global_batch(layout, replicas):

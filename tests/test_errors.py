@@ -365,6 +365,7 @@ ERROR_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "area,name,error,message,setup", ERROR_CASES, ids=[f"{c[0]}: {c[1]}" for c in ERROR_CASES]
 )

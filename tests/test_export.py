@@ -359,6 +359,7 @@ def _multi_io_data(n, seed=0):
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("as_dict", [False, True], ids=["lists", "dicts"])
 @pytest.mark.parametrize("fmt", sorted(EXPORTERS))
 def test_several_inputs_and_outputs_export_and_each_output_is_verified(fmt, as_dict, tmp_path):

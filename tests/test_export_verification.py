@@ -320,6 +320,7 @@ def _quote_model():
     return randomise_batch_norms(keras.Model(x, L.Concatenate(name="quote")([price, probability])))
 
 
+@pytest.mark.slow
 def test_a_wrong_small_channel_is_not_hidden_by_a_large_one(tmp_path):
     """int8 gives the concatenation one scale: every probability becomes 0. Measured against
     the output's scale the file passed (0.034); its probability channel is off by all of its
@@ -429,6 +430,7 @@ def _grouped(forward):
     return randomise_batch_norms(keras.Model(x, y))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("forward", [False, True], ids=["backward", "forward"])
 @pytest.mark.parametrize("fmt", sorted(EXPORTERS))
 def test_a_grouped_conv_and_its_folded_bn_export_and_run(fmt, forward, tmp_path):

@@ -405,6 +405,7 @@ _AT_MOST_ONE_RUNS = [
 _STATEFUL = {"plain": {}, "renorm, momentum=None": {"renorm": True, "momentum": None}}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", _STATEFUL)
 @pytest.mark.parametrize(
     "case,mode,fused",

@@ -115,6 +115,7 @@ def test_a_plain_import_lets_keras_load_keras_bn_layers(saved, imports):
     ]
 
 
+@pytest.mark.slow
 def test_without_keras_bn_keras_cannot_load_them(saved):
     """Keras does not import a config's module itself (only its own packages'): the
     registration above is what makes the files load."""

@@ -438,6 +438,7 @@ def test_a_quantization_that_is_not_the_models_own_is_refused(models, tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.slow
 def test_representative_data_is_only_the_probe(models, tmp_path):
     """A QAT file is calibrated on nothing: representative_data gives the probe (64 samples
     spread over it), and fewer than int8's 16 samples are fine."""

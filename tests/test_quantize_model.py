@@ -348,6 +348,7 @@ def test_a_saved_model_keeps_the_pools_grid(tmp_path, fan_out):
     np.testing.assert_allclose(steps, np.round(steps), atol=1e-3)
 
 
+@pytest.mark.slow
 def test_the_original_model_is_untouched():
     """Weights and outputs bit for bit, before and after quantize_model and after training
     the copy (which does move)."""
@@ -385,6 +386,7 @@ def _with_kept_layers():
     return randomise_batch_norms(keras.Model(x, [o1, o2], name="kept"))
 
 
+@pytest.mark.slow
 def test_layers_it_cannot_quantize_stay_float_reported_and_warned():
     model = _with_kept_layers()
     with pytest.warns(KerasBNWarning, match=r"kept 6 layer\(s\) of 'kept' in float: 'fan_bn'"):

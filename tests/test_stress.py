@@ -84,6 +84,7 @@ def test_constant_channel_outputs_beta_with_finite_gradients(mode):
     assert layer.moving_mean.numpy()[1] == pytest.approx(7.25)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize(
     "shape",

@@ -53,6 +53,7 @@ def _train_steps(layer, batches, upstream, jit, signature=None):
     return [tf.cast(t, tf.float64).numpy() for t in out], set(paths)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_xla_matches_the_non_xla_path(layout):
     """Outputs, gradients and moving statistics (after 3 steps) within 1e-5 of the same
