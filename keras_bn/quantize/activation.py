@@ -143,7 +143,11 @@ class ActivationQuantizer(ShapePreserving, keras.layers.Layer):
     ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
         """Move the stored range toward this batch's (unless frozen or not finite); return the
         range and flag to quantize with."""
-        batch_low, batch_high = tf.reduce_min(x), tf.reduce_max(x)
+        # The range is a statistic, not a parameter (Jacob et al. 2018; PyTorch's observers
+        # see detached tensors): no gradient through the batch's min and max, which would
+        # also cost two more passes over the tensor in every backward.
+        observed = tf.stop_gradient(x)
+        batch_low, batch_high = tf.reduce_min(observed), tf.reduce_max(observed)
         keep = self.momentum
         new_low = tf.where(initialized, keep * low + (1.0 - keep) * batch_low, batch_low)
         new_high = tf.where(initialized, keep * high + (1.0 - keep) * batch_high, batch_high)
