@@ -173,7 +173,6 @@ def test_activation_gradient_passes_inside_the_range_and_stops_outside():
     np.testing.assert_array_equal(np.asarray(tape.gradient(y, x)), [[0.0, 1.0, 1.0, 1.0, 0.0]])
 
 
-
 def test_in_training_the_moving_range_takes_no_gradient():
     """The range is a statistic of the batches (an EMA, as in Jacob et al. 2018): a training
     step's gradient is the straight-through one, 1 inside the updated range and 0 outside, with
@@ -188,6 +187,7 @@ def test_in_training_the_moving_range_takes_no_gradient():
     gradient = tape.gradient(y, x, output_gradients=upstream)
     np.testing.assert_allclose(float(quantizer.range_min.numpy()), -2.0)
     np.testing.assert_array_equal(np.asarray(gradient), [[0.0, 2.0, 3.0, 4.0, 5.0, 0.0]])
+
 
 @pytest.mark.parametrize(
     "kwargs, value",
