@@ -13,7 +13,7 @@ The file is judged in units of each output's quantization step (an LSB, `output_
 integer runtime requantizes every layer with fixed-point arithmetic where TensorFlow rounds in
 float, so a correct file differs from the Keras model by a few steps, and a wrong one by many
 (`keras_bn.export.report.lsb_errors`). Its weights are read back and compared with
-`fake_quant.weight_grid` of each host's folded weights (`HostWeight`), by the format.
+each host's `weight_grids()` (`HostWeight`), by the format.
 """
 
 import dataclasses
@@ -26,7 +26,7 @@ import tensorflow as tf
 from keras_bn import _models, _rewrite
 from keras_bn._errors import UnsupportedModelError
 from keras_bn.export import trace
-from keras_bn.quantize import fake_quant, hosts, spec
+from keras_bn.quantize import fake_quant, grids, hosts, spec
 from keras_bn.quantize.activation import ActivationQuantizer
 from keras_bn.quantize.layers import QuantizedHost, QuantizedHostBatchNorm
 from keras_bn.quantize.pooling import QuantizedAveragePooling
@@ -267,25 +267,12 @@ def output_steps(model: keras.Model) -> list[float]:
 
 
 def _step(model: keras.Model, tensor: keras.KerasTensor) -> float:
-    operation, node_index, tensor_index = tensor._keras_history
-    if isinstance(operation, ActivationQuantizer):
-        return operation.grid().scale
-    if isinstance(operation, QAT_HOSTS) and operation.output_quantizer is not None:
-        return operation.output_quantizer.grid().scale
-    if isinstance(operation, QuantizedAveragePooling):
-        return operation.input_quantizer.grid().scale
-    if isinstance(operation, keras.Model) and _models.has_layer_graph(operation):
-        return _step(operation, trace.output_tensors(operation)[tensor_index])
+    operation, quantizer = grids.grid_source(tensor)
+    if quantizer is not None:
+        return quantizer.grid().scale
     fixed = spec.fixed_step(operation) if isinstance(operation, L.Layer) else None
     if fixed is not None:
         return fixed
-    node = operation._inbound_nodes[node_index]
-    if (
-        isinstance(operation, L.Layer)
-        and spec.role(operation) == spec.PRESERVES
-        and len(node.input_tensors) == 1
-    ):
-        return _step(model, node.input_tensors[0])
     raise UnsupportedModelError(
         f"An output of '{model.name}' comes from '{operation.name}' "
         f"({type(operation).__name__}), which no activation quantizer rounds: an integer file "

@@ -168,8 +168,24 @@ def host_output(spec, x, kernel, depthwise_kernel=None, between=None):
     return conv(middle, kernel, ones, "valid", ones)
 
 
+def bias_on_grid(bias, input_step, weight_step):
+    """The bias as an integer file adds it: an int32 in units of the input's step times the
+    weights' (per output channel), so a multiple of that, nearest the float bias."""
+    step = np.asarray(input_step, np.float64) * np.asarray(weight_step, np.float64)
+    return np.floor(np.asarray(bias, np.float64) / step + 0.5) * step
+
+
 def qat_forward(
-    spec, x, weights, bits, per_channel, training, epsilon, activation=None, between=None
+    spec,
+    x,
+    weights,
+    bits,
+    per_channel,
+    training,
+    epsilon,
+    activation=None,
+    between=None,
+    input_step=None,
 ):
     """The folded-BN QAT layer's output before its output quantizer, in float64.
 
@@ -184,6 +200,9 @@ def qat_forward(
         epsilon: the batch norm's epsilon.
         activation: None, "relu" or "relu6".
         between: for a separable host, a function of the depthwise output (its quantizer).
+        input_step: the step of the grid the pointwise/host kernel's input lies on (a
+            separable host's intermediate one), or None; with `bits`, the folded bias is then
+            `bias_on_grid` of it and the kernel's weight step.
 
     Returns:
         (y, batch mean of the host output with bias, biased batch variance); the batch
@@ -196,7 +215,9 @@ def qat_forward(
     sigma = np.sqrt(var + epsilon)
     s = gamma / sigma
     view = channels_last_view(w["kernel"], kind) * s
+    weight_step = None
     if bits is not None:
+        weight_step = weight_scale(view, bits, per_channel)
         view = fake_quant_weights(view, bits, per_channel)
     kernel = view.reshape(w["kernel"].shape)
     dw = w.get("depthwise_kernel")
@@ -220,7 +241,10 @@ def qat_forward(
         batch_var = np.zeros_like(gamma)
         batch_mean[live], batch_var[live] = mu + bias[live], v
     else:
-        y = z + (beta + s * (bias - mean))
+        folded = beta + s * (bias - mean)
+        if input_step is not None and weight_step is not None:
+            folded = bias_on_grid(folded, input_step, weight_step)
+        y = z + folded
     if activation == "relu":
         y = np.maximum(y, 0.0)
     elif activation == "relu6":

@@ -264,3 +264,21 @@ def test_per_channel_fake_quant_is_the_op_at_any_rank_with_a_straight_through_gr
     u = np.asarray(kernel, np.float64) / step
     off_ties = np.abs(u - np.floor(u) - 0.5) > 1e-4
     np.testing.assert_allclose(np.asarray(out)[off_ties], expected[off_ties], rtol=1e-6)
+
+
+def test_round_bias_is_the_nearest_multiple_exactly_with_a_straight_through_gradient():
+    """round_bias gives the multiple of the step nearest the bias (per channel), an exact
+    multiple in float32 (bias/step is an integer), and passes the gradient to the bias only."""
+    rng = np.random.default_rng(11)
+    bias = tf.Variable((rng.normal(size=64) * 3.0).astype(np.float32))
+    step = tf.constant(rng.uniform(0.01, 0.5, 64).astype(np.float32))
+    upstream = tf.constant(rng.normal(size=64).astype(np.float32))
+    with tf.GradientTape() as tape:
+        rounded = fake_quant.round_bias(bias, step)
+        loss = tf.reduce_sum(rounded * upstream)
+    units = np.asarray(rounded, np.float64) / np.asarray(step, np.float64)
+    np.testing.assert_allclose(units, np.round(units), rtol=0, atol=1e-4)
+    expected = ref.bias_on_grid(np.asarray(bias), np.asarray(step), 1.0)
+    np.testing.assert_allclose(np.asarray(rounded), expected, rtol=1e-6)
+    assert np.abs(expected - np.asarray(bias)).max() > 0.1 * np.asarray(step).min()
+    np.testing.assert_array_equal(np.asarray(tape.gradient(loss, bias)), np.asarray(upstream))

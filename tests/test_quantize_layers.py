@@ -14,11 +14,13 @@ import tensorflow as tf
 import keras_bn
 from helpers import assert_close
 from keras_bn.quantize import (
+    ActivationQuantizer,
     QuantizedHost,
     QuantizedHostBatchNorm,
     fake_quant,
     freeze_batch_norm,
     from_layers,
+    hosts,
     quantize_model,
 )
 
@@ -142,7 +144,17 @@ def _make(host_name, bits, per_channel, activation="relu", activation_bits=None,
     return layer, host, weights, x
 
 
-def _reference(host, x, weights, bits, per_channel, training, activation="relu", between=None):
+def _reference(
+    host,
+    x,
+    weights,
+    bits,
+    per_channel,
+    training,
+    activation="relu",
+    between=None,
+    input_step=None,
+):
     y, mean, var = ref.qat_forward(
         _spec(host),
         _to_last(x, host),
@@ -153,6 +165,7 @@ def _reference(host, x, weights, bits, per_channel, training, activation="relu",
         EPSILON,
         activation,
         between,
+        input_step,
     )
     return _to_host_layout(y, host), mean, var
 
@@ -374,13 +387,17 @@ def test_activation_quantizers_in_the_chain(host_name, activation_bits):
         )
         assert step > 0 or lo == 0.0  # ReLU6: the range starts at 0
     lo, hi = ranges["output"]
+    # A separable host's bias is added on the intermediate grid's int32 one (its other
+    # hosts, called alone, know no input grid and add it in float).
+    input_step = None
     if host_name == "separable":
         lo_i, hi_i = ranges["intermediate"]
+        input_step, _ = ref.activation_grid(lo_i, hi_i, activation_bits)
 
         def between(middle):
             return ref.fake_quant_activations(middle, lo_i, hi_i, activation_bits)
 
-    pre, _, _ = _reference(host, x, weights, bits, True, False, "relu6", between)
+    pre, _, _ = _reference(host, x, weights, bits, True, False, "relu6", between, input_step)
     _assert_quantized(np.asarray(layer(x, training=False)), pre, lo, hi, activation_bits)
 
 
@@ -533,3 +550,86 @@ def test_freezing_after_tracing_switches_the_traced_step_without_retracing():
         for old, new in zip(before, _moving(layer)):
             np.testing.assert_array_equal(old, new)
         assert step.experimental_get_tracing_count() == 1
+
+
+def test_a_weight_on_a_rounding_boundary_rounds_in_weight_grids_as_in_call():
+    """QAT leaves weights oscillating across rounding boundaries; one that ends on a boundary
+    must round in the file (`weight_grids`) as the layer's inference rounds it. Here
+    −0.2520198 is half a step of ±1.5121183's 3-bit grid (2.4999998 steps above its low
+    end): TensorFlow's per-channel FakeQuant op rounds it to 0, the numpy grid to −1 step."""
+    layer = QuantizedHost(
+        L.Dense(1, use_bias=False), weight_bits=3, activation_bits=None, per_channel=True
+    )
+    layer.build((None, 2))
+    layer.host.kernel.assign(np.float32([[1.5121183], [-0.2520198]]))
+    used = np.asarray(layer(np.eye(2, dtype="float32"), training=False))  # the kernel it uses
+    grid = layer.weight_grids()["kernel"]
+    np.testing.assert_allclose(grid.values, used, rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(grid.q, [[3], [0]])
+
+
+@pytest.mark.parametrize("host_name", ["dense", "separable"])
+def test_a_host_in_a_model_adds_its_bias_on_the_files_int32_grid(host_name):
+    """In a model, a host whose input lies on a quantizer's grid adds its (folded) bias
+    rounded to the multiples of Δ_in·Δ_w per output channel, as an integer file adds it: Δ_in
+    the input quantizer's step (a separable host's intermediate one), Δ_w the 3-bit weight
+    step. Before that quantizer has a range, the bias is the float one."""
+    rng = np.random.default_rng(5)
+    if host_name == "dense":
+        host, shape = L.Dense(4), (6,)
+        spec = {"kind": "dense"}
+    else:
+        host, shape = L.SeparableConv2D(4, 3, padding="same"), (5, 5, 2)
+        spec = {"kind": "separable", "strides": (1, 1), "padding": "same", "dilation": (1, 1)}
+    layer = QuantizedHost(host, weight_bits=3, activation_bits=8, per_channel=True)
+    inputs = keras.Input(shape)
+    quantizer = ActivationQuantizer(8, name="input_quantizer")
+    model = keras.Model(inputs, layer(quantizer(inputs)))
+    weights = {w.path.split("/")[-1]: w for w in layer.host.weights}
+    weights["bias"].assign(rng.normal(size=4).astype("float32"))
+    x = rng.normal(size=(16, *shape)).astype("float32")
+    before = np.asarray(model(x, training=False))  # no ranges yet: all float
+    float_bias = np.asarray(layer.host.bias, np.float64)
+    kernel = np.asarray(hosts.folded_kernel(layer.host), np.float64)
+    view = ref.channels_last_view(kernel, "conv")
+    kernels = [ref.fake_quant_weights(view, 3, True)]
+    if host_name == "separable":
+        depthwise = np.asarray(layer.host.depthwise_kernel, np.float64)
+        on_grid_view = ref.fake_quant_weights(
+            ref.channels_last_view(depthwise, "depthwise"), 3, True
+        )
+        kernels.append(on_grid_view.reshape(depthwise.shape))
+    expected_float = ref.host_output(spec, x.astype(np.float64), *kernels)
+    assert_close(before, expected_float + float_bias, 1e-5)
+
+    model(x, training=True)  # every range from this batch
+    lo, hi = [float(v) for v in (quantizer.range_min, quantizer.range_max)]
+    x_on_grid = ref.fake_quant_activations(x, lo, hi, 8)
+    between = input_step = None
+    if host_name == "dense":
+        input_step, _ = ref.activation_grid(lo, hi, 8)
+    else:
+        middle = layer.intermediate_quantizer
+        lo_i, hi_i = float(middle.range_min), float(middle.range_max)
+        input_step, _ = ref.activation_grid(lo_i, hi_i, 8)
+
+        def between(values):
+            return ref.fake_quant_activations(values, lo_i, hi_i, 8)
+
+    z = ref.host_output(spec, x_on_grid, *kernels, between=between)
+    on_grid = ref.bias_on_grid(float_bias, input_step, ref.weight_scale(view, 3, True))
+    # The float bias lies well off that grid: the check can fail.
+    assert (
+        np.abs(on_grid - float_bias).max()
+        > 0.2 * input_step * ref.weight_scale(view, 3, True).min()
+    )
+    out = layer.output_quantizer
+    lo_o, hi_o = float(out.range_min), float(out.range_max)
+    pre = z + on_grid
+    expected = ref.fake_quant_activations(pre, lo_o, hi_o, 8)
+    near = ref.distance_to_rounding_boundary(pre, lo_o, hi_o, 8) < 1e-3
+    got = np.asarray(model(x, training=False), np.float64)
+    assert near.mean() < 0.01
+    step_o, _ = ref.activation_grid(lo_o, hi_o, 8)
+    assert np.abs(got - expected)[~near].max() <= 1e-4 * step_o
+    np.testing.assert_allclose(layer.inference_bias(), on_grid, rtol=1e-6)

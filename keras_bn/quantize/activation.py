@@ -164,6 +164,30 @@ class ActivationQuantizer(ShapePreserving, keras.layers.Layer):
         self.range_initialized.assign(initialized)
         return low, high, initialized
 
+    def step(self) -> tuple[tf.Tensor, tf.Tensor]:
+        """The stored range's step, as a tensor that follows the range in training.
+
+        Read after the layer's call in the same step, it is the step this call rounded to
+        (the call stores the range it moved to).
+
+        Returns:
+            (step, initialized): float32 and bool scalars; the step means nothing while
+            `initialized` is false (no range yet: the layer passes its input through).
+        """
+        low, high = tf.convert_to_tensor(self.range_min), tf.convert_to_tensor(self.range_max)
+        return (
+            fake_quant.activation_step(low, high, self.bits),
+            tf.convert_to_tensor(self.range_initialized),
+        )
+
+    def grid_quantizer(self) -> "ActivationQuantizer":
+        """The quantizer whose grid the layer's output lies on: itself.
+
+        Returns:
+            self.
+        """
+        return self
+
     def grid(self) -> fake_quant.ActivationGrid:
         """The grid the layer's inference rounds to: its stored range, as the op nudges it.
 

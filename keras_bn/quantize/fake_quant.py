@@ -17,11 +17,16 @@ scale = (max − min)/(q_hi − q_lo), zero point z = round(q_lo − min/scale) 
 (q_lo = 1 with a narrow range, else 0; q_hi = 2^k − 1). For the symmetric weight range
 [−m, m] the nudge changes nothing: z = 2^(k−1), scale = m/q_max.
 
-`nudged_grid` and `weight_grid` are the same arithmetic in float32 numpy, which the exporters
-use to read the integers and scales a file must hold; they give TensorFlow's CPU kernel's
-integers exactly (XLA multiplies by 1/scale instead of dividing, which can move a value that
-lies on a rounding boundary to the other integer). `WeightGrid` and `ActivationGrid` hold one
-tensor's grid for the exporters.
+`nudged_grid` and `weight_grid` are the same arithmetic in float32 numpy: the scales a file
+holds, and the integers of every value off a rounding boundary. On a boundary TensorFlow's
+kernels need not agree with them (its per-channel CPU kernel rounds some halves the other way;
+XLA multiplies by 1/scale instead of dividing), and QAT leaves weights there: a weight
+oscillates across a boundary as it trains. So the exporters read a kernel's integers from the
+QAT layer's own ops (`QuantizedHost.weight_grids`), not from `weight_grid`. `WeightGrid` and
+`ActivationGrid` hold one tensor's grid for the exporters.
+
+An integer file adds a layer's bias as int32 on the grid of its input's step times its
+weights' (`round_bias`, which the QAT layers apply to their float bias).
 
 Converters take 8-bit FakeQuant ops only (the TFLite converter refuses a k-bit activation
 tensor and re-rounds 3- and 5..7-bit weights onto its own storage grid; tf2onnx converts only
@@ -162,6 +167,59 @@ def fake_quant_activations(
     return tf.quantization.fake_quant_with_min_max_vars(
         x, minimum, maximum, num_bits=bits, narrow_range=False
     )
+
+
+def weight_step(max_abs: tf.Tensor, bits: int) -> tf.Tensor:
+    """The step of the symmetric narrow-range `bits`-bit grid of ±`max_abs`, as the FakeQuant
+    op computes it: (max − min)/(q_hi − q_lo) (`nudged_grid`'s scale, in TensorFlow).
+
+    Args:
+        max_abs: `weight_max_abs(...)`: a vector (per channel) or a scalar.
+        bits: 2..8.
+
+    Returns:
+        float32 tensor of max_abs's shape.
+    """
+    max_abs = tf.convert_to_tensor(max_abs, tf.float32)
+    return (max_abs - (-max_abs)) / float(2**bits - 2)
+
+
+def activation_step(minimum: tf.Tensor | float, maximum: tf.Tensor | float, bits: int) -> tf.Tensor:
+    """The step of the asymmetric `bits`-bit grid `fake_quant_activations` rounds to on
+    [minimum, maximum], in TensorFlow.
+
+    Args:
+        minimum: the range's low end (≤ 0).
+        maximum: its high end (≥ 0), widened here to at least MIN_RANGE above `minimum`.
+        bits: 2..8.
+
+    Returns:
+        float32 scalar tensor.
+    """
+    maximum = tf.maximum(maximum, minimum + MIN_RANGE)
+    return (maximum - minimum) / (2.0**bits - 1.0)
+
+
+def round_bias(bias: tf.Tensor, step: tf.Tensor) -> tf.Tensor:
+    """`bias` rounded to the nearest multiple of `step`, with a straight-through gradient.
+
+    An integer file adds a layer's bias as int32 in units of its input's step times its
+    weights' (s_in·s_w, per output channel): the converters round bias/(s_in·s_w). Below 8 bits
+    s_w is coarse, and a float bias lies up to half of that step away from the file's, a
+    sizeable fraction of an output step. Rounded here, the bias is the file's, and a converter
+    rounding it again finds an integer.
+
+    Args:
+        bias: float32 tensor (the bias per output channel).
+        step: float32 tensor broadcastable to it, > 0 (s_in·s_w).
+
+    Returns:
+        round(bias/step)·step (halves to even); the gradient passes to `bias` unchanged and
+        none to `step`. bias + (rounded − bias) is exactly `rounded` in float32: the two lie
+        within a factor of 2 of each other, or `rounded` is 0, so the difference is exact.
+    """
+    rounded = tf.round(bias / step) * step
+    return bias + tf.stop_gradient(rounded - bias)
 
 
 def nudged_grid(
@@ -321,8 +379,7 @@ def halves_away_from_int8_zero(
     Returns:
         The moved tensor.
     """
-    maximum = tf.maximum(maximum, minimum + MIN_RANGE)
-    scale = (maximum - minimum) / (2.0**bits - 1.0)
+    scale = activation_step(minimum, maximum, bits)
     zero_point = tf.floor(-minimum / scale + 0.5)  # the range holds 0: no clamp needed
     int8_zero = (128.0 - zero_point) * scale
     return average + tf.sign(average - int8_zero) * scale / (4.0 * window)

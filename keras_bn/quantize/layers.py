@@ -13,8 +13,18 @@ v and s = γ/σ per output channel:
         μ_B, σ²_B = biased two-pass moments of z/s,  σ_B = √(σ²_B + ε)
         y = z·σ/σ_B + (β − γ·μ_B/σ_B)                        (= γ·(z/s − μ_B)/σ_B + β)
     after the freeze, and at inference:
-        y = z + (β + s·(b − μ))                              (the folded BN, b the host bias)
+        y = z + R(β + s·(b − μ))                             (the folded BN, b the host bias)
     then ReLU/ReLU6, then the output's fake quantization.
+
+R rounds the folded bias to the multiples of Δ_in·Δ_w (per output channel), the int32 grid an
+integer file adds it on, with a straight-through gradient (`fake_quant.round_bias`): Δ_w is
+the channel's weight step and Δ_in the step of the grid the layer's input lies on in its model
+(`keras_bn.quantize.grids`), once that has a range. With 8-bit weights the float bias lies
+within a few hundredths of an output step of the file's, but below that Δ_w is coarse, and the
+file's bias differs from a float one by up to ~0.4 output steps: enough to move 3–13% of a
+layer's outputs one step, and after a few layers the logits by several. R is the identity
+where the weights are float or the input's grid is unknown (a direct call, a nested model's
+input). A `QuantizedHost` adds R(b) the same way.
 
 Before the freeze the layer therefore trains like batch-statistics BN (the host bias cancels),
 with gradients by autodiff through the batch moments (as PyTorch's
@@ -45,7 +55,7 @@ from keras_bn import _models, fused, statistics
 from keras_bn._bn_layers import KERAS_BN, KERAS_BN_BN
 from keras_bn._errors import UnsupportedModelError
 from keras_bn._moving_average import average_into, usable
-from keras_bn.quantize import fake_quant, hosts
+from keras_bn.quantize import fake_quant, grids, hosts
 from keras_bn.quantize.activation import ActivationQuantizer, scalar_state, validate_momentum
 
 ACTIVATIONS = ("relu", "relu6")
@@ -137,18 +147,26 @@ class _QuantizedHostLayer(keras.layers.Layer):
             return view
         return fake_quant.fake_quant_weights(view, max_abs, self.weight_bits)
 
+    def _quantized_depthwise(self) -> tuple[tf.Tensor, tf.Tensor]:
+        """A separable host's depthwise kernel viewed channels last and fake-quantized, and its
+        weight range."""
+        view = hosts.channels_last(tf.cast(self.host.depthwise_kernel, tf.float32), hosts.DEPTHWISE)
+        max_abs = fake_quant.weight_max_abs(view, self.per_channel)
+        return self._fake_quant(view, max_abs), max_abs
+
+    def _quantized_kernel(self) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor | None]:
+        """The folded kernel viewed channels last and fake-quantized as `call` rounds it, its
+        weight range, and the per-channel factor inference multiplies the host's output by
+        (None for 1)."""
+        raise NotImplementedError
+
     def _linear(self, inputs: tf.Tensor, view: tf.Tensor, training: bool | None) -> tf.Tensor:
         """The host's map without bias, with the fake-quantized channels-last kernel `view`."""
         kernel = hosts.from_channels_last(view, hosts.folded_kernel(self.host).shape)
         depthwise = None
         between: Callable[[tf.Tensor], tf.Tensor] | None = None
         if self.kind == hosts.SEPARABLE:
-            depthwise_view = hosts.channels_last(
-                tf.cast(self.host.depthwise_kernel, tf.float32), hosts.DEPTHWISE
-            )
-            depthwise_view = self._fake_quant(
-                depthwise_view, fake_quant.weight_max_abs(depthwise_view, self.per_channel)
-            )
+            depthwise_view, _ = self._quantized_depthwise()
             depthwise = hosts.from_channels_last(depthwise_view, self.host.depthwise_kernel.shape)
             quantizer = self.intermediate_quantizer
             if quantizer is not None:
@@ -156,6 +174,50 @@ class _QuantizedHostLayer(keras.layers.Layer):
                 # class has no types)
                 between = functools.partial(quantizer.__call__, training=training)
         return hosts.linear(self.host, inputs, kernel, depthwise, between)
+
+    def grid_quantizer(self) -> ActivationQuantizer | None:
+        """The quantizer whose grid the layer's output lies on.
+
+        Returns:
+            `output_quantizer`: None where the layer leaves its output to another layer's
+            quantizer, or has activation_bits=None.
+        """
+        return self.output_quantizer
+
+    def _bias_on_grid(self, bias: tf.Tensor, max_abs: tf.Tensor) -> tf.Tensor:
+        """`bias` as an integer file adds it: rounded to its int32 grid, the input's step times
+        the weights' (`fake_quant.round_bias`), once the input's grid has a range.
+
+        The input's grid is the intermediate quantizer's for a separable host, else the one
+        its input lies on in its model (`grids.input_quantizer`). Left in float where the
+        weights are float, or that grid is unknown (no model graph around the layer, or its
+        input comes from outside it): no integer file computes the layer then, or the
+        exporter's verification measures the rest.
+        """
+        if self.weight_bits is None:
+            return bias
+        quantizer = (
+            self.intermediate_quantizer
+            if self.kind == hosts.SEPARABLE
+            else grids.input_quantizer(self)
+        )
+        if quantizer is None or not quantizer.built:
+            return bias
+        input_step, initialized = quantizer.step()
+        step = input_step * fake_quant.weight_step(max_abs, self.weight_bits)
+        return tf.where(initialized, fake_quant.round_bias(bias, step), bias)
+
+    def inference_bias(self) -> np.ndarray:
+        """The bias the layer's inference adds, as the integer file adds it.
+
+        Returns:
+            float32 numpy vector: `folded_weights()`'s bias, rounded to the multiples of the
+            input's step times the weights' step per output channel where the layer knows its
+            input's grid (see `call`), else that bias itself.
+        """
+        _, max_abs, _ = self._quantized_kernel()
+        _, bias = self.folded_weights()
+        return np.asarray(self._bias_on_grid(tf.constant(bias), max_abs))
 
     def _host_bias(self) -> tf.Tensor:
         """The host's bias as float32 (zeros without one)."""
@@ -185,8 +247,12 @@ class _QuantizedHostLayer(keras.layers.Layer):
             {"kernel": fake_quant.WeightGrid of the folded kernel (`folded_weights`) viewed
             with its output channels last (a depthwise kernel (*k, C, M) as (*k, 1, C·M))},
             and for a separable host also "depthwise_kernel" (its depthwise kernel, which
-            batch norm does not scale, viewed the same way). The grids give TensorFlow's
-            integers exactly (`fake_quant.weight_grid`).
+            batch norm does not scale, viewed the same way). The integers are read from the
+            kernels `call` computes, through the same TensorFlow ops: a weight that training
+            left on a rounding boundary (QAT weights oscillate across one) rounds as the
+            layer rounds it, which `fake_quant.weight_grid`'s numpy need not (TensorFlow's
+            per-channel FakeQuant kernel rounds some such halves the other way). A channel
+            that inference multiplies by 0 (γ = 0) holds zeros.
 
         Raises:
             ValueError: the layer has weight_bits=None (float weights: no integers).
@@ -196,18 +262,26 @@ class _QuantizedHostLayer(keras.layers.Layer):
                 f"Layer '{self.name}' has weight_bits=None: its weights are float, so no "
                 f"integer file can hold them."
             )
-        kernel, _ = self.folded_weights()
-        views = {"kernel": np.asarray(hosts.channels_last(kernel, self.kind))}
+        kernel, max_abs, factor = self._quantized_kernel()
+        found = {"kernel": self._grid(kernel, max_abs, factor)}
         if self.kind == hosts.SEPARABLE:
-            depthwise = np.asarray(self.host.depthwise_kernel, np.float32)
-            views["depthwise_kernel"] = np.asarray(hosts.channels_last(depthwise, hosts.DEPTHWISE))
-        return {
-            name: fake_quant.WeightGrid(
-                *fake_quant.weight_grid(view, self.weight_bits, self.per_channel),
-                self.weight_bits,
-            )
-            for name, view in views.items()
-        }
+            found["depthwise_kernel"] = self._grid(*self._quantized_depthwise(), None)
+        return found
+
+    def _grid(
+        self, quantized: tf.Tensor, max_abs: tf.Tensor, factor: tf.Tensor | None
+    ) -> fake_quant.WeightGrid:
+        """The WeightGrid of a fake-quantized channels-last kernel: its steps from the range
+        as the op nudges it, its integers by dividing by them (each value is an integer
+        times its step, to float32 rounding), times `factor` per channel."""
+        bits = self.weight_bits
+        assert bits is not None  # weight_grids refuses float weights
+        largest = np.asarray(max_abs, np.float32)
+        scale, _, _, _ = fake_quant.nudged_grid(-largest, largest, bits, narrow_range=True)
+        q = np.round(np.asarray(quantized, np.float64) / scale)
+        if factor is not None:
+            q = q * np.asarray(factor)
+        return fake_quant.WeightGrid(q.astype(np.int8), scale, bits)
 
     def export_function(self, weight_op: Callable[[str, Any], Any]) -> Callable[[Any], Any]:
         """The layer's inference as an exporter traces it, from the values it holds now.
@@ -226,7 +300,7 @@ class _QuantizedHostLayer(keras.layers.Layer):
                 the traced function).
 
         Returns:
-            A function of the input tensor (float32 out).
+            A function of the input tensor (float32 out); it adds `inference_bias()`.
 
         Raises:
             ValueError: weight_bits or activation_bits is None (a float part, which no
@@ -237,8 +311,8 @@ class _QuantizedHostLayer(keras.layers.Layer):
                 f"Layer '{self.name}' has activation_bits=None: its output is float, so no "
                 f"integer file can compute it."
             )
-        grids = self.weight_grids()
-        _, bias = self.folded_weights()
+        weight_grids = self.weight_grids()
+        bias = self.inference_bias()
         shapes = {"kernel": tuple(hosts.folded_kernel(self.host).shape)}
         if self.kind == hosts.SEPARABLE:
             shapes["depthwise_kernel"] = tuple(self.host.depthwise_kernel.shape)
@@ -251,7 +325,7 @@ class _QuantizedHostLayer(keras.layers.Layer):
         def infer(inputs: tf.Tensor) -> tf.Tensor:
             kernels = {
                 name: hosts.from_channels_last(weight_op(name, grid), shapes[name])
-                for name, grid in grids.items()
+                for name, grid in weight_grids.items()
             }
             outputs = hosts.linear(
                 self.host,
@@ -324,12 +398,16 @@ class QuantizedHost(_QuantizedHostLayer):
         Returns:
             The output tensor.
         """
-        view = self._kernel_view()
-        view = self._fake_quant(view, fake_quant.weight_max_abs(view, self.per_channel))
+        view, max_abs, _ = self._quantized_kernel()
         outputs = self._linear(tf.cast(inputs, tf.float32), view, training)
-        axes = self._channel_axes(outputs)
-        outputs = outputs + statistics.per_channel(self._host_bias(), outputs, axes)
+        bias = self._bias_on_grid(self._host_bias(), max_abs)
+        outputs = outputs + statistics.per_channel(bias, outputs, self._channel_axes(outputs))
         return self._finish(outputs, training)
+
+    def _quantized_kernel(self) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor | None]:
+        view = self._kernel_view()
+        max_abs = fake_quant.weight_max_abs(view, self.per_channel)
+        return self._fake_quant(view, max_abs), max_abs, None
 
     def folded_weights(self) -> tuple[np.ndarray, np.ndarray]:
         """The float kernel and bias an int8 file quantizes: the host's own.
@@ -479,7 +557,10 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
             return statistics.per_channel(t, z, axes)
 
         ratio = scale / safe_scale  # exactly 1 where γ ≠ 0, 0 where γ = 0
-        multiplier, offset = ratio, beta + scale * (bias - mean)  # the folded BN
+        # The folded BN, its bias on the file's int32 grid (after `_linear`: a separable
+        # host's intermediate range is this step's then).
+        multiplier = ratio
+        offset = self._bias_on_grid(beta + scale * (bias - mean), max_abs)
         if not (training and self.trainable):
             return self._finish(z * per_channel(multiplier) + per_channel(offset), training)
         frozen = tf.convert_to_tensor(self.batch_norm_frozen)
@@ -518,6 +599,12 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
         self._update_moving_statistics(z, axes, batch_mean + bias, batch_variance, frozen)
         return self._finish(outputs, training)
 
+    def _quantized_kernel(self) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor | None]:
+        gamma, _, _, variance, _ = self._bn_parameters()
+        sigma = tf.sqrt(variance + self.batch_norm.epsilon)
+        scale, safe_scale, view, max_abs = self._scaled_kernel(gamma, sigma)
+        return self._fake_quant(view, max_abs), max_abs, scale / safe_scale
+
     def _update_moving_statistics(
         self,
         z: tf.Tensor,
@@ -547,8 +634,8 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
     def folded_weights(self) -> tuple[np.ndarray, np.ndarray]:
         """The float kernel and bias an int8 file quantizes: W·s and β + s·(b − μ).
 
-        Computed with the same float32 ops as `call`, so `fake_quant.weight_grid` of the kernel
-        (viewed channels-last) gives the integers the layer's inference rounds to.
+        Computed with the same float32 ops as `call`; `weight_grids` gives the integers the
+        layer's inference rounds the kernel to, and `inference_bias` the bias it adds.
 
         Returns:
             (kernel, bias) as float32 numpy arrays, the kernel in the host's layout (for a

@@ -86,6 +86,14 @@ class QuantizedAveragePooling(keras.layers.Layer):
         pooled = self.pool(quantizer.round_onto(inputs, low, high, initialized))
         return quantizer.round_onto(pooled, low, high, initialized, self.window)
 
+    def grid_quantizer(self) -> ActivationQuantizer:
+        """The quantizer whose grid the layer's output lies on: its input's.
+
+        Returns:
+            `input_quantizer`.
+        """
+        return self.input_quantizer
+
     def export_function(self, halves_as_ops: bool = False) -> Callable[[Any], Any]:
         """The layer's inference as an exporter traces it, from the range it holds now: the
         input quantizer's `export_function` before and after the pool, so that a converter
