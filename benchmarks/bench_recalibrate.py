@@ -117,8 +117,8 @@ def measure(name, build, image, images, batch, reps, per_layer_reps, seed=0):
     warm: dict[str, list[float]] = {"predict": [], "one_pass": []}
     contenders = [("predict", predict), ("one_pass", one_pass)]
     for round_ in range(reps):
-        for name, function in contenders if round_ % 2 == 0 else contenders[::-1]:
-            warm[name].append(_timed(function)[0])
+        for contender, function in contenders if round_ % 2 == 0 else contenders[::-1]:
+            warm[contender].append(_timed(function)[0])
     predict_warm = statistics.median(warm["predict"])
     one_warm = statistics.median(warm["one_pass"])
     one_ratio = statistics.median(o / p for o, p in zip(warm["one_pass"], warm["predict"]))
