@@ -299,12 +299,14 @@ class _QuantizedTFLite(pipeline.QuantizedFormat, _TFLite):
     def host_refusal(self, layer: keras.layers.Layer) -> str | None:
         host = layer.host
         if type(host) not in QAT_HOSTS or getattr(host, "data_format", "") == "channels_first":
+            # ONNX takes an ungrouped channels_first host, but no 1-D or 3-D one either
+            known = type(host) in QAT_HOSTS
+            to_onnx = known and getattr(host, "groups", 1) == 1
             return (
                 f"TFLite export of a quantization-aware model takes Dense, Conv2D, "
                 f"DepthwiseConv2D and SeparableConv2D hosts, channels_last; '{layer.name}' "
-                f"hosts a {type(host).__name__}"
-                f"{' (channels_first)' if type(host) in QAT_HOSTS else ''}. Export it to "
-                f"ONNX."
+                f"hosts a {type(host).__name__}{' (channels_first)' if known else ''}."
+                f"{' Export it to ONNX.' if to_onnx else ''}"
             )
         if layer.kind == hosts.DENSE and layer.per_channel:
             return (

@@ -633,3 +633,23 @@ def test_a_host_in_a_model_adds_its_bias_on_the_files_int32_grid(host_name):
     step_o, _ = ref.activation_grid(lo_o, hi_o, 8)
     assert np.abs(got - expected)[~near].max() <= 1e-4 * step_o
     np.testing.assert_allclose(layer.inference_bias(), on_grid, rtol=1e-6)
+
+
+@pytest.mark.parametrize(("activation", "fixed_step"), [("tanh", 1 / 128), ("sigmoid", 1 / 256)])
+def test_a_host_after_a_fixed_step_activation_adds_its_bias_on_that_grid(activation, fixed_step):
+    """No quantizer follows a tanh or sigmoid: the int8 spec fixes its output's step, and the
+    integer file adds the next host's bias in units of that step times the weights'."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    hidden = L.Dense(5, activation=activation, name="hidden")(inputs)
+    model = quantize_model(keras.Model(inputs, L.Dense(4, name="head")(hidden)), 3)
+    head = model.get_layer("head_qat")
+    bias = np.random.default_rng(0).normal(0, 0.3, 4).astype("float32")
+    head.host.bias.assign(bias)
+    model(np.random.default_rng(1).normal(size=(16, 6)).astype("float32"), training=True)
+    kernel = np.asarray(head.host.kernel, np.float64)
+    weight_step = ref.weight_scale(kernel, 3, head.per_channel)
+    on_grid = ref.bias_on_grid(bias, fixed_step, weight_step)
+    # The float bias lies well off that grid: the check can fail.
+    assert np.abs(on_grid - bias).max() > 0.2 * fixed_step * np.min(weight_step)
+    np.testing.assert_allclose(head.inference_bias(), on_grid, rtol=1e-6)

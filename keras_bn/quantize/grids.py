@@ -5,7 +5,8 @@ A tensor lies on the grid of the quantizer that rounded it last: the `Activation
 QAT layer or `QuantizedAveragePooling` that produced it (each says which through its
 `grid_quantizer()`), reached through the layers that keep their input's grid (max pooling,
 reshapes, dropout: `spec.PRESERVES`) and into nested Sequential/Functional models' outputs.
-The exporters read an output's step this way, and a QAT host its input's: an integer file adds
+The exporters read an output's step this way, and a QAT host its input's (or the step
+the int8 spec fixes for a tanh, sigmoid or softmax before it): an integer file adds
 the host's bias in units of that step times the weights' (`fake_quant.round_bias`).
 """
 
@@ -45,26 +46,30 @@ def grid_source(tensor: keras.KerasTensor) -> tuple[keras.Operation, Any]:
     return operation, None
 
 
-def input_quantizer(layer: keras.layers.Layer) -> Any:
-    """The ActivationQuantizer whose grid a one-input layer's input lies on, in the models
-    the layer is called in.
+def input_grid(layer: keras.layers.Layer) -> Any:
+    """The grid a one-input layer's input lies on, in the models the layer is called in.
 
     Args:
         layer: a layer (a QAT host).
 
     Returns:
-        The quantizer, or None where there is none, or no single one: the layer was never
-        called on a model's symbolic tensors (a subclassed model, a direct call), its input
-        comes from outside the model it sits in (a nested model's input), or its calls read
-        different grids.
+        The ActivationQuantizer that sets it; or the step as a float where the int8 spec fixes
+        it (the output of a tanh, sigmoid or softmax, `spec.fixed_step`), which no quantizer
+        rounds; or None where there is none, or no single one: the layer was never called on
+        a model's symbolic tensors (a subclassed model, a direct call), its input comes from
+        outside the model it sits in (a nested model's input), or its calls read different
+        grids.
     """
     found = set()
-    quantizers = []
+    grids = []
     for node in getattr(layer, "_inbound_nodes", []):
         if len(node.input_tensors) != 1:
             return None
-        _, quantizer = grid_source(node.input_tensors[0])
-        if id(quantizer) not in found:
-            found.add(id(quantizer))
-            quantizers.append(quantizer)
-    return quantizers[0] if len(quantizers) == 1 else None
+        operation, grid = grid_source(node.input_tensors[0])
+        if grid is None and isinstance(operation, keras.layers.Layer):
+            grid = spec.fixed_step(operation)
+        key = grid if isinstance(grid, float) else id(grid)
+        if key not in found:
+            found.add(key)
+            grids.append(grid)
+    return grids[0] if len(grids) == 1 else None

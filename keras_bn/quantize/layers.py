@@ -189,23 +189,24 @@ class _QuantizedHostLayer(keras.layers.Layer):
         the weights' (`fake_quant.round_bias`), once the input's grid has a range.
 
         The input's grid is the intermediate quantizer's for a separable host, else the one
-        its input lies on in its model (`grids.input_quantizer`). Left in float where the
-        weights are float, or that grid is unknown (no model graph around the layer, or its
-        input comes from outside it): no integer file computes the layer then, or the
-        exporter's verification measures the rest.
+        its input lies on in its model (`grids.input_grid`: a quantizer's, or the step the
+        int8 spec fixes after a tanh, sigmoid or softmax). Left in float where the weights
+        are float, or that grid is unknown (no model graph around the layer, or its input
+        comes from outside it): no integer file computes the layer then, or the exporter's
+        verification measures the rest.
         """
         if self.weight_bits is None:
             return bias
-        quantizer = (
-            self.intermediate_quantizer
-            if self.kind == hosts.SEPARABLE
-            else grids.input_quantizer(self)
+        grid = (
+            self.intermediate_quantizer if self.kind == hosts.SEPARABLE else grids.input_grid(self)
         )
-        if quantizer is None or not quantizer.built:
+        weight_step = fake_quant.weight_step(max_abs, self.weight_bits)
+        if isinstance(grid, float):
+            return fake_quant.round_bias(bias, grid * weight_step)
+        if grid is None or not grid.built:
             return bias
-        input_step, initialized = quantizer.step()
-        step = input_step * fake_quant.weight_step(max_abs, self.weight_bits)
-        return tf.where(initialized, fake_quant.round_bias(bias, step), bias)
+        input_step, initialized = grid.step()
+        return tf.where(initialized, fake_quant.round_bias(bias, input_step * weight_step), bias)
 
     def inference_bias(self) -> np.ndarray:
         """The bias the layer's inference adds, as the integer file adds it.
