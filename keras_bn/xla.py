@@ -71,25 +71,13 @@ def batch_norm_train(x, gamma, beta, channel_axes, epsilon):
         biased variance shaped like gamma, carrying no gradient.
     """
     x = tf.cast(x, statistics_dtype(x.dtype))
-    rank = x.shape.rank
-    reduced = reduction_axes(rank, channel_axes)
-    axis = group_axis(x.shape, channel_axes)
+    sums = _grouped_sums(x, channel_axes)
     m = element_count(x, channel_axes)
     param_shape = tf.shape(gamma)
 
-    def sums(summands, *tensors):
-        return _paired_sums(summands, tensors, axis, reduced)
-
     @tf.custom_gradient
     def _normalize(x, gamma, beta):
-        shift, offset, variance = _shifted_moments(x, _shift_estimate(x, reduced), m, sums)
-        shift, offset, variance = tf.cond(
-            tf.reduce_any(
-                (tf.square(offset) > RECENTRE_RATIO * variance) | ~tf.math.is_finite(variance)
-            ),
-            lambda: _shifted_moments(x, shift + offset, m, sums),
-            lambda: (shift, offset, variance),
-        )
+        shift, offset, variance = _moments(x, channel_axes, m, sums)
         inv = tf.math.rsqrt(variance + epsilon)
         gamma_b = tf.reshape(gamma, tf.shape(shift))  # shift has the per-channel shape
         y = ((x - shift) - offset) * (inv * gamma_b) + tf.reshape(beta, tf.shape(shift))
@@ -107,6 +95,46 @@ def batch_norm_train(x, gamma, beta, channel_axes, epsilon):
 
     y, mean, variance = _normalize(x, gamma, beta)
     return y, tf.stop_gradient(mean), tf.stop_gradient(variance)
+
+
+def moments(x, channel_axes):
+    """Per-channel mean and biased variance of x (kept broadcastable), arranged for XLA:CPU:
+    one fused read of x for the shifted sums, a second only where `RECENTRE_RATIO` asks.
+
+    recalibrate's recording (keras_bn/_hooks.py) runs it as its own XLA cluster: the
+    statistics at about a third of the cost of `statistics.moments`' unfused passes.
+
+    Args:
+        x: a float32 or float64 tensor with a reduced axis other than its last (`group_axis`).
+        channel_axes: sorted non-negative axes that are not reduced.
+
+    Returns:
+        (mean, variance).
+    """
+    m = element_count(x, channel_axes)
+    shift, offset, variance = _moments(x, channel_axes, m, _grouped_sums(x, channel_axes))
+    return shift + offset, variance
+
+
+def _grouped_sums(x, channel_axes):
+    """`_paired_sums` over x's reduced axes, grouped along `group_axis`."""
+    reduced = reduction_axes(x.shape.rank, channel_axes)
+    axis = group_axis(x.shape, channel_axes)
+    return lambda summands, *tensors: _paired_sums(summands, tensors, axis, reduced)
+
+
+def _moments(x, channel_axes, m, sums):
+    """(K, Δμ, σ²): the shifted sums about `_shift_estimate`'s K, redone about the mean when
+    K was too far from it (or σ² is not finite)."""
+    reduced = reduction_axes(x.shape.rank, channel_axes)
+    shift, offset, variance = _shifted_moments(x, _shift_estimate(x, reduced), m, sums)
+    return tf.cond(
+        tf.reduce_any(
+            (tf.square(offset) > RECENTRE_RATIO * variance) | ~tf.math.is_finite(variance)
+        ),
+        lambda: _shifted_moments(x, shift + offset, m, sums),
+        lambda: (shift, offset, variance),
+    )
 
 
 def _shift_estimate(x, reduced):
