@@ -105,6 +105,36 @@ def test_unequal_batches_are_pooled_by_count():
     assert_close(bn.moving_variance, var, 1e-6)
 
 
+@pytest.mark.parametrize("layout", ["channels_last", "channels_first"])
+@pytest.mark.parametrize("case", ["mean_1e4_std_1e-2", "outlying_shift_samples"])
+def test_statistics_stay_exact_where_float32_sums_cancel(layout, case):
+    """Each BN input's moments are one-read shifted sums (keras_bn/xla.py) about a shift K
+    taken from a few samples at the first spatial position. Far from zero (mean 1e4, std
+    1e-2), and where those samples lie far out (a bright corner pixel: K ~30σ from the mean,
+    so the sums are redone about the mean), Algorithm 2's statistics still match float64
+    numpy. Odd sizes: no group divides the batch (it is padded)."""
+    rng = np.random.default_rng(5)
+    shape = (30, 31, 33, 3) if layout == "channels_last" else (30, 3, 31, 33)
+    corner = (slice(None), 0, 0) if layout == "channels_last" else (slice(None), slice(None), 0, 0)
+    if case == "mean_1e4_std_1e-2":
+        x = 1e4 + 1e-2 * rng.normal(size=shape)
+    else:
+        x = rng.normal(size=shape)
+        x[corner] += 1e3
+    x = x.astype("float32")
+    inputs = keras.Input(shape[1:])
+    bn = keras_bn.BatchNormalization(axis=-1 if layout == "channels_last" else 1)
+    model = keras.Model(inputs, bn(inputs))
+    keras_bn.recalibrate(model, x, batch_size=10, progress=False)
+    reduced = (0, 1, 2) if layout == "channels_last" else (0, 2, 3)
+    batches = np.split(x.astype(np.float64), 3)
+    m = x[:10].size // 3
+    mean = np.mean([b.mean(axis=reduced) for b in batches], axis=0)
+    variance = np.mean([b.var(axis=reduced) for b in batches], axis=0) * m / (m - 1)
+    assert_close(bn.moving_mean, mean, 1e-6)
+    assert_close(bn.moving_variance, variance, 1e-6)
+
+
 def test_batches_with_at_most_one_value_per_channel_are_skipped():
     """As in training, where such a batch outputs β and moves no statistic: a last batch of
     one sample, or a mask that leaves one token, has no variance and is left out (it used to
