@@ -10,8 +10,8 @@ import os
 os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import keras  # noqa: E402
-import pytest  # noqa: E402
+import keras
+import pytest
 
 assert keras.backend.backend() == "jax", (
     f"tests_jax needs KERAS_BACKEND=jax, but Keras is using {keras.backend.backend()!r}: run "

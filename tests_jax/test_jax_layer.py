@@ -325,6 +325,7 @@ def test_float16_inputs_keep_float32_statistics():
     assert keras.backend.standardize_dtype(y.dtype) == "float16"
     assert all(v.dtype == "float32" for v in layer.weights)
     _, mean, var, m = numpy_train(x.astype("float16"), np.ones(3), np.zeros(3), [1], EPS)
+    _assert_close(layer.moving_mean.numpy(), 0.01 * mean, rtol=1e-6)
     _assert_close(layer.moving_variance.numpy(), 0.99 + 0.01 * var * m / (m - 1), rtol=1e-6)
 
 
