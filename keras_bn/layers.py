@@ -60,6 +60,9 @@ class BatchNormalization(ShapePreserving, keras.layers.Layer):
     Statistics are computed in float32 (float64 for float64 inputs) and the output is cast to
     the layer's compute dtype, so `mixed_float16` and `mixed_bfloat16` keep float32 variables.
 
+    The layer runs under the TensorFlow and the JAX Keras backends, with the same maths,
+    gradient and guards (under JAX without `jax_enable_x64`, `num_batches_tracked` is int32).
+
     Beyond Keras's BN (each adds weights only when it is on, after the four above):
 
     - `momentum=None`: the moving statistics are the plain average over the (finite) batches
