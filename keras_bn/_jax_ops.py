@@ -230,4 +230,4 @@ def cumulative_average(old, value, seen, usable):
 
 def counter_dtype():
     """`num_batches_tracked`'s dtype: int64 where JAX has it (jax_enable_x64), else int32."""
-    return "int64" if jax.config.jax_enable_x64 else "int32"
+    return str(jax.dtypes.canonicalize_dtype(jnp.int64))
