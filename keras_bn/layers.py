@@ -291,14 +291,10 @@ class BatchNormalization(ShapePreserving, keras.layers.Layer):
                 `virtual_batch_size` that the static batch size is not a multiple of (or a
                 mask with it).
         """
-        if not keras.backend.is_float_dtype(inputs.dtype):
-            raise TypeError(
-                f"BatchNormalization requires floating-point inputs; received dtype "
-                f"{keras.backend.standardize_dtype(inputs.dtype)}. Cast the input to a float "
-                f"type first."
-            )
         if _ON_JAX:
             return self._call_jax(inputs, bool(training and self.trainable), mask)
+        if not inputs.dtype.is_floating:
+            raise _not_floating(inputs.dtype.name)
         dtype = statistics.statistics_dtype(inputs.dtype)
         gamma = self._param(self.gamma, 1.0, dtype)
         beta = self._param(self.beta, 0.0, dtype)
@@ -325,6 +321,8 @@ class BatchNormalization(ShapePreserving, keras.layers.Layer):
         is given."""
         from keras_bn import _jax_ops
 
+        if not keras.backend.is_float_dtype(inputs.dtype):
+            raise _not_floating(keras.backend.standardize_dtype(inputs.dtype))
         assert self.moving_mean is not None and self.moving_variance is not None  # built
         assert self._channel_axes is not None
         dtype = _jax_ops.statistics_dtype(inputs.dtype)
@@ -672,6 +670,14 @@ class BatchNormalization(ShapePreserving, keras.layers.Layer):
             "renorm_momentum": self.renorm_momentum,
             "virtual_batch_size": self.virtual_batch_size,
         }
+
+
+def _not_floating(dtype: str) -> TypeError:
+    """The error for an input of the non-floating `dtype` (its name)."""
+    return TypeError(
+        f"BatchNormalization requires floating-point inputs; received dtype {dtype}. Cast the "
+        f"input to a float type first."
+    )
 
 
 def _validate_axis(axis: object) -> int | list[int]:
