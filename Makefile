@@ -32,8 +32,13 @@ demo: $(STAMP)
 bench-export: $(STAMP)
 	$(PY) benchmarks/bench_export.py
 
+# tests_jax/: the layer under the JAX backend, in a Python of its own (Keras fixes its backend
+# when first imported; pyproject's testpaths keep it out of the first run).
+JAX_TESTS := KERAS_BACKEND=jax $(PY) -m pytest tests_jax -p no:xdist
+
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+	$(JAX_TESTS)
 
 # The inner loop, under 3 minutes on 2 cores (2 min 35 s, 1,390 tests, idle, 2026-11-26): the
 # suite less the notebooks, the docs build, the slow tests (marked from a --durations=0 run:
@@ -43,6 +48,7 @@ test: $(STAMP)
 FAST_SKIP := test_notebooks test_docs test_cli test_properties test_bench_export
 test-fast: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS) -m "not slow" $(FAST_SKIP:%=--ignore=tests/%.py)
+	$(JAX_TESTS)
 
 # Lint, format check and type check (.ci/run runs it before the tests).
 lint: $(STAMP)

@@ -1,34 +1,84 @@
-"""The TensorFlow-backend guard: keras_bn's layers and exporters are TensorFlow code.
+"""The Keras-backend guard: what of keras_bn runs under which Keras backend.
 
-A tiny module of its own so that `import keras_bn` stays light (the package's names load on
-first use, keras_bn/_lazy.py): the guard runs when a public name is first used and when
-keras_bn.layers (which every heavy module imports) or keras_bn.export.affine is imported, so it
-fires before any keras_bn layer is built under another backend.
+`keras_bn.BatchNormalization` runs under TensorFlow and JAX (keras_bn/_jax_ops.py holds its
+JAX maths); everything else (recalibrate, convert, diagnostics, callbacks, quantize, export) is
+TensorFlow code. A tiny module of its own so that `import keras_bn` stays light (the package's
+names load on first use, keras_bn/_lazy.py): the guard runs when a public name is first used and
+when a module is imported (keras_bn.layers, keras_bn.export.affine and each public TensorFlow
+module run it at import), so it fires before anything of keras_bn is built under a backend that
+cannot run it.
 """
 
+# The backends the layer runs on. PyTorch is refused: torch is a large dependency that no test
+# or benchmark of this project installs, so nothing of keras_bn is measured on it.
+LAYER_BACKENDS = ("tensorflow", "jax")
+# The public names that work under every backend of LAYER_BACKENDS (the rest need TensorFlow).
+LAYER_NAMES = frozenset({"keras_bn.BatchNormalization", "keras_bn.layers"})
 
-def is_tensorflow():
-    """True when Keras runs on TensorFlow (imports keras).
+
+def backend():
+    """The Keras backend's name (imports keras).
 
     Returns:
-        bool.
+        str, e.g. "tensorflow" or "jax".
     """
     import keras
 
-    return keras.backend.backend() == "tensorflow"
+    return keras.backend.backend()
 
 
-def require_tensorflow():
-    """Raise unless Keras runs on TensorFlow.
+def require(name):
+    """Raise unless the Keras backend can run `name`: the layer's backends for LAYER_NAMES,
+    TensorFlow for every other.
+
+    Args:
+        name: the dotted public name or module about to be used, e.g. "keras_bn.convert".
 
     Raises:
-        ImportError: Keras uses another backend; the message names it and the fix.
+        ImportError: Keras uses a backend that cannot run `name`; see `require_tensorflow`.
     """
-    import keras
+    if name in LAYER_NAMES:
+        require_layer_backend()
+    else:
+        require_tensorflow(name)
 
-    backend = keras.backend.backend()
-    if backend != "tensorflow":
+
+def require_layer_backend():
+    """Raise unless Keras runs on a backend keras_bn.BatchNormalization supports.
+
+    Raises:
+        ImportError: Keras uses another backend (PyTorch, NumPy, OpenVINO); the message names
+            it, the supported ones and the fix.
+    """
+    found = backend()
+    if found not in LAYER_BACKENDS:
         raise ImportError(
-            "keras_bn needs the TensorFlow Keras backend, but Keras is using "
-            f"{backend!r}. Set KERAS_BACKEND=tensorflow before importing keras."
+            f"keras_bn.BatchNormalization needs the TensorFlow or JAX Keras backend, but Keras "
+            f"is using {found!r} (PyTorch is not supported: torch is a large dependency, and "
+            f"keras_bn is not tested or measured on it). Set KERAS_BACKEND=tensorflow or "
+            f"KERAS_BACKEND=jax before importing keras."
+        )
+
+
+def require_tensorflow(name="keras_bn"):
+    """Raise unless Keras runs on TensorFlow.
+
+    Args:
+        name: what is about to be used, named in the message.
+
+    Raises:
+        ImportError: Keras uses another backend; the message names it, what works there and
+            the fix.
+    """
+    found = backend()
+    if found != "tensorflow":
+        works = (
+            " Under JAX only keras_bn.BatchNormalization works; recalibrate, convert, "
+            "diagnostics, callbacks, quantize and export need TensorFlow for now."
+            if found == "jax"
+            else ""
+        )
+        raise ImportError(
+            f"{name} needs the TensorFlow Keras backend, but Keras is using {found!r}.{works} "
+            f"Set KERAS_BACKEND=tensorflow before importing keras."
         )

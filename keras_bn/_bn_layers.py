@@ -12,13 +12,17 @@ with the same meaning, except:
   does not fit (`statistics.expand_mask`).
 
 Folding (keras_bn.export), `recalibrate` and `convert` all work from this one description.
+Every one of those TensorFlow-only features imports this module, so its backend guard stops
+each of them under JAX, where only the layer runs.
 """
 
 import keras
 import numpy as np
 
-from keras_bn import ops
+from keras_bn import _backend, ops
 from keras_bn.layers import BatchNormalization
+
+_backend.require_tensorflow("keras_bn beyond BatchNormalization")
 
 KERAS_BN = keras.layers.BatchNormalization
 KERAS_BN_BN = BatchNormalization

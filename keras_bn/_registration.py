@@ -14,8 +14,10 @@ by `import keras_bn`:
   imports keras halfway through, and `import keras` imports tensorflow: whichever finishes
   last triggers it, so neither is half-initialized when keras_bn's modules run).
 
-Under another Keras backend nothing is registered: keras_bn's layers cannot run there, and
-the first use of a keras_bn name raises the backend guard's ImportError (keras_bn/_backend.py).
+Under JAX only keras_bn.layers is registered (it imports TensorFlow, a dependency of the
+package, for its TensorFlow code paths): the other layers are TensorFlow code. Under any other
+backend nothing is registered, and the first use of a keras_bn name raises the backend guard's
+ImportError (keras_bn/_backend.py).
 """
 
 import importlib
@@ -25,7 +27,7 @@ import typing
 
 from keras_bn import _backend
 
-# The modules whose import registers keras_bn's classes with Keras.
+# The modules whose import registers keras_bn's classes with Keras; under JAX, the first only.
 REGISTERING_MODULES = (
     "keras_bn.layers",
     "keras_bn.export.affine",
@@ -44,8 +46,8 @@ def register_when_keras_is_ready():
         sys.meta_path.insert(0, watcher)
 
 
-def _register():
-    for module in REGISTERING_MODULES:
+def _register(modules=REGISTERING_MODULES):
+    for module in modules:
         importlib.import_module(module)
 
 
@@ -87,7 +89,11 @@ class _Watcher:
         """
         if self.done or "keras" not in self.loaded:
             return self.done
-        if not _backend.is_tensorflow():
+        backend = _backend.backend()
+        if backend == "jax":
+            self.done = True
+            _register(REGISTERING_MODULES[:1])  # the layer is the one thing that runs there
+        elif backend != "tensorflow":
             self.done = True  # nothing of keras_bn's can run there
         elif "tensorflow" in self.loaded:
             self.done = True

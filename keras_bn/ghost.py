@@ -32,24 +32,36 @@ def check_channel_axes(virtual_batch_size, channel_axes):
         )
 
 
-def split(x, virtual_batch_size, channel_axes, mask):
-    """x as (v, G, ...) and the channel axes there: the ghost axis 1, then each original
-    channel axis shifted by one. Raises when v does not divide the batch."""
+def ghost_count(virtual_batch_size, shape, mask):
+    """G, the number of ghosts in a batch of `shape`, or None when its batch size is known only
+    at run time. Raises for a mask, or a static batch size that v does not divide (shapes
+    only, so that the JAX layer, keras_bn/_jax_ops.py, checks the same)."""
     if mask is not None:
         raise ValueError(
             f"virtual_batch_size={virtual_batch_size} does not support a mask: the ghost "
             f"batches would hold different numbers of values."
         )
-    batch = x.shape[0]
-    message = (
+    batch = shape[0]
+    if batch is None:
+        return None
+    if batch % virtual_batch_size:
+        raise ValueError(_divide_message(virtual_batch_size, shape).format(batch))
+    return batch // virtual_batch_size
+
+
+def _divide_message(virtual_batch_size, shape):
+    return (
         f"virtual_batch_size={virtual_batch_size} must divide the batch size; received a batch "
-        f"of {{}} (input shape {x.shape})."
+        f"of {{}} (input shape {shape})."
     )
-    if batch is not None:
-        if batch % virtual_batch_size:
-            raise ValueError(message.format(batch))
-        ghosts = batch // virtual_batch_size
-    else:
+
+
+def split(x, virtual_batch_size, channel_axes, mask):
+    """x as (v, G, ...) and the channel axes there: the ghost axis 1, then each original
+    channel axis shifted by one. Raises when v does not divide the batch."""
+    ghosts = ghost_count(virtual_batch_size, x.shape, mask)
+    if ghosts is None:
+        message = _divide_message(virtual_batch_size, x.shape)
         dynamic = tf.shape(x)[0]
         check = tf.debugging.Assert(
             tf.equal(dynamic % virtual_batch_size, 0),

@@ -14,7 +14,10 @@ from keras_bn._moving_average import average_into as _average_into
 from keras_bn._moving_average import usable as _usable
 from keras_bn._shapes import ShapePreserving
 
-_backend.require_tensorflow()  # before any keras_bn layer can be built under another backend
+_backend.require_layer_backend()  # before any keras_bn layer can be built under another backend
+# Under JAX, `call` runs the same maths in jnp (keras_bn/_jax_ops.py, imported there, so that
+# TensorFlow users never import jax); the TensorFlow paths below are unchanged.
+_ON_JAX = _backend.backend() == "jax"
 
 # What keras.initializers.get, .regularizers.get and .constraints.get take: a name, a
 # serialized config, or an instance (any callable).
@@ -56,6 +59,9 @@ class BatchNormalization(ShapePreserving, keras.layers.Layer):
 
     Statistics are computed in float32 (float64 for float64 inputs) and the output is cast to
     the layer's compute dtype, so `mixed_float16` and `mixed_bfloat16` keep float32 variables.
+
+    The layer runs under the TensorFlow and the JAX Keras backends, with the same maths,
+    gradient and guards (under JAX without `jax_enable_x64`, `num_batches_tracked` is int32).
 
     Beyond Keras's BN (each adds weights only when it is on, after the four above):
 
@@ -285,11 +291,10 @@ class BatchNormalization(ShapePreserving, keras.layers.Layer):
                 `virtual_batch_size` that the static batch size is not a multiple of (or a
                 mask with it).
         """
+        if _ON_JAX:
+            return self._call_jax(inputs, bool(training and self.trainable), mask)
         if not inputs.dtype.is_floating:
-            raise TypeError(
-                f"BatchNormalization requires floating-point inputs; received dtype "
-                f"{inputs.dtype.name}. Cast the input to a float type first."
-            )
+            raise _not_floating(inputs.dtype.name)
         dtype = statistics.statistics_dtype(inputs.dtype)
         gamma = self._param(self.gamma, 1.0, dtype)
         beta = self._param(self.beta, 0.0, dtype)
@@ -308,6 +313,112 @@ class BatchNormalization(ShapePreserving, keras.layers.Layer):
                 self.epsilon,
             )
         return tf.cast(y, self.compute_dtype)
+
+    def _call_jax(self, inputs: Any, training: bool, mask: Any) -> Any:
+        """`call` under the JAX backend: the same maths, guards and moving statistics in jnp
+        (keras_bn/_jax_ops.py), with a jax.custom_vjp backward. There is no tf.distribute
+        under JAX, so `synchronized` has nothing to pool: each call normalizes the batch it
+        is given."""
+        from keras_bn import _jax_ops
+
+        if not keras.backend.is_float_dtype(inputs.dtype):
+            raise _not_floating(keras.backend.standardize_dtype(inputs.dtype))
+        assert self.moving_mean is not None and self.moving_variance is not None  # built
+        assert self._channel_axes is not None
+        dtype = _jax_ops.statistics_dtype(inputs.dtype)
+        shape = tuple(self.moving_mean.shape)
+        gamma = _jax_ops.parameter(self.gamma, 1.0, shape, dtype)
+        beta = _jax_ops.parameter(self.beta, 0.0, shape, dtype)
+        if not training:
+            y = _jax_ops.batch_norm_eval(
+                inputs,
+                _jax_ops.parameter(self.moving_mean, 0.0, shape, dtype),
+                _jax_ops.parameter(self.moving_variance, 1.0, shape, dtype),
+                gamma,
+                beta,
+                self._channel_axes,
+                self.epsilon,
+            )
+            return keras.ops.cast(y, self.compute_dtype)
+        batch, channel_axes = inputs, self._channel_axes
+        if self.virtual_batch_size is not None:
+            batch, channel_axes = _jax_ops.ghost_split(
+                inputs, self.virtual_batch_size, channel_axes, mask
+            )
+        mask = None if mask is None else _jax_ops.expand_mask(mask, batch, channel_axes)
+        count = _jax_ops.element_count(batch, channel_axes, mask)
+        if isinstance(count, int):
+            self._require_two_values(count, batch.shape)
+        gamma = _jax_ops.zero_unless_enough(gamma, count)
+        if not (self.renorm or self.virtual_batch_size):
+            y, mean, variance = _jax_ops.batch_norm_train(
+                batch, gamma, beta, channel_axes, self.epsilon, mask
+            )
+        else:  # x̂ by the hand-written gradient, the affine after it by autodiff
+            param_shape = [batch.shape[a] for a in channel_axes]
+            ones, zeros = (_jax_ops.parameter(None, v, param_shape, dtype) for v in (1.0, 0.0))
+            x_hat, mean, variance = _jax_ops.batch_norm_train(
+                batch, ones, zeros, channel_axes, self.epsilon, mask
+            )
+            if self.virtual_batch_size is not None:
+                mean, variance = mean.mean(axis=0), variance.mean(axis=0)
+                channel_axes = channel_axes[1:]
+            scale, offset = gamma, beta
+            if self.renorm:
+                r, d = _jax_ops.renorm_corrections(
+                    mean,
+                    variance,
+                    _jax_ops.parameter(self.renorm_mean, 0.0, shape, dtype),
+                    _jax_ops.parameter(self.renorm_stddev, 1.0, shape, dtype),
+                    self.epsilon,
+                    self.renorm_clipping,
+                )
+                scale, offset = gamma * r, beta + gamma * d
+            y = _jax_ops.batch_norm_inference(x_hat, scale, offset, channel_axes)
+            y = y.reshape(inputs.shape)
+        self._update_moving_statistics_jax(mean, variance, count)
+        return keras.ops.cast(y, self.compute_dtype)
+
+    def _update_moving_statistics_jax(self, mean: Any, variance: Any, count: Any) -> None:
+        """`_update_moving_statistics` under JAX: the same guards (m ≥ 2 per channel, a finite
+        batch; `momentum=None` skips the whole batch unless every channel takes it)."""
+        from keras_bn import _jax_ops
+
+        assert self.moving_mean is not None and self.moving_variance is not None  # built
+        dtype = self.moving_mean.dtype
+        values, updated = _jax_ops.batch_estimates(
+            mean, variance, count, self.epsilon, dtype, self.renorm
+        )
+        moving = (self.moving_mean, self.moving_variance)
+        if self.momentum is None:
+            assert self.num_batches_tracked is not None  # built for momentum=None
+            updated = updated.all()
+            seen = self.num_batches_tracked.value
+            for variable, value in zip(moving, values):
+                variable.assign(_jax_ops.cumulative_average(variable.value, value, seen, updated))
+            self.num_batches_tracked.assign(seen + updated.astype(seen.dtype))
+        else:
+            for variable, value in zip(moving, values):
+                variable.assign(
+                    _jax_ops.moving_average(variable.value, value, self.momentum, updated)
+                )
+        if self.renorm:
+            assert self.renorm_mean is not None and self.renorm_stddev is not None  # built
+            assert self.moving_stddev is not None
+            for variable, value in ((self.renorm_mean, values[0]), (self.renorm_stddev, values[2])):
+                variable.assign(
+                    _jax_ops.moving_average(variable.value, value, self.renorm_momentum, updated)
+                )
+            stddev = keras.ops.sqrt(self.moving_variance.value + self.epsilon)
+            self.moving_stddev.assign(keras.ops.where(updated, stddev, self.moving_stddev.value))
+
+    def _counter_dtype(self) -> str:
+        """`num_batches_tracked`'s dtype: int64, or int32 under JAX without 64-bit types."""
+        if _ON_JAX:
+            from keras_bn import _jax_ops
+
+            return _jax_ops.counter_dtype()
+        return "int64"
 
     def _float32_weight(
         self,
@@ -352,7 +463,7 @@ class BatchNormalization(ShapePreserving, keras.layers.Layer):
                 shape=(),
                 name="num_batches_tracked",
                 initializer="zeros",
-                dtype="int64",
+                dtype=self._counter_dtype(),
                 trainable=False,
                 autocast=False,
                 aggregation="only_first_replica",
@@ -440,15 +551,19 @@ class BatchNormalization(ShapePreserving, keras.layers.Layer):
         its statistics alone (count > 1).
         """
         if isinstance(count, int):
-            if count < 2:
-                raise ValueError(
-                    f"BatchNormalization layer '{self.name}' in training mode needs at least "
-                    f"2 values per channel to estimate a batch variance, but this batch gives "
-                    f"m={count} (input shape {x.shape}). Use a larger batch, or call it with "
-                    f"training=False."
-                )
+            self._require_two_values(count, x.shape)
             return gamma
         return tf.where(count > 1, gamma, tf.zeros_like(gamma))
+
+    def _require_two_values(self, count: int, shape: Sequence[int | None]) -> None:
+        """Raise for a static m ≤ 1 in training (see `_zero_unless_enough`)."""
+        if count < 2:
+            raise ValueError(
+                f"BatchNormalization layer '{self.name}' in training mode needs at least "
+                f"2 values per channel to estimate a batch variance, but this batch gives "
+                f"m={count} (input shape {tuple(shape)}). Use a larger batch, or call it with "
+                f"training=False."
+            )
 
     def _update_moving_statistics(
         self, inputs: tf.Tensor, mean: tf.Tensor, variance: tf.Tensor, count: int | tf.Tensor
@@ -557,6 +672,14 @@ class BatchNormalization(ShapePreserving, keras.layers.Layer):
         }
 
 
+def _not_floating(dtype: str) -> TypeError:
+    """The error for an input of the non-floating `dtype` (its name)."""
+    return TypeError(
+        f"BatchNormalization requires floating-point inputs; received dtype {dtype}. Cast the "
+        f"input to a float type first."
+    )
+
+
 def _validate_axis(axis: object) -> int | list[int]:
     """An int stays an int (Keras's form); a list or tuple becomes a list of ints."""
     if isinstance(axis, bool):
@@ -649,11 +772,11 @@ def _cumulative_weights(counter: keras.Variable, dtype: tf.DType) -> tuple[tf.Te
     return tf.cast(seen / (seen + 1.0), dtype), tf.cast(1.0 / (seen + 1.0), dtype)
 
 
-def _sqrt_of(initializer: Callable[..., tf.Tensor]) -> Callable[..., tf.Tensor]:
+def _sqrt_of(initializer: Callable[..., Any]) -> Callable[..., Any]:
     """An initializer giving the square root of `initializer`'s values (Keras's moving_stddev)."""
 
-    def initialize(shape: Sequence[int], dtype: Any = None) -> tf.Tensor:
-        return tf.sqrt(initializer(shape, dtype=dtype))
+    def initialize(shape: Sequence[int], dtype: Any = None) -> Any:
+        return keras.ops.sqrt(initializer(shape, dtype=dtype))  # either backend's tensor
 
     return initialize
 

@@ -77,26 +77,47 @@ def expand_mask(mask, x, channel_axes, channel_reading=True):
         ValueError: the mask fits no allowed reading; the message names each reading's shape.
     """
     mask = tf.convert_to_tensor(mask)
-    rank = x.shape.rank
+    covered = mask_axes(mask.shape, x.shape, channel_axes, channel_reading)
+    if mask.dtype != tf.bool:
+        mask = tf.cast(mask, tf.bool)
+    for axis in range(x.shape.rank):
+        if axis not in covered:
+            mask = tf.expand_dims(mask, axis)
+    return tf.cast(mask, statistics_dtype(x.dtype))
+
+
+def mask_axes(mask_shape, x_shape, channel_axes, channel_reading=True):
+    """Which axes of x a mask covers, by `expand_mask`'s readings (shapes only, so that the
+    JAX layer, keras_bn/_jax_ops.py, reads masks by the same rules).
+
+    Args:
+        mask_shape: the mask's shape (a TensorShape or a tuple).
+        x_shape: the input's shape.
+        channel_axes: sorted non-negative channel axes of x.
+        channel_reading: whether `expand_mask`'s reading 2 is allowed.
+
+    Returns:
+        The covered axes of x, a list in order.
+
+    Raises:
+        ValueError: the mask fits no allowed reading; the message names each reading's shape.
+    """
+    mask_shape, x_shape = tf.TensorShape(mask_shape), tf.TensorShape(x_shape)
+    rank = x_shape.rank
     readings = [list(range(rank - 1))]
     if channel_reading:
         readings.append(reduction_axes(rank, channel_axes))
-    covered = next((axes for axes in readings if _fits(mask.shape, x.shape, axes)), None)
+    covered = next((axes for axes in readings if _fits(mask_shape, x_shape, axes)), None)
     if covered is None:
-        shapes = [f"{[x.shape[i] for i in axes]} (axes {axes})" for axes in readings]
+        shapes = [f"{[x_shape[i] for i in axes]} (axes {axes})" for axes in readings]
         raise ValueError(
-            f"The mask's shape {mask.shape} fits no reading of a mask for the input shape "
-            f"{x.shape} with channel axes {list(channel_axes)}: Keras's, the input's leading "
+            f"The mask's shape {mask_shape} fits no reading of a mask for the input shape "
+            f"{x_shape} with channel axes {list(channel_axes)}: Keras's, the input's leading "
             f"axes {shapes[0]}"
             + (f", or the non-channel axes {shapes[1]}" if channel_reading else "")
             + "; each dimension must be that size or 1."
         )
-    if mask.dtype != tf.bool:
-        mask = tf.cast(mask, tf.bool)
-    for axis in range(rank):
-        if axis not in covered:
-            mask = tf.expand_dims(mask, axis)
-    return tf.cast(mask, statistics_dtype(x.dtype))
+    return covered
 
 
 def _fits(mask_shape, x_shape, axes):

@@ -1,0 +1,233 @@
+"""keras_bn.BatchNormalization's maths under the JAX backend, in jnp.
+
+The same maths as the TensorFlow composite path (keras_bn/composite.py; docs/architecture.md,
+"The maths"), for one channel over its m values (m_c under a mask):
+
+    μ = Σx / m,   σ² = Σ(x − μ)² / m,   x̂ = (x − μ)/√(σ² + ε),   y = γ·x̂ + β
+
+with a hand-written backward (`batch_norm_train`, a jax.custom_vjp):
+
+    ∂l/∂β = Σg,   ∂l/∂γ = Σg·x̂,   ∂l/∂x = γ/√(σ² + ε) · (g − w·(Σg + x̂·Σg·x̂)/m)
+
+(w the mask, 1 without one; the sums run over every position, as every position is
+normalized). The variance is the corrected two-pass one of `statistics.centered_moments`,
+never E[x²] − E[x]², and float16/bfloat16 inputs get float32 statistics. The moving statistics
+take m/(m−1)·σ² (Ioffe & Szegedy 2015, Algorithm 2) only where m ≥ 2 and the batch is finite,
+as `_moving_average.usable` decides on TensorFlow.
+
+Shapes are static under JAX, so m is a Python int unless a mask makes it per channel. Mask
+readings and the ghost-batch checks are shared with the TensorFlow layer
+(`statistics.mask_axes`, `ghost.ghost_count`).
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from keras_bn import ghost, statistics
+
+
+def statistics_dtype(dtype):
+    """float64 for float64 inputs, else float32 (16-bit statistics overflow and round)."""
+    return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
+
+
+def parameter(variable, default, shape, dtype):
+    """A weight's value in `dtype`, or the constant standing for it when disabled (None)."""
+    if variable is None:
+        return jnp.full(shape, default, dtype)
+    return jnp.asarray(variable.value, dtype)
+
+
+def _reduction_axes(rank, channel_axes):
+    return tuple(i for i in range(rank) if i not in channel_axes)
+
+
+def _per_channel(t, x, channel_axes):
+    """A per-channel tensor reshaped to broadcast against x (channel dims kept, others 1)."""
+    return jnp.reshape(t, [x.shape[i] if i in channel_axes else 1 for i in range(x.ndim)])
+
+
+def expand_mask(mask, x, channel_axes):
+    """A mask as 0/1 of x's rank and statistics dtype, read as `statistics.expand_mask` reads
+    it (ValueError when it fits no reading)."""
+    mask = jnp.asarray(mask)
+    covered = statistics.mask_axes(mask.shape, x.shape, channel_axes)
+    mask = mask.astype(bool)
+    for axis in range(x.ndim):
+        if axis not in covered:
+            mask = jnp.expand_dims(mask, axis)
+    return mask.astype(statistics_dtype(x.dtype))
+
+
+def ghost_split(x, virtual_batch_size, channel_axes, mask):
+    """x as (v, G, ...) and its channel axes there, as `ghost.split` (tf-keras's ghosts)."""
+    ghosts = ghost.ghost_count(virtual_batch_size, x.shape, mask)
+    view = jnp.reshape(x, (virtual_batch_size, ghosts, *x.shape[1:]))
+    return view, [1] + [a + 1 for a in channel_axes]
+
+
+def element_count(x, channel_axes, mask=None):
+    """m: a Python int without a mask, else m_c per channel (shaped to broadcast against x)."""
+    axes = _reduction_axes(x.ndim, channel_axes)
+    if mask is None:
+        return math.prod(x.shape[i] for i in axes)
+    return jnp.sum(jnp.broadcast_to(mask, x.shape), axes, keepdims=True)
+
+
+def zero_unless_enough(gamma, count):
+    """γ, or 0 in each channel with m_c ≤ 1 at run time (its output is β; its gradients to x
+    and γ are 0). A Python int count was checked by the layer."""
+    if isinstance(count, int):
+        return gamma
+    return jnp.where(jnp.reshape(count, gamma.shape) > 1, gamma, 0.0)
+
+
+def _centered_moments(x, axes, mask, count):
+    """(shift, residual, variance), kept broadcastable to x: the corrected two-pass algorithm
+    of `statistics.centered_moments`, over the unmasked values (selected, not multiplied by 0:
+    padding may hold NaN)."""
+    if mask is None:
+
+        def average(t):
+            return jnp.mean(t, axes, keepdims=True)
+    else:
+        keep = mask > 0
+        divisor = jnp.maximum(count, 1.0)  # a fully masked channel: 0, not NaN
+
+        def average(t):
+            return jnp.sum(jnp.where(keep, t, 0.0), axes, keepdims=True) / divisor
+
+    shift = average(x)
+    centered = x - shift
+    residual = average(centered)  # the first pass's rounding error
+    variance = jnp.maximum(average(jnp.square(centered)) - jnp.square(residual), 0.0)
+    return shift, residual, variance
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _normalize(x, gamma, beta, mask, channel_axes, epsilon):
+    (y, mean, variance), _ = _normalize_forward(x, gamma, beta, mask, channel_axes, epsilon)
+    return y, mean, variance
+
+
+def _normalize_forward(x, gamma, beta, mask, channel_axes, epsilon):
+    axes = _reduction_axes(x.ndim, channel_axes)
+    count = element_count(x, channel_axes, mask)
+    shift, residual, variance = _centered_moments(x, axes, mask, count)
+    inv = jax.lax.rsqrt(variance + epsilon)
+    x_hat = ((x - shift) - residual) * inv  # centred in two steps: x − shift is exact far out
+    gamma_b = _per_channel(gamma, x, channel_axes)
+    y = x_hat * gamma_b + _per_channel(beta, x, channel_axes)
+    mean = jnp.reshape(shift + residual, gamma.shape)
+    outputs = (y, mean, jnp.reshape(variance, gamma.shape))
+    return outputs, (x, gamma_b, shift, residual, inv, mask, count)
+
+
+def _normalize_backward(channel_axes, epsilon, saved, cotangents):
+    del epsilon  # inv is saved
+    x, gamma_b, shift, residual, inv, mask, count = saved
+    dy = cotangents[0]  # the statistics carry no gradient (the caller stops it)
+    axes = _reduction_axes(x.ndim, channel_axes)
+    x_hat = ((x - shift) - residual) * inv  # recomputed rather than saved: one tensor less
+    sum_dy = jnp.sum(dy, axes, keepdims=True)
+    sum_dy_x_hat = jnp.sum(dy * x_hat, axes, keepdims=True)
+    weight = 1.0 if mask is None else mask
+    m = count if mask is None else jnp.maximum(count, 1.0)
+    dx = (gamma_b * inv) * (dy - weight * (sum_dy + x_hat * sum_dy_x_hat) / m)
+    param_shape = [x.shape[i] for i in channel_axes]
+    d_mask = None if mask is None else jnp.zeros_like(mask)
+    return (
+        dx,
+        jnp.reshape(sum_dy_x_hat, param_shape),
+        jnp.reshape(sum_dy, param_shape),
+        d_mask,
+    )
+
+
+_normalize.defvjp(_normalize_forward, _normalize_backward)
+
+
+def batch_norm_train(x, gamma, beta, channel_axes, epsilon, mask=None):
+    """Train-mode batch normalization with the hand-written backward.
+
+    Args:
+        x: floating array, normalized in `statistics_dtype(x.dtype)`.
+        gamma, beta: per-channel scale and offset in the statistics dtype.
+        channel_axes: sorted non-negative axes that are not reduced.
+        epsilon: added to the variance.
+        mask: optional output of `expand_mask`; masked-out values do not enter μ or σ².
+
+    Returns:
+        (y, mean, variance): the output in the statistics dtype, and the per-channel mean and
+        biased variance shaped like gamma, carrying no gradient.
+    """
+    x = x.astype(statistics_dtype(x.dtype))
+    y, mean, variance = _normalize(x, gamma, beta, mask, tuple(channel_axes), float(epsilon))
+    return y, jax.lax.stop_gradient(mean), jax.lax.stop_gradient(variance)
+
+
+def batch_norm_inference(x, a, b, channel_axes):
+    """The per-channel affine y = a·x + b, in the statistics dtype."""
+    x = x.astype(statistics_dtype(x.dtype))
+    return x * _per_channel(a, x, channel_axes) + _per_channel(b, x, channel_axes)
+
+
+def batch_norm_eval(x, mean, variance, gamma, beta, channel_axes, epsilon):
+    """Inference BN, y = a·x + b with a = γ/√(variance + ε), b = β − a·mean."""
+    a = gamma * jax.lax.rsqrt(variance + epsilon)
+    return batch_norm_inference(x, a, beta - a * mean, channel_axes)
+
+
+def renorm_corrections(mean, variance, renorm_mean, renorm_stddev, epsilon, clipping):
+    """Batch renormalization's per-channel (r, d), without gradient: `renorm.corrections`."""
+    stddev = jnp.sqrt(variance + epsilon)
+    renorm_stddev = jnp.maximum(renorm_stddev, math.sqrt(epsilon))  # as Keras, early on
+    r = stddev / renorm_stddev
+    d = (mean - renorm_mean) / renorm_stddev
+    clipping = clipping or {}
+    r = jnp.clip(r, min=clipping.get("rmin"), max=clipping.get("rmax"))
+    if "dmax" in clipping:
+        d = jnp.clip(d, min=-clipping["dmax"], max=clipping["dmax"])
+    return jax.lax.stop_gradient(r), jax.lax.stop_gradient(d)
+
+
+def batch_estimates(mean, variance, count, epsilon, dtype, with_stddev):
+    """The per-channel values the moving statistics take from a batch, and which channels take
+    them: [μ_B, m/(m−1)·σ²_B] (and renorm's √(σ²_B + ε)), in the variables' `dtype`; a
+    channel takes them where m ≥ 2, if every such value of the batch is finite (else none
+    does: one NaN batch cannot poison the averages), as `_moving_average.usable`."""
+    mean, variance = mean.astype(dtype), variance.astype(dtype)
+    if isinstance(count, int):  # static m, checked ≥ 2 by the layer
+        unbiased, enough = variance * (count / (count - 1)), None
+    else:
+        count = jnp.reshape(count, mean.shape).astype(dtype)
+        enough = count > 1.0
+        # A channel with m ≤ 1 is not updated; the divisor only keeps its value finite.
+        unbiased = variance * count / jnp.maximum(count - 1.0, 1.0)
+    values = [mean, unbiased] + ([jnp.sqrt(variance + epsilon)] if with_stddev else [])
+    if enough is None:
+        return values, jnp.all(jnp.isfinite(jnp.stack(values)))
+    checked = [jnp.where(enough, v, 0.0) for v in values]
+    return values, enough & jnp.all(jnp.isfinite(jnp.stack(checked)))
+
+
+def moving_average(old, value, momentum, usable):
+    """momentum·old + (1 − momentum)·value where `usable`, else old."""
+    return jnp.where(usable, momentum * old + (1.0 - momentum) * value, old)
+
+
+def cumulative_average(old, value, seen, usable):
+    """The plain average after `seen` counted batches takes `value` with weight 1/(seen + 1),
+    where `usable`. Written old + (value − old)/(seen + 1): JAX has no float64 without x64,
+    and a float32 n/(n+1) would round to 1 from n = 2²⁴ (the TensorFlow layer divides in
+    float64 instead); this form loses nothing of the new batch's weight at any count."""
+    weight = 1.0 / (seen.astype(old.dtype) + 1.0)
+    return jnp.where(usable, old + (value - old) * weight, old)
+
+
+def counter_dtype():
+    """`num_batches_tracked`'s dtype: int64 where JAX has it (jax_enable_x64), else int32."""
+    return str(jax.dtypes.canonicalize_dtype(jnp.int64))

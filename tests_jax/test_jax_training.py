@@ -1,0 +1,201 @@
+"""keras_bn.BatchNormalization in JAX training: `model.fit` under jit, `stateless_call`, the
+config, `.keras` files that cross between the JAX and TensorFlow backends, and the backend
+guard on everything of keras_bn that still needs TensorFlow."""
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import keras
+import numpy as np
+import pytest
+
+import keras_bn
+
+FEATURES = 4
+
+
+def _data(shape, seed=0, loc=1.0, scale=2.0):
+    return np.random.default_rng(seed).normal(loc, scale, shape).astype("float32")
+
+
+def test_fit_with_jit_compile_trains_and_updates_the_moving_statistics():
+    """Under `fit` (jit_compile=True, JAX's default) the first BN sees the raw input batches,
+    so its moving statistics replay in numpy (Algorithm 2's m/(m−1)); the second, with
+    momentum=None and renorm, counts every batch; γ trains."""
+    x, y = _data((64, FEATURES), 1), _data((64, 1), 2)
+    model = keras.Sequential(
+        [
+            keras.Input((FEATURES,)),
+            keras_bn.BatchNormalization(momentum=0.5, name="first"),
+            keras.layers.Dense(3),
+            keras_bn.BatchNormalization(momentum=None, renorm=True, name="second"),
+            keras.layers.Dense(1),
+        ]
+    )
+    model.compile(keras.optimizers.SGD(0.1), "mse", jit_compile=True)
+    history = model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+    mean, variance = np.zeros(FEATURES), np.ones(FEATURES)
+    for batch in np.split(x.astype(np.float64), 4):
+        mean = 0.5 * mean + 0.5 * batch.mean(0)
+        variance = 0.5 * variance + 0.5 * batch.var(0, ddof=1)
+    first, second = model.get_layer("first"), model.get_layer("second")
+    np.testing.assert_allclose(first.moving_mean.numpy(), mean, rtol=1e-5)
+    np.testing.assert_allclose(first.moving_variance.numpy(), variance, rtol=1e-5)
+    assert np.all(first.gamma.numpy() != 1.0)  # trained through the hand-written backward
+    assert int(second.num_batches_tracked.numpy()) == 4
+    np.testing.assert_allclose(
+        second.moving_stddev.numpy(), np.sqrt(second.moving_variance.numpy() + 1e-3), rtol=1e-6
+    )
+
+
+def test_stateless_call_returns_the_new_statistics_and_changes_nothing():
+    layer = keras_bn.BatchNormalization(momentum=0.8, renorm=True)
+    x = _data((8, FEATURES), 3)
+    layer.build(x.shape)
+    trainable = [v.value for v in layer.trainable_variables]
+    fixed = [v.value for v in layer.non_trainable_variables]
+    before = [np.asarray(v) for v in fixed]
+
+    @jax.jit
+    def step(trainable, fixed, x):
+        return layer.stateless_call(trainable, fixed, x, training=True)
+
+    y, new = step(trainable, fixed, x)
+    for variable, value in zip(layer.non_trainable_variables, before):
+        np.testing.assert_array_equal(variable.numpy(), value)  # nothing assigned
+    expected = layer(x, training=True)  # the stateful call, eager
+    np.testing.assert_allclose(np.asarray(y), np.asarray(expected), rtol=1e-6, atol=1e-6)
+    for variable, value in zip(layer.non_trainable_variables, new):
+        np.testing.assert_allclose(np.asarray(value), variable.numpy(), rtol=1e-6)
+    assert np.any(np.asarray(new[0]) != before[0])
+
+
+def test_get_config_round_trips():
+    layer = keras_bn.BatchNormalization(
+        axis=[1, -1],
+        momentum=None,
+        epsilon=1e-4,
+        center=False,
+        gamma_initializer=keras.initializers.RandomUniform(0.5, 1.5),
+        moving_variance_initializer=keras.initializers.Constant(2.0),
+        gamma_regularizer=keras.regularizers.L1(0.01),
+        renorm=True,
+        renorm_clipping={"rmax": 2.0, "rmin": 0.5, "dmax": 1.0},
+        renorm_momentum=0.8,
+        synchronized=True,
+        name="custom_bn",
+    )
+    config = layer.get_config()
+    clone = keras_bn.BatchNormalization.from_config(config)
+    assert clone.get_config() == config
+    assert config["momentum"] is None and config["axis"] == [1, -1]
+
+
+_TENSORFLOW_SIDE = """
+import json, sys
+import numpy as np
+import keras
+import keras_bn
+
+assert keras.backend.backend() == "tensorflow"
+folder = sys.argv[1]
+x = np.load(folder + "/x.npy")
+loaded = keras.saving.load_model(folder + "/jax.keras")
+jax_error = float(np.max(np.abs(loaded.predict(x, verbose=0) - np.load(folder + "/jax_y.npy"))))
+weights_match = all(
+    np.array_equal(np.asarray(w), np.load(folder + "/jax_weights.npz")[str(i)])
+    for i, w in enumerate(loaded.weights)
+)
+model = keras.models.clone_model(loaded)
+model.compile(keras.optimizers.SGD(0.05), "mse")
+model.fit(x, np.load(folder + "/y.npy"), batch_size=8, epochs=2, verbose=0)
+model.save(folder + "/tensorflow.keras")
+np.save(folder + "/tensorflow_y.npy", model.predict(x, verbose=0))
+print(json.dumps({"jax_error": jax_error, "weights_match": weights_match}))
+"""
+
+_JAX_SIDE = """
+import json, sys
+import numpy as np
+import keras_bn  # registers keras_bn's layer once Keras has loaded
+import keras
+
+assert keras.backend.backend() == "jax"
+folder = sys.argv[1]
+loaded = keras.saving.load_model(folder + "/tensorflow.keras")
+y = loaded.predict(np.load(folder + "/x.npy"), verbose=0)
+print(json.dumps({"error": float(np.max(np.abs(y - np.load(folder + "/tensorflow_y.npy"))))}))
+"""
+
+
+def _run(source, folder, backend):
+    result = subprocess.run(
+        [sys.executable, "-c", source, str(folder)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"},
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_keras_files_cross_between_jax_and_tensorflow(tmp_path):
+    """A model trained and saved under JAX loads under TensorFlow with the same outputs; one
+    trained and saved there loads back under JAX (a fresh process: `import keras_bn` alone
+    registers the layer) with the same outputs too."""
+    x, y = _data((32, 5, FEATURES), 4), _data((32, 5, 2), 5)
+    model = keras.Sequential(
+        [
+            keras.Input((5, FEATURES)),
+            keras_bn.BatchNormalization(momentum=None, renorm=True, name="cumulative"),
+            keras.layers.Dense(3),
+            keras_bn.BatchNormalization(axis=1, momentum=0.7, virtual_batch_size=4, name="ghost"),
+            keras.layers.Dense(2),
+        ]
+    )
+    model.compile(keras.optimizers.SGD(0.05), "mse")
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+    assert int(model.get_layer("cumulative").num_batches_tracked.numpy()) == 8
+    model.save(tmp_path / "jax.keras")
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "y.npy", y)
+    np.save(tmp_path / "jax_y.npy", model.predict(x, verbose=0))
+    np.savez(
+        tmp_path / "jax_weights.npz", **{str(i): w.numpy() for i, w in enumerate(model.weights)}
+    )
+    found = _run(_TENSORFLOW_SIDE, tmp_path, "tensorflow")
+    assert found["weights_match"] is True
+    assert found["jax_error"] <= 1e-5
+    assert _run(_JAX_SIDE, tmp_path, "jax")["error"] <= 1e-5
+
+
+@pytest.mark.parametrize(
+    ("use", "name"),
+    [
+        (lambda: keras_bn.convert, "keras_bn.convert"),
+        (lambda: keras_bn.recalibrate, "keras_bn.recalibrate"),
+        (lambda: keras_bn.diagnostics, "keras_bn.diagnostics"),
+        (lambda: keras_bn.callbacks, "keras_bn.callbacks"),
+        (lambda: keras_bn.quantize, "keras_bn.quantize"),
+        (lambda: importlib.import_module("keras_bn.export").fold_batch_norms, None),
+        (lambda: importlib.import_module("keras_bn.population"), None),
+        (lambda: importlib.import_module("keras_bn.export.affine"), "keras_bn.export"),
+    ],
+)
+def test_everything_but_the_layer_still_needs_tensorflow(use, name):
+    """A clear ImportError that names what needs TensorFlow and what works under JAX."""
+    with pytest.raises(ImportError) as raised:
+        use()
+    message = str(raised.value)
+    assert "needs the TensorFlow Keras backend, but Keras is using 'jax'" in message
+    assert "Under JAX only keras_bn.BatchNormalization works" in message
+    assert "KERAS_BACKEND=tensorflow" in message
+    if name is not None:
+        assert message.startswith(name)
+    assert keras_bn.BatchNormalization.__module__ == "keras_bn.layers"  # the layer still works
