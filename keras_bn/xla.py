@@ -139,15 +139,15 @@ def _moments(x, channel_axes, m, sums):
 
 def _shift_estimate(x, reduced):
     """K: each channel's mean over the first SHIFT_SAMPLES positions of the first reduced axis
-    (index 0 of the others), per-channel shaped. A batch known only at run time may be empty:
-    it is padded by one, so that the shift is then 0 and the statistics NaN (so the layer leaves
-    its moving statistics alone), as on the other paths.
+    (index 0 of the others), per-channel shaped. A batch may be empty (known at run time, or
+    traced with a size 0): it is padded by one, so that the shift is then 0 and the statistics
+    NaN (so the layer leaves its moving statistics alone), as on the other paths.
     """
     rank = x.shape.rank
     first = reduced[0]
     # At least 1: the pad below is then what an empty batch's shift is taken from.
     samples = tf.clip_by_value(tf.shape(x)[first], 1, SHIFT_SAMPLES)
-    if any(x.shape[a] is None for a in reduced):
+    if any(x.shape[a] in (None, 0) for a in reduced):
         x = tf.pad(x, [[0, 1] if a in reduced else [0, 0] for a in range(rank)])
     size = [samples if a == first else 1 if a in reduced else -1 for a in range(rank)]
     head = tf.slice(x, [0] * rank, tf.stack(size))

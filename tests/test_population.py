@@ -160,6 +160,39 @@ def test_batches_with_at_most_one_value_per_channel_are_skipped():
     assert_close(masked_bn.moving_variance, vectors.var(axis=0, ddof=1), 1e-5)
 
 
+class OneLayerModel(keras.Model):
+    """A subclassed model around one layer: recalibrated by the per-layer method."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.inner = layer
+
+    def call(self, x):
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("subclassed", [False, True], ids=["one_pass", "per_layer"])
+@pytest.mark.parametrize("shape", [(3,), (5, 7, 3)], ids=["rank2", "rank4"])
+def test_an_empty_batch_is_skipped(shape, subclassed):
+    """A batch of no sample whose shape is known when traced (the first batch a generator
+    yields, say) has m = 0: skipped like a batch of one, not an error of the moments'
+    shift estimate (which took its first sample)."""
+    bn = keras_bn.BatchNormalization()
+    if subclassed:
+        model = OneLayerModel(bn)
+        model(_data((2, *shape)))
+    else:
+        inputs = keras.Input(shape)
+        model = keras.Model(inputs, bn(inputs))
+    x = _data((6, *shape))
+    report = keras_bn.recalibrate(model, [x[:0], x], progress=False)
+    assert report.strategy == ("per_layer" if subclassed else "one_pass")
+    assert report.batches == 2 and report.layers[0].batches_used == 1
+    values = x.astype(np.float64).reshape(-1, 3)
+    assert_close(bn.moving_mean, values.mean(axis=0), 1e-6)
+    assert_close(bn.moving_variance, values.var(axis=0, ddof=1), 1e-6)
+
+
 def test_named_inputs_as_a_dict_of_arrays():
     """A model with named inputs takes `data` as `fit` does, a dict of arrays, split into
     batches like an array (a dict was iterated as its keys and failed inside Keras)."""
