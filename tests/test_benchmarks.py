@@ -257,7 +257,7 @@ def test_bench_recalibrate_smoke(tmp_path):
     out = _run("bench_recalibrate.py", "--json", str(tmp_path / "recalibrate.json"))
     assert out.startswith("machine: ")
     rows = [line for line in out.splitlines() if line.startswith("| small ResNet |")]
-    assert len(rows) == 1 and len(rows[0].split("|")) == 11
+    assert len(rows) == 1 and len(rows[0].split("|")) == 12
     assert "target: small ResNet recalibrate ≤ 1.5× one predict pass" in out
     record = json.loads((tmp_path / "recalibrate.json").read_text())
     (row,) = record["rows"]
@@ -268,4 +268,5 @@ def test_bench_recalibrate_smoke(tmp_path):
     assert row["max_relative_difference"] <= 1e-5
     cells = [c.strip() for c in rows[0].split("|")[1:-1]]
     assert float(cells[4]) == pytest.approx(row["one_pass_ratio"], abs=0.006)
+    assert float(cells[5]) == pytest.approx(row["one_pass_fastest_ratio"], abs=0.006)
     assert [p.name for p in tmp_path.iterdir()] == ["recalibrate.json"]
