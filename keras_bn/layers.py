@@ -294,7 +294,7 @@ class BatchNormalization(ShapePreserving, keras.layers.Layer):
         if _ON_JAX:
             return self._call_jax(inputs, bool(training and self.trainable), mask)
         if not inputs.dtype.is_floating:
-            raise _not_floating(inputs.dtype.name)
+            raise TypeError(_not_floating(inputs.dtype.name))
         dtype = statistics.statistics_dtype(inputs.dtype)
         gamma = self._param(self.gamma, 1.0, dtype)
         beta = self._param(self.beta, 0.0, dtype)
@@ -322,7 +322,7 @@ class BatchNormalization(ShapePreserving, keras.layers.Layer):
         from keras_bn import _jax_ops
 
         if not keras.backend.is_float_dtype(inputs.dtype):
-            raise _not_floating(keras.backend.standardize_dtype(inputs.dtype))
+            raise TypeError(_not_floating(keras.backend.standardize_dtype(inputs.dtype)))
         assert self.moving_mean is not None and self.moving_variance is not None  # built
         assert self._channel_axes is not None
         dtype = _jax_ops.statistics_dtype(inputs.dtype)
@@ -672,9 +672,9 @@ class BatchNormalization(ShapePreserving, keras.layers.Layer):
         }
 
 
-def _not_floating(dtype: str) -> TypeError:
-    """The error for an input of the non-floating `dtype` (its name)."""
-    return TypeError(
+def _not_floating(dtype: str) -> str:
+    """The message for an input of the non-floating `dtype` (its name)."""
+    return (
         f"BatchNormalization requires floating-point inputs; received dtype {dtype}. Cast the "
         f"input to a float type first."
     )
