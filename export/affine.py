@@ -13,12 +13,8 @@ import numpy as np
 import numpy.typing as npt
 import tensorflow as tf
 
-from keras_bn import _backend, ops
+from keras_bn import ops
 from keras_bn._shapes import ShapePreserving
-
-_backend.require_tensorflow(
-    "keras_bn.export"
-)  # before either layer can be built under another backend
 
 
 class _PerChannelMap(ShapePreserving, keras.layers.Layer):

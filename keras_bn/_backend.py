@@ -1,19 +1,32 @@
 """The Keras-backend guard: what of keras_bn runs under which Keras backend.
 
 `keras_bn.BatchNormalization` runs under TensorFlow and JAX (keras_bn/_jax_ops.py holds its
-JAX maths); everything else (recalibrate, convert, diagnostics, callbacks, quantize, export) is
-TensorFlow code. A tiny module of its own so that `import keras_bn` stays light (the package's
-names load on first use, keras_bn/_lazy.py): the guard runs when a public name is first used and
-when a module is imported (keras_bn.layers, keras_bn.export.affine and each public TensorFlow
-module run it at import), so it fires before anything of keras_bn is built under a backend that
-cannot run it.
+JAX maths), and so do `recalibrate`, `callbacks.Recalibrate` and `diagnostics.check_batchnorm`
+(a backend switch at their few TensorFlow-specific points, `on_tensorflow`); everything else
+(convert, the diagnostics' gradient probes, quantize, export) is TensorFlow code. A tiny
+module of its own so that `import keras_bn` stays light (the package's names load on first
+use, keras_bn/_lazy.py): the guard runs when a public name is first used, when a module is
+imported (keras_bn.layers, keras_bn.convert) and when a TensorFlow-only function is called
+(`quantize.quantize_model`, the diagnostics' gradient probes), so it fires before anything of
+keras_bn is built under a backend that cannot run it.
 """
 
 # The backends the layer runs on. PyTorch is refused: torch is a large dependency that no test
 # or benchmark of this project installs, so nothing of keras_bn is measured on it.
 LAYER_BACKENDS = ("tensorflow", "jax")
 # The public names that work under every backend of LAYER_BACKENDS (the rest need TensorFlow).
-LAYER_NAMES = frozenset({"keras_bn.BatchNormalization", "keras_bn.layers"})
+# keras_bn.diagnostics' gradient probes check for TensorFlow themselves (`require_tensorflow`).
+LAYER_NAMES = frozenset(
+    {
+        "keras_bn.BatchNormalization",
+        "keras_bn.layers",
+        "keras_bn.recalibrate",
+        "keras_bn.LayerChange",
+        "keras_bn.RecalibrationReport",
+        "keras_bn.callbacks",
+        "keras_bn.diagnostics",
+    }
+)
 
 
 def backend():
@@ -38,13 +51,16 @@ def require(name):
         ImportError: Keras uses a backend that cannot run `name`; see `require_tensorflow`.
     """
     if name in LAYER_NAMES:
-        require_layer_backend()
+        require_layer_backend(name)
     else:
         require_tensorflow(name)
 
 
-def require_layer_backend():
+def require_layer_backend(name="keras_bn.BatchNormalization"):
     """Raise unless Keras runs on a backend keras_bn.BatchNormalization supports.
+
+    Args:
+        name: what is about to be used, named in the message.
 
     Raises:
         ImportError: Keras uses another backend (PyTorch, NumPy, OpenVINO); the message names
@@ -53,7 +69,7 @@ def require_layer_backend():
     found = backend()
     if found not in LAYER_BACKENDS:
         raise ImportError(
-            f"keras_bn.BatchNormalization needs the TensorFlow or JAX Keras backend, but Keras "
+            f"{name} needs the TensorFlow or JAX Keras backend, but Keras "
             f"is using {found!r} (PyTorch is not supported: torch is a large dependency, and "
             f"keras_bn is not tested or measured on it). Set KERAS_BACKEND=tensorflow or "
             f"KERAS_BACKEND=jax before importing keras."
@@ -73,8 +89,9 @@ def require_tensorflow(name="keras_bn"):
     found = backend()
     if found != "tensorflow":
         works = (
-            " Under JAX only keras_bn.BatchNormalization works; recalibrate, convert, "
-            "diagnostics, callbacks, quantize and export need TensorFlow for now."
+            " Under JAX keras_bn.BatchNormalization, recalibrate, callbacks.Recalibrate and "
+            "diagnostics.check_batchnorm work; convert, the other diagnostics, quantize and "
+            "export need TensorFlow for now."
             if found == "jax"
             else ""
         )
@@ -82,3 +99,13 @@ def require_tensorflow(name="keras_bn"):
             f"{name} needs the TensorFlow Keras backend, but Keras is using {found!r}.{works} "
             f"Set KERAS_BACKEND=tensorflow before importing keras."
         )
+
+
+def on_tensorflow():
+    """Whether Keras runs on TensorFlow (else JAX, for the code that runs on both): where the
+    code that runs on both picks its TensorFlow-specific path (tf.function, tf.distribute).
+
+    Returns:
+        bool.
+    """
+    return backend() == "tensorflow"

@@ -2,7 +2,8 @@
 
 `data` comes in the forms `fit` takes (a `tf.data.Dataset`, a numpy array or a dict of them, or
 an iterable of batches; elements `x`, `(x, y)` or `(x, y, sample_weight)`); `Batches` checks it
-once and yields each batch's `x`, as many times as a caller needs to pass over it.
+once and yields each batch's `x`, as many times as a caller needs to pass over it. Under JAX a
+dataset's elements come as numpy arrays (TensorFlow tensors are not JAX's).
 """
 
 import copy
@@ -12,6 +13,8 @@ from typing import Any, TypeAlias
 import keras
 import numpy as np
 import tensorflow as tf
+
+from keras_bn import _backend
 
 # What `data` may be: a dataset, an array or a dict of arrays (split into batches here), or any
 # other iterable of batches.
@@ -49,7 +52,10 @@ class Batches:
         self._observed: int | None = None
 
     def __iter__(self) -> Iterator[Any]:
-        for element in take(self._data, self._steps):
+        data = self._data
+        if isinstance(data, tf.data.Dataset) and not _backend.on_tensorflow():
+            data = data.as_numpy_iterator()
+        for element in take(data, self._steps):
             yield keras.utils.unpack_x_y_sample_weight(element)[0]
 
     def first(self) -> Any:

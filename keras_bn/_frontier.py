@@ -1,12 +1,13 @@
 """The frontier of `recalibrate`'s one pass: for every batch, the tensors that a later part of
 the model still reads, held in memory up to a budget and spilled to disk past it.
 
-Held tensors stay where TensorFlow computed them (GPU memory on a GPU), and the budget counts
+Held tensors stay where the backend computed them (GPU memory on a GPU), and the budget counts
 them wherever they are. A tensor that does not fit goes to a numpy memmap in a temporary folder
-that is removed when the frontier closes, on failure too; it is read back when a later part
-needs it.
+that is removed when the frontier closes, on failure too; it is read back, as a tensor of the
+backend that wrote it (TensorFlow or JAX), when a later part needs it.
 """
 
+import math
 import os
 import shutil
 import tempfile
@@ -37,18 +38,26 @@ def _available_memory() -> int | None:
     return None
 
 
+def _tensorflow(tensor: Any) -> bool:
+    """Whether `tensor` is TensorFlow's (else a jax array, under the JAX backend)."""
+    return isinstance(tensor.dtype, tf.DType)
+
+
 def nbytes(tensor: tf.Tensor | None) -> int:
     """The bytes a tensor's values take (0 for None)."""
     if tensor is None:
         return 0
-    return int(tensor.shape.num_elements()) * tensor.dtype.size
+    if _tensorflow(tensor):
+        return int(tensor.shape.num_elements()) * tensor.dtype.size
+    return math.prod(tensor.shape) * np.dtype(tensor.dtype).itemsize  # a jax array
 
 
 class _Spilled:
-    """A tensor written to a memmap file, read back as a tensor on `load`."""
+    """A tensor written to a memmap file, read back as a tensor of its backend on `load`."""
 
     def __init__(self, directory: str, name: str, tensor: tf.Tensor) -> None:
-        array = tensor.numpy()
+        self._tensorflow = _tensorflow(tensor)
+        array = np.asarray(tensor)
         self.path = os.path.join(directory, name)
         self.shape, self.dtype = array.shape, array.dtype
         written = np.memmap(self.path, dtype=self.dtype, mode="w+", shape=self.shape)
@@ -57,7 +66,12 @@ class _Spilled:
         del written
 
     def load(self) -> tf.Tensor:
-        return tf.constant(np.memmap(self.path, dtype=self.dtype, mode="r", shape=self.shape))
+        array = np.memmap(self.path, dtype=self.dtype, mode="r", shape=self.shape)
+        if self._tensorflow:
+            return tf.constant(array)
+        import jax.numpy as jnp
+
+        return jnp.array(array)  # a copy: the file is removed when the frontier drops it
 
     def spec(self) -> tf.TensorSpec:
         return tf.TensorSpec(self.shape, tf.as_dtype(self.dtype))
@@ -68,6 +82,8 @@ class _Spilled:
 
 def _spillable(tensor: tf.Tensor) -> bool:
     # A memmap needs a non-empty numeric array; strings (and empty tensors) stay in memory.
+    if not _tensorflow(tensor):  # a jax array: always numeric or bool
+        return nbytes(tensor) > 0
     return (tensor.dtype.is_numeric or tensor.dtype.is_bool) and nbytes(tensor) > 0
 
 

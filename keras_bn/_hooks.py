@@ -6,6 +6,9 @@ work on it, and undo afterwards.
   can be forced into training mode (batch statistics) whatever the model passes them.
 - `Snapshot`: the values of some variables, every replica's copy under `tf.distribute`, put
   back on `restore()` or at the end of a `with` block.
+
+Both run under TensorFlow and JAX: the moments are jnp under JAX (keras_bn/_jax_ops.py, the
+layer's own), and JAX has no replicas to save.
 """
 
 from collections.abc import Callable, Iterable, Sequence
@@ -14,7 +17,7 @@ from typing import Any, TypeAlias
 import keras
 import tensorflow as tf
 
-from keras_bn import _bn_layers, statistics, xla
+from keras_bn import _backend, _bn_layers, statistics, xla
 
 # A BN input's (mean, biased variance, count m) per channel.
 Moments: TypeAlias = tuple[tf.Tensor, tf.Tensor, tf.Tensor]
@@ -113,7 +116,11 @@ def batch_moments(layer: keras.layers.Layer, inputs: tf.Tensor, mask: tf.Tensor 
     XLA fuses their sums into one read of the input, where `statistics.moments`' ops each
     read it again; recording them cost recalibrate's one pass 0.4× a predict pass on the
     small ResNet of benchmarks/bench_recalibrate.py.
+
+    Under JAX they are the layer's own jnp moments (`_jax_ops.moments`), run eagerly.
     """
+    if not _backend.on_tensorflow():
+        return _jax_batch_moments(layer, inputs, mask)
     x = tf.cast(inputs, statistics.statistics_dtype(inputs.dtype))
     channel_axes = _bn_layers.channel_axes(layer, x.shape.rank)
     if mask is not None:
@@ -129,6 +136,25 @@ def batch_moments(layer: keras.layers.Layer, inputs: tf.Tensor, mask: tf.Tensor 
     count = tf.zeros_like(mean) + tf.cast(statistics.element_count(x, channel_axes, mask), x.dtype)
     shape = tf.shape(layer.moving_mean)
     return tf.reshape(mean, shape), tf.reshape(variance, shape), tf.reshape(count, shape)
+
+
+def _jax_batch_moments(layer: keras.layers.Layer, inputs: Any, mask: Any) -> Moments:
+    """`batch_moments` under JAX, in jnp."""
+    import jax.numpy as jnp
+
+    from keras_bn import _jax_ops
+
+    x = jnp.asarray(inputs)
+    x = x.astype(_jax_ops.statistics_dtype(x.dtype))
+    channel_axes = _bn_layers.channel_axes(layer, x.ndim)
+    if mask is not None:
+        mask = _jax_ops.expand_mask(
+            mask, x, channel_axes, channel_reading=_bn_layers.reads_channel_masks(layer)
+        )
+    mean, variance, count = _jax_ops.moments(x, channel_axes, mask)
+    shape = layer.moving_mean.shape
+    count = jnp.zeros_like(mean) + jnp.asarray(count, mean.dtype)  # m_c per channel
+    return jnp.reshape(mean, shape), jnp.reshape(variance, shape), jnp.reshape(count, shape)
 
 
 # One function per rank and channel axes (a shape-relaxed trace must keep its rank), shared by
@@ -153,16 +179,20 @@ class Snapshot:
 
     Under a `tf.distribute` strategy each replica holds its own copy of a variable; reading
     the variable would give one (or an aggregate), so each copy is saved and put back itself.
+    Under JAX each variable has one value, saved and put back as it is.
 
     Args:
         variables: Keras variables (of the model, its optimizer, ...).
         strategy: the `tf.distribute` strategy the variables were created under (a model's
-            `distribute_strategy`); None for the current one.
+            `distribute_strategy`); None for the current one (unused under JAX).
     """
 
     def __init__(
         self, variables: Iterable[keras.Variable], strategy: tf.distribute.Strategy | None = None
     ) -> None:
+        if not _backend.on_tensorflow():
+            self._saved = [(variable, variable.numpy()) for variable in variables]
+            return
         strategy = strategy or tf.distribute.get_strategy()
         self._saved = [
             (copy, copy.numpy())
@@ -191,7 +221,7 @@ def bn_statistics(model: keras.Model) -> Snapshot:
             for layer in _bn_layers.in_model(model)
             for variable in layer.non_trainable_variables
         ],
-        model.distribute_strategy,
+        getattr(model, "distribute_strategy", None),  # TensorFlow's trainer only
     )
 
 
@@ -200,4 +230,4 @@ def model_state(
 ) -> Snapshot:
     """A `Snapshot` of every variable of `model`, and of `optimizer` when given."""
     variables = list(model.variables) + (list(optimizer.variables) if optimizer else [])
-    return Snapshot(variables, model.distribute_strategy)
+    return Snapshot(variables, getattr(model, "distribute_strategy", None))

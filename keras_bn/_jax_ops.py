@@ -50,11 +50,12 @@ def _per_channel(t, x, channel_axes):
     return jnp.reshape(t, [x.shape[i] if i in channel_axes else 1 for i in range(x.ndim)])
 
 
-def expand_mask(mask, x, channel_axes):
+def expand_mask(mask, x, channel_axes, channel_reading=True):
     """A mask as 0/1 of x's rank and statistics dtype, read as `statistics.expand_mask` reads
-    it (ValueError when it fits no reading)."""
+    it (ValueError when it fits no reading); `channel_reading` False for Keras's reading
+    only (keras.layers.BatchNormalization's)."""
     mask = jnp.asarray(mask)
-    covered = statistics.mask_axes(mask.shape, x.shape, channel_axes)
+    covered = statistics.mask_axes(mask.shape, x.shape, channel_axes, channel_reading)
     mask = mask.astype(bool)
     for axis in range(x.ndim):
         if axis not in covered:
@@ -105,6 +106,25 @@ def _centered_moments(x, axes, mask, count):
     residual = average(centered)  # the first pass's rounding error
     variance = jnp.maximum(average(jnp.square(centered)) - jnp.square(residual), 0.0)
     return shift, residual, variance
+
+
+def moments(x, channel_axes, mask=None):
+    """(mean, biased variance, m) per channel, kept broadcastable to x: the layer's corrected
+    two-pass moments (what `recalibrate` records of a BN's input).
+
+    Args:
+        x: the input, in its statistics dtype.
+        channel_axes: sorted non-negative axes that are not reduced.
+        mask: optional output of `expand_mask`.
+
+    Returns:
+        (mean, variance, count); count a Python int without a mask, else m_c per channel.
+    """
+    count = element_count(x, channel_axes, mask)
+    shift, residual, variance = _centered_moments(
+        x, _reduction_axes(x.ndim, channel_axes), mask, count
+    )
+    return shift + residual, variance, count
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))

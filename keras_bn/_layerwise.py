@@ -18,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 import tensorflow as tf
 
-from keras_bn import _bn_layers
+from keras_bn import _backend, _bn_layers
 from keras_bn._hooks import BatchNormCalls
 
 
@@ -243,7 +243,9 @@ def in_call_order(
     Args:
         layers: the BN layers to recalibrate; the others keep their statistics.
         forward: runs the computation on one input (a model's forward pass, a layer's call)
-            with the inference flag; traced once into a tf.function that serves every pass.
+            with the inference flag; traced once into a tf.function that serves every pass
+            (under JAX it runs eagerly: a jax.jit would bake in the statistics each pass
+            changes).
         inputs: the inputs, iterable once per pass.
         first: the first input, traced first to find the call order.
         count: how many inputs a pass has, None when unknown (for the progress bar).
@@ -260,7 +262,13 @@ def in_call_order(
             out NaN or inf; or a layer is called more than once by `forward`.
     """
     with BatchNormCalls(layers) as statistics:
-        traced = tf.function(lambda x: statistics.record(lambda: forward(x)), reduce_retracing=True)
+
+        def recorded(x: Any) -> dict[int, Any]:
+            return statistics.record(lambda: forward(x))
+
+        traced = (
+            tf.function(recorded, reduce_retracing=True) if _backend.on_tensorflow() else recorded
+        )
         traced(first)
         order = statistics.order
         bar.add_total(len(order) * count if count is not None else None)
@@ -270,7 +278,7 @@ def in_call_order(
             bar.set_description(layer.name)
             sums = PooledMoments.for_layer(layer)
             for x in inputs:
-                sums.add(*[t.numpy() for t in traced(x)[index]])
+                sums.add(*[np.asarray(t) for t in traced(x)[index]])
                 bar.update(1)
             check_count(sums.batches + sums.skipped)
             changes.append(assign(layer, sums))

@@ -21,19 +21,25 @@ to that layer alone, over its inputs in the frontier, one pass of that layer per
 Keras has no public API for running a graph's nodes one by one; this reads the internals that
 `_run_through_graph` itself reads (`_nodes_by_depth`, each node's arguments), as
 keras_bn/_rewrite.py does.
+
+Under JAX the segments run eagerly, op by op: a jax.jit of a segment would bake the values of
+the Keras variables it closes over in as constants, and each segment must read the statistics
+the previous one just assigned.
 """
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 from keras.src.backend import get_keras_mask, set_keras_mask
 from keras.src.models.functional import Functional, operation_fn
 
-from keras_bn import _bn_layers, _layerwise, _models
+from keras_bn import _backend, _bn_layers, _layerwise, _models
 from keras_bn._batches import Batches
 from keras_bn._errors import UnsupportedModelError
 from keras_bn._frontier import Frontier
@@ -312,7 +318,7 @@ def run(
                 for tensor, (value, mask) in zip(segment.outputs, outputs):
                     kept.put(tensor, batch, value, mask)
                 if boundary.kind == "record":
-                    sums.add(*[moment.numpy() for moment in moments])
+                    sums.add(*[np.asarray(moment) for moment in moments])
                     bar.update(1)
                 count = max(count, batch + 1)
             if number == 0:
@@ -397,7 +403,8 @@ class _Compiled:
     """A `Plan` with each segment as a tf.function, and the BN hooks its tracing records
     through. Kept on the model, so that recalibrating it again (the callback does, before
     each validation) traces nothing again: like Keras's predict function, the functions read
-    the model's variables when they run, and trace again only for new input shapes.
+    the model's variables when they run, and trace again only for new input shapes. Under
+    JAX each segment is its plain Python function, run eagerly (see the module's docstring).
 
     Args:
         model: a walkable model.
@@ -409,14 +416,18 @@ class _Compiled:
         recorded = [s.boundary.layers[0] for s in self.plan.segments if s.boundary.kind == "record"]
         self.statistics = BatchNormCalls([layers[i] for i in recorded])
         self._position = {index: k for k, index in enumerate(recorded)}
-        # Without autograph, as Keras traces its own predict function (the layers' calls are
-        # Keras's to trace; the walk itself has no tensor-dependent control flow).
-        self._functions = [
-            tf.function(
-                self._body(segment, first=number == 0), reduce_retracing=True, autograph=False
-            )
+        self._tensorflow = _backend.on_tensorflow()
+        bodies = [
+            self._body(segment, first=number == 0)
             for number, segment in enumerate(self.plan.segments)
         ]
+        # Without autograph, as Keras traces its own predict function (the layers' calls are
+        # Keras's to trace; the walk itself has no tensor-dependent control flow).
+        self._functions = (
+            [tf.function(body, reduce_retracing=True, autograph=False) for body in bodies]
+            if self._tensorflow
+            else bodies
+        )
 
     def segment(
         self, number: int, batches: Batches, frontier: Frontier, count: int
@@ -430,7 +441,8 @@ class _Compiled:
                 yield (batch, *function(x))
             return
         inputs = self.plan.segments[number].inputs
-        function = _concrete(function, frontier, inputs, count)
+        if self._tensorflow:
+            function = _concrete(function, frontier, inputs, count)
         for batch in range(count):
             outputs = function(tuple(frontier.get(tensor, batch) for tensor in inputs))
             yield (batch, *outputs)
@@ -496,10 +508,15 @@ def _call(step: _Step, values: dict[int, Any]) -> Any:
     """The step's node run on `values`, in inference mode as `model(x, training=False)` runs
     it."""
     args, kwargs = step.node.arguments.fill_in(values)
-    # Inside a model's call every layer's name scope has a parent; at the root, TensorFlow
-    # refuses a layer name such as "_private".
-    with tf.name_scope("recalibrate"):
+    with _name_scope():
         return operation_fn(step.operation, training=False)(*args, **kwargs)
+
+
+def _name_scope() -> Any:
+    """A TensorFlow name scope for the walk's calls: inside a model's call every layer's name
+    scope has a parent; at the root, TensorFlow refuses a layer name such as "_private". JAX
+    has none to refuse."""
+    return tf.name_scope("recalibrate") if _backend.on_tensorflow() else contextlib.nullcontext()
 
 
 class _Entered(Exception):
@@ -521,7 +538,7 @@ def _graph_inputs(step: _Step, values: dict[int, Any], data: Any) -> list[Any]:
     object.__setattr__(graph, "_run_through_graph", enter)
     try:
         if step.node is None:
-            with tf.name_scope("recalibrate"):
+            with _name_scope():
                 step.operation(data, training=False)
         else:
             _call(step, values)

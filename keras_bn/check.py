@@ -14,7 +14,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_bn import _augmentation, _bn_layers, _hooks
+from keras_bn import _augmentation, _backend, _bn_layers, _hooks
 from keras_bn._batches import Batches, Data
 from keras_bn._errors import UnsupportedModelError
 from keras_bn.population import PooledMoments
@@ -255,16 +255,22 @@ def _data_findings(
             recorded = statistics.record(lambda: outputs.append(model(x, training=False)))
             return recorded, outputs[0]
 
-        infer = tf.function(infer_and_record, reduce_retracing=True)
-        train = tf.function(lambda x: model(x, training=False), reduce_retracing=True)
+        def train(x: Any) -> Any:
+            return model(x, training=False)  # the BNs forced into training mode
+
+        if _backend.on_tensorflow():  # under JAX eager: a jax.jit would bake in the statistics
+            infer = tf.function(infer_and_record, reduce_retracing=True)
+            train = tf.function(train, reduce_retracing=True)
+        else:
+            infer = infer_and_record
         for number, x in enumerate(batches):
             _check_finite(x, number)
             recorded, inferred = infer(x)
             degenerate = False  # some BN channel gets m ≤ 1: no batch statistics, it outputs β
             for index, (mean, variance, count) in recorded.items():
-                count = count.numpy()
+                count = np.asarray(count)
                 counts[index].append(float(np.median(count)))
-                sums[index].add(mean.numpy(), variance.numpy(), count)  # skips m ≤ 1
+                sums[index].add(np.asarray(mean), np.asarray(variance), count)  # skips m ≤ 1
                 degenerate = degenerate or bool(np.any(count < 2))
             if degenerate:  # no training-mode pass: its outputs would be the guard's (and a
                 continue  # static batch of one sample is an error in training mode)
@@ -351,11 +357,11 @@ def _data_findings(
 
 
 def _flat(outputs: Any) -> list[np.ndarray]:
-    return [np.asarray(t, dtype=np.float64) for t in tf.nest.flatten(outputs)]
+    return [np.asarray(t, dtype=np.float64) for t in keras.tree.flatten(outputs)]
 
 
 def _check_finite(x: Any, number: int) -> None:
-    for array in tf.nest.flatten(x):
+    for array in keras.tree.flatten(x):
         array = np.asarray(array)
         if np.issubdtype(array.dtype, np.floating) and not np.all(np.isfinite(array)):
             where = tuple(int(i) for i in np.argwhere(~np.isfinite(array))[0])

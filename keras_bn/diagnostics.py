@@ -13,7 +13,8 @@ For the probes, "layers" are the entries of `model.layers` that own a `kernel` v
 Conv, ...), in that order; nested models are not searched. Losses are evaluated with
 `training=True` by default, so BN layers use batch statistics, as during a training step.
 Every function leaves the model (trainable and moving statistics alike) and the optimizer
-exactly as it found them.
+exactly as it found them. `check_batchnorm` runs under TensorFlow and JAX; the gradient probes
+need TensorFlow (under JAX they raise ImportError).
 """
 
 from collections.abc import Callable, Iterable, Sequence
@@ -24,7 +25,7 @@ import numpy as np
 import numpy.typing as npt
 import tensorflow as tf
 
-from keras_bn import _hooks
+from keras_bn import _backend, _hooks
 from keras_bn.check import (
     GAP_THRESHOLD,
     KINDS,
@@ -82,6 +83,7 @@ def gradient_norms_by_layer(
     Raises:
         ValueError: no entry of `model.layers` has a kernel, or the loss does not depend on
             some kernel.
+        ImportError: Keras runs on another backend than TensorFlow.
 
     Example:
         Gradient explosion in a deep BN network (Yang et al., "A Mean Field Theory of Batch
@@ -90,6 +92,7 @@ def gradient_norms_by_layer(
             norms = keras_bn.diagnostics.gradient_norms_by_layer(model, x, y, "mse")
             rate = keras_bn.diagnostics.explosion_rate(norms, first=1, last=-1)
     """
+    _backend.require_tensorflow("keras_bn.diagnostics.gradient_norms_by_layer")
     layers = _kernel_layers(model)
     with _hooks.model_state(model):
         _, grads = _loss_and_gradients(
@@ -168,7 +171,9 @@ def landscape_along_gradient(
 
     Raises:
         ValueError: the loss does not depend on some trainable variable.
+        ImportError: Keras runs on another backend than TensorFlow.
     """
+    _backend.require_tensorflow("keras_bn.diagnostics.landscape_along_gradient")
     etas = np.asarray(step_sizes, dtype=np.float64)
     variables = model.trainable_variables
     with _hooks.model_state(model):
@@ -228,7 +233,9 @@ def internal_covariate_shift(
     Raises:
         ValueError: no entry of `model.layers` has a kernel, or the loss does not depend on
             some trainable variable.
+        ImportError: Keras runs on another backend than TensorFlow.
     """
+    _backend.require_tensorflow("keras_bn.diagnostics.internal_covariate_shift")
     layers = _kernel_layers(model)
     variables = model.trainable_variables
     if not optimizer.built:

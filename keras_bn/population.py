@@ -311,7 +311,7 @@ def _kept_on_failure(model: keras.Model, layers: Sequence[keras.layers.Layer]) -
     the other, and a failure part way would leave the model half recalibrated."""
     saved = Snapshot(
         [variable for layer in layers for variable in layer.non_trainable_variables],
-        model.distribute_strategy,
+        getattr(model, "distribute_strategy", None),  # TensorFlow's trainer only
     )
     try:
         yield
