@@ -114,8 +114,8 @@ def batch_moments(layer: keras.layers.Layer, inputs: tf.Tensor, mask: tf.Tensor 
 
     Without a mask the moments are keras_bn/xla.py's, compiled on their own (`_xla_moments`):
     XLA fuses their sums into one read of the input, where `statistics.moments`' ops each
-    read it again; recording them cost recalibrate's one pass 0.4× a predict pass on the
-    small ResNet of benchmarks/bench_recalibrate.py.
+    read it again (with those, recalibrate's one pass took 1.59× a predict pass on the small
+    ResNet of benchmarks/bench_recalibrate.py; with these 1.34×, 2026-11-26).
 
     Under JAX they are the layer's own jnp moments (`_jax_ops.moments`), run eagerly.
     """
