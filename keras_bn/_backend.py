@@ -3,7 +3,8 @@
 `keras_bn.BatchNormalization` runs under TensorFlow and JAX (keras_bn/_jax_ops.py holds its
 JAX maths), and so do `recalibrate`, `callbacks.Recalibrate` and `diagnostics.check_batchnorm`
 (a backend switch at their few TensorFlow-specific points, `on_tensorflow`); everything else
-(convert, the diagnostics' gradient probes, quantize, export) is TensorFlow code. A tiny
+(convert, the diagnostics' gradient probes, export) is TensorFlow code; `quantize` trains
+under both (keras_bn/quantize/_jax_fake_quant.py), and exports under TensorFlow. A tiny
 module of its own so that `import keras_bn` stays light (the package's names load on first
 use, keras_bn/_lazy.py): the guard runs when a public name is first used, when a module is
 imported (keras_bn.layers, keras_bn.convert) and when a TensorFlow-only function is called
@@ -25,6 +26,7 @@ LAYER_NAMES = frozenset(
         "keras_bn.RecalibrationReport",
         "keras_bn.callbacks",
         "keras_bn.diagnostics",
+        "keras_bn.quantize",
     }
 )
 
@@ -89,8 +91,8 @@ def require_tensorflow(name="keras_bn"):
     found = backend()
     if found != "tensorflow":
         works = (
-            " Under JAX keras_bn.BatchNormalization, recalibrate, callbacks.Recalibrate and "
-            "diagnostics.check_batchnorm work; convert, the other diagnostics, quantize and "
+            " Under JAX keras_bn.BatchNormalization, recalibrate, callbacks.Recalibrate, "
+            "diagnostics.check_batchnorm and quantize work; convert, the other diagnostics and "
             "export need TensorFlow for now."
             if found == "jax"
             else ""

@@ -5,7 +5,9 @@ from typing import Any
 
 import keras
 import tensorflow as tf
+from keras import ops
 
+from keras_bn import _backend
 from keras_bn._shapes import ShapePreserving
 from keras_bn.quantize import fake_quant
 
@@ -102,9 +104,9 @@ class ActivationQuantizer(ShapePreserving, keras.layers.Layer):
             (low, high, initialized): float32 scalars and a bool scalar, false while no
             range has been observed.
         """
-        x = tf.cast(inputs, tf.float32)
-        low, high = tf.convert_to_tensor(self.range_min), tf.convert_to_tensor(self.range_max)
-        initialized = tf.convert_to_tensor(self.range_initialized)
+        x = ops.cast(inputs, "float32")
+        low, high = ops.convert_to_tensor(self.range_min), ops.convert_to_tensor(self.range_max)
+        initialized = ops.convert_to_tensor(self.range_initialized)
         if training and self.trainable:
             low, high, initialized = self._observe(x, low, high, initialized)
         return low, high, initialized
@@ -125,10 +127,15 @@ class ActivationQuantizer(ShapePreserving, keras.layers.Layer):
         Returns:
             The tensor in the layer's compute dtype.
         """
-        x = tf.cast(inputs, tf.float32)
+        x = ops.cast(inputs, "float32")
         moved = x
         if average_of is not None:
             moved = fake_quant.halves_away_from_int8_zero(x, low, high, self.bits, average_of)
+        if not _backend.on_tensorflow():  # JAX: a select (lax.cond would trace both anyway)
+            quantized = ops.where(
+                initialized, fake_quant.fake_quant_activations(moved, low, high, self.bits), x
+            )
+            return ops.cast(quantized, self.compute_dtype)
         # tf.cond rather than a select: the select would cost a pass over the tensor and one
         # more over its gradient, for a flag that is true after the first training batch.
         quantized = tf.cond(
@@ -138,27 +145,25 @@ class ActivationQuantizer(ShapePreserving, keras.layers.Layer):
         )
         return tf.cast(quantized, self.compute_dtype)
 
-    def _observe(
-        self, x: tf.Tensor, low: tf.Tensor, high: tf.Tensor, initialized: tf.Tensor
-    ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    def _observe(self, x: Any, low: Any, high: Any, initialized: Any) -> tuple[Any, Any, Any]:
         """Move the stored range toward this batch's (unless frozen or not finite); return the
-        range and flag to quantize with."""
+        range and flag to quantize with (keras.ops: the same TensorFlow ops, or jnp)."""
         # The range is a statistic, not a parameter (Jacob et al. 2018; PyTorch's observers
         # see detached tensors): no gradient through the batch's min and max, which would
         # also cost two more passes over the tensor in every backward.
-        observed = tf.stop_gradient(x)
-        batch_low, batch_high = tf.reduce_min(observed), tf.reduce_max(observed)
+        observed = ops.stop_gradient(x)
+        batch_low, batch_high = ops.min(observed), ops.max(observed)
         keep = self.momentum
-        new_low = tf.where(initialized, keep * low + (1.0 - keep) * batch_low, batch_low)
-        new_high = tf.where(initialized, keep * high + (1.0 - keep) * batch_high, batch_high)
-        new_low, new_high = tf.minimum(new_low, 0.0), tf.maximum(new_high, 0.0)
+        new_low = ops.where(initialized, keep * low + (1.0 - keep) * batch_low, batch_low)
+        new_high = ops.where(initialized, keep * high + (1.0 - keep) * batch_high, batch_high)
+        new_low, new_high = ops.minimum(new_low, 0.0), ops.maximum(new_high, 0.0)
         usable = (
-            tf.math.is_finite(batch_low)
-            & tf.math.is_finite(batch_high)
-            & tf.logical_not(tf.convert_to_tensor(self.ranges_frozen))
+            ops.isfinite(batch_low)
+            & ops.isfinite(batch_high)
+            & ops.logical_not(ops.convert_to_tensor(self.ranges_frozen))
         )
-        low, high = tf.where(usable, new_low, low), tf.where(usable, new_high, high)
-        initialized = initialized | usable
+        low, high = ops.where(usable, new_low, low), ops.where(usable, new_high, high)
+        initialized = ops.logical_or(initialized, usable)
         self.range_min.assign(low)
         self.range_max.assign(high)
         self.range_initialized.assign(initialized)
@@ -174,10 +179,10 @@ class ActivationQuantizer(ShapePreserving, keras.layers.Layer):
             (step, initialized): float32 and bool scalars; the step means nothing while
             `initialized` is false (no range yet: the layer passes its input through).
         """
-        low, high = tf.convert_to_tensor(self.range_min), tf.convert_to_tensor(self.range_max)
+        low, high = ops.convert_to_tensor(self.range_min), ops.convert_to_tensor(self.range_max)
         return (
             fake_quant.activation_step(low, high, self.bits),
-            tf.convert_to_tensor(self.range_initialized),
+            ops.convert_to_tensor(self.range_initialized),
         )
 
     def grid_quantizer(self) -> "ActivationQuantizer":

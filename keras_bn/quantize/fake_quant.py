@@ -39,6 +39,8 @@ import typing
 import numpy as np
 import tensorflow as tf
 
+from keras_bn import _backend
+
 MIN_BITS = 2
 MAX_BITS = 8
 # The FakeQuant ops divide by max − min: a range narrower than this (an activation that was 0 on
@@ -48,6 +50,16 @@ MIN_RANGE = 1e-8
 # 0 on any grid, but a file's int32 bias is the bias divided by the input's and the weight's
 # scales, which overflows with a step of MIN_RANGE/q_max.
 ZERO_WEIGHT_RANGE = 1.0
+
+
+def _on_jax() -> typing.Any:
+    """The jnp twins of this module's TensorFlow functions (keras_bn/quantize/_jax_fake_quant.py)
+    under the JAX Keras backend, else None: the backend switch of QAT's maths."""
+    if _backend.on_tensorflow():
+        return None
+    from keras_bn.quantize import _jax_fake_quant
+
+    return _jax_fake_quant
 
 
 @typing.overload
@@ -110,6 +122,8 @@ def weight_max_abs(kernel: tf.Tensor, per_channel: bool) -> tf.Tensor:
         A float32 vector of the last axis's size, or a scalar, at least MIN_RANGE;
         ZERO_WEIGHT_RANGE where every weight is 0.
     """
+    if (jax_twin := _on_jax()) is not None:
+        return jax_twin.weight_max_abs(kernel, per_channel)
     magnitude = tf.abs(tf.cast(kernel, tf.float32))
     if per_channel:
         magnitude = tf.reshape(magnitude, [-1, tf.shape(magnitude)[-1]])
@@ -134,6 +148,8 @@ def fake_quant_weights(kernel: tf.Tensor, max_abs: tf.Tensor, bits: int) -> tf.T
         The fake-quantized kernel, same shape; its gradient is straight-through inside the
         range (every weight is, since the range is the largest magnitude).
     """
+    if (jax_twin := _on_jax()) is not None:
+        return jax_twin.fake_quant_weights(kernel, max_abs, bits)
     if max_abs.shape.rank == 1:
         # On a 2-D (-1, channels) view: the op is elementwise, but its gradient takes rank ≤ 4
         # only (a Conv3D kernel has rank 5).
@@ -163,6 +179,8 @@ def fake_quant_activations(
         The fake-quantized tensor; the gradient passes where x is inside the nudged range and
         is 0 outside it (clipped values).
     """
+    if (jax_twin := _on_jax()) is not None:
+        return jax_twin.fake_quant_activations(x, minimum, maximum, bits)
     maximum = tf.maximum(maximum, minimum + MIN_RANGE)
     return tf.quantization.fake_quant_with_min_max_vars(
         x, minimum, maximum, num_bits=bits, narrow_range=False
@@ -180,6 +198,8 @@ def weight_step(max_abs: tf.Tensor, bits: int) -> tf.Tensor:
     Returns:
         float32 tensor of max_abs's shape.
     """
+    if (jax_twin := _on_jax()) is not None:
+        return jax_twin.weight_step(max_abs, bits)
     max_abs = tf.convert_to_tensor(max_abs, tf.float32)
     return (max_abs - (-max_abs)) / float(2**bits - 2)
 
@@ -196,6 +216,8 @@ def activation_step(minimum: tf.Tensor | float, maximum: tf.Tensor | float, bits
     Returns:
         float32 scalar tensor.
     """
+    if (jax_twin := _on_jax()) is not None:
+        return jax_twin.activation_step(minimum, maximum, bits)
     maximum = tf.maximum(maximum, minimum + MIN_RANGE)
     return (maximum - minimum) / (2.0**bits - 1.0)
 
@@ -218,6 +240,8 @@ def round_bias(bias: tf.Tensor, step: tf.Tensor) -> tf.Tensor:
         none to `step`. bias + (rounded − bias) is exactly `rounded` in float32: the two lie
         within a factor of 2 of each other, or `rounded` is 0, so the difference is exact.
     """
+    if (jax_twin := _on_jax()) is not None:
+        return jax_twin.round_bias(bias, step)
     rounded = tf.round(bias / step) * step
     return bias + tf.stop_gradient(rounded - bias)
 
@@ -379,6 +403,8 @@ def halves_away_from_int8_zero(
     Returns:
         The moved tensor.
     """
+    if (jax_twin := _on_jax()) is not None:
+        return jax_twin.halves_away_from_int8_zero(average, minimum, maximum, bits, window)
     scale = activation_step(minimum, maximum, bits)
     zero_point = tf.floor(-minimum / scale + 0.5)  # the range holds 0: no clamp needed
     int8_zero = (128.0 - zero_point) * scale

@@ -43,6 +43,7 @@ W·s itself, so a γ = 0 channel never widens the other channels' grid.
 """
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -51,7 +52,7 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
-from keras_bn import _models, fused, statistics
+from keras_bn import _backend, _models, fused, statistics
 from keras_bn._bn_layers import KERAS_BN, KERAS_BN_BN
 from keras_bn._errors import UnsupportedModelError
 from keras_bn._moving_average import average_into, usable
@@ -134,11 +135,11 @@ class _QuantizedHostLayer(keras.layers.Layer):
         return self.host.compute_output_shape(input_shape)
 
     def _channel_axes(self, outputs: tf.Tensor) -> list[int]:
-        return [hosts.channel_axis(self.host) % outputs.shape.rank]
+        return [hosts.channel_axis(self.host) % len(outputs.shape)]
 
     def _kernel_view(self) -> tf.Tensor:
         """The folded kernel with its output channels on the last axis (float32)."""
-        kernel = tf.cast(hosts.folded_kernel(self.host), tf.float32)
+        kernel = ops.cast(hosts.folded_kernel(self.host), "float32")
         return hosts.channels_last(kernel, self.kind)
 
     def _fake_quant(self, view: tf.Tensor, max_abs: tf.Tensor) -> tf.Tensor:
@@ -150,7 +151,7 @@ class _QuantizedHostLayer(keras.layers.Layer):
     def _quantized_depthwise(self) -> tuple[tf.Tensor, tf.Tensor]:
         """A separable host's depthwise kernel viewed channels last and fake-quantized, and its
         weight range."""
-        view = hosts.channels_last(tf.cast(self.host.depthwise_kernel, tf.float32), hosts.DEPTHWISE)
+        view = hosts.channels_last(ops.cast(self.host.depthwise_kernel, "float32"), hosts.DEPTHWISE)
         max_abs = fake_quant.weight_max_abs(view, self.per_channel)
         return self._fake_quant(view, max_abs), max_abs
 
@@ -206,7 +207,7 @@ class _QuantizedHostLayer(keras.layers.Layer):
         if grid is None or not grid.built:
             return bias
         input_step, initialized = grid.step()
-        return tf.where(initialized, fake_quant.round_bias(bias, input_step * weight_step), bias)
+        return ops.where(initialized, fake_quant.round_bias(bias, input_step * weight_step), bias)
 
     def inference_bias(self) -> np.ndarray:
         """The bias the layer's inference adds, as the integer file adds it.
@@ -218,13 +219,13 @@ class _QuantizedHostLayer(keras.layers.Layer):
         """
         _, max_abs, _ = self._quantized_kernel()
         _, bias = self.folded_weights()
-        return np.asarray(self._bias_on_grid(tf.constant(bias), max_abs))
+        return np.asarray(self._bias_on_grid(ops.convert_to_tensor(bias), max_abs))
 
     def _host_bias(self) -> tf.Tensor:
         """The host's bias as float32 (zeros without one)."""
         if self.host.bias is None:
-            return tf.zeros([hosts.output_channels(self.host)], tf.float32)
-        return tf.cast(self.host.bias, tf.float32)
+            return ops.zeros([hosts.output_channels(self.host)], "float32")
+        return ops.cast(self.host.bias, "float32")
 
     def _activate(self, outputs: tf.Tensor) -> tf.Tensor:
         """ReLU/ReLU6 if fused."""
@@ -239,7 +240,7 @@ class _QuantizedHostLayer(keras.layers.Layer):
         outputs = self._activate(outputs)
         if self.output_quantizer is not None:
             outputs = self.output_quantizer(outputs, training=training)
-        return tf.cast(outputs, self.compute_dtype)
+        return ops.cast(outputs, self.compute_dtype)
 
     def weight_grids(self) -> dict[str, fake_quant.WeightGrid]:
         """The integers and scales of the weights the layer's inference rounds to, by name.
@@ -400,9 +401,9 @@ class QuantizedHost(_QuantizedHostLayer):
             The output tensor.
         """
         view, max_abs, _ = self._quantized_kernel()
-        outputs = self._linear(tf.cast(inputs, tf.float32), view, training)
+        outputs = self._linear(ops.cast(inputs, "float32"), view, training)
         bias = self._bias_on_grid(self._host_bias(), max_abs)
-        outputs = outputs + statistics.per_channel(bias, outputs, self._channel_axes(outputs))
+        outputs = outputs + _per_channel(bias, outputs, self._channel_axes(outputs))
         return self._finish(outputs, training)
 
     def _quantized_kernel(self) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor | None]:
@@ -511,17 +512,17 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
     def _bn_parameters(self) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]:
         """γ, β, μ, v and the host bias as float32 vectors (γ = 1, β = 0 when absent)."""
         bn = self.batch_norm
-        mean = tf.convert_to_tensor(bn.moving_mean)
-        gamma = tf.ones_like(mean) if bn.gamma is None else tf.convert_to_tensor(bn.gamma)
-        beta = tf.zeros_like(mean) if bn.beta is None else tf.convert_to_tensor(bn.beta)
-        return gamma, beta, mean, tf.convert_to_tensor(bn.moving_variance), self._host_bias()
+        mean = ops.convert_to_tensor(bn.moving_mean)
+        gamma = ops.ones_like(mean) if bn.gamma is None else ops.convert_to_tensor(bn.gamma)
+        beta = ops.zeros_like(mean) if bn.beta is None else ops.convert_to_tensor(bn.beta)
+        return gamma, beta, mean, ops.convert_to_tensor(bn.moving_variance), self._host_bias()
 
     def _scaled_kernel(
         self, gamma: tf.Tensor, sigma: tf.Tensor
     ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]:
         """(s, s', the kernel view scaled by s', its weight range); see the module docstring."""
         scale = gamma / sigma
-        safe_scale = tf.where(gamma == 0.0, 1.0 / sigma, scale)
+        safe_scale = ops.where(gamma == 0.0, 1.0 / sigma, scale)
         view = self._kernel_view()
         # Per channel, a γ = 0 channel's own range (from s') is the one its rounding needs;
         # per tensor, the range is W·s's, which that channel (0 there) does not widen.
@@ -549,13 +550,13 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
             ValueError: in training, a static batch with m ≤ 1 values per channel.
         """
         gamma, beta, mean, variance, bias = self._bn_parameters()
-        sigma = tf.sqrt(variance + self.batch_norm.epsilon)
+        sigma = ops.sqrt(variance + self.batch_norm.epsilon)
         scale, safe_scale, view, max_abs = self._scaled_kernel(gamma, sigma)
-        z = self._linear(tf.cast(inputs, tf.float32), self._fake_quant(view, max_abs), training)
+        z = self._linear(ops.cast(inputs, "float32"), self._fake_quant(view, max_abs), training)
         axes = self._channel_axes(z)
 
         def per_channel(t: tf.Tensor) -> tf.Tensor:
-            return statistics.per_channel(t, z, axes)
+            return _per_channel(t, z, axes)
 
         ratio = scale / safe_scale  # exactly 1 where γ ≠ 0, 0 where γ = 0
         # The folded BN, its bias on the file's int32 grid (after `_linear`: a separable
@@ -564,7 +565,7 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
         offset = self._bias_on_grid(beta + scale * (bias - mean), max_abs)
         if not (training and self.trainable):
             return self._finish(z * per_channel(multiplier) + per_channel(offset), training)
-        frozen = tf.convert_to_tensor(self.batch_norm_frozen)
+        frozen = ops.convert_to_tensor(self.batch_norm_frozen)
         epsilon = self.batch_norm.epsilon
 
         def normalized() -> tf.Tensor:
@@ -572,7 +573,9 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
             forward and in its gradient, costs several times a multiplication on CPU."""
             return z * per_channel(1.0 / safe_scale)
 
-        if z.shape.rank == 4 and fused.fused_data_format(z, axes, epsilon) == "NHWC":
+        if _backend.on_tensorflow() and (
+            z.shape.rank == 4 and fused.fused_data_format(z, axes, epsilon) == "NHWC"
+        ):
             # Before the freeze y = γ·(z/s' − μ_B)/σ_B + β is BN in training of z/s', which
             # FusedBatchNormV3 computes forward and backward in one kernel each (re-centred
             # where its one-pass variance would lose accuracy). tf.cond keeps the flag a
@@ -590,19 +593,19 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
 
             outputs, batch_mean, batch_variance = tf.cond(frozen, folded, batch_norm)
         else:
-            batch_mean, batch_variance = statistics.moments(normalized(), axes)
-            batch_mean = tf.reshape(batch_mean, [-1])
-            batch_variance = tf.reshape(batch_variance, [-1])
-            batch_sigma = tf.sqrt(batch_variance + epsilon)
-            multiplier = tf.where(frozen, multiplier, ratio * sigma / batch_sigma)
-            offset = tf.where(frozen, offset, beta - gamma * batch_mean / batch_sigma)
+            batch_mean, batch_variance = _moments(normalized(), axes)
+            batch_mean = ops.reshape(batch_mean, [-1])
+            batch_variance = ops.reshape(batch_variance, [-1])
+            batch_sigma = ops.sqrt(batch_variance + epsilon)
+            multiplier = ops.where(frozen, multiplier, ratio * sigma / batch_sigma)
+            offset = ops.where(frozen, offset, beta - gamma * batch_mean / batch_sigma)
             outputs = z * per_channel(multiplier) + per_channel(offset)
         self._update_moving_statistics(z, axes, batch_mean + bias, batch_variance, frozen)
         return self._finish(outputs, training)
 
     def _quantized_kernel(self) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor | None]:
         gamma, _, _, variance, _ = self._bn_parameters()
-        sigma = tf.sqrt(variance + self.batch_norm.epsilon)
+        sigma = ops.sqrt(variance + self.batch_norm.epsilon)
         scale, safe_scale, view, max_abs = self._scaled_kernel(gamma, sigma)
         return self._fake_quant(view, max_abs), max_abs, scale / safe_scale
 
@@ -616,7 +619,10 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
     ) -> None:
         """keras_bn.BatchNormalization's update: EMA of the mean and of the unbiased
         m/(m−1)·σ²_B, skipped for a non-finite batch, m ≤ 1 or a frozen layer."""
-        count = statistics.element_count(z, axes)
+        if _backend.on_tensorflow():
+            count = statistics.element_count(z, axes)
+        else:  # static shapes under JAX
+            count = math.prod(z.shape[i] for i in statistics.reduction_axes(len(z.shape), axes))
         if isinstance(count, int):
             if count < 2:
                 raise ValueError(
@@ -627,8 +633,19 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
             unbiased, enough = variance * (count / (count - 1)), True
         else:
             unbiased, enough = variance * count / (count - 1.0), count > 1.0
-        update = usable([mean, unbiased], enough) & tf.logical_not(frozen)
         momentum = self.batch_norm.momentum
+        if not _backend.on_tensorflow():  # JAX: static shapes, so m is checked above
+            finite = ops.all(ops.isfinite(mean)) & ops.all(ops.isfinite(unbiased))
+            update = finite & ops.logical_not(frozen)
+            for moving, value in (
+                (self.batch_norm.moving_mean, mean),
+                (self.batch_norm.moving_variance, unbiased),
+            ):
+                old = ops.convert_to_tensor(moving)
+                new = momentum * old + (1.0 - momentum) * value
+                moving.assign(ops.where(update, new, old))
+            return
+        update = usable([mean, unbiased], enough) & tf.logical_not(frozen)
         average_into(self.batch_norm.moving_mean, mean, momentum, update)
         average_into(self.batch_norm.moving_variance, unbiased, momentum, update)
 
@@ -643,7 +660,7 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
             separable host, the pointwise kernel).
         """
         gamma, beta, mean, variance, bias = self._bn_parameters()
-        scale = gamma / tf.sqrt(variance + self.batch_norm.epsilon)
+        scale = gamma / ops.sqrt(variance + self.batch_norm.epsilon)
         kernel = hosts.from_channels_last(
             self._kernel_view() * scale, hosts.folded_kernel(self.host).shape
         )
@@ -660,6 +677,24 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
             **super().get_config(),
             "batch_norm": hosts.config_only(keras.layers.serialize(self.batch_norm)),
         }
+
+
+def _per_channel(t: Any, x: Any, axes: list[int]) -> Any:
+    """A per-channel vector shaped to broadcast against x (static shapes under JAX)."""
+    if _backend.on_tensorflow():
+        return statistics.per_channel(t, x, axes)
+    return ops.reshape(t, [x.shape[i] if i in axes else 1 for i in range(len(x.shape))])
+
+
+def _moments(x: Any, axes: list[int]) -> tuple[Any, Any]:
+    """The corrected two-pass batch moments per channel: keras_bn.statistics' on TensorFlow,
+    the layer's jnp ones (keras_bn/_jax_ops.py) under JAX, differentiated by autodiff."""
+    if _backend.on_tensorflow():
+        return statistics.moments(x, axes)
+    from keras_bn import _jax_ops
+
+    mean, variance, _ = _jax_ops.moments(x, axes)
+    return mean, variance
 
 
 def validate_activation(activation: str | None) -> str | None:

@@ -127,8 +127,7 @@ def quantize_model(
         UnsupportedModelError: the model, or a nested one holding a host or BN, is subclassed
             (it has no layer graph) or an unbuilt Sequential, or a layer's config does not
             round-trip.
-        ImportError: Keras runs on another backend than TensorFlow (keras_bn.quantize is
-            TensorFlow code).
+        ImportError: Keras runs on another backend than TensorFlow or JAX.
 
     Example::
 
@@ -136,7 +135,7 @@ def quantize_model(
         qat.compile(keras.optimizers.Adam(1e-4), loss, metrics=["accuracy"])
         qat.fit(x, y, epochs=3, callbacks=[keras_bn.quantize.FreezeBatchNorm(500)])
     """
-    _backend.require_tensorflow("keras_bn.quantize.quantize_model")
+    _backend.require_layer_backend("keras_bn.quantize.quantize_model")
     for name, value in (("per_channel", per_channel), ("return_report", return_report)):
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be True or False; received {name}={value!r}.")
