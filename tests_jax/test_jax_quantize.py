@@ -120,3 +120,79 @@ def test_gradients_are_tensorflows_straight_through_rule(per_channel):
     inside = (x >= np.asarray(nudged_min)) & (x <= np.asarray(nudged_max))
     assert 0 < inside.sum() < x.size
     np.testing.assert_array_equal(np.asarray(actual[0]), np.where(inside, upstream, 0.0))
+
+
+# The TensorFlow side of the round trip, in a Python of its own (Keras fixes its backend).
+_TF_SIDE = """
+import os, sys
+os.environ["KERAS_BACKEND"] = "tensorflow"
+import json, keras, numpy as np, keras_bn
+from keras_bn.export import export_onnx, export_tflite
+folder = sys.argv[1]
+model = keras.saving.load_model(os.path.join(folder, "qat.keras"))
+x = np.load(os.path.join(folder, "x.npy"))
+found = {"outputs": model.predict(x, verbose=0).tolist()}
+for name, export in (("tflite", export_tflite), ("onnx", export_onnx)):
+    result = export(model, os.path.join(folder, "m." + name), probe=x)
+    found[name] = [bool(result.passed), result.quantization, max(
+        lsb.max_lsb for errors in result.lsb_errors.values() for lsb in errors.values())]
+print("RESULT" + json.dumps(found))
+"""
+
+
+@pytest.mark.slow
+def test_jax_trained_qat_model_loads_and_exports_under_tensorflow(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import keras
+
+    import keras_bn
+
+    inputs = keras.Input((8, 8, 3))
+    h = keras.layers.Conv2D(4, 3, padding="same")(inputs)
+    h = keras_bn.BatchNormalization()(h)
+    h = keras.layers.ReLU()(h)
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    qat = keras_bn.quantize.quantize_model(keras.Model(inputs, keras.layers.Dense(2)(h)))
+    qat.compile("adam", "mse")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 8, 8, 3)).astype("float32")
+    y = rng.normal(size=(32, 2)).astype("float32")
+    before = [np.array(w) for w in qat.trainable_weights]
+    qat.fit(
+        x,
+        y,
+        batch_size=8,
+        epochs=1,
+        verbose=0,
+        callbacks=[keras_bn.quantize.FreezeBatchNorm(after_steps=2)],
+    )
+    assert any(not np.array_equal(a, np.array(b)) for a, b in zip(before, qat.trainable_weights))
+    assert all(
+        bool(q.range_initialized.numpy())
+        for q in qat.layers[-1]._flatten_layers()
+        if isinstance(q, keras_bn.quantize.ActivationQuantizer)
+    )
+    qat.save(tmp_path / "qat.keras")
+    np.save(tmp_path / "x.npy", x[:8])
+    expected = np.asarray(qat.predict(x[:8], verbose=0))
+
+    done = subprocess.run(
+        [sys.executable, "-c", _TF_SIDE, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "KERAS_BACKEND": "tensorflow"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (line,) = [row for row in done.stdout.splitlines() if row.startswith("RESULT")]
+    found = json.loads(line[len("RESULT") :])
+    scale = float(np.max(np.abs(expected)))
+    np.testing.assert_allclose(found["outputs"], expected, rtol=0, atol=1e-5 * scale)
+    for name in ("tflite", "onnx"):
+        passed, quantization, max_lsb = found[name]
+        assert passed and quantization == "int8", found[name]
+        assert max_lsb <= 1.0, found[name]  # within one output step
