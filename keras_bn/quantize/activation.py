@@ -105,8 +105,8 @@ class ActivationQuantizer(ShapePreserving, keras.layers.Layer):
             range has been observed.
         """
         x = ops.cast(inputs, "float32")
-        low, high = ops.convert_to_tensor(self.range_min), ops.convert_to_tensor(self.range_max)
-        initialized = ops.convert_to_tensor(self.range_initialized)
+        low, high = value_of(self.range_min), value_of(self.range_max)
+        initialized = value_of(self.range_initialized)
         if training and self.trainable:
             low, high, initialized = self._observe(x, low, high, initialized)
         return low, high, initialized
@@ -160,7 +160,7 @@ class ActivationQuantizer(ShapePreserving, keras.layers.Layer):
         usable = (
             ops.isfinite(batch_low)
             & ops.isfinite(batch_high)
-            & ops.logical_not(ops.convert_to_tensor(self.ranges_frozen))
+            & ops.logical_not(value_of(self.ranges_frozen))
         )
         low, high = ops.where(usable, new_low, low), ops.where(usable, new_high, high)
         initialized = ops.logical_or(initialized, usable)
@@ -179,10 +179,10 @@ class ActivationQuantizer(ShapePreserving, keras.layers.Layer):
             (step, initialized): float32 and bool scalars; the step means nothing while
             `initialized` is false (no range yet: the layer passes its input through).
         """
-        low, high = ops.convert_to_tensor(self.range_min), ops.convert_to_tensor(self.range_max)
+        low, high = value_of(self.range_min), value_of(self.range_max)
         return (
             fake_quant.activation_step(low, high, self.bits),
-            ops.convert_to_tensor(self.range_initialized),
+            value_of(self.range_initialized),
         )
 
     def grid_quantizer(self) -> "ActivationQuantizer":
@@ -255,6 +255,21 @@ class ActivationQuantizer(ShapePreserving, keras.layers.Layer):
             A dict with the base layer's config, `bits` and `momentum`.
         """
         return {**super().get_config(), "bits": self.bits, "momentum": self.momentum}
+
+
+def value_of(variable: keras.Variable) -> Any:
+    """A variable's value as a tensor: tf.convert_to_tensor on TensorFlow (a read, not the
+    variable, which `tf.custom_gradient` would otherwise see used), else keras.ops'.
+
+    Args:
+        variable: a keras.Variable.
+
+    Returns:
+        The backend tensor.
+    """
+    if _backend.on_tensorflow():
+        return tf.convert_to_tensor(variable)
+    return ops.convert_to_tensor(variable)
 
 
 def scalar_state(layer: keras.layers.Layer, name: str, dtype: str) -> keras.Variable:

@@ -57,7 +57,12 @@ from keras_bn._bn_layers import KERAS_BN, KERAS_BN_BN
 from keras_bn._errors import UnsupportedModelError
 from keras_bn._moving_average import average_into, usable
 from keras_bn.quantize import fake_quant, grids, hosts
-from keras_bn.quantize.activation import ActivationQuantizer, scalar_state, validate_momentum
+from keras_bn.quantize.activation import (
+    ActivationQuantizer,
+    scalar_state,
+    validate_momentum,
+    value_of,
+)
 
 ACTIVATIONS = ("relu", "relu6")
 
@@ -512,10 +517,10 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
     def _bn_parameters(self) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]:
         """γ, β, μ, v and the host bias as float32 vectors (γ = 1, β = 0 when absent)."""
         bn = self.batch_norm
-        mean = ops.convert_to_tensor(bn.moving_mean)
-        gamma = ops.ones_like(mean) if bn.gamma is None else ops.convert_to_tensor(bn.gamma)
-        beta = ops.zeros_like(mean) if bn.beta is None else ops.convert_to_tensor(bn.beta)
-        return gamma, beta, mean, ops.convert_to_tensor(bn.moving_variance), self._host_bias()
+        mean = value_of(bn.moving_mean)
+        gamma = ops.ones_like(mean) if bn.gamma is None else value_of(bn.gamma)
+        beta = ops.zeros_like(mean) if bn.beta is None else value_of(bn.beta)
+        return gamma, beta, mean, value_of(bn.moving_variance), self._host_bias()
 
     def _scaled_kernel(
         self, gamma: tf.Tensor, sigma: tf.Tensor
@@ -565,7 +570,7 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
         offset = self._bias_on_grid(beta + scale * (bias - mean), max_abs)
         if not (training and self.trainable):
             return self._finish(z * per_channel(multiplier) + per_channel(offset), training)
-        frozen = ops.convert_to_tensor(self.batch_norm_frozen)
+        frozen = value_of(self.batch_norm_frozen)
         epsilon = self.batch_norm.epsilon
 
         def normalized() -> tf.Tensor:
