@@ -52,6 +52,7 @@ def _bits_equal(actual, expected):
     assert differ[0].size == 0, (actual[differ][:5], expected[differ][:5])
 
 
+@pytest.mark.slow  # 60 ranges, eager op by op: about 10 s
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "jit"])
 def test_fake_quant_equals_tensorflow_bit_for_bit(compiled):
     per_tensor = jfq.fake_quant_with_min_max_vars
