@@ -1,12 +1,13 @@
 """The Keras-backend guard: what of keras_bn runs under which Keras backend.
 
 `keras_bn.BatchNormalization` runs under TensorFlow and JAX (keras_bn/_jax_ops.py holds its
-JAX maths); everything else (recalibrate, convert, diagnostics, callbacks, quantize, export) is
-TensorFlow code. A tiny module of its own so that `import keras_bn` stays light (the package's
-names load on first use, keras_bn/_lazy.py): the guard runs when a public name is first used and
-when a module is imported (keras_bn.layers, keras_bn.export.affine and each public TensorFlow
-module run it at import), so it fires before anything of keras_bn is built under a backend that
-cannot run it.
+JAX maths), and so do `convert` and `keras_bn.export.fold_batch_norms` (Keras-API code and numpy
+weight maths); everything else (recalibrate, diagnostics, callbacks, quantize, the TFLite and
+ONNX writers) is TensorFlow code. A tiny module of its own so that `import keras_bn` stays light
+(the package's names load on first use, keras_bn/_lazy.py): the guard runs when a public name
+is first used and when a module is imported (keras_bn.layers, keras_bn.export.affine and the
+TFLite and ONNX writers run it at import), so it fires before anything of keras_bn is built
+under a backend that cannot run it.
 """
 
 # The backends the layer runs on. PyTorch is refused: torch is a large dependency that no test
@@ -14,6 +15,31 @@ cannot run it.
 LAYER_BACKENDS = ("tensorflow", "jax")
 # The public names that work under every backend of LAYER_BACKENDS (the rest need TensorFlow).
 LAYER_NAMES = frozenset({"keras_bn.BatchNormalization", "keras_bn.layers"})
+# The fold and `convert`, and what they return or raise: also under every backend of
+# LAYER_BACKENDS. The TFLite and ONNX writers are not: they convert TensorFlow functions.
+FOLD_NAMES = frozenset(
+    {"keras_bn.convert"}
+    | {
+        f"keras_bn.export.{name}"
+        for name in (
+            "fold_batch_norms",
+            "FoldedBN",
+            "KeptBN",
+            "InferenceAffine",
+            "ChannelBias",
+            "FoldReport",
+            "ChannelSpread",
+            "WorstChannel",
+            "INT8_READINESS_TOLERANCE",
+            "INT8_SPREAD_THRESHOLD",
+        )
+    }
+)
+# What the first use of a TensorFlow-only writer says under another backend.
+EXPORT_HINT = (
+    ' Save the model (model.save("model.keras")) and load the .keras file under '
+    "KERAS_BACKEND=tensorflow to write TFLite or ONNX (a .keras file crosses backends)."
+)
 
 
 def backend():
@@ -37,14 +63,17 @@ def require(name):
     Raises:
         ImportError: Keras uses a backend that cannot run `name`; see `require_tensorflow`.
     """
-    if name in LAYER_NAMES:
-        require_layer_backend()
+    if name in LAYER_NAMES or name in FOLD_NAMES:
+        require_layer_backend(name)
     else:
         require_tensorflow(name)
 
 
-def require_layer_backend():
+def require_layer_backend(name="keras_bn.BatchNormalization"):
     """Raise unless Keras runs on a backend keras_bn.BatchNormalization supports.
+
+    Args:
+        name: what is about to be used, named in the message.
 
     Raises:
         ImportError: Keras uses another backend (PyTorch, NumPy, OpenVINO); the message names
@@ -53,7 +82,7 @@ def require_layer_backend():
     found = backend()
     if found not in LAYER_BACKENDS:
         raise ImportError(
-            f"keras_bn.BatchNormalization needs the TensorFlow or JAX Keras backend, but Keras "
+            f"{name} needs the TensorFlow or JAX Keras backend, but Keras "
             f"is using {found!r} (PyTorch is not supported: torch is a large dependency, and "
             f"keras_bn is not tested or measured on it). Set KERAS_BACKEND=tensorflow or "
             f"KERAS_BACKEND=jax before importing keras."
@@ -73,11 +102,14 @@ def require_tensorflow(name="keras_bn"):
     found = backend()
     if found != "tensorflow":
         works = (
-            " Under JAX only keras_bn.BatchNormalization works; recalibrate, convert, "
-            "diagnostics, callbacks, quantize and export need TensorFlow for now."
+            " Under JAX keras_bn.BatchNormalization, convert and "
+            "keras_bn.export.fold_batch_norms work; recalibrate, diagnostics, callbacks, "
+            "quantize and the TFLite and ONNX writers need TensorFlow for now."
             if found == "jax"
             else ""
         )
+        if name.startswith("keras_bn.export"):
+            works += EXPORT_HINT
         raise ImportError(
             f"{name} needs the TensorFlow Keras backend, but Keras is using {found!r}.{works} "
             f"Set KERAS_BACKEND=tensorflow before importing keras."

@@ -11,18 +11,16 @@ with the same meaning, except:
   over the last); keras_bn also reads one over the non-channel axes where Keras's reading
   does not fit (`statistics.expand_mask`).
 
-Folding (keras_bn.export), `recalibrate` and `convert` all work from this one description.
-Every one of those TensorFlow-only features imports this module, so its backend guard stops
-each of them under JAX, where only the layer runs.
+Folding (keras_bn.export), `recalibrate` and `convert` all work from this one description,
+under either backend the layer runs on (keras_bn.layers' guard refuses the others); the public
+names of the TensorFlow-only features are guarded where they are first used (keras_bn/_lazy.py).
 """
 
 import keras
 import numpy as np
 
-from keras_bn import _backend, ops
+from keras_bn import ops
 from keras_bn.layers import BatchNormalization
-
-_backend.require_tensorflow("keras_bn beyond BatchNormalization")
 
 KERAS_BN = keras.layers.BatchNormalization
 KERAS_BN_BN = BatchNormalization
