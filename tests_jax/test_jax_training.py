@@ -178,23 +178,25 @@ def test_keras_files_cross_between_jax_and_tensorflow(tmp_path):
 @pytest.mark.parametrize(
     ("use", "name"),
     [
-        (lambda: keras_bn.convert, "keras_bn.convert"),
         (lambda: keras_bn.recalibrate, "keras_bn.recalibrate"),
         (lambda: keras_bn.diagnostics, "keras_bn.diagnostics"),
         (lambda: keras_bn.callbacks, "keras_bn.callbacks"),
         (lambda: keras_bn.quantize, "keras_bn.quantize"),
-        (lambda: importlib.import_module("keras_bn.export").fold_batch_norms, None),
-        (lambda: importlib.import_module("keras_bn.population"), None),
-        (lambda: importlib.import_module("keras_bn.export.affine"), "keras_bn.export"),
+        (lambda: importlib.import_module("keras_bn.export").export_tflite, None),
+        (lambda: importlib.import_module("keras_bn.export.onnx"), "keras_bn.export.export_onnx"),
     ],
 )
 def test_everything_but_the_layer_still_needs_tensorflow(use, name):
-    """A clear ImportError that names what needs TensorFlow and what works under JAX."""
+    """A clear ImportError that names what needs TensorFlow and what works under JAX (the
+    layer, convert and fold_batch_norms: tests_jax/test_jax_fold.py)."""
     with pytest.raises(ImportError) as raised:
         use()
     message = str(raised.value)
     assert "needs the TensorFlow Keras backend, but Keras is using 'jax'" in message
-    assert "Under JAX only keras_bn.BatchNormalization works" in message
+    assert (
+        "Under JAX keras_bn.BatchNormalization, convert and keras_bn.export.fold_batch_norms work"
+        in message
+    )
     assert "KERAS_BACKEND=tensorflow" in message
     if name is not None:
         assert message.startswith(name)

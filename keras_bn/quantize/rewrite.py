@@ -28,7 +28,7 @@ from typing import Any
 import keras
 from keras.src.ops.node import Node
 
-from keras_bn import _bn_layers, _models, _rewrite
+from keras_bn import _backend, _bn_layers, _models, _rewrite
 from keras_bn._errors import KerasBNWarning
 from keras_bn.export.affine import ChannelBias
 from keras_bn.quantize import fake_quant, hosts, spec
@@ -127,6 +127,7 @@ def quantize_model(
         UnsupportedModelError: the model, or a nested one holding a host or BN, is subclassed
             (it has no layer graph) or an unbuilt Sequential, or a layer's config does not
             round-trip.
+        ImportError: Keras does not run on TensorFlow (the QAT layers are TensorFlow code).
 
     Example::
 
@@ -134,6 +135,9 @@ def quantize_model(
         qat.compile(keras.optimizers.Adam(1e-4), loss, metrics=["accuracy"])
         qat.fit(x, y, epochs=3, callbacks=[keras_bn.quantize.FreezeBatchNorm(500)])
     """
+    # `keras_bn.quantize`'s first use is guarded (keras_bn/_lazy.py), but under JAX the fold
+    # imports the package (export/readiness.py, for its numpy int8 grid), which skips that.
+    _backend.require_tensorflow("keras_bn.quantize")
     for name, value in (("per_channel", per_channel), ("return_report", return_report)):
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be True or False; received {name}={value!r}.")
