@@ -208,3 +208,77 @@ def test_keras_litert_export_refuses_jax(tmp_path):
     with pytest.raises(ValueError, match=r"^LiteRT export requires TensorFlow or PyTorch backend"):
         folded.export(str(path), format="litert")
     assert not path.exists()
+
+
+_TENSORFLOW_EXPORT = """
+import json, sys
+import numpy as np
+import keras
+from keras_bn.export import export_onnx, export_tflite
+
+assert keras.backend.backend() == "tensorflow"
+folder = sys.argv[1]
+model = keras.saving.load_model(folder + "/trained.keras")
+x, y = np.load(folder + "/x.npy"), np.load(folder + "/y.npy")
+found = {"loaded_error": float(np.max(np.abs(model.predict(x, verbose=0) - y)))}
+for name, export in (("tflite", export_tflite), ("onnx", export_onnx)):
+    # strict (the default): a file over the tolerance raises VerificationError, written nowhere.
+    report = export(model, folder + "/model." + name, probe=x)
+    found[name] = {"passed": report.passed, "relative_error": report.relative_error}
+folded = keras.saving.load_model(folder + "/folded.keras")
+found["folded_error"] = float(np.max(np.abs(folded.predict(x, verbose=0) - y)))
+print(json.dumps(found))
+"""
+
+_JAX_LOAD_FOLDED = """
+import json, sys
+import numpy as np
+import keras_bn  # registers keras_bn's layers, a folded model's included, once Keras loads
+import keras
+
+assert keras.backend.backend() == "jax"
+folder = sys.argv[1]
+folded = keras.saving.load_model(folder + "/folded.keras")
+y = folded.predict(np.load(folder + "/x.npy"), verbose=0)
+print(json.dumps({"error": float(np.max(np.abs(y - np.load(folder + "/y.npy"))))}))
+"""
+
+
+@pytest.mark.slow
+def test_a_model_trained_under_jax_exports_verified_under_tensorflow(tmp_path):
+    """Train a small CNN with keras_bn's BN under JAX and save it; a TensorFlow process loads
+    the `.keras` file and writes TFLite and ONNX, each verified in its runtime (LiteRT,
+    onnxruntime) against the Keras model (a failed check raises VerificationError, and the
+    process fails). The model folded under JAX (with an InferenceAffine and a ChannelBias)
+    loads in both backends, in fresh processes, with its outputs."""
+    from test_jax_training import _run  # the subprocess runner of the cross-backend tests
+
+    rng = np.random.default_rng(3)
+    x = rng.normal(0.5, 2.0, (64, 3, 8, 8)).astype("float32")
+    y = rng.normal(size=(64, 3)).astype("float32")
+    inputs = keras.Input((3, 8, 8))
+    h = L.Conv2D(6, 3, data_format="channels_first", use_bias=False)(inputs)
+    h = L.ReLU()(keras_bn.BatchNormalization(axis=1)(h))
+    h = keras_bn.BatchNormalization(axis=1)(h)  # after a ReLU, before a padded conv: kept
+    h = L.Conv2D(4, 3, padding="same", data_format="channels_first")(h)
+    h = L.GlobalAveragePooling2D(data_format="channels_first")(h)
+    model = keras.Model(inputs, keras_bn.BatchNormalization()(L.Dense(3)(h)))
+    model.compile(keras.optimizers.Adam(1e-2), "mse")
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    model.save(tmp_path / "trained.keras")
+    folded, report = fold_batch_norms(model, x)
+    assert len(report.folded) == 2 and len(report.kept) == 1
+    folded.save(tmp_path / "folded.keras")
+    expected = model.predict(x, verbose=0)
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "y.npy", expected)
+
+    found = _run(_TENSORFLOW_EXPORT, tmp_path, "tensorflow")
+    scale = float(np.abs(expected).max())
+    assert found["loaded_error"] <= 1e-5 * scale
+    assert found["folded_error"] <= 1e-5 * scale
+    for name in ("tflite", "onnx"):
+        assert found[name]["passed"] is True, found
+        assert found[name]["relative_error"] <= 1e-4
+        assert (tmp_path / f"model.{name}").stat().st_size > 0
+    assert _run(_JAX_LOAD_FOLDED, tmp_path, "jax")["error"] <= 1e-5 * scale
