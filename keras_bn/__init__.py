@@ -13,9 +13,10 @@
 - `UnsupportedModelError`: a model structure the fold, the exporters or `convert` cannot take.
 - `KerasBNWarning`: what keras_bn warns with (something ran, but probably not as intended).
 
-`import keras_bn` is light: each name is imported on first use. `BatchNormalization` runs
-under the TensorFlow and JAX Keras backends; every other name needs TensorFlow (under another
-backend, its first use raises ImportError; docs/guide/backends.md). Once Keras is imported,
+`import keras_bn` is light: each name is imported on first use. `BatchNormalization`,
+`convert` and `keras_bn.export.fold_batch_norms` run under the TensorFlow and JAX Keras
+backends; every other name needs TensorFlow (under another backend, its first use raises
+ImportError; docs/guide/backends.md). Once Keras is imported,
 keras_bn's layers are registered with it, so `keras.saving.load_model` reads `.keras` files
 that hold them.
 """
