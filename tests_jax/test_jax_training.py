@@ -181,7 +181,7 @@ def test_keras_files_cross_between_jax_and_tensorflow(tmp_path):
         (lambda: keras_bn.recalibrate, "keras_bn.recalibrate"),
         (lambda: keras_bn.diagnostics, "keras_bn.diagnostics"),
         (lambda: keras_bn.callbacks, "keras_bn.callbacks"),
-        (lambda: keras_bn.quantize, "keras_bn.quantize"),
+        (lambda: keras_bn.quantize.quantize_model(None), "keras_bn.quantize"),
         (lambda: importlib.import_module("keras_bn.export").export_tflite, None),
         (lambda: importlib.import_module("keras_bn.export.onnx"), "keras_bn.export.export_onnx"),
     ],
