@@ -178,8 +178,6 @@ def test_keras_files_cross_between_jax_and_tensorflow(tmp_path):
 @pytest.mark.parametrize(
     ("use", "name"),
     [
-        (lambda: keras_bn.convert, "keras_bn.convert"),
-        (lambda: importlib.import_module("keras_bn.convert"), "keras_bn.convert"),
         (
             lambda: importlib.import_module("keras_bn.quantize").quantize_model(None),
             "keras_bn.quantize.quantize_model",
@@ -188,18 +186,18 @@ def test_keras_files_cross_between_jax_and_tensorflow(tmp_path):
             lambda: keras_bn.diagnostics.gradient_norms_by_layer(None, None, None, "mse"),
             "keras_bn.diagnostics.gradient_norms_by_layer",
         ),
-        (lambda: importlib.import_module("keras_bn.export").fold_batch_norms, None),
+        (lambda: importlib.import_module("keras_bn.export").export_tflite, None),
+        (lambda: importlib.import_module("keras_bn.export.onnx"), "keras_bn.export.export_onnx"),
     ],
 )
 def test_everything_but_the_layer_still_needs_tensorflow(use, name):
-    """A clear ImportError that names what needs TensorFlow and what works under JAX."""
+    """A clear ImportError that names what needs TensorFlow and what works under JAX (the
+    layer, convert and fold_batch_norms: tests_jax/test_jax_fold.py)."""
     with pytest.raises(ImportError) as raised:
         use()
     message = str(raised.value)
     assert "needs the TensorFlow Keras backend, but Keras is using 'jax'" in message
-    assert (
-        "Under JAX keras_bn.BatchNormalization, recalibrate, callbacks.Recalibrate and " in message
-    )
+    assert "Under JAX keras_bn.BatchNormalization, recalibrate, callbacks.Recalibrate, " in message
     assert "KERAS_BACKEND=tensorflow" in message
     if name is not None:
         assert message.startswith(name)

@@ -136,6 +136,8 @@ def quantize_model(
         qat.compile(keras.optimizers.Adam(1e-4), loss, metrics=["accuracy"])
         qat.fit(x, y, epochs=3, callbacks=[keras_bn.quantize.FreezeBatchNorm(500)])
     """
+    # `keras_bn.quantize`'s first use is guarded (keras_bn/_lazy.py), but under JAX the fold
+    # imports the package (export/readiness.py, for its numpy int8 grid), which skips that.
     _backend.require_tensorflow("keras_bn.quantize.quantize_model")
     for name, value in (("per_channel", per_channel), ("return_report", return_report)):
         if not isinstance(value, bool):
