@@ -13,7 +13,7 @@ import numpy as np
 import numpy.typing as npt
 import tensorflow as tf
 
-from keras_bn import ops
+from keras_bn import _backend, ops
 from keras_bn._shapes import ShapePreserving
 
 # Before either layer can be built under a backend keras_bn does not run on.
