@@ -654,11 +654,11 @@ def test_other_backends_get_the_layer_or_a_clear_import_error(backend):
             "keras_bn.convert": "no error",
             "keras_bn.export.fold_batch_norms": "no error",
             **{
-                name: f"{name} needs the TensorFlow Keras backend, but Keras is using 'jax'."
+                use: f"{name} needs the TensorFlow Keras backend, but Keras is using 'jax'."
                 f"{works}{extra} Set KERAS_BACKEND=tensorflow before importing keras."
-                for name, extra in (
-                    ("keras_bn.quantize", ""),
-                    ("keras_bn.export.export_tflite", hint),
+                for use, name, extra in (
+                    ("keras_bn.quantize", "keras_bn.quantize.quantize_model", ""),
+                    ("keras_bn.export.export_tflite", "keras_bn.export.export_tflite", hint),
                 )
             },
         }
