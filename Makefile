@@ -48,7 +48,7 @@ test: $(STAMP)
 FAST_SKIP := test_notebooks test_docs test_cli test_properties test_bench_export
 test-fast: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS) -m "not slow" $(FAST_SKIP:%=--ignore=tests/%.py)
-	$(JAX_TESTS)
+	$(JAX_TESTS) -m "not slow"
 
 # Lint, format check and type check (.ci/run runs it before the tests).
 lint: $(STAMP)
