@@ -18,6 +18,10 @@ each cost is the median over reps of the per-rep ratio to the step without it.
     python benchmarks/bench_layer.py --device /GPU:0    # inputs and every contender on that
                                                 # device (default: TensorFlow's placement)
     python benchmarks/bench_layer.py --recentring-only   # the third table alone
+    python benchmarks/bench_layer.py --backend jax [--smoke] [--json PATH]
+                                                # the JAX table: bench_layer_jax.py, run in
+                                                # a Python of its own (Keras fixes its
+                                                # backend when first imported)
 """
 
 import argparse
@@ -26,6 +30,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 
@@ -33,44 +38,21 @@ import _tf_env  # noqa: F401  (before TensorFlow: its environment)
 import keras
 import numpy as np
 import tensorflow as tf
+from _layer_bench import POLICIES, SHAPES, SMOKE_SHAPES, cpu_description
 
 import keras_bn
 from keras_bn import fused
 from keras_bn.export import atomic
 
-# name, shape, axis
-SHAPES = [
-    ("NHWC 64x32x32x64", (64, 32, 32, 64), -1),
-    ("NCHW 64x64x32x32", (64, 64, 32, 32), 1),
-    ("1024x1024", (1024, 1024), -1),
-    ("seq 256x128x512", (256, 128, 512), -1),
-]
-SMOKE_SHAPES = [
-    ("NHWC 4x4x4x8", (4, 4, 4, 8), -1),
-    ("NCHW 4x8x4x4", (4, 8, 4, 4), 1),
-    ("16x32", (16, 32), -1),
-    ("seq 4x6x8", (4, 6, 8), -1),
-]
-POLICIES = ["float32", "mixed_float16"]
-
 
 def machine_description():
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
     onednn = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "unset")
     gpus = [
         tf.config.experimental.get_device_details(gpu).get("device_name", gpu.name)
         for gpu in tf.config.list_physical_devices("GPU")
     ]
     return (
-        f"{model}, {os.cpu_count()} cores; "
+        f"{cpu_description()}; "
         + (f"GPU {', '.join(gpus)}; " if gpus else "")
         + f"TensorFlow {tf.__version__}, Keras {keras.__version__}, "
         f"Python {platform.python_version()}; TF_ENABLE_ONEDNN_OPTS={onednn}"
@@ -354,7 +336,22 @@ def write_json(path, rows, ranks, started, argv, device, recentring=()):
 
 
 def main(argv=None):
+    argv = argv if argv is not None else sys.argv[1:]
+    backend = argparse.ArgumentParser(add_help=False)
+    backend.add_argument("--backend", choices=("tensorflow", "jax"), default="tensorflow")
+    known, rest = backend.parse_known_args(argv)
+    if known.backend == "jax":
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_layer_jax.py")
+        env = {**os.environ, "KERAS_BACKEND": "jax"}
+        return subprocess.run([sys.executable, script, *rest], env=env, check=False).returncode
+    argv = rest
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--backend",
+        choices=("tensorflow", "jax"),
+        default="tensorflow",
+        help="jax: the JAX table (bench_layer_jax.py)",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, one repetition")
     parser.add_argument("--reps", type=int, default=15, help="timed samples per contender")
     parser.add_argument("--inner", type=int, default=3, help="calls per sample")
@@ -393,7 +390,6 @@ def main(argv=None):
         print(RECENTRING_HEADER, flush=True)
         recentring = run_recentring(shapes, reps, inner)
     if args.json:
-        argv = argv if argv is not None else sys.argv[1:]
         write_json(args.json, rows, ranks, started, argv, device, recentring)
     return 0
 

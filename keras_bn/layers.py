@@ -106,6 +106,9 @@ class BatchNormalization(ShapePreserving, keras.layers.Layer):
             Σmᵢμᵢ/Σmᵢ and Σmᵢ·sᵢ²/Σmᵢ (sᵢ² the unbiased variance of replica i's mᵢ values).
             Either way every replica applies the same update, so the copies stay identical,
             and a non-finite statistic on any replica skips the update on all of them.
+            Under JAX there are no replicas: with `keras.distribution.DataParallel` the batch
+            is one array sharded over the devices, and its statistics are the global batch's
+            whatever `synchronized` says.
         **kwargs: base layer arguments (`name`, `dtype`, `trainable`, ...).
 
     Raises:

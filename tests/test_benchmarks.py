@@ -60,6 +60,29 @@ def test_bench_layer_smoke(tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_layer_jax_smoke(tmp_path):
+    """`--backend jax`: the JAX table, in a Python of its own; every row, the target's verdict
+    and the JSON."""
+    out = _run("bench_layer.py", "--backend", "jax", "--json", str(tmp_path / "jax.json"))
+    assert out.startswith("machine: ") and "JAX " in out.splitlines()[0]
+    table, targets = out.split("| target |")
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "ms" not in line]
+    rows = [line for line in rows if not line.startswith("|---")]
+    assert len(rows) == 16  # 4 shapes x 2 policies x (train, inference)
+    (verdict,) = [
+        line.split("|")[-2].strip() for line in targets.splitlines()[2:] if line.startswith("| ")
+    ]
+    assert verdict in {"yes", "MISSED"}
+    record = json.loads((tmp_path / "jax.json").read_text())
+    assert len(record["rows"]) == 16 and record["targets"][0]["met"] == (verdict == "yes")
+    for row, line in zip(record["rows"], rows):
+        cells = [c.strip() for c in line.split("|")[1:-1]]
+        assert cells[:3] == [row["shape"], row["policy"], row["step"]]
+        assert float(cells[5]) == pytest.approx(row["ratio"], abs=0.006)
+    assert [p.name for p in tmp_path.iterdir()] == ["jax.json"]
+
+
+@pytest.mark.slow
 def test_bench_model_smoke():
     out = _run("bench_model.py")
     assert out.startswith("machine: ")
