@@ -175,6 +175,66 @@ def test_keras_files_cross_between_jax_and_tensorflow(tmp_path):
     assert _run(_JAX_SIDE, tmp_path, "jax")["error"] <= 1e-5
 
 
+_TRAIN_BOTH = """
+import sys
+import numpy as np
+import keras
+import keras_bn
+
+folder = sys.argv[1]
+keras.utils.set_random_seed(0)
+inputs = keras.Input((7, 5, 3))
+h = keras.layers.Conv2D(4, 3, padding="same")(inputs)
+h = keras_bn.BatchNormalization(momentum=0.7)(h)
+h = keras.layers.ReLU()(h)
+h = keras.layers.Permute((3, 1, 2))(h)
+clipping = {"rmax": 1.5, "rmin": 0.7, "dmax": 0.5}
+h = keras_bn.BatchNormalization(axis=1, renorm=True, renorm_clipping=clipping)(h)
+h = keras.layers.Dense(6)(keras.layers.Flatten()(h))
+h = keras_bn.BatchNormalization(momentum=None)(h)
+h = keras_bn.BatchNormalization(virtual_batch_size=5)(h)
+model = keras.Model(inputs, keras.layers.Dense(2)(h))
+# Kernels from numpy (each backend's initializers draw differently); the rest as built
+# (zeros, ones, counters: the same on both).
+rng = np.random.default_rng(2)
+model.set_weights(
+    [rng.normal(0.0, 0.3, w.shape) if len(w.shape) >= 2 else np.asarray(w) for w in model.weights]
+)
+x, y = np.load(folder + "/x.npy"), np.load(folder + "/y.npy")
+model.compile(keras.optimizers.SGD(0.05), "mse", jit_compile=True)
+model.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0)
+trained = model.predict(x, verbose=0)
+keras_bn.recalibrate(model, x, batch_size=10, progress=False)
+np.savez(
+    folder + "/" + keras.backend.backend() + ".npz",
+    trained=trained,
+    recalibrated=model.predict(x, verbose=0),
+    **{str(i): np.asarray(w) for i, w in enumerate(model.weights)},
+)
+print("{}")
+"""
+
+
+@pytest.mark.slow
+def test_training_under_jax_equals_training_under_tensorflow(tmp_path):
+    """The same model, weights and batches, trained 8 steps under each backend (jit, a conv,
+    a channels_first renorm BN with its clipping hit, momentum=None, ghost batches), then
+    recalibrated: every weight, moving statistic and output agrees. Parameters whose gradient
+    is 0 in exact arithmetic (a bias before a BN) stay within 1e-7 of 0 on both."""
+    rng = np.random.default_rng(1)
+    np.save(tmp_path / "x.npy", (rng.normal(size=(40, 7, 5, 3)) * 3 + 2).astype("float32"))
+    np.save(tmp_path / "y.npy", rng.normal(size=(40, 2)).astype("float32"))
+    for backend in ("tensorflow", "jax"):
+        _run(_TRAIN_BOTH, tmp_path, backend)
+    on_tf, on_jax = np.load(tmp_path / "tensorflow.npz"), np.load(tmp_path / "jax.npz")
+    assert sorted(on_tf.files) == sorted(on_jax.files)
+    for key in on_tf.files:
+        expected = on_tf[key].astype(np.float64)
+        scale = max(float(np.abs(expected).max()), 1e-2)
+        np.testing.assert_allclose(on_jax[key], expected, rtol=0, atol=1e-5 * scale, err_msg=key)
+    assert not np.allclose(on_tf["trained"], on_tf["recalibrated"], atol=1e-3)
+
+
 @pytest.mark.parametrize(
     ("use", "name"),
     [
