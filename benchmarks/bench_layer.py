@@ -18,10 +18,7 @@ each cost is the median over reps of the per-rep ratio to the step without it.
     python benchmarks/bench_layer.py --device /GPU:0    # inputs and every contender on that
                                                 # device (default: TensorFlow's placement)
     python benchmarks/bench_layer.py --recentring-only   # the third table alone
-    python benchmarks/bench_layer.py --backend jax [--smoke] [--json PATH]
-                                                # the JAX table: bench_layer_jax.py, run in
-                                                # a Python of its own (Keras fixes its
-                                                # backend when first imported)
+    python benchmarks/bench_layer.py --backend jax      # under JAX: bench_layer_jax.py's table
 """
 
 import argparse
@@ -335,23 +332,24 @@ def write_json(path, rows, ranks, started, argv, device, recentring=()):
     atomic.write_text(path, json.dumps(record, indent=1) + "\n")
 
 
+def _run_jax(parser, args, argv):
+    """bench_layer_jax.py with this command's options (Keras fixes its backend at its first
+    import, which this script has done under TensorFlow); returns its exit code."""
+    if args.device or args.recentring_only:
+        parser.error("--device and --recentring-only are TensorFlow options; drop --backend jax")
+    forwarded = ["--reps", str(args.reps), "--inner", str(args.inner)]
+    forwarded += ["--smoke"] if args.smoke else []
+    forwarded += ["--json", args.json] if args.json else []
+    forwarded += ["--max-shapes", str(args.max_shapes)] if args.max_shapes is not None else []
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_layer_jax.py")
+    command = ["--command", "python benchmarks/bench_layer.py " + " ".join(argv)]
+    return subprocess.run(
+        [sys.executable, script, *forwarded, *command], env={**os.environ, "KERAS_BACKEND": "jax"}
+    ).returncode
+
+
 def main(argv=None):
-    argv = argv if argv is not None else sys.argv[1:]
-    backend = argparse.ArgumentParser(add_help=False)
-    backend.add_argument("--backend", choices=("tensorflow", "jax"), default="tensorflow")
-    known, rest = backend.parse_known_args(argv)
-    if known.backend == "jax":
-        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_layer_jax.py")
-        env = {**os.environ, "KERAS_BACKEND": "jax"}
-        return subprocess.run([sys.executable, script, *rest], env=env, check=False).returncode
-    argv = rest
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--backend",
-        choices=("tensorflow", "jax"),
-        default="tensorflow",
-        help="jax: the JAX table (bench_layer_jax.py)",
-    )
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, one repetition")
     parser.add_argument("--reps", type=int, default=15, help="timed samples per contender")
     parser.add_argument("--inner", type=int, default=3, help="calls per sample")
@@ -363,7 +361,15 @@ def main(argv=None):
         "--max-shapes", type=int, metavar="N", help="only the first N shapes (of 4)"
     )
     parser.add_argument("--recentring-only", action="store_true", help="only the re-centring table")
+    parser.add_argument(
+        "--backend",
+        choices=("tensorflow", "jax"),
+        default="tensorflow",
+        help="jax: bench_layer_jax.py's table, in a Python of its own under KERAS_BACKEND=jax",
+    )
     args = parser.parse_args(argv)
+    if args.backend == "jax":
+        return _run_jax(parser, args, argv if argv is not None else sys.argv[1:])
     if args.recentring_only and args.json:
         parser.error("--json writes every table's rows; run it without --recentring-only")
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes")
@@ -390,6 +396,7 @@ def main(argv=None):
         print(RECENTRING_HEADER, flush=True)
         recentring = run_recentring(shapes, reps, inner)
     if args.json:
+        argv = argv if argv is not None else sys.argv[1:]
         write_json(args.json, rows, ranks, started, argv, device, recentring)
     return 0
 

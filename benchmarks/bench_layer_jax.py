@@ -196,11 +196,10 @@ def add_arguments(parser):
     )
 
 
-def main(argv=None, command=None):
-    """Run the benchmark; `command` is the command line the JSON records (default: this
-    script's)."""
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(parser)
+    parser.add_argument("--command", help=argparse.SUPPRESS)  # bench_layer.py's, for the JSON
     args = parser.parse_args(argv)
     if keras.backend.backend() != "jax":
         parser.error(f"needs KERAS_BACKEND=jax; Keras is using {keras.backend.backend()!r}")
@@ -218,7 +217,7 @@ def main(argv=None, command=None):
     print("\n" + target_summary(rows))
     if args.json:
         argv = argv if argv is not None else sys.argv[1:]
-        command = command or "python benchmarks/bench_layer_jax.py " + " ".join(argv)
+        command = args.command or "python benchmarks/bench_layer_jax.py " + " ".join(argv)
         write_json(args.json, rows, started, command)
     return 0
 

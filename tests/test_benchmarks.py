@@ -61,25 +61,29 @@ def test_bench_layer_smoke(tmp_path):
 
 @pytest.mark.slow
 def test_bench_layer_jax_smoke(tmp_path):
-    """`--backend jax`: the JAX table, in a Python of its own; every row, the target's verdict
-    and the JSON."""
-    out = _run("bench_layer.py", "--backend", "jax", "--json", str(tmp_path / "jax.json"))
-    assert out.startswith("machine: ") and "JAX " in out.splitlines()[0]
+    """--backend jax: the JAX table (jitted stateless_call of each layer) and its JSON."""
+    path = tmp_path / "layer_jax.json"
+    out = _run("bench_layer.py", "--backend", "jax", "--json", str(path))
+    assert out.startswith("machine: ") and "JAX " in out
     table, targets = out.split("| target |")
     rows = [line for line in table.splitlines() if line.startswith("| ") and "ms" not in line]
-    rows = [line for line in rows if not line.startswith("|---")]
     assert len(rows) == 16  # 4 shapes x 2 policies x (train, inference)
-    (verdict,) = [
+    assert all(len(row.split("|")) == 8 for row in rows)
+    verdicts = [
         line.split("|")[-2].strip() for line in targets.splitlines()[2:] if line.startswith("| ")
     ]
-    assert verdict in {"yes", "MISSED"}
-    record = json.loads((tmp_path / "jax.json").read_text())
-    assert len(record["rows"]) == 16 and record["targets"][0]["met"] == (verdict == "yes")
-    for row, line in zip(record["rows"], rows):
+    assert len(verdicts) == 1 and verdicts[0] in {"yes", "MISSED"}
+    record = json.loads(path.read_text())
+    assert record["command"].endswith(f"bench_layer.py --smoke --backend jax --json {path}")
+    assert len(record["rows"]) == 16
+    for row, line in zip(record["rows"], rows, strict=True):
         cells = [c.strip() for c in line.split("|")[1:-1]]
         assert cells[:3] == [row["shape"], row["policy"], row["step"]]
+        assert float(cells[3]) == pytest.approx(row["keras_bn_ms"], abs=0.006)
         assert float(cells[5]) == pytest.approx(row["ratio"], abs=0.006)
-    assert [p.name for p in tmp_path.iterdir()] == ["jax.json"]
+        assert row["keras_bn_ms"] > 0 and row["keras_ms"] > 0
+    assert [t["met"] for t in record["targets"]] == [verdicts[0] == "yes"]
+    assert [p.name for p in tmp_path.iterdir()] == ["layer_jax.json"]  # no temporary left
 
 
 @pytest.mark.slow
