@@ -53,6 +53,54 @@ def test_fit_with_jit_compile_trains_and_updates_the_moving_statistics():
     )
 
 
+def test_fit_whose_last_batch_holds_one_sample_trains_as_on_tensorflow():
+    """9 samples in batches of 8: the last batch holds one sample. On TensorFlow `fit` traces
+    the batch size as unknown, so that batch is run-time data: the BN outputs β there, its
+    gradients to x and γ are 0, and its statistics stay. Under JAX's traced `fit` the same
+    (an eager call with a batch of one stays a ValueError)."""
+    x, y = _data((9, FEATURES), 4), _data((9, 1), 5)
+    for momentum in (0.5, None):
+        model = keras.Sequential(
+            [
+                keras.Input((FEATURES,)),
+                keras_bn.BatchNormalization(momentum=momentum, name="bn"),
+                keras.layers.Dense(1),
+            ]
+        )
+        model.compile(keras.optimizers.SGD(0.1), "mse")
+        history = model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        assert np.isfinite(history.history["loss"]).all()
+        bn = model.get_layer("bn")
+        first = x[:8].astype(np.float64)
+        if momentum is None:
+            mean, variance = first.mean(0), first.var(0, ddof=1)
+            assert int(bn.num_batches_tracked.numpy()) == 1  # the one-sample batch uncounted
+        else:
+            mean, variance = 0.5 * first.mean(0), 0.5 + 0.5 * first.var(0, ddof=1)
+        np.testing.assert_allclose(bn.moving_mean.numpy(), mean, rtol=1e-5)
+        np.testing.assert_allclose(bn.moving_variance.numpy(), variance, rtol=1e-5)
+
+    layer = keras_bn.BatchNormalization()
+    layer.build((1, FEATURES))
+    trainable = [v.value for v in layer.trainable_variables]
+    beta = np.random.default_rng(6).normal(size=FEATURES).astype("float32")
+    trainable[1] = beta
+
+    def loss(trainable, x):
+        out, new = layer.stateless_call(
+            trainable, [v.value for v in layer.non_trainable_variables], x, training=True
+        )
+        return jax.numpy.sum(out * 3.0), (out, new)
+
+    grads, (out, new) = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))(trainable, x[:1])
+    np.testing.assert_array_equal(np.asarray(out), beta[None])
+    np.testing.assert_array_equal(np.asarray(grads[1]), 0.0)  # to x
+    np.testing.assert_array_equal(np.asarray(grads[0][0]), 0.0)  # to γ
+    np.testing.assert_array_equal(np.asarray(grads[0][1]), 3.0)  # to β
+    np.testing.assert_array_equal(np.asarray(new[0]), 0.0)
+    np.testing.assert_array_equal(np.asarray(new[1]), 1.0)
+
+
 def test_stateless_call_returns_the_new_statistics_and_changes_nothing():
     layer = keras_bn.BatchNormalization(momentum=0.8, renorm=True)
     x = _data((8, FEATURES), 3)
