@@ -18,6 +18,7 @@ each cost is the median over reps of the per-rep ratio to the step without it.
     python benchmarks/bench_layer.py --device /GPU:0    # inputs and every contender on that
                                                 # device (default: TensorFlow's placement)
     python benchmarks/bench_layer.py --recentring-only   # the third table alone
+    python benchmarks/bench_layer.py --backend jax      # under JAX: bench_layer_jax.py's table
 """
 
 import argparse
@@ -26,6 +27,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 
@@ -33,44 +35,21 @@ import _tf_env  # noqa: F401  (before TensorFlow: its environment)
 import keras
 import numpy as np
 import tensorflow as tf
+from _layer_bench import POLICIES, SHAPES, SMOKE_SHAPES, cpu_description
 
 import keras_bn
 from keras_bn import fused
 from keras_bn.export import atomic
 
-# name, shape, axis
-SHAPES = [
-    ("NHWC 64x32x32x64", (64, 32, 32, 64), -1),
-    ("NCHW 64x64x32x32", (64, 64, 32, 32), 1),
-    ("1024x1024", (1024, 1024), -1),
-    ("seq 256x128x512", (256, 128, 512), -1),
-]
-SMOKE_SHAPES = [
-    ("NHWC 4x4x4x8", (4, 4, 4, 8), -1),
-    ("NCHW 4x8x4x4", (4, 8, 4, 4), 1),
-    ("16x32", (16, 32), -1),
-    ("seq 4x6x8", (4, 6, 8), -1),
-]
-POLICIES = ["float32", "mixed_float16"]
-
 
 def machine_description():
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
     onednn = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "unset")
     gpus = [
         tf.config.experimental.get_device_details(gpu).get("device_name", gpu.name)
         for gpu in tf.config.list_physical_devices("GPU")
     ]
     return (
-        f"{model}, {os.cpu_count()} cores; "
+        f"{cpu_description()}; "
         + (f"GPU {', '.join(gpus)}; " if gpus else "")
         + f"TensorFlow {tf.__version__}, Keras {keras.__version__}, "
         f"Python {platform.python_version()}; TF_ENABLE_ONEDNN_OPTS={onednn}"
@@ -353,6 +332,22 @@ def write_json(path, rows, ranks, started, argv, device, recentring=()):
     atomic.write_text(path, json.dumps(record, indent=1) + "\n")
 
 
+def _run_jax(parser, args, argv):
+    """bench_layer_jax.py with this command's options (Keras fixes its backend at its first
+    import, which this script has done under TensorFlow); returns its exit code."""
+    if args.device or args.recentring_only:
+        parser.error("--device and --recentring-only are TensorFlow options; drop --backend jax")
+    forwarded = ["--reps", str(args.reps), "--inner", str(args.inner)]
+    forwarded += ["--smoke"] if args.smoke else []
+    forwarded += ["--json", args.json] if args.json else []
+    forwarded += ["--max-shapes", str(args.max_shapes)] if args.max_shapes is not None else []
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_layer_jax.py")
+    command = ["--command", "python benchmarks/bench_layer.py " + " ".join(argv)]
+    return subprocess.run(
+        [sys.executable, script, *forwarded, *command], env={**os.environ, "KERAS_BACKEND": "jax"}
+    ).returncode
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, one repetition")
@@ -366,7 +361,15 @@ def main(argv=None):
         "--max-shapes", type=int, metavar="N", help="only the first N shapes (of 4)"
     )
     parser.add_argument("--recentring-only", action="store_true", help="only the re-centring table")
+    parser.add_argument(
+        "--backend",
+        choices=("tensorflow", "jax"),
+        default="tensorflow",
+        help="jax: bench_layer_jax.py's table, in a Python of its own under KERAS_BACKEND=jax",
+    )
     args = parser.parse_args(argv)
+    if args.backend == "jax":
+        return _run_jax(parser, args, argv if argv is not None else sys.argv[1:])
     if args.recentring_only and args.json:
         parser.error("--json writes every table's rows; run it without --recentring-only")
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes")

@@ -19,7 +19,8 @@ and judged in units of each output's quantization step, its int8 weights read ba
 A model structure the fold or an exporter cannot take raises `UnsupportedModelError`.
 
 The names are imported on first use (so the `keras-bn-export` command starts without loading
-TensorFlow), and need the TensorFlow Keras backend.
+TensorFlow). `fold_batch_norms` and what it returns also run under the JAX Keras backend; the
+TFLite and ONNX writers need TensorFlow (load a `.keras` file saved under JAX there).
 """
 
 import typing

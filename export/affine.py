@@ -13,8 +13,12 @@ import numpy as np
 import numpy.typing as npt
 import tensorflow as tf
 
-from keras_bn import ops
+from keras_bn import _backend, ops
 from keras_bn._shapes import ShapePreserving
+
+# Before either layer can be built under a backend keras_bn does not run on.
+_backend.require_layer_backend("keras_bn.export.InferenceAffine")
+_ON_JAX = _backend.backend() == "jax"
 
 
 class _PerChannelMap(ShapePreserving, keras.layers.Layer):
@@ -25,6 +29,15 @@ class _PerChannelMap(ShapePreserving, keras.layers.Layer):
         # An elementwise map keeps every position: a mask passes through, as it passes through
         # the BN this layer replaces (a masked LSTM after it must still see it).
         self.supports_masking = True
+
+
+def _broadcast_shape(rank: int, axes: Sequence[int], sizes: Sequence[int]) -> list[int]:
+    """The shape that lines per-channel weights of `sizes` up with `axes` of a rank-`rank`
+    input (1 on every other axis)."""
+    shape = [1] * rank
+    for axis, size in zip(axes, sizes):
+        shape[axis] = size
+    return shape
 
 
 @keras.saving.register_keras_serializable(package="keras_bn.export")
@@ -71,7 +84,11 @@ class InferenceAffine(_PerChannelMap):
             A tensor of the input's shape, in the layer's compute dtype.
         """
         x = keras.ops.cast(inputs, self.scale.dtype)
-        y = ops.batch_norm_inference(x, self.scale, self.shift, self.channel_axes)
+        if _ON_JAX:  # keras_bn.ops reshapes with TensorFlow ops
+            shape = _broadcast_shape(len(inputs.shape), self.channel_axes, self.channels)
+            y = x * keras.ops.reshape(self.scale, shape) + keras.ops.reshape(self.shift, shape)
+        else:
+            y = ops.batch_norm_inference(x, self.scale, self.shift, self.channel_axes)
         return keras.ops.cast(y, self.compute_dtype)
 
     def set_affine(self, scale: npt.ArrayLike, shift: npt.ArrayLike) -> None:
@@ -149,10 +166,11 @@ class ChannelBias(_PerChannelMap):
             A tensor of the input's shape, in the layer's compute dtype.
         """
         x = keras.ops.cast(inputs, self.bias.dtype)
-        shape = [1] * len(inputs.shape)
-        shape[self.channel_axis] = self.channels
-        # tf.add, not keras.ops.add: the latter is where the axis is guessed.
-        y = tf.add(x, tf.reshape(self.bias, shape))
+        shape = _broadcast_shape(len(inputs.shape), [self.channel_axis], [self.channels])
+        if _ON_JAX:  # JAX's add broadcasts as numpy does: no guess
+            y = keras.ops.add(x, keras.ops.reshape(self.bias, shape))
+        else:  # tf.add, not keras.ops.add: the latter is where the axis is guessed
+            y = tf.add(x, tf.reshape(self.bias, shape))
         return keras.ops.cast(y, self.compute_dtype)
 
     def get_config(self) -> dict[str, Any]:

@@ -24,10 +24,13 @@ import tensorflow as tf
 import tf2onnx
 from onnx import numpy_helper
 
-from keras_bn import _models
+from keras_bn import _backend, _models
 from keras_bn._errors import UnsupportedModelError, one_line
 from keras_bn.export import pipeline, qat, qdq, report, trace
 from keras_bn.quantize import hosts
+
+# The writer converts TensorFlow functions: a file from another backend is loaded under TensorFlow.
+_backend.require_tensorflow("keras_bn.export.export_onnx")
 
 # Both ends of onnxruntime's optimiser: what the file says, and what ORT makes of it.
 SESSION_SETTINGS = {

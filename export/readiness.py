@@ -14,9 +14,11 @@ that host's weights are rounded: the error is its own share, not a whole int8 fi
 
 Cost: one forward pass of the folded model per host and mode, on up to
 `defaults.PROBE_SAMPLES` samples of the probe, through one traced function whose kernels are
-variables assigned in place (no model is rebuilt). ResNet50 at 64 px (53 hosts) takes about
-19 times its fold (benchmarks/bench_export.py --fold-only), which is why `fold_batch_norms`
-measures only with int8_readiness=True (the int8 exporters turn it on).
+variables assigned in place (no model is rebuilt): a tf.function on TensorFlow, Keras's
+compiled `predict` on JAX (which passes the variables' current values to each call). ResNet50
+at 64 px (53 hosts) takes about 19 times its fold (benchmarks/bench_export.py --fold-only),
+which is why `fold_batch_norms` measures only with int8_readiness=True (the int8 exporters turn
+it on).
 """
 
 import dataclasses
@@ -26,6 +28,7 @@ import keras
 import numpy as np
 import numpy.typing as npt
 
+from keras_bn import _backend
 from keras_bn.export import defaults, fold, report, trace
 from keras_bn.quantize import fake_quant
 
@@ -107,11 +110,18 @@ def measure(
     if not hosts:
         return []
     inputs = trace.spread_samples(inputs, defaults.PROBE_SAMPLES)
-    infer = trace.inference_function(folded_model, sig)
-    tensors = [inputs[name] for name in sig.input_names]
+    if _backend.backend() == "tensorflow":
+        infer = trace.inference_function(folded_model, sig)
+        tensors = [inputs[name] for name in sig.input_names]
 
-    def run() -> dict[str, np.ndarray]:
-        return {name: np.asarray(value, np.float64) for name, value in infer(*tensors).items()}
+        def run() -> dict[str, np.ndarray]:
+            return {name: np.asarray(v, np.float64) for name, v in infer(*tensors).items()}
+    else:  # a JAX function traced once would keep the kernels it saw as constants
+
+        def run() -> dict[str, np.ndarray]:
+            results = folded_model.predict(sig.pack(inputs), batch_size=inputs.samples, verbose=0)
+            flat = keras.tree.flatten(results)
+            return {name: np.asarray(v, np.float64) for name, v in zip(sig.output_names, flat)}
 
     reference = run()
     measured = []

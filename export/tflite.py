@@ -25,9 +25,13 @@ import numpy as np
 import tensorflow as tf
 from ai_edge_litert.interpreter import Interpreter, OpResolverType
 
+from keras_bn import _backend
 from keras_bn._errors import UnsupportedModelError
 from keras_bn.export import defaults, pipeline, qat, report, trace
 from keras_bn.quantize import hosts
+
+# The writer converts TensorFlow functions: a file from another backend is loaded under TensorFlow.
+_backend.require_tensorflow("keras_bn.export.export_tflite")
 
 QUANTIZATIONS = tuple(defaults.SCALE_TOLERANCES)  # None (float32), "float16", "dynamic", "int8"
 SIGNATURE = "serve"

@@ -14,9 +14,10 @@
 - `KerasBNWarning`: what keras_bn warns with (something ran, but probably not as intended).
 
 `import keras_bn` is light: each name is imported on first use. `BatchNormalization`,
-`recalibrate`, `callbacks.Recalibrate` and `diagnostics.check_batchnorm` run under the
-TensorFlow and JAX Keras backends; the rest needs TensorFlow (under another backend, its first
-use raises ImportError; docs/guide/backends.md). Once Keras is imported,
+`recalibrate`, `callbacks.Recalibrate`, `diagnostics.check_batchnorm`, `convert` and
+`keras_bn.export.fold_batch_norms` run under the TensorFlow and JAX Keras backends; the rest
+needs TensorFlow (under another backend, its first use raises ImportError;
+docs/guide/backends.md). Once Keras is imported,
 keras_bn's layers are registered with it, so `keras.saving.load_model` reads `.keras` files
 that hold them.
 """

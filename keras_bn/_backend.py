@@ -2,14 +2,15 @@
 
 `keras_bn.BatchNormalization` runs under TensorFlow and JAX (keras_bn/_jax_ops.py holds its
 JAX maths), and so do `recalibrate`, `callbacks.Recalibrate` and `diagnostics.check_batchnorm`
-(a backend switch at their few TensorFlow-specific points, `on_tensorflow`); everything else
-(convert, the diagnostics' gradient probes, export) is TensorFlow code; `quantize` trains
-under both (keras_bn/quantize/_jax_fake_quant.py), and exports under TensorFlow. A tiny
-module of its own so that `import keras_bn` stays light (the package's names load on first
-use, keras_bn/_lazy.py): the guard runs when a public name is first used, when a module is
-imported (keras_bn.layers, keras_bn.convert) and when a TensorFlow-only function is called
-(`quantize.quantize_model`, the diagnostics' gradient probes), so it fires before anything of
-keras_bn is built under a backend that cannot run it.
+(a backend switch at their few TensorFlow-specific points, `on_tensorflow`), `convert`,
+`keras_bn.export.fold_batch_norms` (Keras-API code and numpy weight maths) and `quantize`
+(training; keras_bn/quantize/_jax_fake_quant.py); everything else (the diagnostics' gradient
+probes, the TFLite and ONNX writers) is TensorFlow code.
+A tiny module of its own so that `import keras_bn` stays light (the package's names load on
+first use, keras_bn/_lazy.py): the guard runs when a public name is first used, when a module
+is imported (keras_bn.layers, keras_bn.export.affine, the TFLite and ONNX writers) and when a
+function is called (`quantize.quantize_model`, the diagnostics' gradient
+probes), so it fires before anything of keras_bn is built under a backend that cannot run it.
 """
 
 # The backends the layer runs on. PyTorch is refused: torch is a large dependency that no test
@@ -28,6 +29,31 @@ LAYER_NAMES = frozenset(
         "keras_bn.diagnostics",
         "keras_bn.quantize",
     }
+)
+# The fold and `convert`, and what they return or raise: also under every backend of
+# LAYER_BACKENDS. The TFLite and ONNX writers are not: they convert TensorFlow functions.
+FOLD_NAMES = frozenset(
+    {"keras_bn.convert"}
+    | {
+        f"keras_bn.export.{name}"
+        for name in (
+            "fold_batch_norms",
+            "FoldedBN",
+            "KeptBN",
+            "InferenceAffine",
+            "ChannelBias",
+            "FoldReport",
+            "ChannelSpread",
+            "WorstChannel",
+            "INT8_READINESS_TOLERANCE",
+            "INT8_SPREAD_THRESHOLD",
+        )
+    }
+)
+# What the first use of a TensorFlow-only writer says under another backend.
+EXPORT_HINT = (
+    ' Save the model (model.save("model.keras")) and load the .keras file under '
+    "KERAS_BACKEND=tensorflow to write TFLite or ONNX (a .keras file crosses backends)."
 )
 
 
@@ -52,7 +78,7 @@ def require(name):
     Raises:
         ImportError: Keras uses a backend that cannot run `name`; see `require_tensorflow`.
     """
-    if name in LAYER_NAMES:
+    if name in LAYER_NAMES or name in FOLD_NAMES:
         require_layer_backend(name)
     else:
         require_tensorflow(name)
@@ -92,11 +118,14 @@ def require_tensorflow(name="keras_bn"):
     if found != "tensorflow":
         works = (
             " Under JAX keras_bn.BatchNormalization, recalibrate, callbacks.Recalibrate, "
-            "diagnostics.check_batchnorm and quantize work; convert, the other diagnostics and "
-            "export need TensorFlow for now."
+            "diagnostics.check_batchnorm, convert, keras_bn.export.fold_batch_norms and "
+            "quantize work; the diagnostics' gradient probes and the TFLite and ONNX "
+            "writers need TensorFlow for now."
             if found == "jax"
             else ""
         )
+        if name.startswith("keras_bn.export"):
+            works += EXPORT_HINT
         raise ImportError(
             f"{name} needs the TensorFlow Keras backend, but Keras is using {found!r}.{works} "
             f"Set KERAS_BACKEND=tensorflow before importing keras."

@@ -78,6 +78,18 @@ def element_count(x, channel_axes, mask=None):
     return jnp.sum(jnp.broadcast_to(mask, x.shape), axes, keepdims=True)
 
 
+def batch_size_traced(x, channel_axes):
+    """Whether x is traced (`fit`'s step, `jax.jit`, `jax.grad`) and its batch axis 0 reduced:
+    where TensorFlow's `fit` traces the batch size as unknown, so that an m ≤ 1 from a short
+    last batch is run-time data there (the channel outputs β), not the caller's mistake."""
+    return isinstance(x, jax.core.Tracer) and 0 not in channel_axes
+
+
+def run_time_count(count, shape, dtype):
+    """A static m as a per-channel array of `shape`, for the guards that run at run time."""
+    return jnp.full(shape, count, dtype)
+
+
 def zero_unless_enough(gamma, count):
     """γ, or 0 in each channel with m_c ≤ 1 at run time (its output is β; its gradients to x
     and γ are 0). A Python int count was checked by the layer."""

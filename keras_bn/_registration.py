@@ -14,8 +14,9 @@ by `import keras_bn`:
   imports keras halfway through, and `import keras` imports tensorflow: whichever finishes
   last triggers it, so neither is half-initialized when keras_bn's modules run).
 
-Under JAX only keras_bn.layers is registered (it imports TensorFlow, a dependency of the
-package, for its TensorFlow code paths): the other layers are TensorFlow code. Under any other
+Under JAX only keras_bn.layers and keras_bn.export.affine (a folded model's layers) are
+registered (they import TensorFlow, a dependency of the package, for their TensorFlow code
+paths): the other layers are TensorFlow code. Under any other
 backend nothing is registered, and the first use of a keras_bn name raises the backend guard's
 ImportError (keras_bn/_backend.py).
 """
@@ -27,7 +28,7 @@ import typing
 
 from keras_bn import _backend
 
-# The modules whose import registers keras_bn's classes with Keras; under JAX, the first only.
+# The modules whose import registers keras_bn's classes with Keras; under JAX, the first two.
 REGISTERING_MODULES = (
     "keras_bn.layers",
     "keras_bn.export.affine",
@@ -92,7 +93,8 @@ class _Watcher:
         backend = _backend.backend()
         if backend == "jax":
             self.done = True
-            _register(REGISTERING_MODULES[:1])  # the layer is the one thing that runs there
+            # The layer and a folded model's layers are what runs there.
+            _register(REGISTERING_MODULES[:2])
         elif backend != "tensorflow":
             self.done = True  # nothing of keras_bn's can run there
         elif "tensorflow" in self.loaded:

@@ -21,12 +21,10 @@ from typing import Any
 
 import keras
 
-from keras_bn import _backend, _models
+from keras_bn import _models
 from keras_bn._bn_layers import KERAS_BN as _KERAS_BN
 from keras_bn._bn_layers import KERAS_BN_BN as BatchNormalization
 from keras_bn._errors import UnsupportedModelError
-
-_backend.require_tensorflow("keras_bn.convert")
 
 __all__ = ["from_keras", "to_keras"]
 

@@ -106,6 +106,9 @@ class BatchNormalization(ShapePreserving, keras.layers.Layer):
             Σmᵢμᵢ/Σmᵢ and Σmᵢ·sᵢ²/Σmᵢ (sᵢ² the unbiased variance of replica i's mᵢ values).
             Either way every replica applies the same update, so the copies stay identical,
             and a non-finite statistic on any replica skips the update on all of them.
+            Under JAX there are no replicas: with `keras.distribution.DataParallel` the batch
+            is one array sharded over the devices, and its statistics are the global batch's
+            whatever `synchronized` says.
         **kwargs: base layer arguments (`name`, `dtype`, `trainable`, ...).
 
     Raises:
@@ -348,7 +351,10 @@ class BatchNormalization(ShapePreserving, keras.layers.Layer):
         mask = None if mask is None else _jax_ops.expand_mask(mask, batch, channel_axes)
         count = _jax_ops.element_count(batch, channel_axes, mask)
         if isinstance(count, int):
-            self._require_two_values(count, batch.shape)
+            if count < 2 and _jax_ops.batch_size_traced(batch, channel_axes):
+                count = _jax_ops.run_time_count(count, shape, dtype)
+            else:
+                self._require_two_values(count, batch.shape)
         gamma = _jax_ops.zero_unless_enough(gamma, count)
         if not (self.renorm or self.virtual_batch_size):
             y, mean, variance = _jax_ops.batch_norm_train(

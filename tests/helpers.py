@@ -12,6 +12,7 @@ import sys
 import keras
 import numpy as np
 import tensorflow as tf
+from checks import assert_close, docs_page  # noqa: F401  (re-exported: tests import them here)
 
 import keras_bn
 from keras_bn.export import export_onnx, export_tflite, fold
@@ -22,19 +23,6 @@ L = keras.layers
 # Each export format's writer and its runtime's runner, for tests parametrized over both.
 EXPORTERS = {"tflite": export_tflite, "onnx": export_onnx}
 RUNNERS = {"tflite": tflite_export.run, "onnx": onnx_export.run}
-
-
-def assert_close(actual, expected, rtol):
-    """Equal to within `rtol` of the expected tensor's scale (max |expected|).
-
-    Scale-relative rather than elementwise, so that entries near zero (a gradient component
-    that happens to vanish) do not demand absolute precision no computation can give.
-    """
-    actual = np.asarray(actual, dtype=np.float64)
-    expected = np.asarray(expected, dtype=np.float64)
-    assert actual.shape == expected.shape, (actual.shape, expected.shape)
-    scale = max(float(np.abs(expected).max()), 1e-30)
-    np.testing.assert_allclose(actual, expected, rtol=rtol, atol=rtol * scale)
 
 
 def broadcast_shape(shape, channel_axes):
@@ -342,10 +330,3 @@ def python_json(source, *args, timeout=300, **env):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
-
-
-def docs_page(name):
-    """The text of a page of the documentation site, e.g. "guide/errors.md"."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with open(os.path.join(root, "docs", name), encoding="utf-8") as f:
-        return f.read()

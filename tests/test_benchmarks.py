@@ -60,6 +60,33 @@ def test_bench_layer_smoke(tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_layer_jax_smoke(tmp_path):
+    """--backend jax: the JAX table (jitted stateless_call of each layer) and its JSON."""
+    path = tmp_path / "layer_jax.json"
+    out = _run("bench_layer.py", "--backend", "jax", "--json", str(path))
+    assert out.startswith("machine: ") and "JAX " in out
+    table, targets = out.split("| target |")
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "ms" not in line]
+    assert len(rows) == 16  # 4 shapes x 2 policies x (train, inference)
+    assert all(len(row.split("|")) == 8 for row in rows)
+    verdicts = [
+        line.split("|")[-2].strip() for line in targets.splitlines()[2:] if line.startswith("| ")
+    ]
+    assert len(verdicts) == 1 and verdicts[0] in {"yes", "MISSED"}
+    record = json.loads(path.read_text())
+    assert record["command"].endswith(f"bench_layer.py --smoke --backend jax --json {path}")
+    assert len(record["rows"]) == 16
+    for row, line in zip(record["rows"], rows, strict=True):
+        cells = [c.strip() for c in line.split("|")[1:-1]]
+        assert cells[:3] == [row["shape"], row["policy"], row["step"]]
+        assert float(cells[3]) == pytest.approx(row["keras_bn_ms"], abs=0.006)
+        assert float(cells[5]) == pytest.approx(row["ratio"], abs=0.006)
+        assert row["keras_bn_ms"] > 0 and row["keras_ms"] > 0
+    assert [t["met"] for t in record["targets"]] == [verdicts[0] == "yes"]
+    assert [p.name for p in tmp_path.iterdir()] == ["layer_jax.json"]  # no temporary left
+
+
+@pytest.mark.slow
 def test_bench_model_smoke():
     out = _run("bench_model.py")
     assert out.startswith("machine: ")

@@ -1,5 +1,6 @@
 """Keras's own tests, run against keras_bn.BatchNormalization: the drop-in claim, checked by
-the code Keras checks its own layer with.
+the code Keras checks its own layer with. Under TensorFlow here, and under JAX by
+tests_jax/test_keras_parity_jax.py, which imports this module.
 
 The test modules come from the installed Keras wheel (imported, never copied): its test file
 for keras.layers.BatchNormalization, every test in it, and the tests of its other test files
@@ -28,13 +29,13 @@ import keras
 import numpy as np
 import pytest
 from absl.testing import parameterized
+from checks import assert_close, docs_page
 from keras.src import layers as keras_layers
 from keras.src import testing
 from keras.src.losses import MeanSquaredError
 from keras.src.models import Model
 
 import keras_bn
-from helpers import assert_close, docs_page
 
 KERAS_BN_TESTS = "keras.src.layers.normalization.batch_normalization_test"
 
@@ -57,11 +58,18 @@ DIFFERENCES = {
 
 # Keras test modules with a BatchNormalization that this suite cannot run, and why.
 NOT_RUN = {
-    "keras.src.export.torch_test": "imports torch: export under Keras's PyTorch backend, and "
-    "keras_bn is TensorFlow-only",
+    "keras.src.export.torch_test": "imports torch: export under Keras's PyTorch backend, where "
+    "keras_bn does not run",
     "keras.src.export.openvino_test": "needs the openvino package, which keras-bn does not "
     "install (Keras skips these tests without it)",
 }
+# tests_jax/test_keras_parity_jax.py runs this module under JAX, where Keras's ONNX export goes
+# through another package.
+if keras.backend.backend() == "jax":
+    NOT_RUN["keras.src.export.onnx_test"] = (
+        "under JAX, Keras exports ONNX through the jax2onnx package, which keras-bn does not "
+        "install (it writes its own ONNX files under TensorFlow)"
+    )
 
 
 def _keras_test_files():

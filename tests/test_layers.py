@@ -608,6 +608,10 @@ uses = {
     "keras_bn.export.fold_batch_norms": lambda: importlib.import_module(
         "keras_bn.export"
     ).fold_batch_norms,
+    "keras_bn.quantize": lambda: keras_bn.quantize.quantize_model(None),
+    "keras_bn.export.export_tflite": lambda: importlib.import_module(
+        "keras_bn.export"
+    ).export_tflite,
 }
 for name, use in uses.items():
     try:
@@ -625,38 +629,57 @@ print(json.dumps(found))
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["jax", "numpy"])
 def test_other_backends_get_the_layer_or_a_clear_import_error(backend):
-    """`import keras_bn` works under any backend (it is lazy). Under JAX the layer works and
-    the first use of any other keras_bn name raises the guard's ImportError, which says what
-    works there (tests_jax/ tests the layer itself); under a backend the layer does not support
-    (NumPy here: like PyTorch, which is not installed) the layer raises too."""
+    """`import keras_bn` works under any backend (it is lazy). Under JAX the layer, convert
+    and fold_batch_norms work and the first use of any other keras_bn name raises the guard's
+    ImportError, which says what works there (tests_jax/ tests what works); under a backend
+    the layer does not support (NumPy here: like PyTorch, which is not installed) the layer
+    raises too."""
     found = python_json(_BACKEND_GUARD_SCRIPT, KERAS_BACKEND=backend)
     assert found.pop("keras imported by import keras_bn") is False
     assert found.pop("backend") == backend
     if backend == "jax":
         works = (
-            " Under JAX keras_bn.BatchNormalization, recalibrate, callbacks.Recalibrate and "
-            "diagnostics.check_batchnorm work; convert, the other diagnostics, quantize and "
-            "export need TensorFlow for now."
+            " Under JAX keras_bn.BatchNormalization, recalibrate, callbacks.Recalibrate, "
+            "diagnostics.check_batchnorm, convert and keras_bn.export.fold_batch_norms work; "
+            "the diagnostics' gradient probes, quantize and the TFLite and ONNX writers need "
+            "TensorFlow for now."
+        )
+        hint = (
+            ' Save the model (model.save("model.keras")) and load the .keras file under '
+            "KERAS_BACKEND=tensorflow to write TFLite or ONNX (a .keras file crosses backends)."
         )
         assert found == {
             "keras_bn.BatchNormalization": "no error",
             "import keras_bn.layers": "no error",
+            "keras_bn.convert": "no error",
+            "keras_bn.export.fold_batch_norms": "no error",
             **{
-                name: f"{name} needs the TensorFlow Keras backend, but Keras is using 'jax'."
-                f"{works} Set KERAS_BACKEND=tensorflow before importing keras."
-                for name in ("keras_bn.convert", "keras_bn.export.fold_batch_norms")
+                use: f"{name} needs the TensorFlow Keras backend, but Keras is using 'jax'."
+                f"{works}{extra} Set KERAS_BACKEND=tensorflow before importing keras."
+                for use, name, extra in (
+                    ("keras_bn.quantize", "keras_bn.quantize.quantize_model", ""),
+                    ("keras_bn.export.export_tflite", "keras_bn.export.export_tflite", hint),
+                )
             },
         }
         return
     layer_message = (
-        "keras_bn.BatchNormalization needs the TensorFlow or JAX Keras backend, but Keras is "
-        "using 'numpy' (PyTorch is not supported"
+        " needs the TensorFlow or JAX Keras backend, but Keras is using 'numpy' (PyTorch is not "
+        "supported"
     )
-    assert found["keras_bn.BatchNormalization"].startswith(layer_message)
-    assert found["import keras_bn.layers"].startswith(layer_message)
-    assert found["keras_bn.convert"] == (
-        "keras_bn.convert needs the TensorFlow Keras backend, but Keras is using 'numpy'. Set "
+    assert found["keras_bn.BatchNormalization"].startswith(
+        "keras_bn.BatchNormalization" + layer_message
+    )
+    assert found["import keras_bn.layers"].startswith("keras_bn.BatchNormalization" + layer_message)
+    for name in ("keras_bn.convert", "keras_bn.export.fold_batch_norms"):
+        assert found[name].startswith(name + layer_message)
+    assert found["keras_bn.quantize"] == (
+        "keras_bn.quantize needs the TensorFlow Keras backend, but Keras is using 'numpy'. Set "
         "KERAS_BACKEND=tensorflow before importing keras."
+    )
+    assert found["keras_bn.export.export_tflite"].startswith(
+        "keras_bn.export.export_tflite needs the TensorFlow Keras backend, but Keras is using "
+        "'numpy'. Save the model"
     )
 
 

@@ -8,6 +8,14 @@ tests/ (whose conftest imports TensorFlow's Keras first).
 import os
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
+# Two CPU devices for keras.distribution.DataParallel (test_jax_distribution.py), added to
+# any XLA_FLAGS given: XLA reads them when JAX starts, so before Keras imports it. Code that
+# names no device runs on the first.
+os.environ["XLA_FLAGS"] = " ".join(
+    dict.fromkeys(
+        [*os.environ.get("XLA_FLAGS", "").split(), "--xla_force_host_platform_device_count=2"]
+    )
+)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras

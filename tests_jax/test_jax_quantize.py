@@ -133,7 +133,9 @@ folder = sys.argv[1]
 model = keras.saving.load_model(os.path.join(folder, "qat.keras"))
 x = np.load(os.path.join(folder, "x.npy"))
 found = {"outputs": model.predict(x, verbose=0).tolist()}
-for name, export in (("tflite", export_tflite), ("onnx", export_onnx)):
+writers = {"tflite": export_tflite, "onnx": export_onnx}
+for name in filter(None, sys.argv[2].split(",")):
+    export = writers[name]
     result = export(model, os.path.join(folder, "m." + name), probe=x)
     found[name] = [bool(result.passed), result.quantization, max(
         lsb.max_lsb for errors in result.lsb_errors.values() for lsb in errors.values())]
@@ -142,7 +144,10 @@ print("RESULT" + json.dumps(found))
 
 
 @pytest.mark.slow
-def test_jax_trained_qat_model_loads_and_exports_under_tensorflow(tmp_path):
+# channels_first: the host's bias goes to a ChannelBias; a last spatial axis as long as the
+# channels (4) is where Keras's TensorFlow ops.add would put the bias on the wrong axis.
+@pytest.mark.parametrize("data_format", ["channels_last", "channels_first"])
+def test_jax_trained_qat_model_loads_and_exports_under_tensorflow(tmp_path, data_format):
     import json
     import os
     import subprocess
@@ -152,15 +157,36 @@ def test_jax_trained_qat_model_loads_and_exports_under_tensorflow(tmp_path):
 
     import keras_bn
 
-    inputs = keras.Input((8, 8, 3))
-    h = keras.layers.Conv2D(4, 3, padding="same")(inputs)
-    h = keras_bn.BatchNormalization()(h)
+    first = data_format == "channels_first"
+    # An integer file has no float layer, so the channels_first model (one kept in float) is
+    # checked by its outputs under TensorFlow only; the export refuses it, naming the layer.
+    formats = () if first else ("tflite", "onnx")
+    inputs = keras.Input((3, 6, 4) if first else (8, 8, 3))
+    h = keras.layers.Conv2D(4, 3, padding="same", data_format=data_format)(inputs)
+    h = keras_bn.BatchNormalization(axis=1 if first else -1)(h)
     h = keras.layers.ReLU()(h)
-    h = keras.layers.GlobalAveragePooling2D()(h)
-    qat = keras_bn.quantize.quantize_model(keras.Model(inputs, keras.layers.Dense(2)(h)))
+    if first:  # kept float (its loss term), its bias added by a ChannelBias, under JAX too
+        h = keras.layers.Conv2D(
+            4,
+            3,
+            padding="same",
+            data_format=data_format,
+            activity_regularizer="l2",
+            # a bias far larger than a quantization step: one on the wrong axis would show
+            bias_initializer=keras.initializers.RandomNormal(stddev=1.0, seed=1),
+            name="kept",
+        )(h)
+    h = keras.layers.GlobalAveragePooling2D(data_format=data_format)(h)
+    model = keras.Model(inputs, keras.layers.Dense(2)(h))
+    if first:
+        # No bias-axis warning under JAX (Keras's add is right there); only the float layer.
+        with pytest.warns(keras_bn.KerasBNWarning, match="kept 1 layer.*'kept'"):
+            qat = keras_bn.quantize.quantize_model(model)
+    else:
+        qat = keras_bn.quantize.quantize_model(model)
     qat.compile("adam", "mse")
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(32, 8, 8, 3)).astype("float32")
+    x = rng.normal(size=(32, *inputs.shape[1:])).astype("float32")
     y = rng.normal(size=(32, 2)).astype("float32")
     before = [np.array(w) for w in qat.trainable_weights]
     qat.fit(
@@ -172,6 +198,9 @@ def test_jax_trained_qat_model_loads_and_exports_under_tensorflow(tmp_path):
         callbacks=[keras_bn.quantize.FreezeBatchNorm(after_steps=2)],
     )
     assert any(not np.array_equal(a, np.array(b)) for a, b in zip(before, qat.trainable_weights))
+    if first:  # the bias trains in its ChannelBias, on the channel axis
+        (bias,) = [w for w in qat.trainable_weights if w.path.endswith("_bias/bias")]
+        assert np.ptp(np.array(bias)) > 0.5
     assert all(
         bool(q.range_initialized.numpy())
         for q in qat.layers[-1]._flatten_layers()
@@ -182,7 +211,7 @@ def test_jax_trained_qat_model_loads_and_exports_under_tensorflow(tmp_path):
     expected = np.asarray(qat.predict(x[:8], verbose=0))
 
     done = subprocess.run(
-        [sys.executable, "-c", _TF_SIDE, str(tmp_path)],
+        [sys.executable, "-c", _TF_SIDE, str(tmp_path), ",".join(formats)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -193,7 +222,7 @@ def test_jax_trained_qat_model_loads_and_exports_under_tensorflow(tmp_path):
     found = json.loads(line[len("RESULT") :])
     scale = float(np.max(np.abs(expected)))
     np.testing.assert_allclose(found["outputs"], expected, rtol=0, atol=1e-5 * scale)
-    for name in ("tflite", "onnx"):
+    for name in formats:
         passed, quantization, max_lsb = found[name]
         assert passed and quantization == "int8", found[name]
         assert max_lsb <= 1.0, found[name]  # within one output step

@@ -15,6 +15,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from keras_bn import _backend
 from keras_bn._bn_layers import BN_TYPES
 from keras_bn.quantize.layers import QuantizedHost, QuantizedHostBatchNorm
 
@@ -59,7 +60,9 @@ def from_layers(
         ValueError: a layer that is not built or not supported, an activation that is not
             ReLU/ReLU6, a batch norm not on the host's channel axis, or an argument out of
             range (the message names the value).
+        ImportError: Keras runs on a backend the QAT layers do not support (PyTorch, NumPy).
     """
+    _backend.require_layer_backend("keras_bn.quantize")  # see quantize_model
     for layer in (host, batch_norm):
         if layer is not None and not layer.built:
             raise ValueError(f"Layer '{layer.name}' is not built; its weights cannot be copied.")

@@ -177,9 +177,10 @@ def quantize_model(
             KerasBNWarning(
                 f"{named} of '{model.name}': channels_first with a bias, at an output whose last "
                 f"(spatial) axis has as many entries as there are channels, or may have (its "
-                f"length is unknown). There Keras 3.15 adds the bias on that last axis: the "
-                f"float Keras model is wrong at such sizes, and the QAT model, which adds the "
-                f"bias on the channel axis, computes the correct bias add and differs from it."
+                f"length is unknown). There Keras 3.15 on TensorFlow adds the bias on that last "
+                f"axis: the float Keras model is wrong at such sizes, and the QAT model, which "
+                f"adds the bias on the channel axis, computes the correct bias add and differs "
+                f"from it."
             ),
             stacklevel=2,
         )
@@ -489,9 +490,11 @@ class _ModelRewrite:
         """Note a channels_first layer with a bias whose output's last (spatial) axis may have
         as many entries as there are channels: there Keras 3.15 adds the bias on that axis, so
         the float model is wrong where the QAT model (its QAT layer or float copy with a
-        ChannelBias) adds it on the channel axis."""
+        ChannelBias) adds it on the channel axis. Under JAX Keras's add broadcasts as numpy
+        does, so the float model is right and there is nothing to note."""
         if not (
-            type(operation) in _BIAS_ADDING
+            _backend.on_tensorflow()
+            and type(operation) in _BIAS_ADDING
             and _rewrite.channels_first(operation)
             and operation.use_bias
         ):
