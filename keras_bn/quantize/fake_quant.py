@@ -281,7 +281,10 @@ def nudged_grid(
 def quantize(
     x: np.ndarray, minimum: np.ndarray, maximum: np.ndarray, bits: int, narrow_range: bool
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The signed integers TensorFlow's FakeQuant ops round `x` to (as float32 numpy).
+    """The signed integers TensorFlow's FakeQuant ops round `x` to (as float32 numpy), for
+    every value off a rounding boundary: on one, TensorFlow's per-channel kernel, which
+    multiplies by the inverse range where this divides by the scale, may round the other way
+    (the module docstring; keras_bn/quantize/_jax_fake_quant.py has the kernels' exact order).
 
     Args:
         x: array whose last axis lines up with the ranges when they are vectors.
