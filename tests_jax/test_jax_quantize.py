@@ -226,3 +226,54 @@ def test_jax_trained_qat_model_loads_and_exports_under_tensorflow(tmp_path, data
         passed, quantization, max_lsb = found[name]
         assert passed and quantization == "int8", found[name]
         assert max_lsb <= 1.0, found[name]  # within one output step
+
+
+@pytest.mark.slow  # two fits and a jit: about 10 s
+def test_fit_whose_last_batch_holds_one_sample_outputs_beta_and_keeps_the_statistics():
+    """TensorFlow's fit sees a batch of one as run-time data (its batch size is unknown): a
+    Dense host's QAT layer outputs β and leaves the moving statistics. Under JAX every shape is
+    static, which must not turn that batch into the eager call's ValueError."""
+    import keras
+
+    import keras_bn
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,))
+    h = keras_bn.BatchNormalization()(keras.layers.Dense(4)(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(2)(keras.layers.ReLU()(h)))
+    qat = keras_bn.quantize.quantize_model(model)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(9, 5)).astype("float32")
+    y = rng.normal(size=(9, 2)).astype("float32")
+    start = qat.get_weights()
+    moving = {}
+    for samples in (8, 9):  # one batch of 8, then the same and a batch of one
+        qat.set_weights(start)
+        qat.compile(keras.optimizers.SGD(0.1), "mse")
+        qat.fit(x[:samples], y[:samples], batch_size=8, epochs=1, verbose=0, shuffle=False)
+        bn = qat.get_layer("dense_qat").batch_norm  # (the activation ranges do move)
+        moving[samples] = [np.array(bn.moving_mean), np.array(bn.moving_variance)]
+    for after_eight, after_nine in zip(moving[8], moving[9], strict=True):
+        np.testing.assert_array_equal(after_eight, after_nine)
+    host = qat.get_layer("dense_qat")
+    assert np.ptp(moving[9][0]) > 0  # the batch of 8 moved the mean
+    # In a traced training call a batch of one outputs β (through the ReLU and the output's
+    # fake quantization, within half a step of it), whatever the sample, as on TensorFlow.
+    step = jax.jit(
+        lambda trainable, fixed, sample: host.stateless_call(
+            trainable, fixed, sample, training=True
+        )[0]
+    )
+    state = (
+        [v.value for v in host.trainable_variables],
+        [v.value for v in host.non_trainable_variables],
+    )
+    first, other = (np.asarray(step(*state, x[i : i + 1])) for i in (8, 0))
+    np.testing.assert_array_equal(first, other)
+    quantizer = host.output_quantizer
+    half_step = 0.5 * float(quantizer.range_max - quantizer.range_min) / 255
+    beta = np.array(host.batch_norm.beta)
+    np.testing.assert_allclose(first[0], np.maximum(beta, 0.0), rtol=0, atol=half_step + 1e-6)
+    # An eager call with a batch of one is the caller's mistake, as on TensorFlow.
+    with pytest.raises(ValueError, match="m=1"):
+        host(x[8:9], training=True)

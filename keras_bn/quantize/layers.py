@@ -628,6 +628,12 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
             count = statistics.element_count(z, axes)
         else:  # static shapes under JAX
             count = math.prod(z.shape[i] for i in statistics.reduction_axes(len(z.shape), axes))
+            from keras_bn import _jax_ops  # imports JAX: only under JAX
+
+            if count < 2 and _jax_ops.batch_size_traced(z, axes):
+                # fit's last batch of one: run-time data, as TensorFlow's fit sees it (the
+                # output is β there and the statistics stay), not the caller's mistake
+                count = ops.convert_to_tensor(float(count))
         if isinstance(count, int):
             if count < 2:
                 raise ValueError(
@@ -639,9 +645,9 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
         else:
             unbiased, enough = variance * count / (count - 1.0), count > 1.0
         momentum = self.batch_norm.momentum
-        if not _backend.on_tensorflow():  # JAX: static shapes, so m is checked above
+        if not _backend.on_tensorflow():
             finite = ops.all(ops.isfinite(mean)) & ops.all(ops.isfinite(unbiased))
-            update = finite & ops.logical_not(frozen)
+            update = enough & finite & ops.logical_not(frozen)
             for moving, value in (
                 (self.batch_norm.moving_mean, mean),
                 (self.batch_norm.moving_variance, unbiased),
