@@ -226,3 +226,34 @@ def test_jax_trained_qat_model_loads_and_exports_under_tensorflow(tmp_path, data
         passed, quantization, max_lsb = found[name]
         assert passed and quantization == "int8", found[name]
         assert max_lsb <= 1.0, found[name]  # within one output step
+
+
+def test_fit_with_a_last_batch_of_one_keeps_the_moving_statistics():
+    """fit's last batch of one sample gives a Dense host's folded BN m = 1: as in TensorFlow's
+    fit (its traced batch size is unknown), the step runs and the moving statistics keep the
+    values the batches before it gave, rather than stopping fit with a ValueError."""
+    import keras
+
+    import keras_bn
+
+    def trained(samples):
+        keras.utils.set_random_seed(3)
+        inputs = keras.Input((5,))
+        h = keras_bn.BatchNormalization(momentum=0.5)(keras.layers.Dense(4)(inputs))
+        model = keras_bn.quantize.quantize_model(keras.Model(inputs, keras.layers.Dense(2)(h)))
+        model.compile(keras.optimizers.SGD(0.01), "mse")
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(9, 5)).astype("float32")
+        y = rng.normal(size=(9, 2)).astype("float32")
+        model.fit(x[:samples], y[:samples], batch_size=8, epochs=1, shuffle=False, verbose=0)
+        (folded,) = [
+            layer
+            for layer in model.layers
+            if isinstance(layer, keras_bn.quantize.QuantizedHostBatchNorm)
+        ]
+        bn = folded.batch_norm
+        return np.array(bn.moving_mean), np.array(bn.moving_variance)
+
+    for with_one, without in zip(trained(9), trained(8), strict=True):
+        np.testing.assert_array_equal(with_one, without)
+    assert not np.array_equal(trained(8)[0], np.zeros(4))  # the first batch moved them

@@ -628,6 +628,13 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
             count = statistics.element_count(z, axes)
         else:  # static shapes under JAX
             count = math.prod(z.shape[i] for i in statistics.reduction_axes(len(z.shape), axes))
+        if isinstance(count, int) and count < 2 and not _backend.on_tensorflow():
+            from keras_bn import _jax_ops
+
+            if _jax_ops.batch_size_traced(z, axes):
+                # fit's short last batch: run-time data, as in TensorFlow's fit (whose traced
+                # batch size is unknown), so the moving statistics keep their values.
+                return
         if isinstance(count, int):
             if count < 2:
                 raise ValueError(
