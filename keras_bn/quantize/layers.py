@@ -602,8 +602,17 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
             batch_mean = ops.reshape(batch_mean, [-1])
             batch_variance = ops.reshape(batch_variance, [-1])
             batch_sigma = ops.sqrt(batch_variance + epsilon)
-            multiplier = ops.where(frozen, multiplier, ratio * sigma / batch_sigma)
-            offset = ops.where(frozen, offset, beta - gamma * batch_mean / batch_sigma)
+            batch_multiplier = ratio * sigma / batch_sigma
+            batch_offset = beta - gamma * batch_mean / batch_sigma
+            single = _run_time_single_value(z, axes)
+            if single is not None:
+                # m = 1 (fit's last batch of one): BN's output is β, and x, γ and the kernel
+                # get no gradient, as in keras_bn.BatchNormalization; z·σ/σ_B − γ·μ_B/σ_B
+                # would leave β plus their rounding times 1/√ε, and train on it.
+                batch_multiplier = ops.where(single, 0.0, batch_multiplier)
+                batch_offset = ops.where(single, beta, batch_offset)
+            multiplier = ops.where(frozen, multiplier, batch_multiplier)
+            offset = ops.where(frozen, offset, batch_offset)
             outputs = z * per_channel(multiplier) + per_channel(offset)
         self._update_moving_statistics(z, axes, batch_mean + bias, batch_variance, frozen)
         return self._finish(outputs, training)
@@ -696,6 +705,20 @@ def _per_channel(t: Any, x: Any, axes: list[int]) -> Any:
     if _backend.on_tensorflow():
         return statistics.per_channel(t, x, axes)
     return ops.reshape(t, [x.shape[i] if i in axes else 1 for i in range(len(x.shape))])
+
+
+def _run_time_single_value(z: Any, axes: list[int]) -> Any:
+    """None where z's shape fixes m ≥ 2 values per channel (or m ≤ 1, which the moving
+    statistics' update refuses), else whether this batch gives m ≤ 1 at run time: a bool
+    tensor on TensorFlow (an unknown batch size), True under JAX for a traced batch of one
+    (as TensorFlow's `fit` would see it)."""
+    if _backend.on_tensorflow():
+        count = statistics.element_count(z, axes)
+        return None if isinstance(count, int) else count <= 1.0
+    from keras_bn import _jax_ops
+
+    count = math.prod(z.shape[i] for i in statistics.reduction_axes(len(z.shape), axes))
+    return True if count < 2 and _jax_ops.batch_size_traced(z, axes) else None
 
 
 def _moments(x: Any, axes: list[int]) -> tuple[Any, Any]:
