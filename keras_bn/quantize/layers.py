@@ -34,6 +34,8 @@ backward (keras_bn/fused.py, which re-centres far from zero). The moving
 statistics follow keras_bn.BatchNormalization: μ ← momentum·μ + (1 − momentum)·(μ_B + b) and
 v ← momentum·v + (1 − momentum)·m/(m − 1)·σ²_B, skipped for a non-finite batch or m ≤ 1. The
 mean is that of the host's output with its bias, so that the folded form's b − μ is BN's.
+A batch that gives m = 1 at run time (`fit`'s last batch of one) outputs β before the freeze,
+with no gradient to x, γ or the kernel, as keras_bn.BatchNormalization does.
 
 γ = 0 makes s = 0, so z/s would divide 0 by 0. Such a channel's output is β whatever its
 kernel, but its γ still needs the gradient Σg·x̂. So the kernel is scaled by
