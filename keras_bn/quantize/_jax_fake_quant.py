@@ -18,6 +18,7 @@ differently). Their gradients are TensorFlow's: straight-through for x inside [m
 """
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +28,7 @@ MIN_RANGE = 1e-8
 ZERO_WEIGHT_RANGE = 1.0
 
 
-def _exact(t):
+def _exact(t: Any) -> Any:
     """`t` as computed, opaque to XLA's rewrites: its algebraic simplifier turns a division by
     a broadcast scalar into a multiplication by its reciprocal, and the CPU compiler contracts
     a multiplication followed by an addition into one fused multiply-add; either rounds
@@ -37,13 +38,13 @@ def _exact(t):
     return jnp.where(jnp.isnan(t), jnp.float32(jnp.nan), t)
 
 
-def _std_round(x):
+def _std_round(x: Any) -> Any:
     """C's std::round: halves away from zero, exact (x − trunc(x) is exact in float)."""
     whole = jnp.trunc(x)
     return whole + jnp.where(jnp.abs(x - whole) >= 0.5, jnp.sign(x), 0.0)
 
 
-def nudge(minimum, maximum, bits, narrow_range):
+def nudge(minimum: Any, maximum: Any, bits: int, narrow_range: bool) -> tuple[Any, Any, Any, Any]:
     """TensorFlow's nudged grid of [minimum, maximum] (float32, elementwise over the ranges).
 
     Args:
@@ -70,11 +71,13 @@ def nudge(minimum, maximum, bits, narrow_range):
     return scale, zero - q_lo, _exact((q_lo - zero) * scale), _exact((q_hi - zero) * scale)
 
 
-def _ranges(minimum, maximum):
+def _ranges(minimum: Any, maximum: Any) -> tuple[Any, Any]:
     return jnp.asarray(minimum, jnp.float32), jnp.asarray(maximum, jnp.float32)
 
 
-def _forward(x, minimum, maximum, bits, narrow_range, per_channel):
+def _forward(
+    x: Any, minimum: Any, maximum: Any, bits: int, narrow_range: bool, per_channel: bool
+) -> Any:
     scale, offset, nudged_min, nudged_max = nudge(minimum, maximum, bits, narrow_range)
     shifted = jnp.maximum(jnp.minimum(x, nudged_max), nudged_min) - nudged_min
     if per_channel:
@@ -88,16 +91,22 @@ def _forward(x, minimum, maximum, bits, narrow_range, per_channel):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _fake_quant(x, minimum, maximum, bits, narrow_range, per_channel):
+def _fake_quant(
+    x: Any, minimum: Any, maximum: Any, bits: int, narrow_range: bool, per_channel: bool
+) -> Any:
     return _forward(x, minimum, maximum, bits, narrow_range, per_channel)
 
 
-def _fake_quant_forward(x, minimum, maximum, bits, narrow_range, per_channel):
+def _fake_quant_forward(
+    x: Any, minimum: Any, maximum: Any, bits: int, narrow_range: bool, per_channel: bool
+) -> tuple[Any, Any]:
     outputs = _forward(x, minimum, maximum, bits, narrow_range, per_channel)
     return outputs, (x, minimum, maximum)
 
 
-def _fake_quant_backward(bits, narrow_range, per_channel, saved, gradients):
+def _fake_quant_backward(
+    bits: int, narrow_range: bool, per_channel: bool, saved: Any, gradients: Any
+) -> tuple[Any, Any, Any]:
     x, minimum, maximum = saved
     _, _, nudged_min, nudged_max = nudge(minimum, maximum, bits, narrow_range)
     axes = tuple(range(x.ndim - 1)) if per_channel else None
@@ -111,7 +120,9 @@ def _fake_quant_backward(bits, narrow_range, per_channel, saved, gradients):
 _fake_quant.defvjp(_fake_quant_forward, _fake_quant_backward)
 
 
-def fake_quant_with_min_max_vars(x, minimum, maximum, num_bits=8, narrow_range=False):
+def fake_quant_with_min_max_vars(
+    x: Any, minimum: Any, maximum: Any, num_bits: int = 8, narrow_range: bool = False
+) -> Any:
     """`tf.quantization.fake_quant_with_min_max_vars` in jnp (per tensor).
 
     Args:
@@ -128,7 +139,9 @@ def fake_quant_with_min_max_vars(x, minimum, maximum, num_bits=8, narrow_range=F
     return _fake_quant(jnp.asarray(x, jnp.float32), minimum, maximum, num_bits, narrow_range, False)
 
 
-def fake_quant_with_min_max_vars_per_channel(x, minimum, maximum, num_bits=8, narrow_range=False):
+def fake_quant_with_min_max_vars_per_channel(
+    x: Any, minimum: Any, maximum: Any, num_bits: int = 8, narrow_range: bool = False
+) -> Any:
     """`tf.quantization.fake_quant_with_min_max_vars_per_channel` in jnp: one range per entry
     of x's last axis.
 
@@ -146,7 +159,7 @@ def fake_quant_with_min_max_vars_per_channel(x, minimum, maximum, num_bits=8, na
     return _fake_quant(jnp.asarray(x, jnp.float32), minimum, maximum, num_bits, narrow_range, True)
 
 
-def weight_max_abs(kernel, per_channel):
+def weight_max_abs(kernel: Any, per_channel: bool) -> Any:
     """`fake_quant.weight_max_abs` in jnp: max|w| per output channel (the last axis) or per
     tensor, at least MIN_RANGE, ZERO_WEIGHT_RANGE where every weight is 0; no gradient."""
     magnitude = jnp.abs(jnp.asarray(kernel, jnp.float32))
@@ -158,7 +171,7 @@ def weight_max_abs(kernel, per_channel):
     return jax.lax.stop_gradient(ranged.astype(jnp.float32))
 
 
-def fake_quant_weights(kernel, max_abs, bits):
+def fake_quant_weights(kernel: Any, max_abs: Any, bits: int) -> Any:
     """`fake_quant.fake_quant_weights` in jnp: the symmetric narrow-range grid of ±max_abs."""
     if jnp.ndim(max_abs) == 1:
         return fake_quant_with_min_max_vars_per_channel(
@@ -167,7 +180,7 @@ def fake_quant_weights(kernel, max_abs, bits):
     return fake_quant_with_min_max_vars(kernel, -max_abs, max_abs, num_bits=bits, narrow_range=True)
 
 
-def fake_quant_activations(x, minimum, maximum, bits):
+def fake_quant_activations(x: Any, minimum: Any, maximum: Any, bits: int) -> Any:
     """`fake_quant.fake_quant_activations` in jnp: the asymmetric grid of [minimum, maximum],
     maximum widened to at least MIN_RANGE above minimum."""
     minimum, maximum = _ranges(minimum, maximum)
@@ -175,27 +188,29 @@ def fake_quant_activations(x, minimum, maximum, bits):
     return fake_quant_with_min_max_vars(x, minimum, maximum, num_bits=bits, narrow_range=False)
 
 
-def weight_step(max_abs, bits):
+def weight_step(max_abs: Any, bits: int) -> Any:
     """`fake_quant.weight_step` in jnp: (max − min)/(2^bits − 2) for the range ±max_abs."""
     max_abs = jnp.asarray(max_abs, jnp.float32)
     return (max_abs - (-max_abs)) / float(2**bits - 2)
 
 
-def activation_step(minimum, maximum, bits):
+def activation_step(minimum: Any, maximum: Any, bits: int) -> Any:
     """`fake_quant.activation_step` in jnp."""
     minimum, maximum = _ranges(minimum, maximum)
     maximum = jnp.maximum(maximum, minimum + MIN_RANGE)
     return (maximum - minimum) / (2.0**bits - 1.0)
 
 
-def round_bias(bias, step):
+def round_bias(bias: Any, step: Any) -> Any:
     """`fake_quant.round_bias` in jnp: round(bias/step)·step (halves to even), the gradient
     straight through to `bias` and none to `step`."""
     rounded = jnp.round(bias / step) * step
     return bias + jax.lax.stop_gradient(rounded - bias)
 
 
-def halves_away_from_int8_zero(average, minimum, maximum, bits, window):
+def halves_away_from_int8_zero(
+    average: Any, minimum: Any, maximum: Any, bits: int, window: int
+) -> Any:
     """`fake_quant.halves_away_from_int8_zero` in jnp."""
     scale = activation_step(minimum, maximum, bits)
     zero_point = jnp.floor(-jnp.asarray(minimum, jnp.float32) / scale + 0.5)
