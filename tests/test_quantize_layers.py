@@ -653,3 +653,33 @@ def test_a_host_after_a_fixed_step_activation_adds_its_bias_on_that_grid(activat
     # The float bias lies well off that grid: the check can fail.
     assert np.abs(on_grid - bias).max() > 0.2 * fixed_step * np.min(weight_step)
     np.testing.assert_allclose(head.inference_bias(), on_grid, rtol=1e-6)
+
+
+def test_a_run_time_batch_of_one_outputs_beta_with_no_gradient_to_the_kernel_or_gamma():
+    """m = 1 at run time (fit's last batch of one, its batch size unknown when traced): the
+    folded BN outputs β and gives x, γ and the kernel no gradient, as keras_bn's layer does;
+    inputs far from 1 make the rounding of z·σ/σ_B − γ·μ_B/σ_B (times 1/√ε) show otherwise."""
+    layer = QuantizedHostBatchNorm(L.Dense(4), activation_bits=None)
+    layer.build((None, 5))
+    rng = np.random.default_rng(4)
+    for weight in layer.trainable_weights:
+        weight.assign(rng.normal(size=weight.shape).astype("float32"))
+    names = [w.path.split("/")[-1] for w in layer.trainable_weights]
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 5], tf.float32)])
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x, training=True)
+            loss = tf.reduce_sum(y * tf.range(1.0, 5.0))
+        return y, tape.gradient(loss, [x, *layer.trainable_weights])
+
+    x = tf.constant((rng.normal(size=(1, 5)) * 1e4).astype("float32"))
+    y, (d_x, *d_weights) = step(x)
+    beta = layer.trainable_weights[names.index("beta")].numpy()
+    np.testing.assert_array_equal(y.numpy(), beta[None])
+    np.testing.assert_array_equal(d_x.numpy(), 0.0)
+    for name, gradient in zip(names, d_weights, strict=True):
+        if name in ("kernel", "gamma"):
+            np.testing.assert_array_equal(gradient.numpy(), 0.0)
+    np.testing.assert_array_equal(d_weights[names.index("beta")].numpy(), np.arange(1.0, 5.0))

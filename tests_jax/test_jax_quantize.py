@@ -239,7 +239,7 @@ def test_fit_whose_last_batch_holds_one_sample_outputs_beta_and_keeps_the_statis
 
     keras.utils.set_random_seed(0)
     inputs = keras.Input((5,))
-    h = keras_bn.BatchNormalization()(keras.layers.Dense(4)(inputs))
+    h = keras_bn.BatchNormalization()(keras.layers.Dense(4, name="host")(inputs))
     model = keras.Model(inputs, keras.layers.Dense(2)(keras.layers.ReLU()(h)))
     qat = keras_bn.quantize.quantize_model(model)
     rng = np.random.default_rng(0)
@@ -251,11 +251,11 @@ def test_fit_whose_last_batch_holds_one_sample_outputs_beta_and_keeps_the_statis
         qat.set_weights(start)
         qat.compile(keras.optimizers.SGD(0.1), "mse")
         qat.fit(x[:samples], y[:samples], batch_size=8, epochs=1, verbose=0, shuffle=False)
-        bn = qat.get_layer("dense_qat").batch_norm  # (the activation ranges do move)
+        bn = qat.get_layer("host_qat").batch_norm  # (the activation ranges do move)
         moving[samples] = [np.array(bn.moving_mean), np.array(bn.moving_variance)]
     for after_eight, after_nine in zip(moving[8], moving[9], strict=True):
         np.testing.assert_array_equal(after_eight, after_nine)
-    host = qat.get_layer("dense_qat")
+    host = qat.get_layer("host_qat")
     assert np.ptp(moving[9][0]) > 0  # the batch of 8 moved the mean
     # In a traced training call a batch of one outputs β (through the ReLU and the output's
     # fake quantization, within half a step of it), whatever the sample, as on TensorFlow.
@@ -277,3 +277,36 @@ def test_fit_whose_last_batch_holds_one_sample_outputs_beta_and_keeps_the_statis
     # An eager call with a batch of one is the caller's mistake, as on TensorFlow.
     with pytest.raises(ValueError, match="m=1"):
         host(x[8:9], training=True)
+
+
+def test_a_traced_batch_of_one_outputs_beta_with_no_gradient_to_the_kernel_or_gamma():
+    """m = 1 in a traced training step (fit's last batch of one): the folded BN outputs β and
+    gives x, γ and the kernel no gradient, as keras_bn.BatchNormalization does; inputs far
+    from 1 make the rounding of z·σ/σ_B − γ·μ_B/σ_B (times 1/√ε) show otherwise."""
+    import keras
+
+    from keras_bn.quantize import QuantizedHostBatchNorm
+
+    layer = QuantizedHostBatchNorm(keras.layers.Dense(4), activation_bits=None)
+    layer.build((None, 5))
+    rng = np.random.default_rng(4)
+    for weight in layer.trainable_weights:
+        weight.assign(rng.normal(size=weight.shape).astype("float32"))
+    x = (rng.normal(size=(1, 5)) * 1e4).astype("float32")
+    names = [w.path.split("/")[-1] for w in layer.trainable_weights]
+    beta = np.array(layer.trainable_weights[names.index("beta")])
+    frozen = [v.value for v in layer.non_trainable_variables]
+
+    def loss(inputs, trainable):
+        y, _ = layer.stateless_call(trainable, frozen, inputs, training=True)
+        return jnp.sum(y * jnp.arange(1.0, 5.0)), y
+
+    (_, y), (d_x, d_weights) = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))(
+        x, [v.value for v in layer.trainable_variables]
+    )
+    np.testing.assert_array_equal(np.asarray(y), beta[None])
+    np.testing.assert_array_equal(np.asarray(d_x), 0.0)
+    for name, gradient in zip(names, d_weights, strict=True):
+        if name in ("kernel", "gamma"):
+            np.testing.assert_array_equal(np.asarray(gradient), 0.0)
+    np.testing.assert_array_equal(np.asarray(d_weights[names.index("beta")]), np.arange(1.0, 5.0))

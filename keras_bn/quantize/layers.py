@@ -34,6 +34,8 @@ backward (keras_bn/fused.py, which re-centres far from zero). The moving
 statistics follow keras_bn.BatchNormalization: μ ← momentum·μ + (1 − momentum)·(μ_B + b) and
 v ← momentum·v + (1 − momentum)·m/(m − 1)·σ²_B, skipped for a non-finite batch or m ≤ 1. The
 mean is that of the host's output with its bias, so that the folded form's b − μ is BN's.
+A batch that gives m = 1 at run time (`fit`'s last batch of one) outputs β before the freeze,
+with no gradient to x, γ or the kernel, as keras_bn.BatchNormalization does.
 
 γ = 0 makes s = 0, so z/s would divide 0 by 0. Such a channel's output is β whatever its
 kernel, but its γ still needs the gradient Σg·x̂. So the kernel is scaled by
@@ -602,8 +604,17 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
             batch_mean = ops.reshape(batch_mean, [-1])
             batch_variance = ops.reshape(batch_variance, [-1])
             batch_sigma = ops.sqrt(batch_variance + epsilon)
-            multiplier = ops.where(frozen, multiplier, ratio * sigma / batch_sigma)
-            offset = ops.where(frozen, offset, beta - gamma * batch_mean / batch_sigma)
+            batch_multiplier = ratio * sigma / batch_sigma
+            batch_offset = beta - gamma * batch_mean / batch_sigma
+            single = _run_time_single_value(z, axes)
+            if single is not None:
+                # m = 1 (fit's last batch of one): BN's output is β, and x, γ and the kernel
+                # get no gradient, as in keras_bn.BatchNormalization; z·σ/σ_B − γ·μ_B/σ_B
+                # would leave β plus their rounding times 1/√ε, and train on it.
+                batch_multiplier = ops.where(single, 0.0, batch_multiplier)
+                batch_offset = ops.where(single, beta, batch_offset)
+            multiplier = ops.where(frozen, multiplier, batch_multiplier)
+            offset = ops.where(frozen, offset, batch_offset)
             outputs = z * per_channel(multiplier) + per_channel(offset)
         self._update_moving_statistics(z, axes, batch_mean + bias, batch_variance, frozen)
         return self._finish(outputs, training)
@@ -628,12 +639,13 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
             count = statistics.element_count(z, axes)
         else:  # static shapes under JAX
             count = math.prod(z.shape[i] for i in statistics.reduction_axes(len(z.shape), axes))
-            from keras_bn import _jax_ops  # imports JAX: only under JAX
+        if isinstance(count, int) and count < 2 and not _backend.on_tensorflow():
+            from keras_bn import _jax_ops
 
-            if count < 2 and _jax_ops.batch_size_traced(z, axes):
-                # fit's last batch of one: run-time data, as TensorFlow's fit sees it (the
-                # output is β there and the statistics stay), not the caller's mistake
-                count = ops.convert_to_tensor(float(count))
+            if _jax_ops.batch_size_traced(z, axes):
+                # fit's short last batch: run-time data, as in TensorFlow's fit (whose traced
+                # batch size is unknown), so the moving statistics keep their values.
+                return
         if isinstance(count, int):
             if count < 2:
                 raise ValueError(
@@ -695,6 +707,20 @@ def _per_channel(t: Any, x: Any, axes: list[int]) -> Any:
     if _backend.on_tensorflow():
         return statistics.per_channel(t, x, axes)
     return ops.reshape(t, [x.shape[i] if i in axes else 1 for i in range(len(x.shape))])
+
+
+def _run_time_single_value(z: Any, axes: list[int]) -> Any:
+    """None where z's shape fixes m ≥ 2 values per channel (or m ≤ 1, which the moving
+    statistics' update refuses), else whether this batch gives m ≤ 1 at run time: a bool
+    tensor on TensorFlow (an unknown batch size), True under JAX for a traced batch of one
+    (as TensorFlow's `fit` would see it)."""
+    if _backend.on_tensorflow():
+        count = statistics.element_count(z, axes)
+        return None if isinstance(count, int) else count <= 1.0
+    from keras_bn import _jax_ops
+
+    count = math.prod(z.shape[i] for i in statistics.reduction_axes(len(z.shape), axes))
+    return True if count < 2 and _jax_ops.batch_size_traced(z, axes) else None
 
 
 def _moments(x: Any, axes: list[int]) -> tuple[Any, Any]:
