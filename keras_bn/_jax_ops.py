@@ -153,9 +153,9 @@ def _shifted_moments(x, shift, axes, keep, divisor):
 def _materialized(*per_channel):
     """The per-channel values as computed arrays: an optimization barrier, without which XLA
     fuses their arithmetic (rsqrt, divisions by m) into the full-size loops that broadcast
-    them, redoing it for every element: without the barriers the float32 train step measured
-    1.07-1.30x Keras BN's on CPU instead of 0.83-0.90x (benchmarks/bench_layer.py --backend
-    jax, 2026-11-26)."""
+    them, redoing it for every element: without the backward's barriers the float32 train step
+    measured 1.07-1.30x Keras BN's on CPU instead of 0.83-0.90x (benchmarks/bench_layer.py
+    --backend jax's shapes, 2026-11-26)."""
     values = jax.lax.optimization_barrier(per_channel)
     return values[0] if len(values) == 1 else values
 
