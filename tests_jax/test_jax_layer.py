@@ -306,7 +306,7 @@ def test_ghost_batches_normalize_each_interleaved_ghost():
 
 
 def test_exact_at_mean_1e4_and_std_1e_2():
-    """Far from zero, the corrected two-pass moments keep float32 exact: vs float64."""
+    """Far from zero, the shifted moments keep float32 exact: vs float64."""
     shape = (64, 4)
     x = np.random.default_rng(0).normal(1e4, 1e-2, shape).astype("float32")
     layer = keras_bn.BatchNormalization(momentum=0.0, epsilon=1e-6)
