@@ -10,10 +10,13 @@ with a hand-written backward (`batch_norm_train`, a jax.custom_vjp):
     ∂l/∂β = Σg,   ∂l/∂γ = Σg·x̂,   ∂l/∂x = γ/√(σ² + ε) · (g − w·(Σg + x̂·Σg·x̂)/m)
 
 (w the mask, 1 without one; the sums run over every position, as every position is
-normalized). The variance is the corrected two-pass one of `statistics.centered_moments`,
-never E[x²] − E[x]², and float16/bfloat16 inputs get float32 statistics. The moving statistics
-take m/(m−1)·σ² (Ioffe & Szegedy 2015, Algorithm 2) only where m ≥ 2 and the batch is finite,
-as `_moving_average.usable` decides on TensorFlow.
+normalized). The moments are shifted sums about K, each channel's mean over its first few
+values, redone about the mean when K lies more than 3σ from it (keras_bn/xla.py's arrangement
+for TensorFlow's XLA:CPU; under a mask, always about the mean: the corrected two-pass algorithm
+of `statistics.centered_moments`), never E[x²] − E[x]²; float16/bfloat16 inputs get float32
+statistics. The backward is regrouped into per-channel coefficients (`_normalize_backward`).
+The moving statistics take m/(m−1)·σ² (Ioffe & Szegedy 2015, Algorithm 2) only where m ≥ 2
+and the batch is finite, as `_moving_average.usable` decides on TensorFlow.
 
 Shapes are static under JAX, so m is a Python int unless a mask makes it per channel. Mask
 readings and the ghost-batch checks are shared with the TensorFlow layer
@@ -27,6 +30,11 @@ import jax
 import jax.numpy as jnp
 
 from keras_bn import ghost, statistics
+
+# The shifted moments' thresholds, as keras_bn/xla.py's (which says why these values): redo the
+# sums about the mean when (μ − K)² > RECENTRE_RATIO·σ²; K averages SHIFT_SAMPLES values.
+RECENTRE_RATIO = 9.0
+SHIFT_SAMPLES = 8
 
 
 def statistics_dtype(dtype):
@@ -99,30 +107,62 @@ def zero_unless_enough(gamma, count):
 
 
 def _centered_moments(x, axes, mask, count):
-    """(shift, residual, variance), kept broadcastable to x: the corrected two-pass algorithm
-    of `statistics.centered_moments`, over the unmasked values (selected, not multiplied by 0:
-    padding may hold NaN)."""
-    if mask is None:
-
-        def average(t):
-            return jnp.mean(t, axes, keepdims=True)
-    else:
-        keep = mask > 0
+    """(shift K, offset Δμ, variance), kept broadcastable to x, over the unmasked values: the
+    shifted sums of `_shifted_moments`. Without a mask K is `_shift_estimate`'s, and the sums
+    are redone about K + Δμ where K was too far from the mean (keras_bn/xla.py's `_moments`);
+    with one K is the masked mean, which makes them the corrected two-pass algorithm of
+    `statistics.centered_moments`."""
+    if mask is not None:
         divisor = jnp.maximum(count, 1.0)  # a fully masked channel: 0, not NaN
+        keep = mask > 0  # selected, not multiplied by 0: padding may hold NaN
+        shift = jnp.sum(jnp.where(keep, x, 0.0), axes, keepdims=True) / divisor
+        return _shifted_moments(x, shift, axes, keep, divisor)
+    shift, offset, variance = _shifted_moments(x, _shift_estimate(x, axes), axes, None, count)
+    return jax.lax.cond(
+        jnp.any((jnp.square(offset) > RECENTRE_RATIO * variance) | ~jnp.isfinite(variance)),
+        lambda: _shifted_moments(x, shift + offset, axes, None, count),
+        lambda: (shift, offset, variance),
+    )
 
-        def average(t):
-            return jnp.sum(jnp.where(keep, t, 0.0), axes, keepdims=True) / divisor
 
-    shift = average(x)
+def _shift_estimate(x, axes):
+    """K: each channel's mean over the first SHIFT_SAMPLES values along the first reduced axis
+    (index 0 of the others), kept broadcastable to x; NaN for an empty batch."""
+    first = axes[0]
+    head = x[
+        tuple(
+            slice(0, SHIFT_SAMPLES) if a == first else slice(0, 1) if a in axes else slice(None)
+            for a in range(x.ndim)
+        )
+    ]
+    return jnp.mean(head, axes, keepdims=True)
+
+
+def _shifted_moments(x, shift, axes, keep, divisor):
+    """(K, Δμ, σ²) with t = x − K over the kept values: Δμ = Σt/m, σ² = Σt²/m − Δμ² (Chan,
+    Golub & LeVeque 1983), which loses about a factor 1 + Δμ²/σ² of rounding: the caller
+    keeps |Δμ| ≤ 3σ, or K is the mean and this the corrected two-pass algorithm."""
     centered = x - shift
-    residual = average(centered)  # the first pass's rounding error
-    variance = jnp.maximum(average(jnp.square(centered)) - jnp.square(residual), 0.0)
-    return shift, residual, variance
+    if keep is not None:
+        centered = jnp.where(keep, centered, 0.0)
+    offset = jnp.sum(centered, axes, keepdims=True) / divisor
+    variance = jnp.sum(jnp.square(centered), axes, keepdims=True) / divisor - jnp.square(offset)
+    return shift, offset, jnp.maximum(variance, 0.0)
+
+
+def _materialized(*per_channel):
+    """The per-channel values as computed arrays: an optimization barrier, without which XLA
+    fuses their arithmetic (rsqrt, divisions by m) into the full-size loops that broadcast
+    them, redoing it for every element: without the backward's barriers the float32 train step
+    measured 1.07-1.30x Keras BN's on CPU instead of 0.83-0.90x (benchmarks/bench_layer.py
+    --backend jax's shapes, 2026-11-26)."""
+    values = jax.lax.optimization_barrier(per_channel)
+    return values[0] if len(values) == 1 else values
 
 
 def moments(x, channel_axes, mask=None):
-    """(mean, biased variance, m) per channel, kept broadcastable to x: the layer's corrected
-    two-pass moments (what `recalibrate` records of a BN's input).
+    """(mean, biased variance, m) per channel, kept broadcastable to x: the layer's shifted
+    moments, `_centered_moments` (what `recalibrate` records of a BN's input).
 
     Args:
         x: the input, in its statistics dtype.
@@ -133,10 +173,10 @@ def moments(x, channel_axes, mask=None):
         (mean, variance, count); count a Python int without a mask, else m_c per channel.
     """
     count = element_count(x, channel_axes, mask)
-    shift, residual, variance = _centered_moments(
+    shift, offset, variance = _centered_moments(
         x, _reduction_axes(x.ndim, channel_axes), mask, count
     )
-    return shift + residual, variance, count
+    return shift + offset, variance, count
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -148,27 +188,40 @@ def _normalize(x, gamma, beta, mask, channel_axes, epsilon):
 def _normalize_forward(x, gamma, beta, mask, channel_axes, epsilon):
     axes = _reduction_axes(x.ndim, channel_axes)
     count = element_count(x, channel_axes, mask)
-    shift, residual, variance = _centered_moments(x, axes, mask, count)
+    shift, offset, variance = _centered_moments(x, axes, mask, count)
     inv = jax.lax.rsqrt(variance + epsilon)
-    x_hat = ((x - shift) - residual) * inv  # centred in two steps: x − shift is exact far out
-    gamma_b = _per_channel(gamma, x, channel_axes)
-    y = x_hat * gamma_b + _per_channel(beta, x, channel_axes)
-    mean = jnp.reshape(shift + residual, gamma.shape)
+    scale = _per_channel(gamma, x, channel_axes) * inv
+    # y = γ·x̂ + β with x̂ = ((x − K) − Δμ)·inv: x − K is exact far out, Δμ joins β.
+    bias = _per_channel(beta, x, channel_axes) - offset * scale
+    scale_m, bias_m, shift_m = _materialized(scale, bias, shift)
+    y = (x - shift_m) * scale_m + bias_m
+    mean = jnp.reshape(shift + offset, gamma.shape)
     outputs = (y, mean, jnp.reshape(variance, gamma.shape))
-    return outputs, (x, gamma_b, shift, residual, inv, mask, count)
+    return outputs, (x, scale, shift, offset, inv, mask, count)
 
 
 def _normalize_backward(channel_axes, epsilon, saved, cotangents):
+    """The paper's gradients, with x̂ = ((x − K) − Δμ)·inv never written out:
+
+        Σg·x̂ = inv·(Σg·(x − K) − Δμ·Σg),
+        ∂l/∂x = a·g + w·(b·(x − K) + c),  a = γ·inv,  b = −a·inv·Σg·x̂/m,
+                                          c = a·(Δμ·inv·Σg·x̂ − Σg)/m,
+
+    which is γ·inv·(g − w·(Σg + x̂·Σg·x̂)/m) regrouped per channel, so that ∂l/∂x is one
+    elementwise pass."""
     del epsilon  # inv is saved
-    x, gamma_b, shift, residual, inv, mask, count = saved
+    x, scale, shift, offset, inv, mask, count = saved
     dy = cotangents[0]  # the statistics carry no gradient (the caller stops it)
     axes = _reduction_axes(x.ndim, channel_axes)
-    x_hat = ((x - shift) - residual) * inv  # recomputed rather than saved: one tensor less
     sum_dy = jnp.sum(dy, axes, keepdims=True)
-    sum_dy_x_hat = jnp.sum(dy * x_hat, axes, keepdims=True)
-    weight = 1.0 if mask is None else mask
+    centered_dot = jnp.sum(dy * (x - _materialized(shift)), axes, keepdims=True)
+    sum_dy_x_hat = inv * (centered_dot - offset * sum_dy)
     m = count if mask is None else jnp.maximum(count, 1.0)
-    dx = (gamma_b * inv) * (dy - weight * (sum_dy + x_hat * sum_dy_x_hat) / m)
+    slope = -scale * inv * sum_dy_x_hat / m
+    intercept = scale * (offset * inv * sum_dy_x_hat - sum_dy) / m
+    scale_m, slope_m, intercept_m, shift_m = _materialized(scale, slope, intercept, shift)
+    correction = slope_m * (x - shift_m) + intercept_m
+    dx = scale_m * dy + (correction if mask is None else mask * correction)
     param_shape = [x.shape[i] for i in channel_axes]
     d_mask = None if mask is None else jnp.zeros_like(mask)
     return (

@@ -306,7 +306,7 @@ def test_ghost_batches_normalize_each_interleaved_ghost():
 
 
 def test_exact_at_mean_1e4_and_std_1e_2():
-    """Far from zero, the corrected two-pass moments keep float32 exact: vs float64."""
+    """Far from zero, the shifted moments keep float32 exact: vs float64."""
     shape = (64, 4)
     x = np.random.default_rng(0).normal(1e4, 1e-2, shape).astype("float32")
     layer = keras_bn.BatchNormalization(momentum=0.0, epsilon=1e-6)
@@ -315,6 +315,42 @@ def test_exact_at_mean_1e4_and_std_1e_2():
     assert np.max(np.abs(got - y)) < 2e-3  # one float32 ulp of x at 1e4 is 1e-3 of σ
     _assert_close(layer.moving_mean.numpy(), mean, rtol=1e-7)
     _assert_close(layer.moving_variance.numpy(), var * m / (m - 1), rtol=1e-3)
+
+
+def _assert_train_step_exact(x, y_atol, variance_rtol):
+    """The layer's y, statistics and hand-written backward on x (a batch of rows, 4 channels)
+    against the float64 formulas: x̂ = (x − μ)/√(σ² + ε), ∂l/∂x = γ/√(σ² + ε)·(g − mean g −
+    x̂·mean g·x̂), ∂l/∂γ = Σg·x̂, ∂l/∂β = Σg."""
+    layer = keras_bn.BatchNormalization(momentum=0.0, epsilon=1e-6)
+    layer.build(x.shape)
+    gamma = np.random.default_rng(2).uniform(0.5, 1.5, 4)
+    layer.gamma.assign(gamma.astype("float32"))
+    cotangent = _data(x.shape, 6, loc=0.0, scale=1.0)
+    y, mean, var, m = numpy_train(x, gamma, np.zeros(4), [1], 1e-6)
+    _, dx, dgamma, dbeta = _loss_and_grads(layer, x, cotangent)
+    got = np.asarray(layer(x, training=True), np.float64)
+    assert np.max(np.abs(got - y)) < y_atol
+    _assert_close(layer.moving_mean.numpy(), mean, rtol=1e-7, atol=1e-7)
+    _assert_close(layer.moving_variance.numpy(), var * m / (m - 1), rtol=variance_rtol)
+    x_hat, g = (x - mean) / np.sqrt(var + 1e-6), cotangent.astype(np.float64)
+    want_dx = gamma / np.sqrt(var + 1e-6) * (g - g.mean(0) - x_hat * (g * x_hat).mean(0))
+    _assert_close(dx, want_dx, rtol=0, atol=2e-3 * np.max(np.abs(want_dx)))
+    assert np.all(np.abs(np.asarray(dgamma) - np.sum(g * x_hat, 0)) < 2e-3 * np.sum(np.abs(g), 0))
+    _assert_close(dbeta, np.sum(g, 0), rtol=1e-5, atol=1e-4)
+
+
+def test_train_step_exact_at_mean_1e4_and_std_1e_2():
+    """Sums about the first values' mean K keep float32 exact far from zero, backward too."""
+    x = np.random.default_rng(0).normal(1e4, 1e-2, (64, 4)).astype("float32")
+    _assert_train_step_exact(x, y_atol=3e-3, variance_rtol=1e-3)  # a float32 ulp at 1e4: 0.1σ
+
+
+def test_moments_are_redone_about_the_mean_when_the_first_values_are_far():
+    """K, the mean of the first 8 values, 2000 away from a mean 0 of 2¹⁶ values (≈ 90σ): the
+    sums about K would lose ~1e-4 of σ² to rounding; redone about the mean, they do not."""
+    x = np.random.default_rng(0).normal(0.0, 1.0, (2**16, 4)).astype("float32")
+    x[:8] = 2000.0
+    _assert_train_step_exact(x, y_atol=1e-5, variance_rtol=1e-5)
 
 
 def test_float16_inputs_keep_float32_statistics():
