@@ -3,6 +3,7 @@ originals untouched, the fused activations), every argument check naming the bad
 the public names' Google-style docstrings (the checks of tests/test_docstrings.py)."""
 
 import inspect
+import re
 
 import keras
 import numpy as np
@@ -181,6 +182,14 @@ def test_a_batch_norm_off_the_hosts_channel_axis_is_refused_at_build():
 def test_bad_arguments_raise_value_error_naming_the_value(kwargs, shown):
     with pytest.raises(ValueError, match=shown.replace(".", r"\.")):
         QuantizedHostBatchNorm(L.Dense(3), **kwargs)
+
+
+@pytest.mark.parametrize("model", [None, L.Dense(3), "model.keras"])
+def test_quantize_model_takes_a_keras_model_only(model):
+    with pytest.raises(
+        TypeError, match=re.escape(f"takes a keras.Model; received model={model!r}.")
+    ):
+        keras_bn.quantize.quantize_model(model)
 
 
 # keras_bn.quantize's own names are checked by tests/test_docstrings.py with the other public

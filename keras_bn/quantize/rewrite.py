@@ -119,6 +119,7 @@ def quantize_model(
         The new model; with `return_report=True`, `(model, QuantizationReport)`.
 
     Raises:
+        TypeError: `model` is not a keras.Model (the message names it).
         ValueError: `weight_bits` or `activation_bits` is not an int from 2 to 8 (bools
             included), `per_channel` or `return_report` is not a bool, or `range_momentum` is
             not in [0, 1) (the message names the value); `model` holds QAT layers already; or
@@ -136,6 +137,8 @@ def quantize_model(
         qat.fit(x, y, epochs=3, callbacks=[keras_bn.quantize.FreezeBatchNorm(500)])
     """
     _backend.require_layer_backend("keras_bn.quantize.quantize_model")
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"quantize_model takes a keras.Model; received model={model!r}.")
     for name, value in (("per_channel", per_channel), ("return_report", return_report)):
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be True or False; received {name}={value!r}.")
