@@ -658,6 +658,8 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
             unbiased, enough = variance * count / (count - 1.0), count > 1.0
         momentum = self.batch_norm.momentum
         if not _backend.on_tensorflow():
+            from keras_bn import _jax_ops
+
             finite = ops.all(ops.isfinite(mean)) & ops.all(ops.isfinite(unbiased))
             update = enough & finite & ops.logical_not(frozen)
             for moving, value in (
@@ -665,8 +667,7 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
                 (self.batch_norm.moving_variance, unbiased),
             ):
                 old = ops.convert_to_tensor(moving)
-                new = momentum * old + (1.0 - momentum) * value
-                moving.assign(ops.where(update, new, old))
+                moving.assign(_jax_ops.moving_average(old, value, momentum, update))
             return
         update = usable([mean, unbiased], enough) & tf.logical_not(frozen)
         average_into(self.batch_norm.moving_mean, mean, momentum, update)
