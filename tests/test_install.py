@@ -1,10 +1,10 @@
-"""`pip install .` without extras gives a working keras_bn.export and keras-bn-export, and the
-wheel ships the PEP 561 markers of both packages.
+"""`pip install ".[export]"` gives a working keras_bn.export and keras-bn-export, the core
+installs no backend, and the wheel ships the PEP 561 markers of both packages.
 
 Offline: a fresh venv sees, through a .pth file, only the distributions that the core
-dependency list of pyproject.toml pulls in (resolved from this environment's metadata), each
-file linked from this environment; pip then installs the project into it with --no-index. A
-dependency missing from the core list is missing there too, and the export fails.
+dependency list of pyproject.toml and its export extra pull in (resolved from this environment's
+metadata), each file linked from this environment; pip then installs the project into it with
+--no-index. A dependency missing from those lists is missing there too, and the export fails.
 """
 
 import importlib.metadata
@@ -27,13 +27,16 @@ TYPED_MARKERS = ["keras_bn/py.typed", "keras_bn/export/py.typed"]
 OFFLINE = {"PIP_NO_INDEX": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
 
 
-def _core_requirements():
+def _requirements(*extras):
+    """The core dependencies of pyproject.toml and those of `extras`."""
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
         from pip._vendor import tomli as tomllib
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as file:
-        return tomllib.load(file)["project"]["dependencies"]
+        project = tomllib.load(file)["project"]
+    optional = project["optional-dependencies"]
+    return project["dependencies"] + [r for extra in extras for r in optional[extra]]
 
 
 def _closure(requirements):
@@ -125,10 +128,13 @@ def test_the_wheel_ships_both_packages_type_markers(tmp_path):
 
 
 @pytest.mark.slow
-def test_install_without_extras_runs_the_export_command(tmp_path):
-    distributions = _closure(_core_requirements() + BUILD_TOOLS)
+def test_install_with_the_export_extra_runs_the_export_command(tmp_path):
+    core = {canonicalize_name(d.metadata["Name"]) for d in _closure(_requirements())}
+    assert {"keras", "numpy", "rich"} <= core
+    assert not core & {"tensorflow", "jax", "jaxlib", "tf2onnx", "onnx", "onnxruntime"}
+    distributions = _closure(_requirements("export") + BUILD_TOOLS)
     names = {canonicalize_name(d.metadata["Name"]) for d in distributions}
-    assert {"tf2onnx", "onnx", "onnxruntime", "ai-edge-litert", "rich"} <= names
+    assert {"tensorflow", "tf2onnx", "onnx", "onnxruntime", "ai-edge-litert", "rich"} <= names
     assert not names & {"scikit-learn", "pytest", "hypothesis", "nbclient", "jax"}
     site = tmp_path / "deps"
     _link_files(distributions, site)
@@ -148,7 +154,7 @@ def test_install_without_extras_runs_the_export_command(tmp_path):
     env = {**os.environ, **OFFLINE, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONNOUSERSITE": "1"}
     env.pop("PYTHONPATH", None)
     install = subprocess.run(
-        [python, "-m", "pip", "install", "--no-index", "--no-build-isolation", str(source)],
+        [python, "-m", "pip", "install", "--no-index", "--no-build-isolation", f"{source}[export]"],
         capture_output=True,
         text=True,
         env=env,
