@@ -2,20 +2,34 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The JAX tests' virtualenv: keras-bn with its jax and test extras, and no TensorFlow.
+VENV_JAX := .venv-jax
+PY_JAX := $(VENV_JAX)/bin/python
+STAMP_JAX := $(VENV_JAX)/.installed
 PYTEST_ARGS ?= -n 2 --dist loadgroup
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
 DEMO := artifacts/demo
 EXPORT := $(VENV)/bin/keras-bn-export
 
-.PHONY: demo test test-fast lint typecheck docs bench bench-export gpu-check notebooks clean
+.PHONY: demo test test-fast lint typecheck docs bench bench-export gpu-check gpu-wheels notebooks \
+	clean
 
 $(PY):
 	python3 -m venv $(VENV)
 
 $(STAMP): $(PY) pyproject.toml
-	$(PY) -m pip install --quiet -e '.[examples,dev,docs]'
+	@echo "Installing keras-bn with every extra (TensorFlow, JAX, export, examples, dev, docs) into $(VENV) (about 3 minutes)…"
+	$(PY) -m pip install --quiet -e '.[all,examples,dev,docs]'
 	touch $(STAMP)
+
+$(PY_JAX):
+	python3 -m venv $(VENV_JAX)
+
+$(STAMP_JAX): $(PY_JAX) pyproject.toml
+	@echo "Installing keras-bn with JAX and its test dependencies, without TensorFlow, into $(VENV_JAX) (about 1 minute)…"
+	$(PY_JAX) -m pip install --quiet -e '.[jax,test]'
+	touch $(STAMP_JAX)
 
 # Train, save, fold, export (.tflite float32 and int8, .onnx), verify, report: into $(DEMO)/.
 demo: $(STAMP)
@@ -32,11 +46,14 @@ demo: $(STAMP)
 bench-export: $(STAMP)
 	$(PY) benchmarks/bench_export.py
 
-# tests_jax/: the layer under the JAX backend, in a Python of its own (Keras fixes its backend
-# when first imported; pyproject's testpaths keep it out of the first run).
-JAX_TESTS := KERAS_BACKEND=jax $(PY) -m pytest tests_jax -p no:xdist
+# tests_jax/: keras_bn under the JAX backend, in $(VENV_JAX), where TensorFlow is not installed
+# (KERAS_BN_NO_TENSORFLOW=1: tests_jax/test_no_tensorflow.py asserts it), in a Python of its own
+# (Keras fixes its backend when first imported; pyproject's testpaths keep it out of the first
+# run). The tests that compare with TensorFlow run its side in $(PY) (KERAS_BN_TF_PYTHON).
+JAX_TESTS := KERAS_BACKEND=jax KERAS_BN_NO_TENSORFLOW=1 KERAS_BN_TF_PYTHON=$(CURDIR)/$(PY) \
+	$(PY_JAX) -m pytest tests_jax -p no:xdist
 
-test: $(STAMP)
+test: $(STAMP) $(STAMP_JAX)
 	$(PY) -m pytest $(PYTEST_ARGS)
 	$(JAX_TESTS)
 
@@ -48,7 +65,7 @@ test: $(STAMP)
 # 117 JAX tests in 1 min 16 s (before the JAX tests it took 2 min 35 s). `make test` stays the
 # full suite, which CI runs.
 FAST_SKIP := test_notebooks test_docs test_cli test_properties test_bench_export
-test-fast: $(STAMP)
+test-fast: $(STAMP) $(STAMP_JAX)
 	$(PY) -m pytest $(PYTEST_ARGS) -m "not slow" $(FAST_SKIP:%=--ignore=tests/%.py)
 	$(JAX_TESTS) -m "not slow"
 
@@ -86,10 +103,18 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_recalibrate.py --json benchmarks/results/bench_recalibrate.json
 
 # GPU readiness, in at most 8 minutes: the exactness tests and the layer benchmark on the GPU,
-# JSON results into build/gpu_check/. No venv prerequisite: it runs with .venv's Python if there
-# is one, else python3 (PYTHON=... picks another), and says in one line when it cannot run.
+# JSON results into build/gpu_check/; under TensorFlow where it is importable, else under JAX
+# (benchmarks/gpu_check.py). No venv prerequisite: it runs with .venv's Python if there is one,
+# else python3 (PYTHON=... picks another), and says in one line when it cannot run. Where Keras
+# is missing (the GPU machine) it installs the wheels of `make gpu-wheels` into a temporary
+# folder first: carry build/gpu_wheels there with the repository.
 gpu-check:
 	benchmarks/gpu_check.sh
 
+# Keras and the dependencies it needs beyond JAX, as cp312 manylinux wheels, into
+# build/gpu_wheels (under 40 MiB): what gpu-check installs on a machine without Keras.
+gpu-wheels:
+	benchmarks/gpu_wheels.sh
+
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info
+	rm -rf $(VENV) $(VENV_JAX) .pytest_cache .hypothesis *.egg-info

@@ -5,7 +5,7 @@ Train step = forward, backward (to the input and the weights) and a sum-of-squar
 layers also update their moving statistics. The raw baseline for training is TensorFlow's
 FusedBatchNormV3 with its registered gradient (FusedBatchNormGradV3); for inference it is
 `x*a + b` on the same tensor. A second table checks the keras_bn / Keras BN targets (TARGETS)
-on the same medians. A third table times the fused path's re-centring (keras_bn/fused.py: a
+on the same medians. A third table times the fused path's re-centring (keras_bn/backend/tensorflow/fused.py: a
 tf.cond that re-runs the kernel on x minus the first pass's per-channel mean when some channel's
 mean is far from zero) in the keras_bn train step: as shipped (on this data the test says no),
 with the re-centring off (twice: the second is the noise control), and with the re-run forced;
@@ -38,7 +38,7 @@ import tensorflow as tf
 from _layer_bench import POLICIES, SHAPES, SMOKE_SHAPES, cpu_description
 
 import keras_bn
-from keras_bn import fused
+from keras_bn.backend.tensorflow import fused
 from keras_bn.export import atomic
 
 
@@ -121,16 +121,16 @@ def contenders(shape, axis, policy, mode):
 
 
 def _traced_with_recentre_ratio(ratio, step):
-    """`step`, to be traced with keras_bn.fused.RECENTRE_RATIO = ratio (read at trace time:
+    """`step`, to be traced with fused.RECENTRE_STDDEVS = ratio (read at trace time:
     None turns the re-centring off, 0 forces the subtraction)."""
 
     def traced(x):
-        shipped = fused.RECENTRE_RATIO
-        fused.RECENTRE_RATIO = ratio
+        shipped = fused.RECENTRE_STDDEVS
+        fused.RECENTRE_STDDEVS = ratio
         try:
             return step(x)
         finally:
-            fused.RECENTRE_RATIO = shipped
+            fused.RECENTRE_STDDEVS = shipped
 
     return traced
 
@@ -141,7 +141,7 @@ def recentring_contenders(shape, axis, policy):
     the noise control), and with the subtraction forced ("forced")."""
     functions = {}
     for name, ratio in (
-        ("shipped", fused.RECENTRE_RATIO),
+        ("shipped", fused.RECENTRE_STDDEVS),
         ("off", None),
         ("forced", 0.0),
         ("off_again", None),
@@ -390,7 +390,7 @@ def main(argv=None):
             rows = run(shapes, reps, inner)
             print("\n" + target_summary(rows, ranks))
         print(
-            "\nThe fused path's re-centring (keras_bn/fused.py), train step, graph; costs are "
+            "\nThe fused path's re-centring (keras_bn/backend/tensorflow/fused.py), train step, graph; costs are "
             "medians of per-rep ratios to 'off'\n"
         )
         print(RECENTRING_HEADER, flush=True)

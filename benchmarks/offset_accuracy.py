@@ -3,7 +3,7 @@
 One train step of a momentum-0 keras_bn layer per layout and mode (tests/helpers.py's
 `large_offset_errors`: numpy's y, μ and σ², autodiff's ∂l/∂x); prints, per path, the worst
 scale-relative error over the layouts and modes. The paths: fused (eager and tf.function, with
-and without keras_bn/fused.py's re-centring), the XLA:CPU path (jit_compile=True) and the
+and without keras_bn/backend/tensorflow/fused.py's re-centring), the XLA:CPU path (jit_compile=True) and the
 composite path (forced, every mode). docs/guide/layer.md quotes this table.
 
     python benchmarks/offset_accuracy.py           # the layouts below (about a minute)
@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench_layer import machine_description
 
 from helpers import large_offset_errors
-from keras_bn import fused
+from keras_bn.backend.tensorflow import fused
 
 # (shape, channel axis): every layout the fused path takes, small and conv-sized.
 LAYOUTS = [
@@ -50,9 +50,9 @@ QUANTITIES = ("y", "dx", "moving_mean", "moving_variance")
 def worst_errors(layouts):
     """{path: {quantity: worst error over the layouts and the path's modes}}."""
     table = {}
-    shipped = fused.RECENTRE_RATIO
+    shipped = fused.RECENTRE_STDDEVS
     for path, (modes, composite, recentre) in PATHS.items():
-        fused.RECENTRE_RATIO = shipped if recentre else None
+        fused.RECENTRE_STDDEVS = shipped if recentre else None
         try:
             errors = [
                 large_offset_errors(shape, axis, mode, composite)
@@ -60,7 +60,7 @@ def worst_errors(layouts):
                 for mode in modes
             ]
         finally:
-            fused.RECENTRE_RATIO = shipped
+            fused.RECENTRE_STDDEVS = shipped
         table[path] = {q: max(e[q] for e in errors) for q in QUANTITIES}
     return table
 

@@ -11,14 +11,12 @@ from typing import Any
 import keras
 import numpy as np
 import numpy.typing as npt
-import tensorflow as tf
 
-from keras_bn import _backend, ops
+from keras_bn import backend
 from keras_bn._shapes import ShapePreserving
 
 # Before either layer can be built under a backend keras_bn does not run on.
-_backend.require_layer_backend("keras_bn.export.InferenceAffine")
-_ON_JAX = _backend.backend() == "jax"
+backend.get()
 
 
 class _PerChannelMap(ShapePreserving, keras.layers.Layer):
@@ -73,7 +71,7 @@ class InferenceAffine(_PerChannelMap):
         )
 
     # `_ignored`: e.g. `training`, passed on from the BN's call
-    def call(self, inputs: tf.Tensor, **_ignored: Any) -> tf.Tensor:
+    def call(self, inputs: Any, **_ignored: Any) -> Any:
         """scale·inputs + shift, per channel.
 
         Args:
@@ -84,11 +82,9 @@ class InferenceAffine(_PerChannelMap):
             A tensor of the input's shape, in the layer's compute dtype.
         """
         x = keras.ops.cast(inputs, self.scale.dtype)
-        if _ON_JAX:  # keras_bn.ops reshapes with TensorFlow ops
-            shape = _broadcast_shape(len(inputs.shape), self.channel_axes, self.channels)
-            y = x * keras.ops.reshape(self.scale, shape) + keras.ops.reshape(self.shift, shape)
-        else:
-            y = ops.batch_norm_inference(x, self.scale, self.shift, self.channel_axes)
+        y = backend.get().batch_norm_inference(
+            x, backend.get().read(self.scale), backend.get().read(self.shift), self.channel_axes
+        )
         return keras.ops.cast(y, self.compute_dtype)
 
     def set_affine(self, scale: npt.ArrayLike, shift: npt.ArrayLike) -> None:
@@ -156,7 +152,7 @@ class ChannelBias(_PerChannelMap):
             shape=(channels,), name="bias", initializer="zeros", trainable=self.trainable_bias
         )
 
-    def call(self, inputs: tf.Tensor) -> tf.Tensor:
+    def call(self, inputs: Any) -> Any:
         """inputs + bias along `channel_axis`.
 
         Args:
@@ -167,10 +163,8 @@ class ChannelBias(_PerChannelMap):
         """
         x = keras.ops.cast(inputs, self.bias.dtype)
         shape = _broadcast_shape(len(inputs.shape), [self.channel_axis], [self.channels])
-        if _ON_JAX:  # JAX's add broadcasts as numpy does: no guess
-            y = keras.ops.add(x, keras.ops.reshape(self.bias, shape))
-        else:  # tf.add, not keras.ops.add: the latter is where the axis is guessed
-            y = tf.add(x, tf.reshape(self.bias, shape))
+        # The backend's own add, not keras.ops.add: Keras 3.15's on TensorFlow guesses the axis.
+        y = backend.get().add(x, keras.ops.reshape(self.bias, shape))
         return keras.ops.cast(y, self.compute_dtype)
 
     def get_config(self) -> dict[str, Any]:

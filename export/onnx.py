@@ -15,13 +15,12 @@ then makes int8 initializers read by per-channel DequantizeLinear nodes.
 
 import os
 from collections.abc import Callable
+from typing import Any
 
 import keras
 import numpy as np
 import onnx
 import onnxruntime as ort
-import tensorflow as tf
-import tf2onnx
 from onnx import numpy_helper
 
 from keras_bn import _backend, _models
@@ -30,7 +29,7 @@ from keras_bn.export import pipeline, qat, qdq, report, trace
 from keras_bn.quantize import hosts
 
 # The writer converts TensorFlow functions: a file from another backend is loaded under TensorFlow.
-_backend.require_tensorflow("keras_bn.export.export_onnx")
+_backend.require_writers("keras_bn.export.export_onnx")
 
 # Both ends of onnxruntime's optimiser: what the file says, and what ORT makes of it.
 SESSION_SETTINGS = {
@@ -154,6 +153,8 @@ class _ONNX(pipeline.Format):
                 )
 
     def convert(self, model: keras.Model, sig: trace.Signature) -> bytes:
+        import tf2onnx  # imports TensorFlow: the writer's own (keras_bn._backend.require_writers)
+
         function = trace.inference_function(plain_convolutions(model), sig)
         proto, _ = tf2onnx.convert.from_function(
             function, input_signature=function.input_signature, opset=self.opset
@@ -198,17 +199,20 @@ class _QuantizedONNX(pipeline.QuantizedFormat, _ONNX):
         """The export form traced with each kernel an input named by its tag (tf2onnx keeps
         input names, not constants'), then the kernels made int8 (export/qdq.py)."""
         self.take_weights(model, sig)
-        kernels: dict[str, tf.Tensor] = {}  # tag → the traced function's input, while traced
+        import tensorflow as tf  # the writer's own (keras_bn._backend.require_writers)
+        import tf2onnx
+
+        kernels: dict[str, Any] = {}  # tag → the traced function's input, while traced
         traced = qat.export_model(
             model, self._weights, lambda weight: kernels[weight.tag], halves_as_ops=True
         )
         specs = [
-            *sig.input_specs,
+            *trace.tensor_specs(sig),
             *(tf.TensorSpec(w.grid.q.shape, tf.float32, name=w.tag) for w in self._weights),
         ]
         count = len(sig.input_names)
 
-        def infer(*tensors: tf.Tensor) -> dict[str, tf.Tensor]:
+        def infer(*tensors: Any) -> dict[str, Any]:
             kernels.update(zip((w.tag for w in self._weights), tensors[count:]))
             feed = dict(zip(sig.input_names, tensors[:count]))
             results = traced(sig.pack(feed), training=False)
@@ -285,13 +289,13 @@ def _weight_check(
     )
 
 
-def _plain_convolution(
-    layer: keras.layers.Layer, inputs: tf.Tensor, kernel: tf.Tensor
-) -> tf.Tensor:
+def _plain_convolution(layer: keras.layers.Layer, inputs: Any, kernel: Any) -> Any:
     """A Conv1D/2D/3D's convolution as one TensorFlow op, never an XLA-compiled function.
 
     TensorFlow cannot run a grouped one on a CPU: it is only traced, for tf2onnx.
     """
+    import tensorflow as tf  # the writer's own (keras_bn._backend.require_writers)
+
     spatial = "DHW"[-layer.rank :]  # NWC, NHWC, NDHWC; NCW, NCHW, NCDHW
     first = layer.data_format == "channels_first"
     return tf.nn.convolution(
@@ -305,24 +309,24 @@ def _plain_convolution(
 
 
 class _PlainConv1D(keras.layers.Conv1D):
-    def call(self, inputs: tf.Tensor) -> tf.Tensor:
+    def call(self, inputs: Any) -> Any:
         # Conv1D's own call pads a causal input, then calls ops.conv directly; BaseConv's call
         # goes through convolution_op.
         if self.padding == "causal":
             inputs = keras.ops.pad(inputs, self._compute_causal_padding())
         return super(keras.layers.Conv1D, self).call(inputs)
 
-    def convolution_op(self, inputs: tf.Tensor, kernel: tf.Tensor) -> tf.Tensor:
+    def convolution_op(self, inputs: Any, kernel: Any) -> Any:
         return _plain_convolution(self, inputs, kernel)
 
 
 class _PlainConv2D(keras.layers.Conv2D):
-    def convolution_op(self, inputs: tf.Tensor, kernel: tf.Tensor) -> tf.Tensor:
+    def convolution_op(self, inputs: Any, kernel: Any) -> Any:
         return _plain_convolution(self, inputs, kernel)
 
 
 class _PlainConv3D(keras.layers.Conv3D):
-    def convolution_op(self, inputs: tf.Tensor, kernel: tf.Tensor) -> tf.Tensor:
+    def convolution_op(self, inputs: Any, kernel: Any) -> Any:
         return _plain_convolution(self, inputs, kernel)
 
 

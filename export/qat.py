@@ -21,7 +21,6 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import keras
-import tensorflow as tf
 
 from keras_bn import _models, _rewrite
 from keras_bn._errors import UnsupportedModelError
@@ -193,12 +192,12 @@ def host_weights(model: keras.Model, taken: Iterable[str] = ()) -> list[HostWeig
 class _ExportForm(keras.layers.Layer):
     """A QAT layer's `export_function` as a layer, in its place in the traced copy."""
 
-    def __init__(self, layer: keras.layers.Layer, function: Callable[..., tf.Tensor]) -> None:
+    def __init__(self, layer: keras.layers.Layer, function: Callable[..., Any]) -> None:
         super().__init__(name=layer.name)
         self._function = function
         self._output_shape = layer.compute_output_shape
 
-    def call(self, inputs: tf.Tensor, **options: Any) -> tf.Tensor:
+    def call(self, inputs: Any, **options: Any) -> Any:
         return self._function(inputs, **options)
 
     def compute_output_shape(self, input_shape: tuple[int | None, ...]) -> tuple[int | None, ...]:
@@ -208,7 +207,7 @@ class _ExportForm(keras.layers.Layer):
 def export_model(
     model: keras.Model,
     weights: list[HostWeight],
-    weight_op: Callable[[HostWeight], tf.Tensor],
+    weight_op: Callable[[HostWeight], Any],
     halves_as_ops: bool = False,
 ) -> keras.Model:
     """The export form of a QAT model: a copy whose QAT layers compute their `export_function`s

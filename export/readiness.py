@@ -28,7 +28,7 @@ import keras
 import numpy as np
 import numpy.typing as npt
 
-from keras_bn import _backend
+from keras_bn import backend
 from keras_bn.export import defaults, fold, report, trace
 from keras_bn.quantize import fake_quant
 
@@ -110,7 +110,7 @@ def measure(
     if not hosts:
         return []
     inputs = trace.spread_samples(inputs, defaults.PROBE_SAMPLES)
-    if _backend.backend() == "tensorflow":
+    if backend.name() == "tensorflow":
         infer = trace.inference_function(folded_model, sig)
         tensors = [inputs[name] for name in sig.input_names]
 

@@ -22,7 +22,6 @@ from typing import Any
 
 import keras
 import numpy as np
-import tensorflow as tf
 from ai_edge_litert.interpreter import Interpreter, OpResolverType
 
 from keras_bn import _backend
@@ -31,7 +30,7 @@ from keras_bn.export import defaults, pipeline, qat, report, trace
 from keras_bn.quantize import hosts
 
 # The writer converts TensorFlow functions: a file from another backend is loaded under TensorFlow.
-_backend.require_tensorflow("keras_bn.export.export_tflite")
+_backend.require_writers("keras_bn.export.export_tflite")
 
 QUANTIZATIONS = tuple(defaults.SCALE_TOLERANCES)  # None (float32), "float16", "dynamic", "int8"
 SIGNATURE = "serve"
@@ -245,10 +244,12 @@ class _TFLite(pipeline.Format):
                 )
 
     def convert(self, model: keras.Model, sig: trace.Signature) -> bytes:
+        import tensorflow as tf  # the writer's own (keras_bn._backend.require_writers)
+
         function = trace.inference_function(model, sig)
         archive = keras.export.ExportArchive()
         archive.track(model)
-        archive.add_endpoint(SIGNATURE, function.python_function, list(sig.input_specs))
+        archive.add_endpoint(SIGNATURE, function.python_function, trace.tensor_specs(sig))
         with (
             tempfile.TemporaryDirectory() as folder,
             contextlib.redirect_stdout(io.StringIO()),
@@ -262,7 +263,9 @@ class _TFLite(pipeline.Format):
             self._configure(converter, sig)
             return converter.convert()
 
-    def _configure(self, converter: tf.lite.TFLiteConverter, sig: trace.Signature) -> None:
+    def _configure(self, converter: Any, sig: trace.Signature) -> None:
+        import tensorflow as tf  # the writer's own (keras_bn._backend.require_writers)
+
         # Builtins only: a folded model needs no Flex (Keras's own export turns SELECT_TF_OPS on).
         converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS]
         if self.quantization is not None:
@@ -325,7 +328,9 @@ class _QuantizedTFLite(pipeline.QuantizedFormat, _TFLite):
         weights = self.take_weights(model, sig)
         return super().convert(qat.export_model(model, weights, _on_int8_grid), sig)
 
-    def _configure(self, converter: tf.lite.TFLiteConverter, sig: trace.Signature) -> None:
+    def _configure(self, converter: Any, sig: trace.Signature) -> None:
+        import tensorflow as tf  # the writer's own (keras_bn._backend.require_writers)
+
         # The ranges are in the graph (FakeQuant ops): quantize, calibrate nothing. Builtins
         # only; an op the converter left in float shows in `float_ops`.
         converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS]
@@ -358,10 +363,12 @@ class _QuantizedTFLite(pipeline.QuantizedFormat, _TFLite):
         return report.histogram(found)
 
 
-def _on_int8_grid(weight: qat.HostWeight) -> tf.Tensor:
+def _on_int8_grid(weight: qat.HostWeight) -> Any:
     """A kernel for the converter: its grid's values under an 8-bit narrow-range FakeQuant
     whose range is ±127 steps, so that the file holds the k-bit integers themselves as int8;
     named by the kernel's tag, to be found in the file."""
+    import tensorflow as tf  # the writer's own (keras_bn._backend.require_writers)
+
     grid = weight.grid
     wide = np.asarray(grid.scale * np.float32(127), np.float32)
     if grid.per_channel:

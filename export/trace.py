@@ -36,7 +36,6 @@ from typing import Any, TypeAlias
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from keras_bn import _models
 from keras_bn._errors import UnsupportedModelError
@@ -73,6 +72,23 @@ ANY_NAMES = NameRules()
 
 
 @dataclasses.dataclass(frozen=True)
+class InputSpec:
+    """One model input as the files take it: its shape with a free batch dim, and dtype."""
+
+    name: str
+    shape: tuple[int | None, ...]
+    dtype: str  # Keras's dtype name, e.g. "float32"
+
+    @property
+    def numpy_dtype(self) -> np.dtype[Any]:
+        if self.dtype == "bfloat16":  # numpy knows it from ml_dtypes, as Keras does
+            import ml_dtypes
+
+            return np.dtype(ml_dtypes.bfloat16)
+        return np.dtype(self.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
 class Signature:
     """Names, shapes and dtypes of a model's inputs and outputs, in the model's flat order."""
 
@@ -80,7 +96,7 @@ class Signature:
     input_names: tuple[str, ...]
     # the model's own name of each input (dict key path, or Input name)
     input_keys: tuple[str, ...]
-    input_specs: tuple[tf.TensorSpec, ...]  # per input, batch dim free, named as the input
+    input_specs: tuple[InputSpec, ...]  # per input, batch dim free, named as the input
     output_names: tuple[str, ...]
     _inputs_struct: object  # what the model is called with, with inputs as leaves
 
@@ -120,7 +136,7 @@ def signature(model: keras.Model, rules: NameRules = ANY_NAMES) -> Signature:
     input_keys = tuple(base for _, base in input_leaves)  # a user-chosen name is its own base
     output_names = _names(output_leaves, reserved=(*input_keys, *input_names))
     specs = tuple(
-        tf.TensorSpec([None, *t.shape[1:]], t.dtype, name=name)
+        InputSpec(name, (None, *t.shape[1:]), keras.backend.standardize_dtype(t.dtype))
         for name, t in zip(input_names, keras.tree.flatten(inputs))
     )
     return Signature(input_names, input_keys, specs, output_names, inputs)
@@ -323,8 +339,8 @@ def _same_structure(data: ModelInput, structure: object) -> bool:
     return True
 
 
-def _as_input(name: str, array: np.ndarray, spec: tf.TensorSpec, what: str) -> np.ndarray:
-    dtype = np.dtype(spec.dtype.as_numpy_dtype)
+def _as_input(name: str, array: np.ndarray, spec: InputSpec, what: str) -> np.ndarray:
+    dtype = spec.numpy_dtype
     if array.ndim == 0:
         raise ValueError(f"{what} for input '{name}' is a scalar; it needs a batch axis.")
     if np.issubdtype(array.dtype, np.floating) and not np.issubdtype(dtype, np.floating):
@@ -350,7 +366,7 @@ def random_feed(sig: Signature, batch: int = RANDOM_BATCH, seed: int = 0) -> Fee
     result: dict[str, np.ndarray] = {}
     for name, spec in zip(sig.input_names, sig.input_specs):
         shape = [batch] + [UNKNOWN_DIM if d is None else d for d in spec.shape[1:]]
-        dtype = np.dtype(spec.dtype.as_numpy_dtype)
+        dtype = spec.numpy_dtype
         if np.issubdtype(dtype, np.floating):
             result[name] = rng.standard_normal(shape).astype(dtype)
         else:
@@ -427,16 +443,22 @@ def outputs(model: keras.Model, sig: Signature, inputs: Feed) -> dict[str, np.nd
     return {name: np.asarray(r, np.float64) for name, r in zip(sig.output_names, results)}
 
 
-def inference_function(
-    model: keras.Model, sig: Signature
-) -> tf.types.experimental.PolymorphicFunction:
+def tensor_specs(sig: Signature) -> list[Any]:
+    """The inputs' tf.TensorSpecs, named as the inputs (the writers' traced signatures)."""
+    import tensorflow as tf  # the writers' (keras_bn._backend.require_writers)
+
+    return [tf.TensorSpec(s.shape, s.dtype, name=s.name) for s in sig.input_specs]
+
+
+def inference_function(model: keras.Model, sig: Signature) -> Any:
     """tf.function(*inputs) -> {output name: tensor}, the model in inference mode.
 
     Its positional arguments follow `sig.input_names`, each with its TensorSpec.
     """
+    import tensorflow as tf  # the writers' (keras_bn._backend.require_writers)
 
-    def infer(*tensors: tf.Tensor) -> dict[str, tf.Tensor]:
+    def infer(*tensors: Any) -> dict[str, Any]:
         results = model(sig.pack(dict(zip(sig.input_names, tensors))), training=False)
         return dict(zip(sig.output_names, keras.tree.flatten(results)))
 
-    return tf.function(infer, input_signature=list(sig.input_specs))
+    return tf.function(infer, input_signature=tensor_specs(sig))

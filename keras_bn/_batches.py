@@ -7,18 +7,29 @@ dataset's elements come as numpy arrays (TensorFlow tensors are not JAX's).
 """
 
 import copy
+import sys
 from collections.abc import Iterable, Iterator, Sized
 from typing import Any, TypeAlias
 
 import keras
 import numpy as np
-import tensorflow as tf
 
-from keras_bn import _backend
+from keras_bn import backend
 
-# What `data` may be: a dataset, an array or a dict of arrays (split into batches here), or any
-# other iterable of batches.
-Data: TypeAlias = tf.data.Dataset | np.ndarray | dict[str, Any] | Iterable[Any]
+# What `data` may be: a tf.data.Dataset, an array or a dict of arrays (split into batches
+# here), or any other iterable of batches.
+Data: TypeAlias = np.ndarray | dict[str, Any] | Iterable[Any]
+_INFINITE = -1  # tf.data.INFINITE_CARDINALITY
+
+
+def _cardinality(data: Data) -> int | None:
+    """A tf.data.Dataset's cardinality (tf.data's constants: −1 infinite, −2 unknown), or None
+    for anything else. TensorFlow is not imported for it: a dataset exists only where
+    TensorFlow already is."""
+    tf = sys.modules.get("tensorflow")
+    if tf is None or not isinstance(data, tf.data.Dataset):
+        return None
+    return int(data.cardinality())
 
 
 class Batches:
@@ -41,8 +52,8 @@ class Batches:
                     f"batch_size must be a positive int; received batch_size={batch_size!r}."
                 )
             data = split(data, batch_size)
-        elif isinstance(data, tf.data.Dataset):
-            if steps is None and data.cardinality() == tf.data.INFINITE_CARDINALITY:
+        elif _cardinality(data) is not None:
+            if steps is None and _cardinality(data) == _INFINITE:
                 raise ValueError("recalibrate: the dataset is infinite; pass steps=.")
         elif keep and iter(data) is data:
             data = list(take(data, steps))
@@ -53,8 +64,8 @@ class Batches:
 
     def __iter__(self) -> Iterator[Any]:
         data = self._data
-        if isinstance(data, tf.data.Dataset) and not _backend.on_tensorflow():
-            data = data.as_numpy_iterator()
+        if _cardinality(data) is not None and backend.name() != "tensorflow":
+            data = data.as_numpy_iterator()  # type: ignore[attr-defined]
         for element in take(data, self._steps):
             yield keras.utils.unpack_x_y_sample_weight(element)[0]
 
@@ -107,8 +118,8 @@ def split(data: np.ndarray | dict[str, Any], batch_size: int) -> list[Any]:
 def known_length(data: Data, steps: int | None) -> int | None:
     """The number of batches when it is known before iterating, else None."""
     length: int | None
-    if isinstance(data, tf.data.Dataset):
-        length = int(data.cardinality())
+    length = _cardinality(data)
+    if length is not None:
         length = None if length < 0 else length
     else:
         length = len(data) if isinstance(data, Sized) else None

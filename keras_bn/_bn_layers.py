@@ -9,7 +9,7 @@ with the same meaning, except:
   (Algorithm 2), Keras's the biased E_B[σ²_B];
 - masks: both read a mask of the input's rank − 1 as Keras does (the leading axes, broadcast
   over the last); keras_bn also reads one over the non-channel axes where Keras's reading
-  does not fit (`statistics.expand_mask`).
+  does not fit (`keras_bn._axes.mask_axes`).
 
 Folding (keras_bn.export), `recalibrate` and `convert` all work from this one description,
 which holds under TensorFlow and JAX alike (the TensorFlow-only features guard themselves).
@@ -18,7 +18,6 @@ which holds under TensorFlow and JAX alike (the TensorFlow-only features guard t
 import keras
 import numpy as np
 
-from keras_bn import ops
 from keras_bn.layers import BatchNormalization
 
 KERAS_BN = keras.layers.BatchNormalization
@@ -89,11 +88,6 @@ def inference_affine(layer):
     """(scale, shift), flat float64: the layer's inference map y = scale·x + shift per channel,
     with its own epsilon. Either convention's moving variance is the one inference uses."""
     gamma, beta = gamma_beta(layer)
-    scale, shift = ops.inference_affine(
-        np.asarray(layer.moving_mean, np.float64),
-        np.asarray(layer.moving_variance, np.float64),
-        gamma,
-        beta,
-        float(layer.epsilon),
-    )
-    return np.asarray(scale).ravel(), np.asarray(shift).ravel()
+    mean = np.asarray(layer.moving_mean, np.float64)
+    scale = gamma / np.sqrt(np.asarray(layer.moving_variance, np.float64) + float(layer.epsilon))
+    return scale.ravel(), (beta - scale * mean).ravel()

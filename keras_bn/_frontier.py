@@ -4,7 +4,7 @@ the model still reads, held in memory up to a budget and spilled to disk past it
 Held tensors stay where the backend computed them (GPU memory on a GPU), and the budget counts
 them wherever they are. A tensor that does not fit goes to a numpy memmap in a temporary folder
 that is removed when the frontier closes, on failure too; it is read back, as a tensor of the
-backend that wrote it (TensorFlow or JAX), when a later part needs it.
+backend that wrote it, when a later part needs it.
 """
 
 import math
@@ -13,8 +13,8 @@ import shutil
 import tempfile
 from typing import Any
 
+import keras
 import numpy as np
-import tensorflow as tf
 
 # The default budget: 2 GiB, or half the memory available when the frontier opens if less.
 DEFAULT_MAX_MEMORY = 2 * 1024**3
@@ -38,25 +38,43 @@ def _available_memory() -> int | None:
     return None
 
 
-def _tensorflow(tensor: Any) -> bool:
-    """Whether `tensor` is TensorFlow's (else a jax array, under the JAX backend)."""
-    return isinstance(tensor.dtype, tf.DType)
+# A tensor's shape and dtype name: what a compiled segment is traced for.
+Signature = tuple[tuple[int | None, ...], str]
 
 
-def nbytes(tensor: tf.Tensor | None) -> int:
-    """The bytes a tensor's values take (0 for None)."""
-    if tensor is None:
+def signature(tensor: Any) -> Signature:
+    """(shape, dtype name) of a tensor of any backend."""
+    return tuple(tensor.shape), keras.backend.standardize_dtype(tensor.dtype)
+
+
+def nbytes(tensor: Any) -> int:
+    """The bytes a tensor's values take (0 for None and for non-numeric tensors)."""
+    if tensor is None or not _numeric(tensor):
         return 0
-    if _tensorflow(tensor):
-        return int(tensor.shape.num_elements()) * tensor.dtype.size
-    return math.prod(tensor.shape) * np.dtype(tensor.dtype).itemsize  # a jax array
+    shape, dtype = signature(tensor)
+    return math.prod(shape) * _itemsize(dtype)
+
+
+def _itemsize(dtype: str) -> int:
+    try:
+        return np.dtype(dtype).itemsize
+    except TypeError:  # bfloat16 and the float8 types: numpy knows them from ml_dtypes
+        import ml_dtypes
+
+        return np.dtype(getattr(ml_dtypes, dtype)).itemsize
+
+
+def _numeric(tensor: Any) -> bool:
+    dtype = keras.backend.standardize_dtype(tensor.dtype)
+    return (
+        dtype == "bool" or keras.backend.is_float_dtype(dtype) or keras.backend.is_int_dtype(dtype)
+    )
 
 
 class _Spilled:
     """A tensor written to a memmap file, read back as a tensor of its backend on `load`."""
 
-    def __init__(self, directory: str, name: str, tensor: tf.Tensor) -> None:
-        self._tensorflow = _tensorflow(tensor)
+    def __init__(self, directory: str, name: str, tensor: Any) -> None:
         array = np.asarray(tensor)
         self.path = os.path.join(directory, name)
         self.shape, self.dtype = array.shape, array.dtype
@@ -65,26 +83,21 @@ class _Spilled:
         written.flush()
         del written
 
-    def load(self) -> tf.Tensor:
+    def load(self) -> Any:
         array = np.memmap(self.path, dtype=self.dtype, mode="r", shape=self.shape)
-        if self._tensorflow:
-            return tf.constant(array)
-        import jax.numpy as jnp
+        # A copy (np.array): the file is removed when the frontier drops it.
+        return keras.ops.convert_to_tensor(np.array(array))
 
-        return jnp.array(array)  # a copy: the file is removed when the frontier drops it
-
-    def spec(self) -> tf.TensorSpec:
-        return tf.TensorSpec(self.shape, tf.as_dtype(self.dtype))
+    def signature(self) -> Signature:
+        return self.shape, keras.backend.standardize_dtype(self.dtype)
 
     def remove(self) -> None:
         os.remove(self.path)
 
 
-def _spillable(tensor: tf.Tensor) -> bool:
+def _spillable(tensor: Any) -> bool:
     # A memmap needs a non-empty numeric array; strings (and empty tensors) stay in memory.
-    if not _tensorflow(tensor):  # a jax array: always numeric or bool
-        return nbytes(tensor) > 0
-    return (tensor.dtype.is_numeric or tensor.dtype.is_bool) and nbytes(tensor) > 0
+    return nbytes(tensor) > 0
 
 
 class Frontier:
@@ -118,11 +131,11 @@ class Frontier:
             shutil.rmtree(self._directory, ignore_errors=True)
             self._directory = None
 
-    def put(self, key: Any, batch: int, value: tf.Tensor, mask: tf.Tensor | None) -> None:
+    def put(self, key: Any, batch: int, value: Any, mask: Any | None) -> None:
         """Keep `value` and its `mask` for (key, batch), spilling each that does not fit."""
         self._entries[(key, batch)] = [self._keep(value), self._keep(mask)]
 
-    def _keep(self, tensor: tf.Tensor | None) -> Any:
+    def _keep(self, tensor: Any | None) -> Any:
         size = nbytes(tensor)
         if tensor is None or self.held_bytes + size <= self.max_memory or not _spillable(tensor):
             self.held_bytes += size
@@ -134,7 +147,7 @@ class Frontier:
         self.spilled_bytes += size
         return _Spilled(self._directory, f"{self._written}.dat", tensor)
 
-    def get(self, key: Any, batch: int) -> tuple[tf.Tensor, tf.Tensor | None]:
+    def get(self, key: Any, batch: int) -> tuple[Any, Any | None]:
         """The (value, mask) kept for (key, batch), read back from disk where spilled."""
         value, mask = (
             entry.load() if isinstance(entry, _Spilled) else entry
@@ -142,16 +155,17 @@ class Frontier:
         )
         return value, mask
 
-    def spec(self, key: Any, batch: int) -> tuple[tf.TensorSpec, tf.TensorSpec | None]:
-        """The (value, mask) TensorSpecs of (key, batch), without reading a spilled one."""
+    def signature(self, key: Any, batch: int) -> tuple[Signature, Signature | None]:
+        """The (value, mask) signatures of (key, batch), without reading a spilled one."""
         value, mask = (
             None
             if entry is None
-            else entry.spec()
+            else entry.signature()
             if isinstance(entry, _Spilled)
-            else tf.TensorSpec.from_tensor(entry)
+            else signature(entry)
             for entry in self._entries[(key, batch)]
         )
+        assert value is not None  # every entry has a value
         return value, mask
 
     def drop(self, key: Any, batch: int) -> None:

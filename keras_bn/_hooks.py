@@ -7,20 +7,19 @@ work on it, and undo afterwards.
 - `Snapshot`: the values of some variables, every replica's copy under `tf.distribute`, put
   back on `restore()` or at the end of a `with` block.
 
-Both run under TensorFlow and JAX: the moments are jnp under JAX (keras_bn/_jax_ops.py, the
-layer's own), and JAX has no replicas to save.
+Both run under every backend of keras_bn.backend: the moments are the backend's
+(`input_moments`), and only TensorFlow has replicas to save (`local_copies`).
 """
 
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeAlias
 
 import keras
-import tensorflow as tf
 
-from keras_bn import _backend, _bn_layers, statistics, xla
+from keras_bn import _bn_layers, backend
 
 # A BN input's (mean, biased variance, count m) per channel.
-Moments: TypeAlias = tuple[tf.Tensor, tf.Tensor, tf.Tensor]
+Moments: TypeAlias = tuple[Any, Any, Any]
 
 
 class BatchNormCalls:
@@ -59,9 +58,9 @@ class BatchNormCalls:
                 object.__setattr__(layer, "call", previous)
 
     def _wrap(
-        self, index: int, layer: keras.layers.Layer, call: Callable[..., tf.Tensor]
-    ) -> Callable[..., tf.Tensor]:
-        def shadowed_call(inputs: tf.Tensor, *args: Any, **kwargs: Any) -> tf.Tensor:
+        self, index: int, layer: keras.layers.Layer, call: Callable[..., Any]
+    ) -> Callable[..., Any]:
+        def shadowed_call(inputs: Any, *args: Any, **kwargs: Any) -> Any:
             if self._recorded is not None:
                 if index in self._recorded:
                     raise shared_error(layer)
@@ -104,74 +103,30 @@ def shared_error(layer: keras.layers.Layer) -> ValueError:
     )
 
 
-def batch_moments(layer: keras.layers.Layer, inputs: tf.Tensor, mask: tf.Tensor | None) -> Moments:
+def batch_moments(layer: keras.layers.Layer, inputs: Any, mask: Any) -> Moments:
     """(mean, biased variance, m) of a BN layer's input over its reduced axes (unmasked values
     only), in the layer's statistics dtype and its moving statistics' shape; m per channel.
 
-    The mask is read as the layer itself reads it in training (`statistics.expand_mask`):
+    The mask is read as the layer itself reads it in training (the backend's `expand_mask`):
     Keras's reading for both classes, keras_bn's non-channel reading only for keras_bn's
-    layer, so that the moments are those the layer's own training step computes.
-
-    Without a mask the moments are keras_bn/xla.py's, compiled on their own (`_xla_moments`):
-    XLA fuses their sums into one read of the input, where `statistics.moments`' ops each
-    read it again (with those, recalibrate's one pass took 1.59× a predict pass on the small
-    ResNet of benchmarks/bench_recalibrate.py; with these 1.34×, 2026-11-26).
-
-    Under JAX they are the layer's own jnp moments (`_jax_ops.moments`), run eagerly.
+    layer, so that the moments are those the layer's own training step computes. The moments
+    are the backend's `input_moments`.
     """
-    if not _backend.on_tensorflow():
-        return _jax_batch_moments(layer, inputs, mask)
-    x = tf.cast(inputs, statistics.statistics_dtype(inputs.dtype))
-    channel_axes = _bn_layers.channel_axes(layer, x.shape.rank)
+    ops = backend.get()
+    x = keras.ops.cast(inputs, ops.statistics_dtype(inputs.dtype))
+    channel_axes = _bn_layers.channel_axes(layer, len(x.shape))
     if mask is not None:
-        mask = statistics.expand_mask(
+        mask = ops.expand_mask(
             mask, x, channel_axes, channel_reading=_bn_layers.reads_channel_masks(layer)
         )
-        mean, variance = statistics.moments(x, channel_axes, mask)
-    elif xla.group_axis(x.shape, channel_axes) is None:
-        mean, variance = statistics.moments(x, channel_axes)
-    else:
-        mean, variance = _xla_moments(x, tuple(channel_axes))
+    mean, variance = ops.input_moments(x, channel_axes, mask)
     # m_c per channel: a mask may leave the channels different counts.
-    count = tf.zeros_like(mean) + tf.cast(statistics.element_count(x, channel_axes, mask), x.dtype)
-    shape = tf.shape(layer.moving_mean)
-    return tf.reshape(mean, shape), tf.reshape(variance, shape), tf.reshape(count, shape)
-
-
-def _jax_batch_moments(layer: keras.layers.Layer, inputs: Any, mask: Any) -> Moments:
-    """`batch_moments` under JAX, in jnp."""
-    import jax.numpy as jnp
-
-    from keras_bn import _jax_ops
-
-    x = jnp.asarray(inputs)
-    x = x.astype(_jax_ops.statistics_dtype(x.dtype))
-    channel_axes = _bn_layers.channel_axes(layer, x.ndim)
-    if mask is not None:
-        mask = _jax_ops.expand_mask(
-            mask, x, channel_axes, channel_reading=_bn_layers.reads_channel_masks(layer)
-        )
-    mean, variance, count = _jax_ops.moments(x, channel_axes, mask)
-    shape = layer.moving_mean.shape
-    count = jnp.zeros_like(mean) + jnp.asarray(count, mean.dtype)  # m_c per channel
-    return jnp.reshape(mean, shape), jnp.reshape(variance, shape), jnp.reshape(count, shape)
-
-
-# One function per rank and channel axes (a shape-relaxed trace must keep its rank), shared by
-# every model; XLA compiles it once per input shape.
-_XLA_MOMENTS: dict[tuple[int, tuple[int, ...]], Any] = {}
-
-
-def _xla_moments(x: tf.Tensor, channel_axes: tuple[int, ...]) -> tuple[tf.Tensor, tf.Tensor]:
-    key = (x.shape.rank, channel_axes)
-    if key not in _XLA_MOMENTS:
-        _XLA_MOMENTS[key] = tf.function(
-            lambda x: xla.moments(x, channel_axes),
-            jit_compile=True,
-            autograph=False,
-            reduce_retracing=True,
-        )
-    return _XLA_MOMENTS[key](x)
+    count = keras.ops.zeros_like(mean) + keras.ops.cast(
+        ops.element_count(x, channel_axes, mask), x.dtype
+    )
+    shape = tuple(layer.moving_mean.shape)
+    mean, variance, count = (keras.ops.reshape(t, shape) for t in (mean, variance, count))
+    return mean, variance, count
 
 
 class Snapshot:
@@ -187,17 +142,11 @@ class Snapshot:
             `distribute_strategy`); None for the current one (unused under JAX).
     """
 
-    def __init__(
-        self, variables: Iterable[keras.Variable], strategy: tf.distribute.Strategy | None = None
-    ) -> None:
-        if not _backend.on_tensorflow():
-            self._saved = [(variable, variable.numpy()) for variable in variables]
-            return
-        strategy = strategy or tf.distribute.get_strategy()
+    def __init__(self, variables: Iterable[keras.Variable], strategy: Any = None) -> None:
         self._saved = [
             (copy, copy.numpy())
             for variable in variables
-            for copy in strategy.experimental_local_results(variable.value)
+            for copy in backend.get().local_copies(variable, strategy)
         ]
 
     def restore(self) -> None:

@@ -16,9 +16,8 @@ from typing import Any
 import keras
 import numpy as np
 import numpy.typing as npt
-import tensorflow as tf
 
-from keras_bn import _backend, _bn_layers
+from keras_bn import _bn_layers, backend
 from keras_bn._hooks import BatchNormCalls
 
 
@@ -266,9 +265,7 @@ def in_call_order(
         def recorded(x: Any) -> dict[int, Any]:
             return statistics.record(lambda: forward(x))
 
-        traced = (
-            tf.function(recorded, reduce_retracing=True) if _backend.on_tensorflow() else recorded
-        )
+        traced = backend.get().compiled(recorded)
         traced(first)
         order = statistics.order
         bar.add_total(len(order) * count if count is not None else None)

@@ -27,7 +27,6 @@ the Keras variables it closes over in as constants, and each segment must read t
 the previous one just assigned.
 """
 
-import contextlib
 import dataclasses
 import functools
 from collections.abc import Iterator, Sequence
@@ -35,11 +34,10 @@ from typing import Any
 
 import keras
 import numpy as np
-import tensorflow as tf
 from keras.src.backend import get_keras_mask, set_keras_mask
 from keras.src.models.functional import Functional, operation_fn
 
-from keras_bn import _backend, _bn_layers, _layerwise, _models
+from keras_bn import _bn_layers, _layerwise, _models, backend
 from keras_bn._batches import Batches
 from keras_bn._errors import UnsupportedModelError
 from keras_bn._frontier import Frontier
@@ -416,18 +414,12 @@ class _Compiled:
         recorded = [s.boundary.layers[0] for s in self.plan.segments if s.boundary.kind == "record"]
         self.statistics = BatchNormCalls([layers[i] for i in recorded])
         self._position = {index: k for k, index in enumerate(recorded)}
-        self._tensorflow = _backend.on_tensorflow()
-        bodies = [
-            self._body(segment, first=number == 0)
-            for number, segment in enumerate(self.plan.segments)
-        ]
         # Without autograph, as Keras traces its own predict function (the layers' calls are
         # Keras's to trace; the walk itself has no tensor-dependent control flow).
-        self._functions = (
-            [tf.function(body, reduce_retracing=True, autograph=False) for body in bodies]
-            if self._tensorflow
-            else bodies
-        )
+        self._functions = [
+            backend.get().compiled(self._body(segment, first=number == 0), autograph=False)
+            for number, segment in enumerate(self.plan.segments)
+        ]
 
     def segment(
         self, number: int, batches: Batches, frontier: Frontier, count: int
@@ -441,8 +433,10 @@ class _Compiled:
                 yield (batch, *function(x))
             return
         inputs = self.plan.segments[number].inputs
-        if self._tensorflow:
-            function = _concrete(function, frontier, inputs, count)
+        # One trace for every batch's entries, so that a smaller last batch traces nothing.
+        function = backend.get().specialized(
+            function, [[frontier.signature(t, batch) for batch in range(count)] for t in inputs]
+        )
         for batch in range(count):
             outputs = function(tuple(frontier.get(tensor, batch) for tensor in inputs))
             yield (batch, *outputs)
@@ -485,20 +479,6 @@ class _Compiled:
         return body
 
 
-def _concrete(function: Any, frontier: Frontier, tensors: list[int], count: int) -> Any:
-    """`function`'s trace for the entries of every batch (their most specific common
-    TensorSpecs), so that a smaller last batch does not trace it again."""
-    specs = []
-    for tensor in tensors:
-        values, masks = zip(*(frontier.spec(tensor, batch) for batch in range(count)))
-        value = values[0].most_specific_common_supertype(values[1:])
-        mask = None if masks[0] is None else masks[0].most_specific_common_supertype(masks[1:])
-        if value is None or (masks[0] is not None and mask is None):
-            return function  # no common spec: let tf.function trace per shape
-        specs.append((value, mask))
-    return function.get_concrete_function(tuple(specs))
-
-
 def _call_bound(compiled: _Compiled, step: _Step, entries: Sequence[Any]) -> Any:
     """A "fallback" step's layer run on its inputs' frontier entries (value, mask pairs)."""
     return _call(step, compiled.bound(step.reads, entries))
@@ -516,7 +496,7 @@ def _name_scope() -> Any:
     """A TensorFlow name scope for the walk's calls: inside a model's call every layer's name
     scope has a parent; at the root, TensorFlow refuses a layer name such as "_private". JAX
     has none to refuse."""
-    return tf.name_scope("recalibrate") if _backend.on_tensorflow() else contextlib.nullcontext()
+    return backend.get().name_scope("recalibrate")
 
 
 class _Entered(Exception):

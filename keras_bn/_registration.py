@@ -8,17 +8,16 @@ imported. Keras never imports a config's module itself (only its own packages'),
 `keras-bn-export --help` does not load TensorFlow). So `register_when_keras_is_ready`, called
 by `import keras_bn`:
 
-- imports the registering modules at once if Keras and TensorFlow are already imported;
+- imports the registering modules at once if Keras (and, on its TensorFlow backend,
+  TensorFlow) is already imported;
 - else puts a finder first on `sys.meta_path` that wraps the loaders of `keras` and
   `tensorflow` and imports them as soon as both have finished loading (`import tensorflow`
   imports keras halfway through, and `import keras` imports tensorflow: whichever finishes
   last triggers it, so neither is half-initialized when keras_bn's modules run).
 
-Under JAX only keras_bn.layers and keras_bn.export.affine (a folded model's layers) are
-registered (they import TensorFlow, a dependency of the package, for their TensorFlow code
-paths): the other layers are TensorFlow code. Under any other
-backend nothing is registered, and the first use of a keras_bn name raises the backend guard's
-ImportError (keras_bn/_backend.py).
+Under TensorFlow and JAX every registering module is imported; under any other backend nothing
+is registered, and the first use of a keras_bn name raises the backend guard's ImportError
+(keras_bn/backend/__init__.py).
 """
 
 import importlib
@@ -26,9 +25,9 @@ import importlib.util
 import sys
 import typing
 
-from keras_bn import _backend
+from keras_bn import backend
 
-# The modules whose import registers keras_bn's classes with Keras; under JAX, the first two.
+# The modules whose import registers keras_bn's classes with Keras.
 REGISTERING_MODULES = (
     "keras_bn.layers",
     "keras_bn.export.affine",
@@ -90,14 +89,10 @@ class _Watcher:
         """
         if self.done or "keras" not in self.loaded:
             return self.done
-        backend = _backend.backend()
-        if backend == "jax":
-            self.done = True
-            # The layer and a folded model's layers are what runs there.
-            _register(REGISTERING_MODULES[:2])
-        elif backend != "tensorflow":
+        found = backend.name()
+        if found not in backend.SUPPORTED:
             self.done = True  # nothing of keras_bn's can run there
-        elif "tensorflow" in self.loaded:
+        elif found != "tensorflow" or "tensorflow" in self.loaded:
             self.done = True
             _register()
         return self.done

@@ -12,9 +12,8 @@ from typing import Any
 
 import keras
 import numpy as np
-import tensorflow as tf
 
-from keras_bn import _augmentation, _backend, _bn_layers, _hooks
+from keras_bn import _augmentation, _bn_layers, _hooks, backend
 from keras_bn._batches import Batches, Data
 from keras_bn._errors import UnsupportedModelError
 from keras_bn.population import PooledMoments
@@ -258,11 +257,9 @@ def _data_findings(
         def train(x: Any) -> Any:
             return model(x, training=False)  # the BNs forced into training mode
 
-        if _backend.on_tensorflow():  # under JAX eager: a jax.jit would bake in the statistics
-            infer = tf.function(infer_and_record, reduce_retracing=True)
-            train = tf.function(train, reduce_retracing=True)
-        else:
-            infer = infer_and_record
+        # Compiled on TensorFlow; eager under JAX, where a jax.jit would bake in the statistics.
+        infer = backend.get().compiled(infer_and_record)
+        train = backend.get().compiled(train)
         for number, x in enumerate(batches):
             _check_finite(x, number)
             recorded, inferred = infer(x)

@@ -23,7 +23,6 @@ from typing import Any, TypeAlias
 import keras
 import numpy as np
 import numpy.typing as npt
-import tensorflow as tf
 
 from keras_bn import _backend, _hooks
 from keras_bn.check import (
@@ -55,7 +54,7 @@ __all__ = [
 # A model input batch (an array, or a dict of them for named inputs), and a loss as
 # keras.losses.get takes it: a name, a Loss, or a function loss(y_true, y_pred).
 _Inputs: TypeAlias = npt.ArrayLike | dict[str, Any]
-_Loss: TypeAlias = str | keras.losses.Loss | Callable[[tf.Tensor, tf.Tensor], tf.Tensor]
+_Loss: TypeAlias = str | keras.losses.Loss | Callable[[Any, Any], Any]
 
 
 def gradient_norms_by_layer(
@@ -284,6 +283,8 @@ def _loss_and_gradients(
     training: bool,
 ) -> tuple[float, list[np.ndarray]]:
     """(L as a float, [∂L/∂v as numpy]) for the loss of the model's outputs alone."""
+    import tensorflow as tf  # the probes need TensorFlow's backend (`require_tensorflow`)
+
     loss_fn = keras.losses.get(loss)
     with tf.GradientTape() as tape:
         value = loss_fn(y, model(x, training=training))

@@ -1,23 +1,18 @@
 """keras_bn.BatchNormalization: a drop-in for keras.layers.BatchNormalization."""
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 
 import keras
-import tensorflow as tf
 from keras import constraints, initializers, regularizers
 
-from keras_bn import _backend, ghost, ops, statistics
+from keras_bn import _axes, backend, ghost
 from keras_bn import renorm as renormalization
-from keras_bn._moving_average import average_into as _average_into
-from keras_bn._moving_average import usable as _usable
 from keras_bn._shapes import ShapePreserving
 
-_backend.require_layer_backend()  # before any keras_bn layer can be built under another backend
-# Under JAX, `call` runs the same maths in jnp (keras_bn/_jax_ops.py, imported there, so that
-# TensorFlow users never import jax); the TensorFlow paths below are unchanged.
-_ON_JAX = _backend.backend() == "jax"
+backend.get()  # before any keras_bn layer can be built under a backend it does not run on
 
 # What keras.initializers.get, .regularizers.get and .constraints.get take: a name, a
 # serialized config, or an instance (any callable).
@@ -222,7 +217,7 @@ class BatchNormalization(ShapePreserving, keras.layers.Layer):
         rank = len(input_shape)
         self._channel_axes = _channel_axes(self.axis, input_shape)
         ghost.check_channel_axes(self.virtual_batch_size, self._channel_axes)
-        if not statistics.reduction_axes(rank, self._channel_axes):
+        if not _axes.reduction_axes(rank, self._channel_axes):
             raise ValueError(
                 f"BatchNormalization needs at least one axis to reduce over, but axis="
                 f"{self.axis} covers every axis of the input shape {tuple(input_shape)}."
@@ -262,9 +257,7 @@ class BatchNormalization(ShapePreserving, keras.layers.Layer):
         self._build_optional_state(shape)
         self.input_spec = keras.layers.InputSpec(ndim=rank, axes=dims)
 
-    def call(
-        self, inputs: tf.Tensor, training: bool | None = None, mask: tf.Tensor | None = None
-    ) -> tf.Tensor:
+    def call(self, inputs: Any, training: bool | None = None, mask: Any = None) -> Any:
         """Normalize `inputs`: with the batch's statistics in training (updating the moving
         ones), else with the moving statistics.
 
@@ -294,137 +287,157 @@ class BatchNormalization(ShapePreserving, keras.layers.Layer):
                 `virtual_batch_size` that the static batch size is not a multiple of (or a
                 mask with it).
         """
-        if _ON_JAX:
-            return self._call_jax(inputs, bool(training and self.trainable), mask)
-        if not inputs.dtype.is_floating:
-            raise TypeError(_not_floating(inputs.dtype.name))
-        dtype = statistics.statistics_dtype(inputs.dtype)
-        gamma = self._param(self.gamma, 1.0, dtype)
-        beta = self._param(self.beta, 0.0, dtype)
-
+        ops = backend.get()
+        if not ops.is_floating(inputs):
+            raise TypeError(_not_floating(keras.backend.standardize_dtype(inputs.dtype)))
+        assert self.moving_mean is not None and self._channel_axes is not None  # built
+        dtype = ops.statistics_dtype(inputs.dtype)
+        shape = tuple(self.moving_mean.shape)
+        gamma = ops.parameter(self.gamma, 1.0, shape, dtype)
+        beta = ops.parameter(self.beta, 0.0, shape, dtype)
         if training and self.trainable:
             y, mean, variance, count = self._normalize_batch(inputs, gamma, beta, mask)
-            self._update_moving_statistics(inputs, mean, variance, count)
+            weight = count
+            if self.virtual_batch_size is not None:  # a replica's weight: all its ghosts
+                weight = ops.element_count(inputs, self._channel_axes)
+            self.update_moving_statistics(mean, variance, count, weight)
         else:
             y = ops.batch_norm_eval(
                 inputs,
-                tf.cast(self.moving_mean, dtype),
-                tf.cast(self.moving_variance, dtype),
+                ops.parameter(self.moving_mean, 0.0, shape, dtype),
+                ops.parameter(self.moving_variance, 1.0, shape, dtype),
                 gamma,
                 beta,
                 self._channel_axes,
                 self.epsilon,
             )
-        return tf.cast(y, self.compute_dtype)
-
-    def _call_jax(self, inputs: Any, training: bool, mask: Any) -> Any:
-        """`call` under the JAX backend: the same maths, guards and moving statistics in jnp
-        (keras_bn/_jax_ops.py), with a jax.custom_vjp backward. There is no tf.distribute
-        under JAX, so `synchronized` has nothing to pool: each call normalizes the batch it
-        is given."""
-        from keras_bn import _jax_ops
-
-        if not keras.backend.is_float_dtype(inputs.dtype):
-            raise TypeError(_not_floating(keras.backend.standardize_dtype(inputs.dtype)))
-        assert self.moving_mean is not None and self.moving_variance is not None  # built
-        assert self._channel_axes is not None
-        dtype = _jax_ops.statistics_dtype(inputs.dtype)
-        shape = tuple(self.moving_mean.shape)
-        gamma = _jax_ops.parameter(self.gamma, 1.0, shape, dtype)
-        beta = _jax_ops.parameter(self.beta, 0.0, shape, dtype)
-        if not training:
-            y = _jax_ops.batch_norm_eval(
-                inputs,
-                _jax_ops.parameter(self.moving_mean, 0.0, shape, dtype),
-                _jax_ops.parameter(self.moving_variance, 1.0, shape, dtype),
-                gamma,
-                beta,
-                self._channel_axes,
-                self.epsilon,
-            )
-            return keras.ops.cast(y, self.compute_dtype)
-        batch, channel_axes = inputs, self._channel_axes
-        if self.virtual_batch_size is not None:
-            batch, channel_axes = _jax_ops.ghost_split(
-                inputs, self.virtual_batch_size, channel_axes, mask
-            )
-        mask = None if mask is None else _jax_ops.expand_mask(mask, batch, channel_axes)
-        count = _jax_ops.element_count(batch, channel_axes, mask)
-        if isinstance(count, int):
-            if count < 2 and _jax_ops.batch_size_traced(batch, channel_axes):
-                count = _jax_ops.run_time_count(count, shape, dtype)
-            else:
-                self._require_two_values(count, batch.shape)
-        gamma = _jax_ops.zero_unless_enough(gamma, count)
-        if not (self.renorm or self.virtual_batch_size):
-            y, mean, variance = _jax_ops.batch_norm_train(
-                batch, gamma, beta, channel_axes, self.epsilon, mask
-            )
-        else:  # x̂ by the hand-written gradient, the affine after it by autodiff
-            param_shape = [batch.shape[a] for a in channel_axes]
-            ones, zeros = (_jax_ops.parameter(None, v, param_shape, dtype) for v in (1.0, 0.0))
-            x_hat, mean, variance = _jax_ops.batch_norm_train(
-                batch, ones, zeros, channel_axes, self.epsilon, mask
-            )
-            if self.virtual_batch_size is not None:
-                mean, variance = mean.mean(axis=0), variance.mean(axis=0)
-                channel_axes = channel_axes[1:]
-            scale, offset = gamma, beta
-            if self.renorm:
-                r, d = _jax_ops.renorm_corrections(
-                    mean,
-                    variance,
-                    _jax_ops.parameter(self.renorm_mean, 0.0, shape, dtype),
-                    _jax_ops.parameter(self.renorm_stddev, 1.0, shape, dtype),
-                    self.epsilon,
-                    self.renorm_clipping,
-                )
-                scale, offset = gamma * r, beta + gamma * d
-            y = _jax_ops.batch_norm_inference(x_hat, scale, offset, channel_axes)
-            y = y.reshape(inputs.shape)
-        self._update_moving_statistics_jax(mean, variance, count)
         return keras.ops.cast(y, self.compute_dtype)
 
-    def _update_moving_statistics_jax(self, mean: Any, variance: Any, count: Any) -> None:
-        """`_update_moving_statistics` under JAX: the same guards (m ≥ 2 per channel, a finite
-        batch; `momentum=None` skips the whole batch unless every channel takes it)."""
-        from keras_bn import _jax_ops
-
-        assert self.moving_mean is not None and self.moving_variance is not None  # built
-        dtype = self.moving_mean.dtype
-        values, updated = _jax_ops.batch_estimates(
-            mean, variance, count, self.epsilon, dtype, self.renorm
+    def _normalize_batch(
+        self, inputs: Any, gamma: Any, beta: Any, mask: Any
+    ) -> tuple[Any, Any, Any, Any]:
+        """Train mode: the output, and the per-channel mean, biased variance and count m that
+        the moving statistics take (averaged over the ghosts with virtual_batch_size)."""
+        ops = backend.get()
+        assert self._channel_axes is not None  # build runs before any call
+        batch, channel_axes = inputs, self._channel_axes
+        if self.virtual_batch_size is not None:
+            batch, channel_axes = ops.ghost_split(
+                inputs, self.virtual_batch_size, channel_axes, mask
+            )
+        mask = None if mask is None else ops.expand_mask(mask, batch, channel_axes)
+        replicas = ops.replica_context() if self.synchronized else None
+        count = ops.element_count(batch, channel_axes, mask, replicas)
+        if isinstance(count, int) and count < 2:
+            if not ops.batch_size_traced(batch, channel_axes):
+                self._require_two_values(count, batch.shape)
+            # A traced batch of one (JAX's `fit`): run-time data, as TensorFlow's `fit` sees it.
+            count = ops.run_time_count(count, gamma.shape, gamma.dtype)
+        # m ≤ 1 at run time: γ = 0 makes that channel's output β and its gradients to x and γ
+        # zero (x̂ stays finite), and the update leaves its statistics alone.
+        gamma = ops.zero_unless_enough(gamma, count)
+        train = functools.partial(
+            ops.batch_norm_train,
+            channel_axes=channel_axes,
+            epsilon=self.epsilon,
+            mask=mask,
+            fused=self._fused,
+            replica_context=replicas,
         )
+        if not (self.renorm or self.virtual_batch_size):
+            y, mean, variance = train(batch, gamma, beta)
+            return y, mean, variance, count
+        # x̂ keeps the hand-written gradient; the affine after it is differentiated by autodiff
+        # (renorm's r and d are constants there).
+        x_hat, mean, variance = train(batch, *ops.unit_affine(batch, channel_axes, gamma.dtype))
+        if self.virtual_batch_size is not None:
+            mean, variance = ops.ghost_average(mean), ops.ghost_average(variance)
+            channel_axes = channel_axes[1:]  # x̂'s axes for the per-channel affine
+        scale, offset = gamma, beta
+        if self.renorm:
+            r, d = ops.renorm_corrections(
+                mean,
+                variance,
+                ops.parameter(self.renorm_mean, 0.0, gamma.shape, mean.dtype),
+                ops.parameter(self.renorm_stddev, 1.0, gamma.shape, mean.dtype),
+                self.epsilon,
+                self.renorm_clipping,
+            )
+            scale, offset = gamma * r, beta + gamma * d
+        y = ops.batch_norm_inference(
+            keras.ops.cast(x_hat, gamma.dtype), scale, offset, channel_axes
+        )
+        return ops.reshape_like(y, inputs), mean, variance, count
+
+    def _require_two_values(self, count: int, shape: Sequence[int | None]) -> None:
+        """Raise for a static m ≤ 1 in training (see `_zero_unless_enough`)."""
+        if count < 2:
+            raise ValueError(
+                f"BatchNormalization layer '{self.name}' in training mode needs at least "
+                f"2 values per channel to estimate a batch variance, but this batch gives "
+                f"m={count} (input shape {tuple(shape)}). Use a larger batch, or call it with "
+                f"training=False."
+            )
+
+    def update_moving_statistics(
+        self, mean: Any, variance: Any, count: Any, weight: Any = None, skip: Any = False
+    ) -> None:
+        """Move the moving statistics toward a batch's: EMA of μ_B and of the unbiased
+        m/(m−1)·σ²_B (the QAT layers call this too, with the statistics of their folded BN).
+
+        A non-finite batch changes nothing. A channel with m_c ≤ 1 has no variance and keeps
+        its statistics; with a momentum the other channels still update, while
+        `momentum=None` skips the whole batch (uncounted), so that the single batch counter
+        stays the number of batches every channel's average holds. Under a tf.distribute
+        strategy every replica applies the same update, decided together (the backend's
+        `pool_statistics`).
+
+        Args:
+            mean, variance: the batch's per-channel mean and biased variance.
+            count: m, a Python int (checked ≥ 2) or a tensor, scalar or per channel.
+            weight: this replica's count for pooling across replicas (default `count`).
+            skip: a boolean tensor (or False): true leaves every statistic as it is.
+        """
+        ops = backend.get()
+        assert self.moving_mean is not None and self.moving_variance is not None  # built
+        values, enough = ops.unbiased_estimates(
+            mean, variance, count, self.epsilon, self.moving_mean.dtype, self.renorm
+        )
+        values, updated = ops.pool_statistics(
+            values, enough, count if weight is None else weight, self.synchronized
+        )
+        if skip is not False:
+            updated = keras.ops.logical_and(updated, keras.ops.logical_not(skip))
         moving = (self.moving_mean, self.moving_variance)
-        if self.momentum is None:
+        if self.momentum is None:  # cumulative average: the n-th counted batch gets weight 1/n
             assert self.num_batches_tracked is not None  # built for momentum=None
-            updated = updated.all()
-            seen = self.num_batches_tracked.value
+            updated = keras.ops.all(updated)
+            seen = ops.read(self.num_batches_tracked)
             for variable, value in zip(moving, values):
-                variable.assign(_jax_ops.cumulative_average(variable.value, value, seen, updated))
-            self.num_batches_tracked.assign(seen + updated.astype(seen.dtype))
+                variable.assign(ops.cumulative_average(ops.read(variable), value, seen, updated))
+            self.num_batches_tracked.assign(seen + keras.ops.cast(updated, seen.dtype))
         else:
             for variable, value in zip(moving, values):
                 variable.assign(
-                    _jax_ops.moving_average(variable.value, value, self.momentum, updated)
+                    ops.moving_average(ops.read(variable), value, self.momentum, updated)
                 )
         if self.renorm:
-            assert self.renorm_mean is not None and self.renorm_stddev is not None  # built
-            assert self.moving_stddev is not None
-            for variable, value in ((self.renorm_mean, values[0]), (self.renorm_stddev, values[2])):
-                variable.assign(
-                    _jax_ops.moving_average(variable.value, value, self.renorm_momentum, updated)
-                )
-            stddev = keras.ops.sqrt(self.moving_variance.value + self.epsilon)
-            self.moving_stddev.assign(keras.ops.where(updated, stddev, self.moving_stddev.value))
+            self._update_renorm_statistics(values[0], values[2], updated)
 
-    def _counter_dtype(self) -> str:
-        """`num_batches_tracked`'s dtype: int64, or int32 under JAX without 64-bit types."""
-        if _ON_JAX:
-            from keras_bn import _jax_ops
-
-            return _jax_ops.counter_dtype()
-        return "int64"
+    def _update_renorm_statistics(self, mean: Any, stddev: Any, updated: Any) -> None:
+        """Keras's renorm state: renorm_mean and renorm_stddev average μ_B and √(σ²_B + ε) with
+        renorm_momentum (they give r and d). moving_stddev is kept at √(moving_variance + ε),
+        the relation Keras maintains, so the weights carry over to Keras unchanged."""
+        ops = backend.get()
+        assert self.renorm_mean is not None and self.renorm_stddev is not None  # built
+        assert self.moving_stddev is not None and self.moving_variance is not None
+        for variable, value in ((self.renorm_mean, mean), (self.renorm_stddev, stddev)):
+            variable.assign(
+                ops.moving_average(ops.read(variable), value, self.renorm_momentum, updated)
+            )
+        # Only in the channels updated: a skipped one leaves every weight as it was.
+        stddev = keras.ops.sqrt(ops.read(self.moving_variance) + self.epsilon)
+        self.moving_stddev.assign(keras.ops.where(updated, stddev, ops.read(self.moving_stddev)))
 
     def _float32_weight(
         self,
@@ -469,185 +482,11 @@ class BatchNormalization(ShapePreserving, keras.layers.Layer):
                 shape=(),
                 name="num_batches_tracked",
                 initializer="zeros",
-                dtype=self._counter_dtype(),
+                dtype=backend.get().counter_dtype(),
                 trainable=False,
                 autocast=False,
                 aggregation="only_first_replica",
             )
-
-    def _normalize_batch(
-        self, inputs: tf.Tensor, gamma: tf.Tensor, beta: tf.Tensor, mask: tf.Tensor | None
-    ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor, int | tf.Tensor]:
-        """Train mode: the output, and the per-channel mean, biased variance and count m that
-        the moving statistics take (averaged over the ghosts with virtual_batch_size)."""
-        assert self._channel_axes is not None  # build runs before any call
-        batch, channel_axes = inputs, self._channel_axes
-        if self.virtual_batch_size is not None:
-            batch, channel_axes = ghost.split(inputs, self.virtual_batch_size, channel_axes, mask)
-        mask = None if mask is None else statistics.expand_mask(mask, batch, channel_axes)
-        replicas = self._replica_context()
-        count = statistics.element_count(batch, channel_axes, mask, replicas)
-        if mask is not None:  # m_c per channel, shaped like the weights
-            count = tf.reshape(count, tf.shape(gamma))
-        gamma = self._zero_unless_enough(gamma, batch, count)
-        if not (self.renorm or self.virtual_batch_size):
-            y, mean, variance = ops.batch_norm_train(
-                batch,
-                gamma,
-                beta,
-                channel_axes,
-                self.epsilon,
-                mask,
-                fused=self._fused,
-                replica_context=replicas,
-            )
-            return y, mean, variance, count
-        # x̂ keeps the hand-written gradient; the affine after it is differentiated by autodiff
-        # (renorm's r and d are constants there).
-        param_shape = tf.gather(tf.shape(batch), channel_axes)
-        x_hat, mean, variance = ops.batch_norm_train(
-            batch,
-            tf.ones(param_shape, gamma.dtype),
-            tf.zeros(param_shape, gamma.dtype),
-            channel_axes,
-            self.epsilon,
-            mask,
-            fused=self._fused,
-            replica_context=replicas,
-        )
-        if self.virtual_batch_size is not None:
-            mean, variance = ghost.average(mean), ghost.average(variance)
-            channel_axes = channel_axes[1:]  # x̂'s axes for the per-channel affine
-        scale, offset = gamma, beta
-        if self.renorm:
-            r, d = renormalization.corrections(
-                mean,
-                variance,
-                tf.cast(self.renorm_mean, mean.dtype),
-                tf.cast(self.renorm_stddev, mean.dtype),
-                self.epsilon,
-                self.renorm_clipping,
-            )
-            scale, offset = gamma * r, beta + gamma * d
-        y = ops.batch_norm_inference(tf.cast(x_hat, gamma.dtype), scale, offset, channel_axes)
-        return tf.reshape(y, tf.shape(inputs)), mean, variance, count
-
-    def _replica_context(self) -> tf.distribute.ReplicaContext | None:
-        """The replica context to all-reduce over for synchronized BN, or None: not
-        synchronized, outside a strategy's replica function, or a single replica."""
-        return _several_replicas() if self.synchronized else None
-
-    def _param(self, variable: keras.Variable | None, default: float, dtype: tf.DType) -> tf.Tensor:
-        """A weight as a tensor, or the constant that stands for it when disabled."""
-        if variable is None:
-            assert self.moving_mean is not None  # build runs before any call
-            shape = [int(d) for d in self.moving_mean.shape]
-            return tf.fill(shape, tf.constant(default, dtype))
-        return tf.cast(variable, dtype)
-
-    def _zero_unless_enough(
-        self, gamma: tf.Tensor, x: tf.Tensor, count: int | tf.Tensor
-    ) -> tf.Tensor:
-        """γ, or 0 in each channel with m_c ≤ 1 values, which has no variance.
-
-        m ≤ 1 known when traced (a static batch of 1) is the caller's mistake: ValueError.
-        Known only at run time (a mask that leaves a channel ≤ 1 value, a dynamic batch of 1)
-        it is legitimate data: γ = 0 makes that channel's output β and its gradients to x and
-        γ zero (x̂ stays finite, see statistics.divisor), and _update_moving_statistics leaves
-        its statistics alone (count > 1).
-        """
-        if isinstance(count, int):
-            self._require_two_values(count, x.shape)
-            return gamma
-        return tf.where(count > 1, gamma, tf.zeros_like(gamma))
-
-    def _require_two_values(self, count: int, shape: Sequence[int | None]) -> None:
-        """Raise for a static m ≤ 1 in training (see `_zero_unless_enough`)."""
-        if count < 2:
-            raise ValueError(
-                f"BatchNormalization layer '{self.name}' in training mode needs at least "
-                f"2 values per channel to estimate a batch variance, but this batch gives "
-                f"m={count} (input shape {tuple(shape)}). Use a larger batch, or call it with "
-                f"training=False."
-            )
-
-    def _update_moving_statistics(
-        self, inputs: tf.Tensor, mean: tf.Tensor, variance: tf.Tensor, count: int | tf.Tensor
-    ) -> None:
-        """EMA of μ_B and of the unbiased m/(m−1)·σ²_B; a non-finite batch changes nothing.
-
-        `count` is m: an int, a scalar, or (under a mask) m_c per channel. A channel with
-        m_c ≤ 1 has no variance and keeps its statistics; with a momentum the other channels
-        still update, while `momentum=None` skips the whole batch (uncounted), so that the
-        single batch counter stays the number of batches every channel's average holds.
-        Under a strategy every replica applies the same update, decided together: see
-        `_pool_replicas`.
-        """
-        assert self.moving_mean is not None  # build runs before any call
-        var_dtype = self.moving_mean.dtype
-        mean, variance = tf.cast(mean, var_dtype), tf.cast(variance, var_dtype)
-        if isinstance(count, int):  # static m, already checked ≥ 2: the factor costs no op
-            unbiased, enough = variance * (count / (count - 1)), True
-        else:
-            count = tf.cast(count, var_dtype)
-            enough = count > 1.0
-            # A channel with m ≤ 1 is not updated; the divisor only keeps its value finite.
-            unbiased = variance * count / tf.maximum(count - 1.0, 1.0)
-        # Renorm's stddev average, √(σ²_B + ε), pools like the moving statistics.
-        batch = [mean, unbiased] + ([tf.sqrt(variance + self.epsilon)] if self.renorm else [])
-        batch, updated = self._pool_replicas(inputs, count, batch, enough)
-        if self.momentum is None:  # cumulative average: the n-th counted batch gets weight 1/n
-            assert self.num_batches_tracked is not None  # built for momentum=None
-            updated = tf.reduce_all(updated)
-            keep, weight = _cumulative_weights(self.num_batches_tracked, var_dtype)
-            self.num_batches_tracked.assign_add(tf.cast(updated, "int64"))
-        else:
-            keep, weight = self.momentum, None
-        for moving, batch_value in zip((self.moving_mean, self.moving_variance), batch):
-            _average_into(moving, batch_value, keep, updated, weight)
-        if self.renorm:
-            self._update_renorm_statistics(batch[0], batch[2], updated)
-
-    def _pool_replicas(
-        self,
-        inputs: tf.Tensor,
-        count: int | tf.Tensor,
-        batch: list[tf.Tensor],
-        enough: bool | tf.Tensor,
-    ) -> tuple[list[tf.Tensor], tf.Tensor]:
-        """The per-channel `batch` values every replica averages in, and which channels take
-        them (a boolean, scalar or per channel): those with m ≥ 2, if every such value of the
-        batch is finite.
-
-        Synchronized BN's statistics are already global, and one replica has nothing to
-        pool: the values are returned as they are. Otherwise (synchronized=False, several
-        replicas) one all-reduce gives each replica the same count-weighted average
-        Σ mᵢ·vᵢ / Σ mᵢ over the replicas i, per channel, mᵢ being the number of values
-        replica i reduced (all ghosts together); see `_count_weighted_average`.
-        """
-        context = None if self.synchronized else _several_replicas()
-        if context is None:
-            return batch, _usable(batch, enough)
-        weight = (
-            count
-            if self.virtual_batch_size is None
-            else statistics.element_count(inputs, self._channel_axes)
-        )
-        return _count_weighted_average(context, batch, weight, enough)
-
-    def _update_renorm_statistics(
-        self, mean: tf.Tensor, stddev: tf.Tensor, updated: tf.Tensor
-    ) -> None:
-        """Keras's renorm state: renorm_mean and renorm_stddev average μ_B and √(σ²_B + ε) with
-        renorm_momentum (they give r and d). moving_stddev is kept at √(moving_variance + ε),
-        the relation Keras maintains, so the weights carry over to Keras unchanged."""
-        for moving, batch_value in ((self.renorm_mean, mean), (self.renorm_stddev, stddev)):
-            _average_into(moving, batch_value, self.renorm_momentum, updated)
-        # Only in the channels updated: a skipped one leaves every weight as it was.
-        assert self.moving_stddev is not None and self.moving_variance is not None  # built
-        self.moving_stddev.assign(
-            tf.where(updated, tf.sqrt(self.moving_variance + self.epsilon), self.moving_stddev)
-        )
 
     def get_config(self) -> dict[str, Any]:
         """The layer's config: every constructor argument, for `from_config` and saving.
@@ -727,55 +566,6 @@ def _validate_momentum(momentum: object, name: str = "momentum") -> float | None
     if not 0.0 <= momentum < 1.0:
         raise ValueError(f"{name} must be in [0, 1); received {name}={momentum}.")
     return momentum
-
-
-def _several_replicas() -> tf.distribute.ReplicaContext | None:
-    """The current replica context when a tf.distribute strategy runs several replicas;
-    None outside a replica function or with one replica."""
-    context = tf.distribute.get_replica_context()
-    if context is None or context.num_replicas_in_sync <= 1:
-        return None
-    return context
-
-
-def _count_weighted_average(
-    context: tf.distribute.ReplicaContext,
-    values: list[tf.Tensor],
-    weight: int | tf.Tensor,
-    enough: bool | tf.Tensor,
-) -> tuple[list[tf.Tensor], tf.Tensor]:
-    """Across the replicas of `context`: (Σᵢ wᵢ·vᵢ / Σᵢ wᵢ for each per-channel tensor v in
-    `values`, which channels take it), identical on every replica.
-
-    The weight wᵢ is replica i's count, a scalar or per channel. A replica's channel with
-    m < 2 (`enough` false; possible at run time) has no variance: it counts with weight 0, and
-    a channel that no replica gives m ≥ 2 is not updated. A non-finite value on any replica
-    makes its channel's sum non-finite, so all replicas skip the batch together. One
-    all-reduce of the packed vector [w, w·v...], per channel.
-    """
-    dtype, shape = values[0].dtype, tf.shape(values[0])
-    weight = tf.broadcast_to(tf.cast(weight, dtype), shape)
-    if enough is not True:
-        weight = tf.where(enough, weight, tf.zeros_like(weight))
-        values = [tf.where(enough, v, tf.zeros_like(v)) for v in values]
-    packed = tf.concat([tf.reshape(t, [-1]) for t in [weight] + [weight * v for v in values]], 0)
-    total_weight, *totals = (
-        tf.reshape(part, shape)
-        for part in tf.split(
-            context.all_reduce(tf.distribute.ReduceOp.SUM, packed), 1 + len(values)
-        )
-    )
-    some = total_weight > 0
-    averages = [t / tf.where(some, total_weight, tf.ones_like(total_weight)) for t in totals]
-    return averages, _usable(averages, some)
-
-
-def _cumulative_weights(counter: keras.Variable, dtype: tf.DType) -> tuple[tf.Tensor, tf.Tensor]:
-    """(n/(n+1), 1/(n+1)) for `momentum=None`, n the int64 batch counter: divided in float64,
-    then cast. Formed in float32, n/(n+1) loses the new batch's weight (0.14% off at 1e5
-    batches, 4.6% at 4e6) and rounds to 1 from n = 2²⁴, where the average would stop."""
-    seen = tf.cast(counter, tf.float64)
-    return tf.cast(seen / (seen + 1.0), dtype), tf.cast(1.0 / (seen + 1.0), dtype)
 
 
 def _sqrt_of(initializer: Callable[..., Any]) -> Callable[..., Any]:

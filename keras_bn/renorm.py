@@ -7,12 +7,11 @@ In training, with σ_B = √(σ²_B + ε) and the renorm moving averages μ, σ 
 
 r and d are constants for the gradient (stop-gradient, as in the paper), so the gradient is
 that of y = x̂·γ' + β' with fixed γ', β'. Inference uses the moving statistics as without renorm.
-The argument names and weights follow keras.layers.BatchNormalization.
+The argument names and weights follow keras.layers.BatchNormalization; each backend's
+`renorm_corrections` computes r and d.
 """
 
 import math
-
-import tensorflow as tf
 
 CLIPPING_KEYS = ("rmax", "rmin", "dmax")
 
@@ -52,20 +51,3 @@ def validate_clipping(renorm_clipping, renorm):
     if clipping and not renorm:
         raise ValueError(f"renorm_clipping={renorm_clipping!r} has no effect without renorm=True.")
     return clipping
-
-
-def corrections(mean, variance, renorm_mean, renorm_stddev, epsilon, clipping):
-    """The per-channel (r, d) for a batch's mean and biased variance, without gradient."""
-    stddev = tf.sqrt(variance + epsilon)
-    # The floor avoids dividing by ~0 early in training (as Keras does).
-    renorm_stddev = tf.maximum(renorm_stddev, math.sqrt(epsilon))
-    r = stddev / renorm_stddev
-    d = (mean - renorm_mean) / renorm_stddev
-    clipping = clipping or {}
-    if "rmin" in clipping:
-        r = tf.maximum(r, clipping["rmin"])
-    if "rmax" in clipping:
-        r = tf.minimum(r, clipping["rmax"])
-    if "dmax" in clipping:
-        d = tf.clip_by_value(d, -clipping["dmax"], clipping["dmax"])
-    return tf.stop_gradient(r), tf.stop_gradient(d)

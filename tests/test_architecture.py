@@ -1,6 +1,7 @@
 """The import structure of the project, read statically with `ast`: no module of keras_bn/ or
-export/ (installed as keras_bn.export) imports itself back through any chain of imports, and
-the train paths sit on one leaf (docs/architecture.md, "Modules").
+export/ (installed as keras_bn.export) imports itself back through any chain of imports, the
+TensorFlow backend's train paths sit on its leaves, and TensorFlow and JAX are imported at
+module level only inside keras_bn/backend/ (docs/architecture.md, "Modules").
 
 The graph's nodes are the project's modules, found by walking the package directories (so a
 module added later is covered). Its edges are every `import` and `from ... import` statement
@@ -19,10 +20,28 @@ ROOT = Path(__file__).resolve().parent.parent
 # Package name → its directory; export/ is installed as keras_bn.export (pyproject.toml).
 PACKAGES = {"keras_bn": ROOT / "keras_bn", "keras_bn.export": ROOT / "export"}
 
-# The shared statistics helpers, and where the traced graph runs: they import no project module.
-LEAVES = {"keras_bn.statistics", "keras_bn.placement"}
-# The three train paths: siblings that import only the leaves, never each other nor ops.
-TRAIN_PATHS = {"keras_bn.fused", "keras_bn.xla", "keras_bn.composite"}
+TF = "keras_bn.backend.tensorflow"
+# The backend-neutral shape rules, the shared constants, and where the traced graph runs: they
+# import no project module.
+LEAVES = {"keras_bn._axes", "keras_bn.backend.constants", f"{TF}.placement"}
+# The TensorFlow backend's statistics helpers: on the leaves only.
+STATISTICS = f"{TF}.statistics"
+# The three train paths: siblings that import only the leaves and the statistics, never each
+# other nor ops.
+TRAIN_PATHS = {f"{TF}.fused", f"{TF}.xla", f"{TF}.composite"}
+# The frameworks whose import only keras_bn/backend/ may make at module level.
+FRAMEWORKS = ("tensorflow", "jax", "tf2onnx")
+# The modules outside keras_bn/backend/ that touch TensorFlow at all, lazily: the diagnostics'
+# gradient probes, tf.data input, and the writers (with the writers' traced functions and the
+# keras-bn-export command).
+LAZY_FRAMEWORK_USERS = {
+    "keras_bn.export.cli",
+    "keras_bn.diagnostics",
+    "keras_bn._batches",
+    "keras_bn.export.tflite",
+    "keras_bn.export.onnx",
+    "keras_bn.export.trace",
+}
 
 
 def project_modules(packages):
@@ -136,10 +155,10 @@ def test_the_walk_covers_every_installed_package():
 
 def test_the_walk_finds_the_imports():
     """A broken walk cannot pass vacuously: it has the edges it must, a lazy one included."""
-    for module in ("keras_bn", "keras_bn.ops", "keras_bn.layers", "keras_bn.export.fold"):
+    for module in ("keras_bn", f"{TF}.ops", "keras_bn.layers", "keras_bn.export.fold"):
         assert module in GRAPH, module
-    assert GRAPH["keras_bn.ops"] >= TRAIN_PATHS
-    assert "keras_bn.ops" in GRAPH["keras_bn.layers"]
+    assert GRAPH[f"{TF}.ops"] >= TRAIN_PATHS
+    assert "keras_bn.backend" in GRAPH["keras_bn.layers"]
     # `import keras_bn` inside a function of export/cli.py.
     assert "keras_bn" in GRAPH["keras_bn.export.cli"]
 
@@ -155,10 +174,86 @@ def test_leaves_import_no_project_module():
         assert not GRAPH[module], f"{module} imports {sorted(GRAPH[module])}"
 
 
+def test_statistics_import_only_the_leaves():
+    assert GRAPH[STATISTICS] <= LEAVES, f"{STATISTICS} imports {sorted(GRAPH[STATISTICS])}"
+
+
 def test_train_paths_import_only_the_leaves():
+    allowed = LEAVES | {STATISTICS}
     for module in sorted(TRAIN_PATHS):
         assert module in GRAPH, f"{module} is missing"
-        assert GRAPH[module] <= LEAVES, f"{module} imports {sorted(GRAPH[module] - LEAVES)}"
+        assert GRAPH[module] <= allowed, f"{module} imports {sorted(GRAPH[module] - allowed)}"
+
+
+def framework_imports(path):
+    """(module-level, lazy): the frameworks of FRAMEWORKS that `path` imports at module level
+    (outside any function or class body, under an `if` or `try` too) and inside functions."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    nested = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+        for inner in ast.walk(node)
+        if inner is not node
+    }
+    top, lazy = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names = [node.module or ""]
+        else:
+            names = []
+        for name in names:
+            root = name.split(".")[0]
+            if root in FRAMEWORKS:
+                (lazy if id(node) in nested else top).add(root)
+    if "sys.modules.get(\"tensorflow\")" in path.read_text():  # a look without an import
+        lazy.add("tensorflow")
+    return top, lazy
+
+
+def test_only_the_backends_import_tensorflow_or_jax_at_module_level():
+    """Importing any keras_bn module outside keras_bn/backend/ imports neither TensorFlow nor
+    JAX: a JAX user needs no TensorFlow, a TensorFlow user no JAX."""
+    offenders = {}
+    for module, path in project_modules(PACKAGES).items():
+        top, _ = framework_imports(path)
+        if top and not module.startswith("keras_bn.backend."):
+            offenders[module] = sorted(top)
+    assert not offenders, f"module-level framework imports outside keras_bn/backend/: {offenders}"
+
+
+def test_few_modules_outside_the_backends_touch_a_framework():
+    touching = {
+        module
+        for module, path in project_modules(PACKAGES).items()
+        if not module.startswith("keras_bn.backend") and any(framework_imports(path))
+    }
+    assert touching == LAZY_FRAMEWORK_USERS
+
+
+def test_each_backend_exposes_the_same_interface():
+    """keras_bn/backend/{tensorflow,jax}/__init__.py list the same names in `__all__`."""
+    exported = {}
+    for name in ("tensorflow", "jax"):
+        tree = ast.parse((ROOT / "keras_bn" / "backend" / name / "__init__.py").read_text())
+        (names,) = [
+            ast.literal_eval(node.value)
+            for node in tree.body
+            if isinstance(node, ast.Assign) and node.targets[0].id == "__all__"
+        ]
+        exported[name] = set(names)
+    assert exported["tensorflow"] == exported["jax"], exported["tensorflow"] ^ exported["jax"]
+
+
+def test_the_framework_finder_tells_module_level_from_lazy(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text(
+        "import os\ntry:\n    import tensorflow as tf\nexcept ImportError:\n    pass\n"
+        "def f():\n    import jax.numpy as jnp\nclass C:\n    from tf2onnx import convert\n"
+    )
+    assert framework_imports(path) == ({"tensorflow"}, {"jax", "tf2onnx"})
 
 
 # The finder itself, on trees written here: it must see the cycles it exists to catch.

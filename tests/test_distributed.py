@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 
 import keras_bn
+import keras_bn.backend.tensorflow
 from helpers import assert_close, mirrored_strategy
 
 EPS = 1e-3
@@ -314,8 +315,8 @@ def test_count_weighted_average_across_real_replicas(values, weights, enough, ex
 
     def pool(args):
         value, weight, has_enough = args
-        averages, updated = keras_bn.layers._count_weighted_average(
-            tf.distribute.get_replica_context(), [value], weight, has_enough
+        averages, updated = keras_bn.backend.tensorflow.pool_statistics(
+            [value], has_enough, weight, synchronized=False
         )
         return averages[0], tf.broadcast_to(updated, tf.shape(value))
 

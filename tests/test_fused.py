@@ -8,8 +8,8 @@ import tensorflow as tf
 
 import keras_bn
 from helpers import assert_close, large_offset_errors, numpy_bn_train
-from keras_bn import fused, ops
-from keras_bn.fused import fused_data_format
+from keras_bn.backend.tensorflow import fused, ops
+from keras_bn.backend.tensorflow.fused import fused_data_format
 
 # (shape, axis): every layout the fast path takes.
 FUSED_LAYOUTS = {
@@ -184,7 +184,7 @@ def test_each_path_keeps_its_documented_accuracy_at_a_large_offset(layout, mode)
 @pytest.mark.parametrize("mode", ["eager", "graph"])
 def test_without_recentring_the_fused_kernel_is_off_at_a_large_offset(monkeypatch, mode):
     """The kernel's own accuracy there (docs/guide/layer.md): what the re-centring fixes."""
-    monkeypatch.setattr(fused, "RECENTRE_RATIO", None)
+    monkeypatch.setattr(fused, "RECENTRE_STDDEVS", None)
     errors = large_offset_errors(*FUSED_LAYOUTS["nhwc"], mode)
     assert errors["y"] > 1e-3 and errors["moving_variance"] > 1e-4, errors
     assert errors["y"] < 2e-2 and errors["moving_variance"] < 5e-3, errors  # the documented
@@ -209,7 +209,7 @@ def test_recentring_reruns_the_kernel_only_where_a_channel_is_far_from_zero(
     rng = np.random.default_rng(8)
     usual = rng.normal(1.0, 2.0, shape).astype("float32")  # |μ|/σ = 0.5
     shipped = _fused_train(tf.constant(usual), [axis], mode)
-    monkeypatch.setattr(fused, "RECENTRE_RATIO", None)
+    monkeypatch.setattr(fused, "RECENTRE_STDDEVS", None)
     off = _fused_train(tf.constant(usual), [axis], mode)
     monkeypatch.undo()
     for a, b in zip(shipped, off):  # the first pass stands: bit for bit

@@ -13,7 +13,7 @@ import tensorflow as tf
 
 import keras_bn
 from helpers import assert_close, mirrored_strategy
-from keras_bn import ops, statistics
+from keras_bn.backend.tensorflow import ops, statistics
 from keras_bn.diagnostics import check_batchnorm
 from keras_bn.population import PooledMoments
 

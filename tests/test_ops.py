@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 from helpers import assert_close, broadcast_shape, numpy_bn_train, tf_reference_bn
-from keras_bn import ops, statistics
+from keras_bn.backend.tensorflow import ops, statistics
 
 EPS = 1e-3
 

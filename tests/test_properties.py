@@ -19,7 +19,7 @@ from helpers import (
     randomise_batch_norms,
     tf_reference_bn,
 )
-from keras_bn import ops, xla
+from keras_bn.backend.tensorflow import ops, xla
 from keras_bn.export import fold_batch_norms
 
 EPS = 1e-3

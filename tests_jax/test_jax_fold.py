@@ -7,6 +7,7 @@ import importlib
 import keras
 import numpy as np
 import pytest
+import tensorflow_side
 
 import keras_bn
 from keras_bn.export import ChannelBias, InferenceAffine, fold_batch_norms
@@ -245,14 +246,13 @@ print(json.dumps({"error": float(np.max(np.abs(y - np.load(folder + "/y.npy"))))
 
 
 @pytest.mark.slow
+@pytest.mark.tensorflow_side
 def test_a_model_trained_under_jax_exports_verified_under_tensorflow(tmp_path):
     """Train a small CNN with keras_bn's BN under JAX and save it; a TensorFlow process loads
     the `.keras` file and writes TFLite and ONNX, each verified in its runtime (LiteRT,
     onnxruntime) against the Keras model (a failed check raises VerificationError, and the
     process fails). The model folded under JAX (with an InferenceAffine and a ChannelBias)
     loads in both backends, in fresh processes, with its outputs."""
-    from test_jax_training import _run  # the subprocess runner of the cross-backend tests
-
     rng = np.random.default_rng(3)
     x = rng.normal(0.5, 2.0, (64, 3, 8, 8)).astype("float32")
     y = rng.normal(size=(64, 3)).astype("float32")
@@ -273,7 +273,7 @@ def test_a_model_trained_under_jax_exports_verified_under_tensorflow(tmp_path):
     np.save(tmp_path / "x.npy", x)
     np.save(tmp_path / "y.npy", expected)
 
-    found = _run(_TENSORFLOW_EXPORT, tmp_path, "tensorflow")
+    found = tensorflow_side.run(_TENSORFLOW_EXPORT, tmp_path, backend="tensorflow")
     scale = float(np.abs(expected).max())
     assert found["loaded_error"] <= 1e-5 * scale
     assert found["folded_error"] <= 1e-5 * scale
@@ -281,4 +281,4 @@ def test_a_model_trained_under_jax_exports_verified_under_tensorflow(tmp_path):
         assert found[name]["passed"] is True, found
         assert found[name]["relative_error"] <= 1e-4
         assert (tmp_path / f"model.{name}").stat().st_size > 0
-    assert _run(_JAX_LOAD_FOLDED, tmp_path, "jax")["error"] <= 1e-5 * scale
+    assert tensorflow_side.run(_JAX_LOAD_FOLDED, tmp_path, backend="jax")["error"] <= 1e-5 * scale

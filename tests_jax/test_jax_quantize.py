@@ -1,14 +1,17 @@
 """keras_bn.quantize's fake quantization under JAX: TensorFlow's FakeQuant ops in jnp
-(keras_bn/quantize/_jax_fake_quant.py) against the TensorFlow ops themselves, run eagerly in
-this process (TensorFlow is a dependency; Keras's backend is JAX here)."""
+(keras_bn/backend/jax/fake_quant.py) against the TensorFlow ops themselves, which a TensorFlow
+Python (tests_jax/tensorflow_side.py) runs on every case of this module in one process; and QAT
+models trained under JAX, then loaded and exported under TensorFlow."""
+
+import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import tensorflow as tf
+import tensorflow_side
 
-from keras_bn.quantize import _jax_fake_quant as jfq
+from keras_bn.backend.jax import fake_quant as jfq
 
 
 def _ranges():
@@ -45,6 +48,106 @@ def _values(bits, narrow, low, high, rng):
     )
 
 
+def _sweep():
+    """The bit-for-bit cases: per range, its values, per tensor and as one channel."""
+    rng = np.random.default_rng(0)
+    return [
+        (bits, narrow, low, high, _values(bits, narrow, low, high, rng))
+        for bits, narrow, low, high in _ranges()
+    ]
+
+
+def _last_axis_case():
+    """Channels along the last axis, channel 2's range so small that most of its values clip."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(3, 4, 5, 6)).astype(np.float32)
+    high = np.abs(x).reshape(-1, 6).max(axis=0)
+    high[2] = 1e-3
+    return x, -high, high
+
+
+def _gradient_case(per_channel):
+    rng = np.random.default_rng(2)
+    x = rng.uniform(-2.0, 3.0, size=(50, 3)).astype(np.float32)
+    upstream = rng.normal(size=x.shape).astype(np.float32)
+    low = np.array([-1.0, -0.5, -1.5], np.float32)
+    high = np.array([1.0, 2.0, 1.5], np.float32)
+    if not per_channel:
+        low, high = low[0], high[0]
+    return x, low, high, upstream
+
+
+def _cases():
+    """Every TensorFlow FakeQuant call of this module: name -> (op, bits, narrow, arrays);
+    arrays holds x, min and max, and upstream where the case wants the gradients too."""
+    cases = {}
+    for i, (bits, narrow, low, high, x) in enumerate(_sweep()):
+        arrays = {"x": x, "min": low, "max": high}
+        cases[f"sweep{i}"] = ("per_tensor", bits, narrow, arrays)
+        column = {"x": x[:, None], "min": np.array([low]), "max": np.array([high])}
+        cases[f"sweep{i}_channel"] = ("per_channel", bits, narrow, column)
+    x, low, high = _last_axis_case()
+    cases["last_axis"] = ("per_channel", 4, True, {"x": x, "min": low, "max": high})
+    for per_channel in (False, True):
+        x, low, high, upstream = _gradient_case(per_channel)
+        arrays = {"x": x, "min": low, "max": high, "upstream": upstream}
+        op = "per_channel" if per_channel else "per_tensor"
+        cases[f"gradient_{op}"] = (op, 8, False, arrays)
+    return cases
+
+
+# TensorFlow's side: each case's FakeQuant output (and, for a case with an upstream, the
+# gradients to x, min and max), run eagerly as the ops are, into outputs.npz.
+_TENSORFLOW_FAKE_QUANT = """
+import json, sys
+import numpy as np
+import tensorflow as tf
+
+folder = sys.argv[1]
+with open(folder + "/cases.json") as file:
+    cases = json.load(file)
+arrays = np.load(folder + "/inputs.npz")
+ops = {
+    "per_tensor": tf.quantization.fake_quant_with_min_max_vars,
+    "per_channel": tf.quantization.fake_quant_with_min_max_vars_per_channel,
+}
+found = {}
+for name, (op, bits, narrow) in cases.items():
+    tensors = [tf.constant(arrays[name + "/" + key]) for key in ("x", "min", "max")]
+    with tf.GradientTape() as tape:
+        tape.watch(tensors)
+        y = ops[op](*tensors, num_bits=bits, narrow_range=narrow)
+        if name + "/upstream" in arrays:
+            loss = tf.reduce_sum(y * arrays[name + "/upstream"])
+    found[name + "/y"] = y.numpy()
+    if name + "/upstream" in arrays:
+        for key, gradient in zip(("x", "min", "max"), tape.gradient(loss, tensors)):
+            found[name + "/d_" + key] = gradient.numpy()
+np.savez(folder + "/outputs.npz", **found)
+print("{}")
+"""
+
+
+@pytest.fixture(scope="module")
+def tensorflow_fake_quant(tmp_path_factory):
+    """TensorFlow's outputs (and gradients) for every case of _cases(), from one process."""
+    folder = tmp_path_factory.mktemp("fake_quant")
+    cases = _cases()
+    with open(folder / "cases.json", "w") as file:
+        json.dump({name: case[:3] for name, case in cases.items()}, file)
+    np.savez(
+        folder / "inputs.npz",
+        **{
+            f"{name}/{key}": np.asarray(value, np.float32)
+            for name, (*_, arrays) in cases.items()
+            for key, value in arrays.items()
+        },
+    )
+    tensorflow_side.run(_TENSORFLOW_FAKE_QUANT, folder, backend="tensorflow")
+    with np.load(folder / "outputs.npz") as outputs:
+        return dict(outputs)
+
+
 def _bits_equal(actual, expected):
     actual, expected = np.asarray(actual, np.float32), np.asarray(expected, np.float32)
     assert actual.shape == expected.shape
@@ -53,69 +156,50 @@ def _bits_equal(actual, expected):
 
 
 @pytest.mark.slow  # 60 ranges, eager op by op: about 10 s
+@pytest.mark.tensorflow_side
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "jit"])
-def test_fake_quant_equals_tensorflow_bit_for_bit(compiled):
+def test_fake_quant_equals_tensorflow_bit_for_bit(compiled, tensorflow_fake_quant):
     per_tensor = jfq.fake_quant_with_min_max_vars
     per_channel = jfq.fake_quant_with_min_max_vars_per_channel
     if compiled:
         per_tensor = jax.jit(per_tensor, static_argnums=(3, 4))
         per_channel = jax.jit(per_channel, static_argnums=(3, 4))
-    rng = np.random.default_rng(0)
-    for bits, narrow, low, high in _ranges():
-        x = _values(bits, narrow, low, high, rng)
-        expected = tf.quantization.fake_quant_with_min_max_vars(
-            x, low, high, num_bits=bits, narrow_range=narrow
-        )
-        _bits_equal(per_tensor(x, low, high, bits, narrow), expected)
+    for i, (bits, narrow, low, high, x) in enumerate(_sweep()):
+        _bits_equal(per_tensor(x, low, high, bits, narrow), tensorflow_fake_quant[f"sweep{i}/y"])
         column = x[:, None]
-        expected = tf.quantization.fake_quant_with_min_max_vars_per_channel(
-            column, [low], [high], num_bits=bits, narrow_range=narrow
+        _bits_equal(
+            per_channel(column, np.array([low]), np.array([high]), bits, narrow),
+            tensorflow_fake_quant[f"sweep{i}_channel/y"],
         )
-        _bits_equal(per_channel(column, np.array([low]), np.array([high]), bits, narrow), expected)
 
 
-def test_per_channel_ranges_apply_along_the_last_axis():
-    rng = np.random.default_rng(1)
-    x = rng.normal(size=(3, 4, 5, 6)).astype(np.float32)
-    high = np.abs(x).reshape(-1, 6).max(axis=0)
-    high[2] = 1e-3  # most values of channel 2 clip
-    expected = tf.quantization.fake_quant_with_min_max_vars_per_channel(
-        x, -high, high, num_bits=4, narrow_range=True
+@pytest.mark.tensorflow_side
+def test_per_channel_ranges_apply_along_the_last_axis(tensorflow_fake_quant):
+    x, low, high = _last_axis_case()
+    _bits_equal(
+        jfq.fake_quant_with_min_max_vars_per_channel(x, low, high, 4, True),
+        tensorflow_fake_quant["last_axis/y"],
     )
-    _bits_equal(jfq.fake_quant_with_min_max_vars_per_channel(x, -high, high, 4, True), expected)
 
 
+@pytest.mark.tensorflow_side
 @pytest.mark.parametrize("per_channel", [False, True])
-def test_gradients_are_tensorflows_straight_through_rule(per_channel):
-    rng = np.random.default_rng(2)
-    x = rng.uniform(-2.0, 3.0, size=(50, 3)).astype(np.float32)
-    upstream = rng.normal(size=x.shape).astype(np.float32)
-    low = np.array([-1.0, -0.5, -1.5], np.float32)
-    high = np.array([1.0, 2.0, 1.5], np.float32)
-    if not per_channel:
-        low, high = low[0], high[0]
-    tf_op = (
-        tf.quantization.fake_quant_with_min_max_vars_per_channel
-        if per_channel
-        else tf.quantization.fake_quant_with_min_max_vars
-    )
+def test_gradients_are_tensorflows_straight_through_rule(per_channel, tensorflow_fake_quant):
+    x, low, high, upstream = _gradient_case(per_channel)
+    name = "gradient_per_channel" if per_channel else "gradient_per_tensor"
+    expected = [tensorflow_fake_quant[f"{name}/d_{key}"] for key in ("x", "min", "max")]
     jnp_op = (
         jfq.fake_quant_with_min_max_vars_per_channel
         if per_channel
         else jfq.fake_quant_with_min_max_vars
     )
-    tensors = [tf.constant(v) for v in (x, low, high)]
-    with tf.GradientTape() as tape:
-        tape.watch(tensors)
-        loss = tf.reduce_sum(tf_op(*tensors, num_bits=8) * upstream)
-    expected = tape.gradient(loss, tensors)
 
     def jax_loss(values, minimum, maximum):
         return jnp.sum(jnp_op(values, minimum, maximum, 8) * upstream)
 
     actual = jax.grad(jax_loss, argnums=(0, 1, 2))(x, low, high)
     for got, want in zip(actual, expected, strict=True):
-        np.testing.assert_allclose(np.asarray(got), want.numpy(), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)
     # The rule itself: the upstream gradient inside the nudged range, 0 outside.
     _, _, nudged_min, nudged_max = jfq.nudge(jnp.asarray(low), jnp.asarray(high), 8, False)
     inside = (x >= np.asarray(nudged_min)) & (x <= np.asarray(nudged_max))
@@ -139,20 +223,16 @@ for name in filter(None, sys.argv[2].split(",")):
     result = export(model, os.path.join(folder, "m." + name), probe=x)
     found[name] = [bool(result.passed), result.quantization, max(
         lsb.max_lsb for errors in result.lsb_errors.values() for lsb in errors.values())]
-print("RESULT" + json.dumps(found))
+print(json.dumps(found))
 """
 
 
 @pytest.mark.slow
+@pytest.mark.tensorflow_side
 # channels_first: the host's bias goes to a ChannelBias; a last spatial axis as long as the
 # channels (4) is where Keras's TensorFlow ops.add would put the bias on the wrong axis.
 @pytest.mark.parametrize("data_format", ["channels_last", "channels_first"])
 def test_jax_trained_qat_model_loads_and_exports_under_tensorflow(tmp_path, data_format):
-    import json
-    import os
-    import subprocess
-    import sys
-
     import keras
 
     import keras_bn
@@ -210,16 +290,7 @@ def test_jax_trained_qat_model_loads_and_exports_under_tensorflow(tmp_path, data
     np.save(tmp_path / "x.npy", x[:8])
     expected = np.asarray(qat.predict(x[:8], verbose=0))
 
-    done = subprocess.run(
-        [sys.executable, "-c", _TF_SIDE, str(tmp_path), ",".join(formats)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "KERAS_BACKEND": "tensorflow"},
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    (line,) = [row for row in done.stdout.splitlines() if row.startswith("RESULT")]
-    found = json.loads(line[len("RESULT") :])
+    found = tensorflow_side.run(_TF_SIDE, tmp_path, ",".join(formats), backend="tensorflow")
     scale = float(np.max(np.abs(expected)))
     np.testing.assert_allclose(found["outputs"], expected, rtol=0, atol=1e-5 * scale)
     for name in formats:

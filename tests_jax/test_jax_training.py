@@ -3,15 +3,12 @@ config, `.keras` files that cross between the JAX and TensorFlow backends, and t
 guard on everything of keras_bn that still needs TensorFlow."""
 
 import importlib
-import json
-import os
-import subprocess
-import sys
 
 import jax
 import keras
 import numpy as np
 import pytest
+import tensorflow_side
 
 import keras_bn
 
@@ -181,18 +178,7 @@ print(json.dumps({"error": float(np.max(np.abs(y - np.load(folder + "/tensorflow
 """
 
 
-def _run(source, folder, backend):
-    result = subprocess.run(
-        [sys.executable, "-c", source, str(folder)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"},
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
-
-
+@pytest.mark.tensorflow_side
 def test_keras_files_cross_between_jax_and_tensorflow(tmp_path):
     """A model trained and saved under JAX loads under TensorFlow with the same outputs; one
     trained and saved there loads back under JAX (a fresh process: `import keras_bn` alone
@@ -217,10 +203,10 @@ def test_keras_files_cross_between_jax_and_tensorflow(tmp_path):
     np.savez(
         tmp_path / "jax_weights.npz", **{str(i): w.numpy() for i, w in enumerate(model.weights)}
     )
-    found = _run(_TENSORFLOW_SIDE, tmp_path, "tensorflow")
+    found = tensorflow_side.run(_TENSORFLOW_SIDE, tmp_path, backend="tensorflow")
     assert found["weights_match"] is True
     assert found["jax_error"] <= 1e-5
-    assert _run(_JAX_SIDE, tmp_path, "jax")["error"] <= 1e-5
+    assert tensorflow_side.run(_JAX_SIDE, tmp_path, backend="jax")["error"] <= 1e-5
 
 
 _TRAIN_BOTH = """
@@ -264,6 +250,7 @@ print("{}")
 
 
 @pytest.mark.slow
+@pytest.mark.tensorflow_side
 def test_training_under_jax_equals_training_under_tensorflow(tmp_path):
     """The same model, weights and batches, trained 8 steps under each backend (jit, a conv,
     a channels_first renorm BN with its clipping hit, momentum=None, ghost batches), then
@@ -273,7 +260,7 @@ def test_training_under_jax_equals_training_under_tensorflow(tmp_path):
     np.save(tmp_path / "x.npy", (rng.normal(size=(40, 7, 5, 3)) * 3 + 2).astype("float32"))
     np.save(tmp_path / "y.npy", rng.normal(size=(40, 2)).astype("float32"))
     for backend in ("tensorflow", "jax"):
-        _run(_TRAIN_BOTH, tmp_path, backend)
+        tensorflow_side.run(_TRAIN_BOTH, tmp_path, backend=backend)
     on_tf, on_jax = np.load(tmp_path / "tensorflow.npz"), np.load(tmp_path / "jax.npz")
     assert sorted(on_tf.files) == sorted(on_jax.files)
     for key in on_tf.files:

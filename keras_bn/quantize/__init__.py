@@ -28,11 +28,10 @@ Example::
     qat.fit(x, y, epochs=3, callbacks=[keras_bn.quantize.FreezeBatchNorm(after_steps=500)])
 """
 
-# Keras and TensorFlow first: the moment both have loaded, keras_bn registers its layers
+# Keras (and its backend) first: the moment it has loaded, keras_bn registers its layers
 # (keras_bn/_registration.py), which imports this package's layer modules; that must not happen
 # while one of them is half-imported (it raised AttributeError on `import keras_bn.quantize`).
 import keras  # noqa: F401
-import tensorflow  # noqa: F401
 
 from keras_bn.quantize import fake_quant
 from keras_bn.quantize.activation import ActivationQuantizer

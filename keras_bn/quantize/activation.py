@@ -4,10 +4,9 @@ from collections.abc import Callable
 from typing import Any
 
 import keras
-import tensorflow as tf
 from keras import ops
 
-from keras_bn import _backend
+from keras_bn import backend
 from keras_bn._shapes import ShapePreserving
 from keras_bn.quantize import fake_quant
 
@@ -71,9 +70,7 @@ class ActivationQuantizer(ShapePreserving, keras.layers.Layer):
         for name in ("range_initialized", "ranges_frozen"):
             setattr(self, name, scalar_state(self, name, "bool"))
 
-    def call(
-        self, inputs: tf.Tensor, training: bool | None = None, average_of: int | None = None
-    ) -> tf.Tensor:
+    def call(self, inputs: Any, training: bool | None = None, average_of: int | None = None) -> Any:
         """Fake-quantize `inputs`, first moving the range in training.
 
         Args:
@@ -105,8 +102,8 @@ class ActivationQuantizer(ShapePreserving, keras.layers.Layer):
             range has been observed.
         """
         x = ops.cast(inputs, "float32")
-        low, high = value_of(self.range_min), value_of(self.range_max)
-        initialized = value_of(self.range_initialized)
+        low, high = backend.get().read(self.range_min), backend.get().read(self.range_max)
+        initialized = backend.get().read(self.range_initialized)
         if training and self.trainable:
             low, high, initialized = self._observe(x, low, high, initialized)
         return low, high, initialized
@@ -131,19 +128,12 @@ class ActivationQuantizer(ShapePreserving, keras.layers.Layer):
         moved = x
         if average_of is not None:
             moved = fake_quant.halves_away_from_int8_zero(x, low, high, self.bits, average_of)
-        if not _backend.on_tensorflow():  # JAX: a select (lax.cond would trace both anyway)
-            quantized = ops.where(
-                initialized, fake_quant.fake_quant_activations(moved, low, high, self.bits), x
-            )
-            return ops.cast(quantized, self.compute_dtype)
-        # tf.cond rather than a select: the select would cost a pass over the tensor and one
-        # more over its gradient, for a flag that is true after the first training batch.
-        quantized = tf.cond(
+        quantized = backend.get().cond(
             initialized,
             lambda: fake_quant.fake_quant_activations(moved, low, high, self.bits),
             lambda: x,
         )
-        return tf.cast(quantized, self.compute_dtype)
+        return ops.cast(quantized, self.compute_dtype)
 
     def _observe(self, x: Any, low: Any, high: Any, initialized: Any) -> tuple[Any, Any, Any]:
         """Move the stored range toward this batch's (unless frozen or not finite); return the
@@ -160,7 +150,7 @@ class ActivationQuantizer(ShapePreserving, keras.layers.Layer):
         usable = (
             ops.isfinite(batch_low)
             & ops.isfinite(batch_high)
-            & ops.logical_not(value_of(self.ranges_frozen))
+            & ops.logical_not(backend.get().read(self.ranges_frozen))
         )
         low, high = ops.where(usable, new_low, low), ops.where(usable, new_high, high)
         initialized = ops.logical_or(initialized, usable)
@@ -169,7 +159,7 @@ class ActivationQuantizer(ShapePreserving, keras.layers.Layer):
         self.range_initialized.assign(initialized)
         return low, high, initialized
 
-    def step(self) -> tuple[tf.Tensor, tf.Tensor]:
+    def step(self) -> tuple[Any, Any]:
         """The stored range's step, as a tensor that follows the range in training.
 
         Read after the layer's call in the same step, it is the step this call rounded to
@@ -179,10 +169,10 @@ class ActivationQuantizer(ShapePreserving, keras.layers.Layer):
             (step, initialized): float32 and bool scalars; the step means nothing while
             `initialized` is false (no range yet: the layer passes its input through).
         """
-        low, high = value_of(self.range_min), value_of(self.range_max)
+        low, high = backend.get().read(self.range_min), backend.get().read(self.range_max)
         return (
             fake_quant.activation_step(low, high, self.bits),
-            value_of(self.range_initialized),
+            backend.get().read(self.range_initialized),
         )
 
     def grid_quantizer(self) -> "ActivationQuantizer":
@@ -220,7 +210,7 @@ class ActivationQuantizer(ShapePreserving, keras.layers.Layer):
         """The layer's inference as an exporter traces it, from the range it holds now.
 
         The range is read once, here, and becomes constants of the function:
-        `fake_quant.export_activations` on `grid()`, with 8-bit FakeQuant ops only, which
+        `export_activations` (TensorFlow backend) on `grid()`, with 8-bit FakeQuant ops only, which
         computes what `call(x, training=False)` computes. The function takes `average_of`
         as `call` does.
 
@@ -238,13 +228,15 @@ class ActivationQuantizer(ShapePreserving, keras.layers.Layer):
         """
         grid = self.grid()
 
-        def quantize(inputs: tf.Tensor, average_of: int | None = None) -> tf.Tensor:
-            x = tf.cast(inputs, tf.float32)
+        from keras_bn.backend.tensorflow.fake_quant import export_activations  # writers: TF
+
+        def quantize(inputs: Any, average_of: int | None = None) -> Any:
+            x = ops.cast(inputs, "float32")
             if average_of is not None and halves_as_ops:
                 x = fake_quant.halves_away_from_int8_zero(
                     x, grid.minimum, grid.maximum, grid.bits, average_of
                 )
-            return fake_quant.export_activations(x, grid)
+            return export_activations(x, grid)
 
         return quantize
 
@@ -255,21 +247,6 @@ class ActivationQuantizer(ShapePreserving, keras.layers.Layer):
             A dict with the base layer's config, `bits` and `momentum`.
         """
         return {**super().get_config(), "bits": self.bits, "momentum": self.momentum}
-
-
-def value_of(variable: keras.Variable) -> Any:
-    """A variable's value as a tensor: tf.convert_to_tensor on TensorFlow (a read, not the
-    variable, which `tf.custom_gradient` would otherwise see used), else keras.ops'.
-
-    Args:
-        variable: a keras.Variable.
-
-    Returns:
-        The backend tensor.
-    """
-    if _backend.on_tensorflow():
-        return tf.convert_to_tensor(variable)
-    return ops.convert_to_tensor(variable)
 
 
 def scalar_state(layer: keras.layers.Layer, name: str, dtype: str) -> keras.Variable:

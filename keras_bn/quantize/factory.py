@@ -15,7 +15,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_bn import _backend
+from keras_bn import backend
 from keras_bn._bn_layers import BN_TYPES
 from keras_bn.quantize.layers import QuantizedHost, QuantizedHostBatchNorm
 
@@ -62,7 +62,7 @@ def from_layers(
             range (the message names the value).
         ImportError: Keras runs on a backend the QAT layers do not support (PyTorch, NumPy).
     """
-    _backend.require_layer_backend("keras_bn.quantize")  # see quantize_model
+    backend.get()  # see quantize_model
     for layer in (host, batch_norm):
         if layer is not None and not layer.built:
             raise ValueError(f"Layer '{layer.name}' is not built; its weights cannot be copied.")

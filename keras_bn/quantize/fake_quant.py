@@ -31,35 +31,19 @@ weights' (`round_bias`, which the QAT layers apply to their float bias).
 Converters take 8-bit FakeQuant ops only (the TFLite converter refuses a k-bit activation
 tensor and re-rounds 3- and 5..7-bit weights onto its own storage grid; tf2onnx converts only
 8-bit ones). A k-bit grid is the int8 grid with the same step, restricted to 2^k of its
-levels, so `export_activations` and `WeightGrid.values` state the k-bit grids that way.
+levels, so the exporters (`export_activations` of keras_bn/backend/tensorflow/fake_quant.py)
+and `WeightGrid.values` state the k-bit grids that way.
 """
 
 import typing
 
 import numpy as np
-import tensorflow as tf
 
-from keras_bn import _backend
+from keras_bn import backend
+from keras_bn.backend.constants import MIN_RANGE, ZERO_WEIGHT_RANGE
 
 MIN_BITS = 2
 MAX_BITS = 8
-# The FakeQuant ops divide by max − min: a range narrower than this (an activation that was 0 on
-# every batch seen, a kernel channel of tiny weights) is widened to it, and 0 stays on the grid.
-MIN_RANGE = 1e-8
-# The range m of an all-zero kernel channel (or tensor), as γ = 0 gives one: its weights round to
-# 0 on any grid, but a file's int32 bias is the bias divided by the input's and the weight's
-# scales, which overflows with a step of MIN_RANGE/q_max.
-ZERO_WEIGHT_RANGE = 1.0
-
-
-def _on_jax() -> typing.Any:
-    """The jnp twins of this module's TensorFlow functions (keras_bn/quantize/_jax_fake_quant.py)
-    under the JAX Keras backend, else None: the backend switch of QAT's maths."""
-    if _backend.on_tensorflow():
-        return None
-    from keras_bn.quantize import _jax_fake_quant
-
-    return _jax_fake_quant
 
 
 @typing.overload
@@ -108,7 +92,7 @@ def q_max(bits: int) -> int:
     return 2 ** (bits - 1) - 1
 
 
-def weight_max_abs(kernel: tf.Tensor, per_channel: bool) -> tf.Tensor:
+def weight_max_abs(kernel: typing.Any, per_channel: bool) -> typing.Any:
     """m for the symmetric weight grid: max|w| per output channel (the last axis) or per tensor.
 
     The range carries no gradient: the fake quantization's gradient is straight-through for the
@@ -122,21 +106,10 @@ def weight_max_abs(kernel: tf.Tensor, per_channel: bool) -> tf.Tensor:
         A float32 vector of the last axis's size, or a scalar, at least MIN_RANGE;
         ZERO_WEIGHT_RANGE where every weight is 0.
     """
-    if (jax_twin := _on_jax()) is not None:
-        return jax_twin.weight_max_abs(kernel, per_channel)
-    magnitude = tf.abs(tf.cast(kernel, tf.float32))
-    if per_channel:
-        magnitude = tf.reshape(magnitude, [-1, tf.shape(magnitude)[-1]])
-        largest = tf.reduce_max(magnitude, axis=0)
-    else:
-        largest = tf.reduce_max(magnitude)
-    ranged = tf.where(
-        largest > 0, tf.maximum(largest, MIN_RANGE), tf.fill(tf.shape(largest), ZERO_WEIGHT_RANGE)
-    )
-    return tf.stop_gradient(ranged)
+    return backend.get().weight_max_abs(kernel, per_channel)
 
 
-def fake_quant_weights(kernel: tf.Tensor, max_abs: tf.Tensor, bits: int) -> tf.Tensor:
+def fake_quant_weights(kernel: typing.Any, max_abs: typing.Any, bits: int) -> typing.Any:
     """FQ_w: round `kernel` to the symmetric narrow-range `bits`-bit grid of ±`max_abs`.
 
     Args:
@@ -148,24 +121,12 @@ def fake_quant_weights(kernel: tf.Tensor, max_abs: tf.Tensor, bits: int) -> tf.T
         The fake-quantized kernel, same shape; its gradient is straight-through inside the
         range (every weight is, since the range is the largest magnitude).
     """
-    if (jax_twin := _on_jax()) is not None:
-        return jax_twin.fake_quant_weights(kernel, max_abs, bits)
-    if max_abs.shape.rank == 1:
-        # On a 2-D (-1, channels) view: the op is elementwise, but its gradient takes rank ≤ 4
-        # only (a Conv3D kernel has rank 5).
-        shape = tf.shape(kernel)
-        fake = tf.quantization.fake_quant_with_min_max_vars_per_channel(
-            tf.reshape(kernel, [-1, shape[-1]]), -max_abs, max_abs, num_bits=bits, narrow_range=True
-        )
-        return tf.reshape(fake, shape)
-    return tf.quantization.fake_quant_with_min_max_vars(
-        kernel, -max_abs, max_abs, num_bits=bits, narrow_range=True
-    )
+    return backend.get().fake_quant_weights(kernel, max_abs, bits)
 
 
 def fake_quant_activations(
-    x: tf.Tensor, minimum: tf.Tensor, maximum: tf.Tensor, bits: int
-) -> tf.Tensor:
+    x: typing.Any, minimum: typing.Any, maximum: typing.Any, bits: int
+) -> typing.Any:
     """Round `x` to the asymmetric `bits`-bit grid of [minimum, maximum] (nudged to hold 0).
 
     Args:
@@ -179,15 +140,10 @@ def fake_quant_activations(
         The fake-quantized tensor; the gradient passes where x is inside the nudged range and
         is 0 outside it (clipped values).
     """
-    if (jax_twin := _on_jax()) is not None:
-        return jax_twin.fake_quant_activations(x, minimum, maximum, bits)
-    maximum = tf.maximum(maximum, minimum + MIN_RANGE)
-    return tf.quantization.fake_quant_with_min_max_vars(
-        x, minimum, maximum, num_bits=bits, narrow_range=False
-    )
+    return backend.get().fake_quant_activations(x, minimum, maximum, bits)
 
 
-def weight_step(max_abs: tf.Tensor, bits: int) -> tf.Tensor:
+def weight_step(max_abs: typing.Any, bits: int) -> typing.Any:
     """The step of the symmetric narrow-range `bits`-bit grid of ±`max_abs`, as the FakeQuant
     op computes it: (max − min)/(q_hi − q_lo) (`nudged_grid`'s scale, in TensorFlow).
 
@@ -198,13 +154,12 @@ def weight_step(max_abs: tf.Tensor, bits: int) -> tf.Tensor:
     Returns:
         float32 tensor of max_abs's shape.
     """
-    if (jax_twin := _on_jax()) is not None:
-        return jax_twin.weight_step(max_abs, bits)
-    max_abs = tf.convert_to_tensor(max_abs, tf.float32)
-    return (max_abs - (-max_abs)) / float(2**bits - 2)
+    return backend.get().weight_step(max_abs, bits)
 
 
-def activation_step(minimum: tf.Tensor | float, maximum: tf.Tensor | float, bits: int) -> tf.Tensor:
+def activation_step(
+    minimum: typing.Any | float, maximum: typing.Any | float, bits: int
+) -> typing.Any:
     """The step of the asymmetric `bits`-bit grid `fake_quant_activations` rounds to on
     [minimum, maximum], in TensorFlow.
 
@@ -216,13 +171,10 @@ def activation_step(minimum: tf.Tensor | float, maximum: tf.Tensor | float, bits
     Returns:
         float32 scalar tensor.
     """
-    if (jax_twin := _on_jax()) is not None:
-        return jax_twin.activation_step(minimum, maximum, bits)
-    maximum = tf.maximum(maximum, minimum + MIN_RANGE)
-    return (maximum - minimum) / (2.0**bits - 1.0)
+    return backend.get().activation_step(minimum, maximum, bits)
 
 
-def round_bias(bias: tf.Tensor, step: tf.Tensor) -> tf.Tensor:
+def round_bias(bias: typing.Any, step: typing.Any) -> typing.Any:
     """`bias` rounded to the nearest multiple of `step`, with a straight-through gradient.
 
     An integer file adds a layer's bias as int32 in units of its input's step times its
@@ -240,10 +192,7 @@ def round_bias(bias: tf.Tensor, step: tf.Tensor) -> tf.Tensor:
         none to `step`. bias + (rounded − bias) is exactly `rounded` in float32: the two lie
         within a factor of 2 of each other, or `rounded` is 0, so the difference is exact.
     """
-    if (jax_twin := _on_jax()) is not None:
-        return jax_twin.round_bias(bias, step)
-    rounded = tf.round(bias / step) * step
-    return bias + tf.stop_gradient(rounded - bias)
+    return backend.get().round_bias(bias, step)
 
 
 def nudged_grid(
@@ -284,7 +233,7 @@ def quantize(
     """The signed integers TensorFlow's FakeQuant ops round `x` to (as float32 numpy), for
     every value off a rounding boundary: on one, TensorFlow's per-channel kernel, which
     multiplies by the inverse range where this divides by the scale, may round the other way
-    (the module docstring; keras_bn/quantize/_jax_fake_quant.py has the kernels' exact order).
+    (the module docstring; keras_bn/backend/jax/fake_quant.py has the kernels' exact order).
 
     Args:
         x: array whose last axis lines up with the ranges when they are vectors.
@@ -380,12 +329,12 @@ def activation_grid(minimum: float, maximum: float, bits: int) -> ActivationGrid
 
 
 def halves_away_from_int8_zero(
-    average: tf.Tensor,
-    minimum: tf.Tensor | float,
-    maximum: tf.Tensor | float,
+    average: typing.Any,
+    minimum: typing.Any | float,
+    maximum: typing.Any | float,
     bits: int,
     window: int,
-) -> tf.Tensor:
+) -> typing.Any:
     """An average of on-grid values moved so that `fake_quant_activations` on [minimum,
     maximum] rounds its halves as TFLite's int8 AVERAGE_POOL_2D does, away from the int8 zero,
     and every other value as before.
@@ -406,44 +355,7 @@ def halves_away_from_int8_zero(
     Returns:
         The moved tensor.
     """
-    if (jax_twin := _on_jax()) is not None:
-        return jax_twin.halves_away_from_int8_zero(average, minimum, maximum, bits, window)
-    scale = activation_step(minimum, maximum, bits)
-    zero_point = tf.floor(-minimum / scale + 0.5)  # the range holds 0: no clamp needed
-    int8_zero = (128.0 - zero_point) * scale
-    return average + tf.sign(average - int8_zero) * scale / (4.0 * window)
-
-
-def export_activations(x: tf.Tensor, grid: ActivationGrid) -> tf.Tensor:
-    """`fake_quant_activations` on `grid`, written with 8-bit FakeQuant ops only.
-
-    At 8 bits it is that op itself. Below, the k-bit grid is the 8-bit grid with the same step
-    and lowest value, clamped to the k-bit grid's highest value: x is rounded onto the wide
-    grid, clamped (the bound lies on it, so the clamp and the rounding commute), and rounded
-    again, so that both the clamp's input and its output carry the grid (what the TFLite
-    converter needs to keep the clamp in int8, and onnxruntime to keep its integer kernels
-    around it). The low end needs no clamp: it is the wide grid's own.
-
-    Args:
-        x: float32 tensor.
-        grid: `activation_grid` of the layer's range.
-
-    Returns:
-        The fake-quantized tensor: the same values as `fake_quant_activations` (to float32
-        rounding of the step).
-    """
-    if grid.bits == 8:
-        return tf.quantization.fake_quant_with_min_max_vars(
-            x, grid.minimum, grid.maximum, num_bits=8, narrow_range=False
-        )
-    wide_max = float(np.float32(grid.nudged_min) + np.float32(255) * np.float32(grid.scale))
-
-    def on_wide_grid(tensor: tf.Tensor) -> tf.Tensor:
-        return tf.quantization.fake_quant_with_min_max_vars(
-            tensor, grid.nudged_min, wide_max, num_bits=8, narrow_range=False
-        )
-
-    return on_wide_grid(tf.minimum(on_wide_grid(x), grid.nudged_max))
+    return backend.get().halves_away_from_int8_zero(average, minimum, maximum, bits, window)
 
 
 def weight_grid(kernel: np.ndarray, bits: int, per_channel: bool) -> tuple[np.ndarray, np.ndarray]:

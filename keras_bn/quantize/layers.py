@@ -30,7 +30,7 @@ Before the freeze the layer therefore trains like batch-statistics BN (the host 
 with gradients by autodiff through the batch moments (as PyTorch's
 `torch.ao.nn.intrinsic.qat.ConvBn2d` does) and straight-through for the rounding; outside XLA
 a channels-last 4D output computes that as FusedBatchNormV3 in training of z/s, forward and
-backward (keras_bn/fused.py, which re-centres far from zero). The moving
+backward (the TensorFlow backend's fused.py, which re-centres far from zero). The moving
 statistics follow keras_bn.BatchNormalization: μ ← momentum·μ + (1 − momentum)·(μ_B + b) and
 v ← momentum·v + (1 − momentum)·m/(m − 1)·σ²_B, skipped for a non-finite batch or m ≤ 1. The
 mean is that of the host's output with its bias, so that the folded form's b − μ is BN's.
@@ -45,26 +45,18 @@ W·s itself, so a γ = 0 channel never widens the other channels' grid.
 """
 
 import functools
-import math
 from collections.abc import Callable
 from typing import Any
 
 import keras
 import numpy as np
-import tensorflow as tf
 from keras import ops
 
-from keras_bn import _backend, _models, fused, statistics
+from keras_bn import _models, backend
 from keras_bn._bn_layers import KERAS_BN, KERAS_BN_BN
 from keras_bn._errors import UnsupportedModelError
-from keras_bn._moving_average import average_into, usable
 from keras_bn.quantize import fake_quant, grids, hosts
-from keras_bn.quantize.activation import (
-    ActivationQuantizer,
-    scalar_state,
-    validate_momentum,
-    value_of,
-)
+from keras_bn.quantize.activation import ActivationQuantizer, scalar_state, validate_momentum
 
 ACTIVATIONS = ("relu", "relu6")
 
@@ -141,38 +133,38 @@ class _QuantizedHostLayer(keras.layers.Layer):
         """
         return self.host.compute_output_shape(input_shape)
 
-    def _channel_axes(self, outputs: tf.Tensor) -> list[int]:
+    def _channel_axes(self, outputs: Any) -> list[int]:
         return [hosts.channel_axis(self.host) % len(outputs.shape)]
 
-    def _kernel_view(self) -> tf.Tensor:
+    def _kernel_view(self) -> Any:
         """The folded kernel with its output channels on the last axis (float32)."""
         kernel = ops.cast(hosts.folded_kernel(self.host), "float32")
         return hosts.channels_last(kernel, self.kind)
 
-    def _fake_quant(self, view: tf.Tensor, max_abs: tf.Tensor) -> tf.Tensor:
+    def _fake_quant(self, view: Any, max_abs: Any) -> Any:
         """FQ_w of a channels-last kernel view (unchanged with weight_bits=None)."""
         if self.weight_bits is None:
             return view
         return fake_quant.fake_quant_weights(view, max_abs, self.weight_bits)
 
-    def _quantized_depthwise(self) -> tuple[tf.Tensor, tf.Tensor]:
+    def _quantized_depthwise(self) -> tuple[Any, Any]:
         """A separable host's depthwise kernel viewed channels last and fake-quantized, and its
         weight range."""
         view = hosts.channels_last(ops.cast(self.host.depthwise_kernel, "float32"), hosts.DEPTHWISE)
         max_abs = fake_quant.weight_max_abs(view, self.per_channel)
         return self._fake_quant(view, max_abs), max_abs
 
-    def _quantized_kernel(self) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor | None]:
+    def _quantized_kernel(self) -> tuple[Any, Any, Any | None]:
         """The folded kernel viewed channels last and fake-quantized as `call` rounds it, its
         weight range, and the per-channel factor inference multiplies the host's output by
         (None for 1)."""
         raise NotImplementedError
 
-    def _linear(self, inputs: tf.Tensor, view: tf.Tensor, training: bool | None) -> tf.Tensor:
+    def _linear(self, inputs: Any, view: Any, training: bool | None) -> Any:
         """The host's map without bias, with the fake-quantized channels-last kernel `view`."""
         kernel = hosts.from_channels_last(view, hosts.folded_kernel(self.host).shape)
         depthwise = None
-        between: Callable[[tf.Tensor], tf.Tensor] | None = None
+        between: Callable[[Any], Any] | None = None
         if self.kind == hosts.SEPARABLE:
             depthwise_view, _ = self._quantized_depthwise()
             depthwise = hosts.from_channels_last(depthwise_view, self.host.depthwise_kernel.shape)
@@ -192,7 +184,7 @@ class _QuantizedHostLayer(keras.layers.Layer):
         """
         return self.output_quantizer
 
-    def _bias_on_grid(self, bias: tf.Tensor, max_abs: tf.Tensor) -> tf.Tensor:
+    def _bias_on_grid(self, bias: Any, max_abs: Any) -> Any:
         """`bias` as an integer file adds it: rounded to its int32 grid, the input's step times
         the weights' (`fake_quant.round_bias`), once the input's grid has a range.
 
@@ -228,13 +220,13 @@ class _QuantizedHostLayer(keras.layers.Layer):
         _, bias = self.folded_weights()
         return np.asarray(self._bias_on_grid(ops.convert_to_tensor(bias), max_abs))
 
-    def _host_bias(self) -> tf.Tensor:
+    def _host_bias(self) -> Any:
         """The host's bias as float32 (zeros without one)."""
         if self.host.bias is None:
             return ops.zeros([hosts.output_channels(self.host)], "float32")
         return ops.cast(self.host.bias, "float32")
 
-    def _activate(self, outputs: tf.Tensor) -> tf.Tensor:
+    def _activate(self, outputs: Any) -> Any:
         """ReLU/ReLU6 if fused."""
         if self.activation == "relu":
             return ops.relu(outputs)
@@ -242,7 +234,7 @@ class _QuantizedHostLayer(keras.layers.Layer):
             return ops.relu6(outputs)
         return outputs
 
-    def _finish(self, outputs: tf.Tensor, training: bool | None) -> tf.Tensor:
+    def _finish(self, outputs: Any, training: bool | None) -> Any:
         """ReLU/ReLU6 if fused, then the output's fake quantization."""
         outputs = self._activate(outputs)
         if self.output_quantizer is not None:
@@ -277,9 +269,7 @@ class _QuantizedHostLayer(keras.layers.Layer):
             found["depthwise_kernel"] = self._grid(*self._quantized_depthwise(), None)
         return found
 
-    def _grid(
-        self, quantized: tf.Tensor, max_abs: tf.Tensor, factor: tf.Tensor | None
-    ) -> fake_quant.WeightGrid:
+    def _grid(self, quantized: Any, max_abs: Any, factor: Any | None) -> fake_quant.WeightGrid:
         """The WeightGrid of a fake-quantized channels-last kernel: its steps from the range
         as the op nudges it, its integers by dividing by them (each value is an integer
         times its step, to float32 rounding), times `factor` per channel."""
@@ -331,20 +321,20 @@ class _QuantizedHostLayer(keras.layers.Layer):
         if self.intermediate_quantizer is not None:
             between = self.intermediate_quantizer.export_function()
 
-        def infer(inputs: tf.Tensor) -> tf.Tensor:
+        def infer(inputs: Any) -> Any:
             kernels = {
                 name: hosts.from_channels_last(weight_op(name, grid), shapes[name])
                 for name, grid in weight_grids.items()
             }
             outputs = hosts.linear(
                 self.host,
-                tf.cast(inputs, tf.float32),
+                ops.cast(inputs, "float32"),
                 kernels["kernel"],
                 kernels.get("depthwise_kernel"),
                 between,
             )
             axes = self._channel_axes(outputs)
-            outputs = self._activate(outputs + statistics.per_channel(bias, outputs, axes))
+            outputs = self._activate(outputs + backend.get().per_channel(bias, outputs, axes))
             return outputs if output is None else output(outputs)
 
         return infer
@@ -397,7 +387,7 @@ class QuantizedHost(_QuantizedHostLayer):
             message names the value).
     """
 
-    def call(self, inputs: tf.Tensor, training: bool | None = None) -> tf.Tensor:
+    def call(self, inputs: Any, training: bool | None = None) -> Any:
         """act(host(x, FQ_w(W)) + b), fake-quantized.
 
         Args:
@@ -410,10 +400,10 @@ class QuantizedHost(_QuantizedHostLayer):
         view, max_abs, _ = self._quantized_kernel()
         outputs = self._linear(ops.cast(inputs, "float32"), view, training)
         bias = self._bias_on_grid(self._host_bias(), max_abs)
-        outputs = outputs + _per_channel(bias, outputs, self._channel_axes(outputs))
+        outputs = outputs + backend.get().per_channel(bias, outputs, self._channel_axes(outputs))
         return self._finish(outputs, training)
 
-    def _quantized_kernel(self) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor | None]:
+    def _quantized_kernel(self) -> tuple[Any, Any, Any | None]:
         view = self._kernel_view()
         max_abs = fake_quant.weight_max_abs(view, self.per_channel)
         return self._fake_quant(view, max_abs), max_abs, None
@@ -516,17 +506,15 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
             )
         self.batch_norm_frozen = scalar_state(self, "batch_norm_frozen", "bool")
 
-    def _bn_parameters(self) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]:
+    def _bn_parameters(self) -> tuple[Any, Any, Any, Any, Any]:
         """γ, β, μ, v and the host bias as float32 vectors (γ = 1, β = 0 when absent)."""
         bn = self.batch_norm
-        mean = value_of(bn.moving_mean)
-        gamma = ops.ones_like(mean) if bn.gamma is None else value_of(bn.gamma)
-        beta = ops.zeros_like(mean) if bn.beta is None else value_of(bn.beta)
-        return gamma, beta, mean, value_of(bn.moving_variance), self._host_bias()
+        mean = backend.get().read(bn.moving_mean)
+        gamma = ops.ones_like(mean) if bn.gamma is None else backend.get().read(bn.gamma)
+        beta = ops.zeros_like(mean) if bn.beta is None else backend.get().read(bn.beta)
+        return gamma, beta, mean, backend.get().read(bn.moving_variance), self._host_bias()
 
-    def _scaled_kernel(
-        self, gamma: tf.Tensor, sigma: tf.Tensor
-    ) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor, tf.Tensor]:
+    def _scaled_kernel(self, gamma: Any, sigma: Any) -> tuple[Any, Any, Any, Any]:
         """(s, s', the kernel view scaled by s', its weight range); see the module docstring."""
         scale = gamma / sigma
         safe_scale = ops.where(gamma == 0.0, 1.0 / sigma, scale)
@@ -541,7 +529,7 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
             fake_quant.weight_max_abs(ranged, self.per_channel),
         )
 
-    def call(self, inputs: tf.Tensor, training: bool | None = None) -> tf.Tensor:
+    def call(self, inputs: Any, training: bool | None = None) -> Any:
         """The folded host → BN → activation, fake-quantized.
 
         Args:
@@ -562,8 +550,8 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
         z = self._linear(ops.cast(inputs, "float32"), self._fake_quant(view, max_abs), training)
         axes = self._channel_axes(z)
 
-        def per_channel(t: tf.Tensor) -> tf.Tensor:
-            return _per_channel(t, z, axes)
+        def per_channel(t: Any) -> Any:
+            return backend.get().per_channel(t, z, axes)
 
         ratio = scale / safe_scale  # exactly 1 where γ ≠ 0, 0 where γ = 0
         # The folded BN, its bias on the file's int32 grid (after `_linear`: a separable
@@ -572,35 +560,35 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
         offset = self._bias_on_grid(beta + scale * (bias - mean), max_abs)
         if not (training and self.trainable):
             return self._finish(z * per_channel(multiplier) + per_channel(offset), training)
-        frozen = value_of(self.batch_norm_frozen)
+        frozen = backend.get().read(self.batch_norm_frozen)
         epsilon = self.batch_norm.epsilon
 
-        def normalized() -> tf.Tensor:
+        def normalized() -> Any:
             """z/s' as a product with the per-channel reciprocal: a full-tensor division,
             forward and in its gradient, costs several times a multiplication on CPU."""
             return z * per_channel(1.0 / safe_scale)
 
-        if _backend.on_tensorflow() and (
-            z.shape.rank == 4 and fused.fused_data_format(z, axes, epsilon) == "NHWC"
-        ):
+        if len(z.shape) == 4 and backend.get().fused_layout(z, axes, epsilon) == "NHWC":
             # Before the freeze y = γ·(z/s' − μ_B)/σ_B + β is BN in training of z/s', which
             # FusedBatchNormV3 computes forward and backward in one kernel each (re-centred
-            # where its one-pass variance would lose accuracy). tf.cond keeps the flag a
+            # where its one-pass variance would lose accuracy). keras.ops.cond keeps the flag a
             # run-time switch, and the frozen branch computes inference's folded form. Both
-            # read the offset through one tf.where, so that a variable only one branch needs
+            # read the offset through one where, so that a variable only one branch needs
             # (the host bias) still gets a zero gradient, not None, in eager mode.
-            shift = tf.where(frozen, offset, beta)
+            shift = ops.where(frozen, offset, beta)
 
-            def folded() -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
-                unused = tf.zeros_like(mean)  # the update is skipped when frozen
+            def folded() -> tuple[Any, Any, Any]:
+                unused = ops.zeros_like(mean)  # the update is skipped when frozen
                 return z * per_channel(multiplier) + per_channel(shift), unused, unused
 
-            def batch_norm() -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
-                return fused.batch_norm_train(normalized(), gamma, shift, axes, epsilon, "NHWC")
+            def batch_norm() -> tuple[Any, Any, Any]:
+                return backend.get().batch_norm_train(
+                    normalized(), gamma, shift, axes, epsilon, fused=True
+                )
 
-            outputs, batch_mean, batch_variance = tf.cond(frozen, folded, batch_norm)
+            outputs, batch_mean, batch_variance = ops.cond(frozen, folded, batch_norm)
         else:
-            batch_mean, batch_variance = _moments(normalized(), axes)
+            batch_mean, batch_variance = backend.get().moments(normalized(), axes)
             batch_mean = ops.reshape(batch_mean, [-1])
             batch_variance = ops.reshape(batch_variance, [-1])
             batch_sigma = ops.sqrt(batch_variance + epsilon)
@@ -619,59 +607,27 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
         self._update_moving_statistics(z, axes, batch_mean + bias, batch_variance, frozen)
         return self._finish(outputs, training)
 
-    def _quantized_kernel(self) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor | None]:
+    def _quantized_kernel(self) -> tuple[Any, Any, Any | None]:
         gamma, _, _, variance, _ = self._bn_parameters()
         sigma = ops.sqrt(variance + self.batch_norm.epsilon)
         scale, safe_scale, view, max_abs = self._scaled_kernel(gamma, sigma)
         return self._fake_quant(view, max_abs), max_abs, scale / safe_scale
 
     def _update_moving_statistics(
-        self,
-        z: tf.Tensor,
-        axes: list[int],
-        mean: tf.Tensor,
-        variance: tf.Tensor,
-        frozen: tf.Tensor,
+        self, z: Any, axes: list[int], mean: Any, variance: Any, frozen: Any
     ) -> None:
-        """keras_bn.BatchNormalization's update: EMA of the mean and of the unbiased
-        m/(m−1)·σ²_B, skipped for a non-finite batch, m ≤ 1 or a frozen layer."""
-        if _backend.on_tensorflow():
-            count = statistics.element_count(z, axes)
-        else:  # static shapes under JAX
-            count = math.prod(z.shape[i] for i in statistics.reduction_axes(len(z.shape), axes))
-        if isinstance(count, int) and count < 2 and not _backend.on_tensorflow():
-            from keras_bn import _jax_ops
-
-            if _jax_ops.batch_size_traced(z, axes):
-                # fit's short last batch: run-time data, as in TensorFlow's fit (whose traced
-                # batch size is unknown), so the moving statistics keep their values.
-                return
-        if isinstance(count, int):
-            if count < 2:
-                raise ValueError(
-                    f"Layer '{self.name}' in training mode needs at least 2 values per channel "
-                    f"to estimate a batch variance, but this batch gives m={count} (output "
-                    f"shape {z.shape}). Use a larger batch, or call it with training=False."
-                )
-            unbiased, enough = variance * (count / (count - 1)), True
-        else:
-            unbiased, enough = variance * count / (count - 1.0), count > 1.0
-        momentum = self.batch_norm.momentum
-        if not _backend.on_tensorflow():
-            from keras_bn import _jax_ops
-
-            finite = ops.all(ops.isfinite(mean)) & ops.all(ops.isfinite(unbiased))
-            update = enough & finite & ops.logical_not(frozen)
-            for moving, value in (
-                (self.batch_norm.moving_mean, mean),
-                (self.batch_norm.moving_variance, unbiased),
-            ):
-                old = ops.convert_to_tensor(moving)
-                moving.assign(_jax_ops.moving_average(old, value, momentum, update))
-            return
-        update = usable([mean, unbiased], enough) & tf.logical_not(frozen)
-        average_into(self.batch_norm.moving_mean, mean, momentum, update)
-        average_into(self.batch_norm.moving_variance, unbiased, momentum, update)
+        """The batch norm's own update (`keras_bn.BatchNormalization.update_moving_statistics`),
+        skipped for a frozen layer; `fit`'s traced last batch of one leaves it alone."""
+        count = backend.get().element_count(z, axes)
+        if isinstance(count, int) and count < 2:
+            if backend.get().batch_size_traced(z, axes):
+                return  # run-time data under JAX's fit, as in TensorFlow's (unknown batch size)
+            raise ValueError(
+                f"Layer '{self.name}' in training mode needs at least 2 values per channel "
+                f"to estimate a batch variance, but this batch gives m={count} (output "
+                f"shape {z.shape}). Use a larger batch, or call it with training=False."
+            )
+        self.batch_norm.update_moving_statistics(mean, variance, count, skip=frozen)
 
     def folded_weights(self) -> tuple[np.ndarray, np.ndarray]:
         """The float kernel and bias an int8 file quantizes: W·s and β + s·(b − μ).
@@ -703,36 +659,15 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
         }
 
 
-def _per_channel(t: Any, x: Any, axes: list[int]) -> Any:
-    """A per-channel vector shaped to broadcast against x (static shapes under JAX)."""
-    if _backend.on_tensorflow():
-        return statistics.per_channel(t, x, axes)
-    return ops.reshape(t, [x.shape[i] if i in axes else 1 for i in range(len(x.shape))])
-
-
 def _run_time_single_value(z: Any, axes: list[int]) -> Any:
     """None where z's shape fixes m ≥ 2 values per channel (or m ≤ 1, which the moving
     statistics' update refuses), else whether this batch gives m ≤ 1 at run time: a bool
     tensor on TensorFlow (an unknown batch size), True under JAX for a traced batch of one
     (as TensorFlow's `fit` would see it)."""
-    if _backend.on_tensorflow():
-        count = statistics.element_count(z, axes)
-        return None if isinstance(count, int) else count <= 1.0
-    from keras_bn import _jax_ops
-
-    count = math.prod(z.shape[i] for i in statistics.reduction_axes(len(z.shape), axes))
-    return True if count < 2 and _jax_ops.batch_size_traced(z, axes) else None
-
-
-def _moments(x: Any, axes: list[int]) -> tuple[Any, Any]:
-    """The corrected two-pass batch moments per channel: keras_bn.statistics' on TensorFlow,
-    the layer's jnp ones (keras_bn/_jax_ops.py) under JAX, differentiated by autodiff."""
-    if _backend.on_tensorflow():
-        return statistics.moments(x, axes)
-    from keras_bn import _jax_ops
-
-    mean, variance, _ = _jax_ops.moments(x, axes)
-    return mean, variance
+    count = backend.get().element_count(z, axes)
+    if not isinstance(count, int):
+        return count <= 1.0
+    return True if count < 2 and backend.get().batch_size_traced(z, axes) else None
 
 
 def validate_activation(activation: str | None) -> str | None:

@@ -28,7 +28,7 @@ from typing import Any
 import keras
 from keras.src.ops.node import Node
 
-from keras_bn import _backend, _bn_layers, _models, _rewrite
+from keras_bn import _bn_layers, _models, _rewrite, backend
 from keras_bn._errors import KerasBNWarning
 from keras_bn.export.affine import ChannelBias
 from keras_bn.quantize import fake_quant, hosts, spec
@@ -136,7 +136,7 @@ def quantize_model(
         qat.compile(keras.optimizers.Adam(1e-4), loss, metrics=["accuracy"])
         qat.fit(x, y, epochs=3, callbacks=[keras_bn.quantize.FreezeBatchNorm(500)])
     """
-    _backend.require_layer_backend("keras_bn.quantize.quantize_model")
+    backend.get()
     if not isinstance(model, keras.Model):
         raise TypeError(f"quantize_model takes a keras.Model; received model={model!r}.")
     for name, value in (("per_channel", per_channel), ("return_report", return_report)):
@@ -496,7 +496,7 @@ class _ModelRewrite:
         ChannelBias) adds it on the channel axis. Under JAX Keras's add broadcasts as numpy
         does, so the float model is right and there is nothing to note."""
         if not (
-            _backend.on_tensorflow()
+            backend.name() == "tensorflow"
             and type(operation) in _BIAS_ADDING
             and _rewrite.channels_first(operation)
             and operation.use_bias

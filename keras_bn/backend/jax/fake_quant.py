@@ -23,9 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-# The constants of keras_bn.quantize.fake_quant (imported there from here would be circular).
-MIN_RANGE = 1e-8
-ZERO_WEIGHT_RANGE = 1.0
+from keras_bn.backend.constants import MIN_RANGE, ZERO_WEIGHT_RANGE
 
 
 def _exact(t: Any) -> Any:

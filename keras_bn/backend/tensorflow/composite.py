@@ -18,7 +18,7 @@ This module imports only the leaf keras_bn/statistics.py.
 
 import tensorflow as tf
 
-from keras_bn.statistics import (
+from keras_bn.backend.tensorflow.statistics import (
     centered_moments,
     channel_sums,
     divisor,

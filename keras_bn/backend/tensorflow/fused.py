@@ -13,7 +13,7 @@ Far from zero the CPU kernel loses accuracy: at a mean of 1e3 and std of 1e-2 (f
 output was off by up to 1.3e-2 of the output's scale and its variance by 2.6e-3 (TF 2.21;
 benchmarks/offset_accuracy.py), against 1e-7 for keras_bn/xla.py. Normalization is
 shift-invariant, so when the kernel's first pass finds some channel's mean more than
-`RECENTRE_RATIO` standard deviations from zero, a tf.cond runs it again on x minus that mean
+`RECENTRE_STDDEVS` standard deviations from zero, a tf.cond runs it again on x minus that mean
 (rounded to x's dtype), adds the mean back to the batch mean, and hands the backward kernel the
 re-centred x (∂l/∂x is the same). The test reads only the per-channel statistics the first pass
 returns, so where it is false (usual activations) it costs a few per-channel ops: within the
@@ -23,8 +23,8 @@ as before: its accuracy there is not measured.
 
 import tensorflow as tf
 
-from keras_bn import placement
-from keras_bn.statistics import element_count
+from keras_bn.backend.tensorflow import placement
+from keras_bn.backend.tensorflow.statistics import element_count
 
 # The smallest epsilon cuDNN accepts; below it the fused kernel would silently change ε on GPU.
 _MIN_EPSILON = 1.001e-5
@@ -34,7 +34,7 @@ _MIN_EPSILON = 1.001e-5
 # near float32 rounding, and usual activations (|μ|/σ of a few) never pay for the re-run. Read
 # when the graph is traced: None turns the re-centring off, 0 forces the re-run
 # (benchmarks/bench_layer.py times both).
-RECENTRE_RATIO = 10.0
+RECENTRE_STDDEVS = 10.0
 
 
 def fused_data_format(x, channel_axes, epsilon, mask=None):
@@ -116,9 +116,9 @@ def batch_norm_train(x, gamma, beta, channel_axes, epsilon, data_format):
         # CPU only: the loss was measured on the CPU kernel; on a GPU the test's predicate
         # would have to reach the host, and neither that cost nor cuDNN's accuracy there has
         # been measured.
-        if RECENTRE_RATIO is not None and placement.runs_on_cpu():
+        if RECENTRE_STDDEVS is not None and placement.runs_on_cpu():
             # NaN (an empty batch, NaN in x) makes the test false: the first pass stands.
-            far = tf.reduce_any(tf.abs(mean) > RECENTRE_RATIO * tf.sqrt(unbiased_variance))
+            far = tf.reduce_any(tf.abs(mean) > RECENTRE_STDDEVS * tf.sqrt(unbiased_variance))
 
             def recentred():
                 # The first pass's mean, rounded to x's dtype: the value actually subtracted.

@@ -1,7 +1,7 @@
 """keras_bn.BatchNormalization's maths under the JAX backend, in jnp.
 
-The same maths as the TensorFlow composite path (keras_bn/composite.py; docs/architecture.md,
-"The maths"), for one channel over its m values (m_c under a mask):
+The same maths as the TensorFlow composite path (keras_bn/backend/tensorflow/composite.py;
+docs/architecture.md, "The maths"), for one channel over its m values (m_c under a mask):
 
     μ = Σx / m,   σ² = Σ(x − μ)² / m,   x̂ = (x − μ)/√(σ² + ε),   y = γ·x̂ + β
 
@@ -11,16 +11,17 @@ with a hand-written backward (`batch_norm_train`, a jax.custom_vjp):
 
 (w the mask, 1 without one; the sums run over every position, as every position is
 normalized). The moments are shifted sums about K, each channel's mean over its first few
-values, redone about the mean when K lies more than 3σ from it (keras_bn/xla.py's arrangement
-for TensorFlow's XLA:CPU; under a mask, always about the mean: the corrected two-pass algorithm
-of `statistics.centered_moments`), never E[x²] − E[x]²; float16/bfloat16 inputs get float32
-statistics. The backward is regrouped into per-channel coefficients (`_normalize_backward`).
+values, redone about the mean when K lies more than 3σ from it (the arrangement of
+keras_bn/backend/tensorflow/xla.py for TensorFlow's XLA:CPU; under a mask, always about the
+mean: the corrected two-pass algorithm of the TensorFlow backend's statistics.py), never
+E[x²] − E[x]²; float16/bfloat16 inputs get float32 statistics. The backward is regrouped into
+per-channel coefficients (`_normalize_backward`).
 The moving statistics take m/(m−1)·σ² (Ioffe & Szegedy 2015, Algorithm 2) only where m ≥ 2
-and the batch is finite, as `_moving_average.usable` decides on TensorFlow.
+and the batch is finite, as on TensorFlow (`usable`).
 
 Shapes are static under JAX, so m is a Python int unless a mask makes it per channel. Mask
-readings and the ghost-batch checks are shared with the TensorFlow layer
-(`statistics.mask_axes`, `ghost.ghost_count`).
+readings and the ghost-batch checks are shared with the TensorFlow backend
+(`keras_bn._axes.mask_axes`, `ghost.ghost_count`).
 """
 
 import functools
@@ -29,12 +30,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from keras_bn import ghost, statistics
-
-# The shifted moments' thresholds, as keras_bn/xla.py's (which says why these values): redo the
-# sums about the mean when (μ − K)² > RECENTRE_RATIO·σ²; K averages SHIFT_SAMPLES values.
-RECENTRE_RATIO = 9.0
-SHIFT_SAMPLES = 8
+from keras_bn import _axes, ghost
+from keras_bn.backend.constants import SHIFT_REDO_RATIO, SHIFT_SAMPLES
 
 
 def statistics_dtype(dtype):
@@ -49,21 +46,26 @@ def parameter(variable, default, shape, dtype):
     return jnp.asarray(variable.value, dtype)
 
 
+def ghost_average(statistic):
+    """Mean over the ghost axis of a (G, *channels) statistic."""
+    return statistic.mean(axis=0)
+
+
 def _reduction_axes(rank, channel_axes):
-    return tuple(i for i in range(rank) if i not in channel_axes)
+    return tuple(_axes.reduction_axes(rank, channel_axes))
 
 
-def _per_channel(t, x, channel_axes):
+def per_channel(t, x, channel_axes):
     """A per-channel tensor reshaped to broadcast against x (channel dims kept, others 1)."""
     return jnp.reshape(t, [x.shape[i] if i in channel_axes else 1 for i in range(x.ndim)])
 
 
 def expand_mask(mask, x, channel_axes, channel_reading=True):
-    """A mask as 0/1 of x's rank and statistics dtype, read as `statistics.expand_mask` reads
-    it (ValueError when it fits no reading); `channel_reading` False for Keras's reading
+    """A mask as 0/1 of x's rank and statistics dtype, read by `keras_bn._axes.mask_axes`'s
+    rules (ValueError when it fits no reading); `channel_reading` False for Keras's reading
     only (keras.layers.BatchNormalization's)."""
     mask = jnp.asarray(mask)
-    covered = statistics.mask_axes(mask.shape, x.shape, channel_axes, channel_reading)
+    covered = _axes.mask_axes(mask.shape, x.shape, channel_axes, channel_reading)
     mask = mask.astype(bool)
     for axis in range(x.ndim):
         if axis not in covered:
@@ -72,14 +74,17 @@ def expand_mask(mask, x, channel_axes, channel_reading=True):
 
 
 def ghost_split(x, virtual_batch_size, channel_axes, mask):
-    """x as (v, G, ...) and its channel axes there, as `ghost.split` (tf-keras's ghosts)."""
+    """x as (v, G, ...) and its channel axes there, as the TensorFlow backend's
+    `ghost_split` (tf-keras's ghosts)."""
     ghosts = ghost.ghost_count(virtual_batch_size, x.shape, mask)
     view = jnp.reshape(x, (virtual_batch_size, ghosts, *x.shape[1:]))
     return view, [1] + [a + 1 for a in channel_axes]
 
 
-def element_count(x, channel_axes, mask=None):
-    """m: a Python int without a mask, else m_c per channel (shaped to broadcast against x)."""
+def element_count(x, channel_axes, mask=None, replica_context=None):
+    """m: a Python int without a mask, else m_c per channel (shaped to broadcast against x).
+    JAX has no replicas: `replica_context` is always None (`replica_context()`)."""
+    del replica_context
     axes = _reduction_axes(x.ndim, channel_axes)
     if mask is None:
         return math.prod(x.shape[i] for i in axes)
@@ -119,7 +124,7 @@ def _centered_moments(x, axes, mask, count):
         return _shifted_moments(x, shift, axes, keep, divisor)
     shift, offset, variance = _shifted_moments(x, _shift_estimate(x, axes), axes, None, count)
     return jax.lax.cond(
-        jnp.any((jnp.square(offset) > RECENTRE_RATIO * variance) | ~jnp.isfinite(variance)),
+        jnp.any((jnp.square(offset) > SHIFT_REDO_RATIO * variance) | ~jnp.isfinite(variance)),
         lambda: _shifted_moments(x, shift + offset, axes, None, count),
         lambda: (shift, offset, variance),
     )
@@ -161,8 +166,9 @@ def _materialized(*per_channel):
 
 
 def moments(x, channel_axes, mask=None):
-    """(mean, biased variance, m) per channel, kept broadcastable to x: the layer's shifted
-    moments, `_centered_moments` (what `recalibrate` records of a BN's input).
+    """(mean, biased variance) per channel, kept broadcastable to x: the layer's shifted
+    moments, `_centered_moments` (what `recalibrate` records of a BN's input), differentiable
+    by autodiff (the QAT layers' batch statistics).
 
     Args:
         x: the input, in its statistics dtype.
@@ -170,13 +176,13 @@ def moments(x, channel_axes, mask=None):
         mask: optional output of `expand_mask`.
 
     Returns:
-        (mean, variance, count); count a Python int without a mask, else m_c per channel.
+        (mean, variance).
     """
     count = element_count(x, channel_axes, mask)
     shift, offset, variance = _centered_moments(
         x, _reduction_axes(x.ndim, channel_axes), mask, count
     )
-    return shift + offset, variance, count
+    return shift + offset, variance
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -190,9 +196,9 @@ def _normalize_forward(x, gamma, beta, mask, channel_axes, epsilon):
     count = element_count(x, channel_axes, mask)
     shift, offset, variance = _centered_moments(x, axes, mask, count)
     inv = jax.lax.rsqrt(variance + epsilon)
-    scale = _per_channel(gamma, x, channel_axes) * inv
+    scale = per_channel(gamma, x, channel_axes) * inv
     # y = γ·x̂ + β with x̂ = ((x − K) − Δμ)·inv: x − K is exact far out, Δμ joins β.
-    bias = _per_channel(beta, x, channel_axes) - offset * scale
+    bias = per_channel(beta, x, channel_axes) - offset * scale
     scale_m, bias_m, shift_m = _materialized(scale, bias, shift)
     y = (x - shift_m) * scale_m + bias_m
     mean = jnp.reshape(shift + offset, gamma.shape)
@@ -235,7 +241,9 @@ def _normalize_backward(channel_axes, epsilon, saved, cotangents):
 _normalize.defvjp(_normalize_forward, _normalize_backward)
 
 
-def batch_norm_train(x, gamma, beta, channel_axes, epsilon, mask=None):
+def batch_norm_train(
+    x, gamma, beta, channel_axes, epsilon, mask=None, fused=None, replica_context=None
+):
     """Train-mode batch normalization with the hand-written backward.
 
     Args:
@@ -244,11 +252,14 @@ def batch_norm_train(x, gamma, beta, channel_axes, epsilon, mask=None):
         channel_axes: sorted non-negative axes that are not reduced.
         epsilon: added to the variance.
         mask: optional output of `expand_mask`; masked-out values do not enter μ or σ².
+        fused: TensorFlow's kernel choice; one path here, so unused.
+        replica_context: always None under JAX (no replicas).
 
     Returns:
         (y, mean, variance): the output in the statistics dtype, and the per-channel mean and
         biased variance shaped like gamma, carrying no gradient.
     """
+    del fused, replica_context
     x = x.astype(statistics_dtype(x.dtype))
     y, mean, variance = _normalize(x, gamma, beta, mask, tuple(channel_axes), float(epsilon))
     return y, jax.lax.stop_gradient(mean), jax.lax.stop_gradient(variance)
@@ -257,7 +268,7 @@ def batch_norm_train(x, gamma, beta, channel_axes, epsilon, mask=None):
 def batch_norm_inference(x, a, b, channel_axes):
     """The per-channel affine y = a·x + b, in the statistics dtype."""
     x = x.astype(statistics_dtype(x.dtype))
-    return x * _per_channel(a, x, channel_axes) + _per_channel(b, x, channel_axes)
+    return x * per_channel(a, x, channel_axes) + per_channel(b, x, channel_axes)
 
 
 def batch_norm_eval(x, mean, variance, gamma, beta, channel_axes, epsilon):
@@ -279,38 +290,57 @@ def renorm_corrections(mean, variance, renorm_mean, renorm_stddev, epsilon, clip
     return jax.lax.stop_gradient(r), jax.lax.stop_gradient(d)
 
 
-def batch_estimates(mean, variance, count, epsilon, dtype, with_stddev):
-    """The per-channel values the moving statistics take from a batch, and which channels take
-    them: [μ_B, m/(m−1)·σ²_B] (and renorm's √(σ²_B + ε)), in the variables' `dtype`; a
-    channel takes them where m ≥ 2, if every such value of the batch is finite (else none
-    does: one NaN batch cannot poison the averages), as `_moving_average.usable`."""
+def unbiased_estimates(mean, variance, count, epsilon, dtype, with_stddev):
+    """The per-channel values the moving statistics take from a batch, in the variables'
+    `dtype`: [μ_B, m/(m−1)·σ²_B] (and renorm's √(σ²_B + ε) `with_stddev`), and which channels
+    have the m ≥ 2 values a variance needs: True for a static m (checked by the caller), else a
+    boolean array per channel."""
     mean, variance = mean.astype(dtype), variance.astype(dtype)
     if isinstance(count, int):  # static m, checked ≥ 2 by the layer
-        unbiased, enough = variance * (count / (count - 1)), None
+        unbiased, enough = variance * (count / (count - 1)), True
     else:
         count = jnp.reshape(count, mean.shape).astype(dtype)
         enough = count > 1.0
         # A channel with m ≤ 1 is not updated; the divisor only keeps its value finite.
         unbiased = variance * count / jnp.maximum(count - 1.0, 1.0)
     values = [mean, unbiased] + ([jnp.sqrt(variance + epsilon)] if with_stddev else [])
-    if enough is None:
-        return values, jnp.all(jnp.isfinite(jnp.stack(values)))
+    return values, enough
+
+
+def usable(values, enough):
+    """Which channels a moving-statistics update reaches: those with m ≥ 2 (`enough`), provided
+    that every value of those channels is finite (else none does: one NaN batch cannot poison
+    the averages)."""
+    if enough is True:
+        return jnp.all(jnp.isfinite(jnp.stack(values)))
     checked = [jnp.where(enough, v, 0.0) for v in values]
-    return values, enough & jnp.all(jnp.isfinite(jnp.stack(checked)))
+    return enough & jnp.all(jnp.isfinite(jnp.stack(checked)))
 
 
-def moving_average(old, value, momentum, usable):
-    """momentum·old + (1 − momentum)·value where `usable`, else old."""
-    return jnp.where(usable, momentum * old + (1.0 - momentum) * value, old)
+def replica_context():
+    """None: JAX has no replicas (a `keras.distribution` batch is one sharded array, whose
+    statistics are already the global batch's)."""
+    return None
 
 
-def cumulative_average(old, value, seen, usable):
+def pool_statistics(values, enough, weight, synchronized):
+    """The values as they are, and which channels take them: no replicas to pool."""
+    del weight, synchronized
+    return values, usable(values, enough)
+
+
+def moving_average(old, value, momentum, update):
+    """momentum·old + (1 − momentum)·value where `update`, else old."""
+    return jnp.where(update, momentum * old + (1.0 - momentum) * value, old)
+
+
+def cumulative_average(old, value, seen, update):
     """The plain average after `seen` counted batches takes `value` with weight 1/(seen + 1),
     where `usable`. Written old + (value − old)/(seen + 1): JAX has no float64 without x64,
     and a float32 n/(n+1) would round to 1 from n = 2²⁴ (the TensorFlow layer divides in
     float64 instead); this form loses nothing of the new batch's weight at any count."""
-    weight = 1.0 / (seen.astype(old.dtype) + 1.0)
-    return jnp.where(usable, old + (value - old) * weight, old)
+    weight = 1.0 / (jnp.asarray(seen).astype(old.dtype) + 1.0)
+    return jnp.where(update, old + (value - old) * weight, old)
 
 
 def counter_dtype():

@@ -1,6 +1,6 @@
 """Train-mode batch normalization written for XLA on CPU.
 
-The maths is the composite path's (see keras_bn/composite.py); only the arrangement differs,
+The maths is the composite path's (see composite.py); only the arrangement differs,
 because XLA:CPU (TensorFlow 2.21) never fuses a reduction with the expression it sums: every
 Σf(x) writes f(x) out and reads it back. Three arrangements avoid that, and the train step then
 reads x three times (forward sums; backward Σg and Σg·x̂; ∂l/∂x), the floor for a backward that
@@ -19,30 +19,25 @@ needs two global sums before ∂l/∂x:
 
 The moments are shifted sums about K, each channel's mean over a few samples (Chan, Golub &
 LeVeque 1983): with t = x − K, μ = K + Σt/m and σ² = Σt²/m − (Σt/m)². The second form loses
-a factor of about 1 + (μ − K)²/σ² of float32 rounding, so when (μ − K)² > RECENTRE_RATIO·σ² in
+a factor of about 1 + (μ − K)²/σ² of float32 rounding, so when (μ − K)² > SHIFT_REDO_RATIO·σ² in
 any channel, or σ² is not finite (Σt² overflowed), the pass is redone with K = μ, which makes it
 the corrected two-pass algorithm. Outputs are computed as ((x − K) − Δμ)·inv with
 Δμ = Σt/m, never with a large mean folded into an offset.
 
-`ops.train_path` picks this path under XLA on a CPU (keras_bn/placement.py says where the graph
-runs). This module imports only the leaf keras_bn/statistics.py.
+`ops.train_path` picks this path under XLA on a CPU (placement.py says where the graph
+runs). This module imports only the leaf statistics.py of this backend.
 """
 
 import tensorflow as tf
 
-from keras_bn.statistics import element_count, reduction_axes, statistics_dtype
+from keras_bn._axes import reduction_axes
+from keras_bn.backend.constants import SHIFT_REDO_RATIO, SHIFT_SAMPLES
+from keras_bn.backend.tensorflow.statistics import element_count, statistics_dtype
 
 # Slices added elementwise before the reduce_sum: the partials are 1/GROUPS of x. 4 was as
 # fast as 8 or faster on every shape of benchmarks/bench_layer.py (0-20%, interleaved runs),
 # with a smaller program to compile; 2 was slower.
 GROUPS = 4
-# Redo the moments about the mean when (μ − K)² exceeds this multiple of σ², that is when K
-# lies more than 3σ from the mean; below it the shifted sums lose at most ~10× their rounding
-# (a variance within ~5e-6 in float32). At 64 (8σ) a first sample 6-8σ out cost up to 2.6e-5.
-RECENTRE_RATIO = 9.0
-# K is the mean of up to this many samples along the first reduced axis: a single sample is
-# often several σ out (and would trigger the second pass); a mean of 8 rarely is.
-SHIFT_SAMPLES = 8
 
 
 def group_axis(shape, channel_axes):
@@ -99,7 +94,7 @@ def batch_norm_train(x, gamma, beta, channel_axes, epsilon):
 
 def moments(x, channel_axes):
     """Per-channel mean and biased variance of x (kept broadcastable), arranged for XLA:CPU:
-    one fused read of x for the shifted sums, a second only where `RECENTRE_RATIO` asks.
+    one fused read of x for the shifted sums, a second only where `SHIFT_REDO_RATIO` asks.
 
     recalibrate's recording (keras_bn/_hooks.py) runs it as its own XLA cluster: the
     statistics at about a third of the cost of `statistics.moments`' unfused passes.
@@ -130,7 +125,7 @@ def _moments(x, channel_axes, m, sums):
     shift, offset, variance = _shifted_moments(x, _shift_estimate(x, reduced), m, sums)
     return tf.cond(
         tf.reduce_any(
-            (tf.square(offset) > RECENTRE_RATIO * variance) | ~tf.math.is_finite(variance)
+            (tf.square(offset) > SHIFT_REDO_RATIO * variance) | ~tf.math.is_finite(variance)
         ),
         lambda: _shifted_moments(x, shift + offset, m, sums),
         lambda: (shift, offset, variance),

@@ -23,9 +23,11 @@ shape of those axes' dimensions, as the layer's weights do.
 
 import tensorflow as tf
 
-from keras_bn import composite, placement, xla
-from keras_bn import fused as fused_kernel  # `fused` is an argument of the functions below
-from keras_bn.statistics import per_channel, statistics_dtype
+from keras_bn.backend.tensorflow import composite, placement, xla
+from keras_bn.backend.tensorflow import (
+    fused as fused_kernel,
+)  # `fused` is an argument of the functions below
+from keras_bn.backend.tensorflow.statistics import per_channel, statistics_dtype
 
 
 def train_path(x, channel_axes, epsilon, mask=None, fused=None, replica_context=None):

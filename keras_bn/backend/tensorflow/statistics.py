@@ -16,16 +16,13 @@ All functions take `channel_axes`: the sorted, non-negative axes that are *not* 
 Per-channel tensors (γ, β, μ, σ²) have the shape of those axes' dimensions, as the layer's
 weights do.
 
-This module is the leaf the three train paths (keras_bn/fused.py, keras_bn/xla.py,
-keras_bn/composite.py) and keras_bn/ops.py share: it imports only TensorFlow.
+This module is the leaf the three train paths (fused.py, xla.py, composite.py) and ops.py of
+this backend share.
 """
 
 import tensorflow as tf
 
-
-def reduction_axes(rank, channel_axes):
-    """The axes a batch norm reduces over: every axis that is not a channel axis."""
-    return [i for i in range(rank) if i not in channel_axes]
+from keras_bn._axes import mask_axes, reduction_axes
 
 
 def _broadcast_shape(x, channel_axes):
@@ -46,22 +43,9 @@ def per_channel(t, x, channel_axes):
 def expand_mask(mask, x, channel_axes, channel_reading=True):
     """A mask as a 0/1 tensor of x's rank and statistics dtype, broadcastable to x.
 
-    A mask covers some axes of x, in order, and broadcasts over the others. It is read as:
-
-    1. Keras's reading, which wins wherever it fits: the input's leading axes, shape
-       `x.shape[:-1]`, broadcast over the last axis (`keras.layers.BatchNormalization` does
-       `expand_dims(mask, -1)`). The last axis need not be a channel axis: with `axis=1` on
-       (batch, time, features) a (batch, time) mask covers channel axis 1, so each channel
-       (time step) has its own count m_c.
-    2. Only where Keras's reading does not fit, and when `channel_reading`: the non-channel
-       axes, shape x's shape without its channel axes, broadcast over the channel axes (e.g.
-       (batch, time) for (batch, channels, time) with `axis=1`, when time ≠ channels).
-
-    "Fits" means the same rank, and each dimension that size of x or 1 (a size-1 dimension
-    broadcasts, as Keras's do); an unknown dimension fits. A lower rank is never aligned from
-    the right, which would silently pair a per-sample mask with another axis. Non-zero values
-    count as True, as in Keras. The result has the statistics dtype (float16 cannot count
-    past 2048 exactly).
+    A mask covers some axes of x, in order (`keras_bn._axes.mask_axes` says which), and
+    broadcasts over the others. Non-zero values count as True, as in Keras. The result has the
+    statistics dtype (float16 cannot count past 2048 exactly).
 
     Args:
         mask: the mask, of any dtype.
@@ -84,51 +68,6 @@ def expand_mask(mask, x, channel_axes, channel_reading=True):
         if axis not in covered:
             mask = tf.expand_dims(mask, axis)
     return tf.cast(mask, statistics_dtype(x.dtype))
-
-
-def mask_axes(mask_shape, x_shape, channel_axes, channel_reading=True):
-    """Which axes of x a mask covers, by `expand_mask`'s readings (shapes only, so that the
-    JAX layer, keras_bn/_jax_ops.py, reads masks by the same rules).
-
-    Args:
-        mask_shape: the mask's shape (a TensorShape or a tuple).
-        x_shape: the input's shape.
-        channel_axes: sorted non-negative channel axes of x.
-        channel_reading: whether `expand_mask`'s reading 2 is allowed.
-
-    Returns:
-        The covered axes of x, a list in order.
-
-    Raises:
-        ValueError: the mask fits no allowed reading; the message names each reading's shape.
-    """
-    mask_shape, x_shape = tf.TensorShape(mask_shape), tf.TensorShape(x_shape)
-    rank = x_shape.rank
-    readings = [list(range(rank - 1))]
-    if channel_reading:
-        readings.append(reduction_axes(rank, channel_axes))
-    covered = next((axes for axes in readings if _fits(mask_shape, x_shape, axes)), None)
-    if covered is None:
-        shapes = [f"{[x_shape[i] for i in axes]} (axes {axes})" for axes in readings]
-        raise ValueError(
-            f"The mask's shape {mask_shape} fits no reading of a mask for the input shape "
-            f"{x_shape} with channel axes {list(channel_axes)}: Keras's, the input's leading "
-            f"axes {shapes[0]}"
-            + (f", or the non-channel axes {shapes[1]}" if channel_reading else "")
-            + "; each dimension must be that size or 1."
-        )
-    return covered
-
-
-def _fits(mask_shape, x_shape, axes):
-    """Whether a mask of `mask_shape` can cover x's `axes`: same rank, each dimension that of
-    x or 1 (unknown dimensions fit)."""
-    if mask_shape.rank != len(axes):
-        return False
-    return all(
-        got is None or want is None or got in (want, 1)
-        for got, want in zip(mask_shape, (x_shape[i] for i in axes))
-    )
 
 
 def element_count(x, channel_axes, mask=None, replica_context=None):

@@ -1,0 +1,65 @@
+"""The one switch point between keras_bn's maths and the Keras backend it runs on.
+
+`get()` returns the module of the backend Keras uses, chosen once, the first time it is asked:
+keras_bn/backend/tensorflow/ or keras_bn/backend/jax/. Both expose the same functions, with the
+same signatures, and everything outside this package calls them through `get()` (as Keras's
+`keras.ops` call `keras/src/backend/<name>/`), so that the layers, `recalibrate`, the fold and
+QAT are written once, and only the backend Keras runs is imported: a JAX user needs no
+TensorFlow.
+
+The interface (each backend module's `__all__`):
+
+- the layer's train step: `statistics_dtype`, `is_floating`, `parameter`, `read`,
+  `expand_mask`, `ghost_split`, `ghost_average`, `element_count`, `batch_size_traced`,
+  `run_time_count`, `zero_unless_enough`, `batch_norm_train` (the hand-written backward),
+  `unit_affine`, `batch_norm_inference`, `batch_norm_eval`, `renorm_corrections`,
+  `reshape_like`, `per_channel`;
+- the moving statistics: `unbiased_estimates`, `pool_statistics` (across tf.distribute
+  replicas on TensorFlow; JAX has none), `replica_context`, `moving_average`,
+  `cumulative_average`, `counter_dtype`;
+- recalibration and snapshots: `input_moments`, `local_copies`, `compiled`, `name_scope`;
+- fake quantization: `weight_max_abs`, `fake_quant_weights`, `fake_quant_activations`,
+  `weight_step`, `activation_step`, `round_bias`, `halves_away_from_int8_zero`.
+"""
+
+import importlib
+import types
+
+# The Keras backends keras_bn runs on, each a subpackage here.
+SUPPORTED = ("tensorflow", "jax")
+
+_chosen: types.ModuleType | None = None
+
+
+def name() -> str:
+    """The Keras backend's name (imports keras).
+
+    Returns:
+        str, e.g. "tensorflow" or "jax".
+    """
+    import keras
+
+    return keras.backend.backend()
+
+
+def get() -> types.ModuleType:
+    """The backend module for the Keras backend in use, imported on the first call.
+
+    Returns:
+        keras_bn.backend.tensorflow or keras_bn.backend.jax.
+
+    Raises:
+        ImportError: Keras runs on a backend keras_bn does not support; the message names it
+            and the ones it does.
+    """
+    global _chosen
+    if _chosen is None:
+        found = name()
+        if found not in SUPPORTED:
+            raise ImportError(
+                f"keras_bn needs the TensorFlow or JAX Keras backend, but Keras is using "
+                f"{found!r}. Set KERAS_BACKEND=tensorflow or KERAS_BACKEND=jax before "
+                f"importing keras."
+            )
+        _chosen = importlib.import_module(f"keras_bn.backend.{found}")
+    return _chosen
