@@ -72,11 +72,15 @@ def require_tensorflow(name="keras_bn"):
     """
     found = backend.name()
     if found != "tensorflow":
-        hint = EXPORT_HINT if name.startswith("keras_bn.export") else ""
+        hint = " " + EXPORT_HINT if name.startswith("keras_bn.export") else ""
         raise ImportError(
             f"{name} needs the TensorFlow Keras backend, but Keras is using {found!r}. Under "
-            f"{found!r} everything else of keras_bn works (the layer, recalibrate, "
-            f"check_batchnorm, convert, fold_batch_norms, quantize); the diagnostics' gradient "
-            f"probes and the TFLite and ONNX writers need TensorFlow. {hint} Set "
+            f"{_BACKEND_NAMES.get(found, found)} keras_bn.BatchNormalization, recalibrate, "
+            f"callbacks.Recalibrate, diagnostics.check_batchnorm, convert, "
+            f"keras_bn.export.fold_batch_norms and quantize work; the diagnostics' gradient "
+            f"probes and the TFLite and ONNX writers need TensorFlow.{hint} Set "
             f"KERAS_BACKEND=tensorflow before importing keras."
         )
+
+
+_BACKEND_NAMES = {"jax": "JAX"}

@@ -393,7 +393,8 @@ class BatchNormalization(ShapePreserving, keras.layers.Layer):
         `pool_statistics`).
 
         Args:
-            mean, variance: the batch's per-channel mean and biased variance.
+            mean: the batch's per-channel mean.
+            variance: the batch's per-channel biased variance.
             count: m, a Python int (checked ≥ 2) or a tensor, scalar or per channel.
             weight: this replica's count for pooling across replicas (default `count`).
             skip: a boolean tensor (or False): true leaves every statistic as it is.
