@@ -5,8 +5,8 @@ Train step = forward, backward (to the input and the weights) and a sum-of-squar
 layers also update their moving statistics. The raw baseline for training is TensorFlow's
 FusedBatchNormV3 with its registered gradient (FusedBatchNormGradV3); for inference it is
 `x*a + b` on the same tensor. A second table checks the keras_bn / Keras BN targets (TARGETS)
-on the same medians. A third table times the fused path's re-centring (keras_bn/backend/tensorflow/fused.py: a
-tf.cond that re-runs the kernel on x minus the first pass's per-channel mean when some channel's
+on the same medians. A third table times the fused path's re-centring
+(keras_bn/backend/tensorflow/fused.py: a tf.cond that re-runs the kernel on x minus the first pass's per-channel mean when some channel's
 mean is far from zero) in the keras_bn train step: as shipped (on this data the test says no),
 with the re-centring off (twice: the second is the noise control), and with the re-run forced;
 each cost is the median over reps of the per-rep ratio to the step without it.
@@ -390,8 +390,8 @@ def main(argv=None):
             rows = run(shapes, reps, inner)
             print("\n" + target_summary(rows, ranks))
         print(
-            "\nThe fused path's re-centring (keras_bn/backend/tensorflow/fused.py), train step, graph; costs are "
-            "medians of per-rep ratios to 'off'\n"
+            "\nThe fused path's re-centring (keras_bn/backend/tensorflow/fused.py), train step, "
+            "graph; costs are medians of per-rep ratios to 'off'\n"
         )
         print(RECENTRING_HEADER, flush=True)
         recentring = run_recentring(shapes, reps, inner)

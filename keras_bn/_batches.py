@@ -8,6 +8,7 @@ dataset's elements come as numpy arrays (TensorFlow tensors are not JAX's).
 
 import copy
 import sys
+import typing
 from collections.abc import Iterable, Iterator, Sized
 from typing import Any, TypeAlias
 
@@ -65,7 +66,7 @@ class Batches:
     def __iter__(self) -> Iterator[Any]:
         data = self._data
         if _cardinality(data) is not None and backend.name() != "tensorflow":
-            data = data.as_numpy_iterator()  # type: ignore[attr-defined]
+            data = typing.cast(Any, data).as_numpy_iterator()
         for element in take(data, self._steps):
             yield keras.utils.unpack_x_y_sample_weight(element)[0]
 

@@ -52,7 +52,7 @@ def nbytes(tensor: Any) -> int:
     if tensor is None or not _numeric(tensor):
         return 0
     shape, dtype = signature(tensor)
-    return math.prod(shape) * _itemsize(dtype)
+    return math.prod(int(d or 0) for d in shape) * _itemsize(dtype)
 
 
 def _itemsize(dtype: str) -> int:

@@ -12,6 +12,7 @@ the package (its __init__). The implicit import of a module's parent packages is
 """
 
 import ast
+import importlib
 from pathlib import Path
 
 import pytest
@@ -208,7 +209,7 @@ def framework_imports(path):
             root = name.split(".")[0]
             if root in FRAMEWORKS:
                 (lazy if id(node) in nested else top).add(root)
-    if "sys.modules.get(\"tensorflow\")" in path.read_text():  # a look without an import
+    if 'sys.modules.get("tensorflow")' in path.read_text():  # a look without an import
         lazy.add("tensorflow")
     return top, lazy
 
@@ -234,17 +235,26 @@ def test_few_modules_outside_the_backends_touch_a_framework():
 
 
 def test_each_backend_exposes_the_same_interface():
-    """keras_bn/backend/{tensorflow,jax}/__init__.py list the same names in `__all__`."""
-    exported = {}
-    for name in ("tensorflow", "jax"):
-        tree = ast.parse((ROOT / "keras_bn" / "backend" / name / "__init__.py").read_text())
-        (names,) = [
-            ast.literal_eval(node.value)
-            for node in tree.body
-            if isinstance(node, ast.Assign) and node.targets[0].id == "__all__"
-        ]
-        exported[name] = set(names)
-    assert exported["tensorflow"] == exported["jax"], exported["tensorflow"] ^ exported["jax"]
+    """keras_bn/backend/{tensorflow,jax} each have every function of the interface, with the
+    same parameters (names and defaults)."""
+    import inspect
+
+    from keras_bn import backend
+
+    modules = [importlib.import_module(f"keras_bn.backend.{name}") for name in backend.SUPPORTED]
+    differ = {}
+    for name in backend.INTERFACE:
+        signatures = {  # AttributeError names a missing function
+            tuple(
+                (p.name, p.default)
+                for p in inspect.signature(getattr(module, name)).parameters.values()
+            )
+            for module in modules
+        }
+        if len(signatures) > 1:
+            differ[name] = sorted(signatures)
+    assert not differ, differ
+    assert all(sorted(module.__all__) == sorted(backend.INTERFACE) for module in modules)
 
 
 def test_the_framework_finder_tells_module_level_from_lazy(tmp_path):

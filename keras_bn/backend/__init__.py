@@ -7,24 +7,60 @@ same signatures, and everything outside this package calls them through `get()` 
 QAT are written once, and only the backend Keras runs is imported: a JAX user needs no
 TensorFlow.
 
-The interface (each backend module's `__all__`):
-
-- the layer's train step: `statistics_dtype`, `is_floating`, `parameter`, `read`,
-  `expand_mask`, `ghost_split`, `ghost_average`, `element_count`, `batch_size_traced`,
-  `run_time_count`, `zero_unless_enough`, `batch_norm_train` (the hand-written backward),
-  `unit_affine`, `batch_norm_inference`, `batch_norm_eval`, `renorm_corrections`,
-  `reshape_like`, `per_channel`;
-- the moving statistics: `unbiased_estimates`, `pool_statistics` (across tf.distribute
-  replicas on TensorFlow; JAX has none), `replica_context`, `moving_average`,
-  `cumulative_average`, `counter_dtype`;
-- recalibration and snapshots: `input_moments`, `local_copies`, `compiled`, `name_scope`;
-- fake quantization: `weight_max_abs`, `fake_quant_weights`, `fake_quant_activations`,
-  `weight_step`, `activation_step`, `round_bias`, `halves_away_from_int8_zero`.
+The interface is `INTERFACE`, each backend module's `__all__`.
 """
 
 import importlib
 import types
 
+# The functions every backend module exposes, with the same signatures (its `__all__`).
+INTERFACE = (
+    # the layer's train step
+    "statistics_dtype",
+    "is_floating",
+    "parameter",
+    "read",
+    "expand_mask",
+    "ghost_split",
+    "ghost_average",
+    "element_count",
+    "batch_size_traced",
+    "run_time_count",
+    "zero_unless_enough",
+    "batch_norm_train",  # with the hand-written backward
+    "unit_affine",
+    "batch_norm_inference",
+    "batch_norm_eval",
+    "renorm_corrections",
+    "reshape_like",
+    "per_channel",
+    "add",
+    "cond",
+    "fused_layout",
+    # the moving statistics
+    "unbiased_estimates",
+    "usable",
+    "pool_statistics",  # across tf.distribute replicas; JAX has none
+    "replica_context",
+    "moving_average",
+    "cumulative_average",
+    "counter_dtype",
+    # recalibration and snapshots
+    "moments",
+    "input_moments",
+    "local_copies",
+    "compiled",
+    "specialized",
+    "name_scope",
+    # fake quantization
+    "weight_max_abs",
+    "fake_quant_weights",
+    "fake_quant_activations",
+    "weight_step",
+    "activation_step",
+    "round_bias",
+    "halves_away_from_int8_zero",
+)
 # The Keras backends keras_bn runs on, each a subpackage here.
 SUPPORTED = ("tensorflow", "jax")
 

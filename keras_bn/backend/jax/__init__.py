@@ -11,6 +11,7 @@ import contextlib
 import jax.numpy as jnp
 import keras
 
+from keras_bn.backend import INTERFACE
 from keras_bn.backend.jax.fake_quant import (
     activation_step,
     fake_quant_activations,
@@ -45,49 +46,7 @@ from keras_bn.backend.jax.ops import (
     zero_unless_enough,
 )
 
-__all__ = [
-    "activation_step",
-    "add",
-    "batch_norm_eval",
-    "batch_norm_inference",
-    "batch_norm_train",
-    "batch_size_traced",
-    "compiled",
-    "cond",
-    "counter_dtype",
-    "cumulative_average",
-    "element_count",
-    "expand_mask",
-    "fake_quant_activations",
-    "fake_quant_weights",
-    "fused_layout",
-    "ghost_average",
-    "ghost_split",
-    "halves_away_from_int8_zero",
-    "input_moments",
-    "is_floating",
-    "local_copies",
-    "moments",
-    "moving_average",
-    "name_scope",
-    "parameter",
-    "per_channel",
-    "pool_statistics",
-    "read",
-    "renorm_corrections",
-    "replica_context",
-    "reshape_like",
-    "round_bias",
-    "run_time_count",
-    "specialized",
-    "statistics_dtype",
-    "unbiased_estimates",
-    "unit_affine",
-    "usable",
-    "weight_max_abs",
-    "weight_step",
-    "zero_unless_enough",
-]
+__all__ = list(INTERFACE)
 
 
 def is_floating(x):

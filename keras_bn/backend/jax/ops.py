@@ -165,7 +165,7 @@ def _materialized(*per_channel):
     return values[0] if len(values) == 1 else values
 
 
-def moments(x, channel_axes, mask=None):
+def moments(x, channel_axes, mask=None, replica_context=None):
     """(mean, biased variance) per channel, kept broadcastable to x: the layer's shifted
     moments, `_centered_moments` (what `recalibrate` records of a BN's input), differentiable
     by autodiff (the QAT layers' batch statistics).
@@ -174,10 +174,12 @@ def moments(x, channel_axes, mask=None):
         x: the input, in its statistics dtype.
         channel_axes: sorted non-negative axes that are not reduced.
         mask: optional output of `expand_mask`.
+        replica_context: always None under JAX (no replicas).
 
     Returns:
         (mean, variance).
     """
+    del replica_context
     count = element_count(x, channel_axes, mask)
     shift, offset, variance = _centered_moments(
         x, _reduction_axes(x.ndim, channel_axes), mask, count

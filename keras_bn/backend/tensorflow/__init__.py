@@ -12,6 +12,7 @@ import math
 import tensorflow as tf
 
 from keras_bn import ghost
+from keras_bn.backend import INTERFACE
 from keras_bn.backend.tensorflow import fused, statistics, xla
 from keras_bn.backend.tensorflow.fake_quant import (
     activation_step,
@@ -31,49 +32,7 @@ from keras_bn.backend.tensorflow.statistics import (
     statistics_dtype,
 )
 
-__all__ = [
-    "activation_step",
-    "add",
-    "batch_norm_eval",
-    "batch_norm_inference",
-    "batch_norm_train",
-    "batch_size_traced",
-    "compiled",
-    "cond",
-    "counter_dtype",
-    "cumulative_average",
-    "element_count",
-    "expand_mask",
-    "fake_quant_activations",
-    "fake_quant_weights",
-    "fused_layout",
-    "ghost_average",
-    "ghost_split",
-    "halves_away_from_int8_zero",
-    "input_moments",
-    "is_floating",
-    "local_copies",
-    "moments",
-    "moving_average",
-    "name_scope",
-    "parameter",
-    "per_channel",
-    "pool_statistics",
-    "read",
-    "renorm_corrections",
-    "replica_context",
-    "reshape_like",
-    "round_bias",
-    "run_time_count",
-    "specialized",
-    "statistics_dtype",
-    "unbiased_estimates",
-    "unit_affine",
-    "usable",
-    "weight_max_abs",
-    "weight_step",
-    "zero_unless_enough",
-]
+__all__ = list(INTERFACE)
 
 
 def is_floating(x):
@@ -285,7 +244,7 @@ def input_moments(x, channel_axes, mask=None):
 
 # One function per rank and channel axes (a shape-relaxed trace must keep its rank), shared by
 # every model; XLA compiles it once per input shape.
-_XLA_MOMENTS = {}
+_XLA_MOMENTS: dict = {}
 
 
 def local_copies(variable, strategy=None):
