@@ -6,8 +6,8 @@ layers also update their moving statistics. The raw baseline for training is Ten
 FusedBatchNormV3 with its registered gradient (FusedBatchNormGradV3); for inference it is
 `x*a + b` on the same tensor. A second table checks the keras_bn / Keras BN targets (TARGETS)
 on the same medians. A third table times the fused path's re-centring
-(keras_bn/backend/tensorflow/fused.py: a tf.cond that re-runs the kernel on x minus the first pass's per-channel mean when some channel's
-mean is far from zero) in the keras_bn train step: as shipped (on this data the test says no),
+(keras_bn/backend/tensorflow/fused.py: a tf.cond that re-runs the kernel on x minus the first
+pass's per-channel mean when some channel's mean is far from zero) in the keras_bn train step: as shipped (on this data the test says no),
 with the re-centring off (twice: the second is the noise control), and with the re-run forced;
 each cost is the median over reps of the per-rep ratio to the step without it.
 

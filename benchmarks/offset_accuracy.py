@@ -4,7 +4,8 @@ One train step of a momentum-0 keras_bn layer per layout and mode (tests/helpers
 `large_offset_errors`: numpy's y, μ and σ², autodiff's ∂l/∂x); prints, per path, the worst
 scale-relative error over the layouts and modes. The paths: fused (eager and tf.function, with
 and without keras_bn/backend/tensorflow/fused.py's re-centring), the XLA:CPU path
-(jit_compile=True) and the composite path (forced, every mode). docs/guide/layer.md quotes this table.
+(jit_compile=True) and the composite path (forced, every mode). docs/guide/layer.md quotes
+this table.
 
     python benchmarks/offset_accuracy.py           # the layouts below (about a minute)
     python benchmarks/offset_accuracy.py --smoke   # two small layouts: CI's check
