@@ -1,8 +1,11 @@
 """GPU readiness: the exactness tests and the layer benchmark on a GPU, results as JSON.
 
-Run it through benchmarks/gpu_check.sh (`make gpu-check`), which picks the Python. Each step
+Run it through benchmarks/gpu_check.sh (`make gpu-check`), which picks the Python. It runs
+under TensorFlow where TensorFlow is importable, else under JAX (--backend picks one). Each step
 runs in its own process of this Python, under a deadline, so the whole check takes at most 8
-minutes:
+minutes.
+
+Under TensorFlow:
 
 1. probe: TensorFlow imports and sees a GPU; if not, the check stops at once (exit code 2) with
    one line saying why, and the JSON still holds what nvidia-smi reports;
@@ -14,23 +17,42 @@ minutes:
 3. bench: benchmarks/bench_layer.py on /GPU:0, graph mode and XLA, float32 and mixed_float16,
    at its four full-size shapes. It runs whether or not a test failed.
 
-    benchmarks/gpu_check.sh [--dry-run] [OUT]    # OUT defaults to build/gpu_check/
+Under JAX (the GPU machine: JAX with its CUDA plugin, no TensorFlow, no Keras, no network):
 
-OUT gets gpu_check.json (rewritten after each step, so it is there whatever happens),
-tests.json, bench_layer.json and each step's log. --dry-run runs the same steps on the CPU
-(CUDA_VISIBLE_DEVICES=""), at the benchmark's smoke sizes and one test per file, so that CI can
-check this script in a minute or so.
+0. setup: where Keras is not importable, the wheels of `make gpu-wheels` (build/gpu_wheels/,
+   carried with the repository) are installed with pip into a temporary folder (those of
+   distributions this Python lacks), and where keras_bn is not importable the checkout is, as
+   a link tree (export/ as keras_bn/export, as pyproject.toml installs it); both go on
+   PYTHONPATH for the steps, and the folder is removed at the end;
+1. probe: JAX imports and sees a GPU (jax.devices("gpu")), Keras and keras_bn import;
+2. tests: JAX_TEST_FILES less their `tensorflow_side` tests (those compare with a TensorFlow
+   process), on the GPU (JAX's default device, checked before the first test), float32
+   matmuls at full precision (JAX_DEFAULT_MATMUL_PRECISION=highest: no TF32);
+3. bench: benchmarks/bench_layer_jax.py (what `bench_layer.py --backend jax` runs), jitted train
+   step and inference, float32 and mixed_float16, keras_bn against Keras BN, on the GPU;
+4. fake_quant: benchmarks/gpu_fake_quant.py: QAT's fake quantization on the GPU equals the
+   CPU's bit for bit (outputs and gradients, eager and jit).
+
+    benchmarks/gpu_check.sh [--dry-run] [--backend auto|tensorflow|jax] [OUT]
+
+OUT (default build/gpu_check/) gets gpu_check.json (rewritten after each step, so it is there
+whatever happens), tests.json, bench_layer.json, under JAX fake_quant.json, and each step's
+log. --dry-run runs the same steps on the CPU (CUDA_VISIBLE_DEVICES="", and JAX_PLATFORMS=cpu),
+at the benchmark's smoke sizes and one test per file, so that CI can check this script in a
+minute or so (tests_jax/test_gpu_check.py runs it under JAX without TensorFlow).
 
 Exit codes: 0 every step passed; 1 a test failed, or a step failed or ran out of time;
-2 the check cannot run here (TensorFlow not importable, no GPU, the tests' ops not on the GPU,
-bad usage). A failure also prints one line, on stderr, saying why.
+2 the check cannot run here (neither TensorFlow nor JAX importable, no GPU, the tests' ops not
+on the GPU, no Keras and no wheels, bad usage). A failure also prints one line, on stderr,
+saying why.
 
 Only the standard library is imported here: the check must also say, clearly, that the Python
-it was given has no TensorFlow.
+it was given has no TensorFlow (or JAX).
 """
 
 import argparse
 import datetime
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -40,7 +62,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+import zipfile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
@@ -50,10 +74,28 @@ TEST_FILES = [
     "tests/test_fused.py",
     "tests/test_layers.py",
 ]
+# tests_jax's files that check keras_bn against independent references (numpy float64
+# formulas, plain jnp autodiff, numpy replays of the moving statistics, Algorithm 2 in
+# float64, the unfolded model), less their tests marked tensorflow_side. Left out:
+# test_jax_distribution.py (DataParallel over two host devices), test_keras_parity_jax.py
+# (Keras's own test files, which its wheel does not ship), test_jax_readme.py (the docs) and
+# test_no_tensorflow.py, test_gpu_check.py (this check).
+JAX_TEST_FILES = [
+    "tests_jax/test_jax_layer.py",
+    "tests_jax/test_jax_training.py",
+    "tests_jax/test_jax_recalibrate.py",
+    "tests_jax/test_jax_fold.py",
+    "tests_jax/test_jax_quantize.py",
+]
+JAX_TEST_MARKERS = "not tensorflow_side"
+WHEELS = ROOT / "build" / "gpu_wheels"
 # Seconds per step: with nvidia-smi's (NVIDIA_SMI_DEADLINE), 465 s at most, under 8 minutes.
 # The tests took 125 s on 2 CPU cores (273 tests, 2026-11-26); XLA compiles more slowly for a GPU.
 DEADLINES = {"probe": 60, "tests": 240, "bench": 150}
 DRY_RUN_DEADLINES = {"probe": 60, "tests": 120, "bench": 120}
+# Under JAX, 460 s at most with nvidia-smi's.
+JAX_DEADLINES = {"setup": 30, "probe": 45, "tests": 200, "bench": 120, "fake_quant": 50}
+JAX_DRY_RUN_DEADLINES = {"setup": 30, "probe": 60, "tests": 120, "bench": 120, "fake_quant": 90}
 NVIDIA_SMI_DEADLINE = 15
 CANNOT_RUN, FAILED = 2, 1
 
@@ -112,6 +154,63 @@ def probe_tensorflow():
     print(PROBE_MARK + json.dumps(record))
 
 
+def jax_devices():
+    """JAX's GPUs, its devices, its default backend and the device an array made without a
+    device runs on (`kind`: GPU or CPU). It imports JAX: the probe and gpu_check_plugin call it."""
+    import jax
+    import jax.numpy as jnp
+
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:  # no GPU backend
+        gpus = []
+    (default,) = jnp.zeros(4).devices()
+    return {
+        "gpus": [{"name": str(gpu), "device_kind": gpu.device_kind} for gpu in gpus],
+        "devices": [str(device) for device in jax.devices()],
+        "default_backend": jax.default_backend(),
+        "default_device": f"{default} ({default.device_kind})",
+        "kind": "GPU" if default.platform in ("gpu", "cuda", "rocm") else default.platform.upper(),
+    }
+
+
+def probe_jax():
+    """Print one line, PROBE_MARK and JSON: JAX's version and devices, Keras's and keras_bn's,
+    or why one does not import. The probe step runs it in a process of its own."""
+    try:
+        import jax
+    except Exception as error:  # noqa: BLE001  any failure to import is the answer
+        print(PROBE_MARK + json.dumps({"import_error": f"{type(error).__name__}: {error}"}))
+        return
+    record = {"version": jax.__version__, **jax_devices()}
+    for name in ("keras", "keras_bn"):
+        try:
+            module = __import__(name)
+            record[name] = {"version": module.__version__, "file": module.__file__}
+        except Exception as error:  # noqa: BLE001  reported: the check cannot run without them
+            record[name] = {"import_error": f"{type(error).__name__}: {error}"}
+    record["keras_backend"] = (
+        sys.modules["keras"].backend.backend() if "keras" in sys.modules else None
+    )
+    print(PROBE_MARK + json.dumps(record))
+
+
+def resolve_backend(requested):
+    """`requested`, or for "auto" TensorFlow where it is importable, else JAX where it is, else
+    TensorFlow (whose probe then says what is missing)."""
+    if requested != "auto":
+        return requested
+    for name in ("tensorflow", "jax"):
+        if importlib.util.find_spec(name) is not None:
+            return name
+    return "tensorflow"
+
+
+def _distribution_of(wheel):
+    """The distribution name of a wheel file (its first dash-separated field)."""
+    return wheel.name.split("-", 1)[0]
+
+
 class CheckFailed(Exception):
     """A reason, in one line, that the check failed or cannot run; `code` is the exit code."""
 
@@ -166,23 +265,34 @@ def tail(path, lines=5):
 
 
 class Check:
-    def __init__(self, out, dry_run, argv):
+    def __init__(self, out, dry_run, argv, backend, wheels):
         self.out = out
         self.dry_run = dry_run
-        self.deadlines = DRY_RUN_DEADLINES if dry_run else DEADLINES
+        self.backend = backend
+        self.wheels = wheels
+        self.jax = backend == "jax"
+        if self.jax:
+            self.deadlines = JAX_DRY_RUN_DEADLINES if dry_run else JAX_DEADLINES
+        else:
+            self.deadlines = DRY_RUN_DEADLINES if dry_run else DEADLINES
         self.started = time.monotonic()
+        self.site = None  # the temporary folder of the setup step, removed by cleanup()
         self.env = {
             **os.environ,
             "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
             "TF_FORCE_GPU_ALLOW_GROWTH": "true",  # take GPU memory as needed, not all at once
-            "KERAS_BACKEND": "tensorflow",
+            "XLA_PYTHON_CLIENT_PREALLOCATE": "false",  # JAX's: the same
+            "KERAS_BACKEND": backend,
         }
         if dry_run:
             self.env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU, even on a machine with a GPU
+            if self.jax:
+                self.env["JAX_PLATFORMS"] = "cpu"
         self.result = {
             "status": "running",
             "reason": None,
             "dry_run": dry_run,
+            "backend": backend,
             "command": " ".join(["benchmarks/gpu_check.sh", *argv]),
             "python": sys.executable,
             "started_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
@@ -190,14 +300,89 @@ class Check:
             ),
             "device": None,
             "nvidia_smi": None,
-            "tensorflow": None,
+            **({"setup": None, "jax": None} if self.jax else {"tensorflow": None}),
             "tests": None,
             "bench": None,
+            **({"fake_quant": None} if self.jax else {}),
         }
 
     def save(self):
         self.result["seconds"] = round(time.monotonic() - self.started, 1)
         atomic.write_text(self.out / "gpu_check.json", json.dumps(self.result, indent=1) + "\n")
+
+    def steps(self):
+        """(name, method) of each step after the probe, in order."""
+        if self.jax:
+            return [("tests", self.tests), ("bench", self.bench), ("fake_quant", self.fake_quant)]
+        return [("tests", self.tests), ("bench", self.bench)]
+
+    def setup(self):
+        """Under JAX: Keras from the wheels and keras_bn from the checkout where this Python
+        cannot import them, in a temporary folder put on PYTHONPATH for every step."""
+        record = {"keras": "importable", "keras_bn": "importable", "installed": []}
+        self.result["setup"] = record
+        paths = []
+        if importlib.util.find_spec("keras") is None:
+            wheels = sorted(self.wheels.glob("*.whl")) if self.wheels.is_dir() else []
+            if not wheels:
+                raise CheckFailed(
+                    f"Keras is not importable by {sys.executable} and {self.wheels} holds no "
+                    f"wheels: run `make gpu-wheels` where there is a network, and carry "
+                    f"build/gpu_wheels with the repository",
+                    CANNOT_RUN,
+                )
+            self.site = pathlib.Path(tempfile.mkdtemp(prefix="gpu_check_"))
+            missing = []
+            for wheel in wheels:
+                try:
+                    importlib.metadata.distribution(_distribution_of(wheel))
+                except importlib.metadata.PackageNotFoundError:
+                    missing.append(wheel)
+            record.update(
+                keras=f"installed from {self.wheels}", installed=[w.name for w in missing]
+            )
+            self._install(missing, self.site / "site")
+            paths.append(self.site / "site")
+        if importlib.util.find_spec("keras_bn") is None:
+            self.site = self.site or pathlib.Path(tempfile.mkdtemp(prefix="gpu_check_"))
+            tree = self.site / "src" / "keras_bn"
+            tree.mkdir(parents=True)
+            for entry in (ROOT / "keras_bn").iterdir():
+                (tree / entry.name).symlink_to(entry)
+            (tree / "export").symlink_to(ROOT / "export")
+            record["keras_bn"] = f"linked from {ROOT}"
+            paths.append(self.site / "src")
+        if paths:
+            record["pythonpath"] = [str(path) for path in paths]
+            self.env["PYTHONPATH"] = os.pathsep.join(
+                [*map(str, paths), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+            )
+        self.save()
+
+    def _install(self, wheels, target):
+        """pip install --no-index --no-deps --target; a plain unpacking where pip is missing."""
+        log = self.out / "setup.log"
+        if importlib.util.find_spec("pip") is not None:
+            command = [sys.executable, "-m", "pip", "install", "--no-index", "--no-deps"]
+            command += ["--disable-pip-version-check", "--target", str(target), *map(str, wheels)]
+            code, seconds = run_step(command, log, self.deadlines["setup"], self.env)
+            self.result["setup"]["seconds"] = seconds
+            if code != 0:
+                when = f"ran past {self.deadlines['setup']} s" if code is None else f"exit {code}"
+                raise CheckFailed(f"installing the wheels failed ({when}): {tail(log)}", CANNOT_RUN)
+            return
+        for wheel in wheels:  # a wheel is a zip of its files, plus .data/ for some
+            with zipfile.ZipFile(wheel) as archive:
+                archive.extractall(target)
+        for data in target.glob("*.data"):
+            for kind in ("purelib", "platlib"):
+                if (data / kind).is_dir():
+                    shutil.copytree(data / kind, target, dirs_exist_ok=True)
+        log.write_text(f"no pip: unpacked {len(wheels)} wheels into {target}\n")
+
+    def cleanup(self):
+        if self.site is not None:
+            shutil.rmtree(self.site, ignore_errors=True)
 
     def probe(self):
         smi = nvidia_smi()
@@ -205,69 +390,106 @@ class Check:
         if isinstance(smi, list) and smi:
             self.result["device"] = smi[0]["name"]
         self.save()
+        if self.jax:
+            self.probe_jax(smi)
+        else:
+            self.probe_tensorflow(smi)
+        if self.dry_run:
+            self.result["device"] = "CPU (dry run)"
+        self.save()
+
+    def _probe(self, function, name):
+        """Run gpu_check.`function` in a process of this Python; its record."""
         log = self.out / "probe.log"
         probe = f"import sys; sys.path.insert(0, {str(BENCHMARKS)!r}); "
-        probe += "import gpu_check; gpu_check.probe_tensorflow()"
+        probe += f"import gpu_check; gpu_check.{function}()"
         code, _ = run_step([sys.executable, "-c", probe], log, self.deadlines["probe"], self.env)
         lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
         found = [line[len(PROBE_MARK) :] for line in lines if line.startswith(PROBE_MARK)]
         if code != 0 or not found:
-            raise CheckFailed(f"probing TensorFlow failed (exit {code}): {tail(log)}", CANNOT_RUN)
-        probe = json.loads(found[-1])
+            raise CheckFailed(f"probing {name} failed (exit {code}): {tail(log)}", CANNOT_RUN)
+        return json.loads(found[-1])
+
+    def probe_tensorflow(self, smi):
+        probe = self._probe("probe_tensorflow", "TensorFlow")
         if "import_error" in probe:
-            raise CheckFailed(
-                f"TensorFlow is not importable by {sys.executable}: {probe['import_error']}",
-                CANNOT_RUN,
-            )
+            reason = f"TensorFlow is not importable by {sys.executable}: {probe['import_error']}"
+            if importlib.util.find_spec("jax") is None:
+                reason += " (nor is JAX: the check runs under either)"
+            raise CheckFailed(reason, CANNOT_RUN)
         self.result["tensorflow"] = probe
         gpus = probe["gpus"]
         if gpus:
             self.result["device"] = gpus[0].get("device_name", gpus[0]["name"])
-        if self.dry_run:
-            self.result["device"] = "CPU (dry run)"
-        elif not gpus:
+        if not gpus and not self.dry_run:
             smi_names = [g["name"] for g in smi] if isinstance(smi, list) else smi or "not found"
             raise CheckFailed(
                 f"TensorFlow {probe['version']} sees no GPU (built with CUDA: "
                 f"{probe['built_with_cuda']}; nvidia-smi: {smi_names})",
                 CANNOT_RUN,
             )
-        self.save()
+
+    def probe_jax(self, smi):
+        probe = self._probe("probe_jax", "JAX")
+        if "import_error" in probe:
+            raise CheckFailed(
+                f"JAX is not importable by {sys.executable}: {probe['import_error']}", CANNOT_RUN
+            )
+        self.result["jax"] = probe
+        for name in ("keras", "keras_bn"):
+            if "import_error" in probe[name]:
+                raise CheckFailed(
+                    f"{name} does not import under JAX in {sys.executable}: "
+                    f"{probe[name]['import_error']}",
+                    CANNOT_RUN,
+                )
+        gpus = probe["gpus"]
+        if gpus:
+            self.result["device"] = gpus[0]["device_kind"]
+        if not self.dry_run and (not gpus or probe["kind"] != "GPU"):
+            smi_names = [g["name"] for g in smi] if isinstance(smi, list) else smi or "not found"
+            raise CheckFailed(
+                f"JAX {probe['version']} sees no GPU (default backend {probe['default_backend']}"
+                f", devices {probe['devices']}; nvidia-smi: {smi_names})",
+                CANNOT_RUN,
+            )
 
     def tests(self):
         report = self.out / "tests.json"
         report.unlink(missing_ok=True)
-        command = [
-            sys.executable,
-            "-m",
-            "pytest",
-            *TEST_FILES,
-            "-q",
-            "-n",
-            "0",  # one process: the GPU is not shared between workers
+        files = JAX_TEST_FILES if self.jax else TEST_FILES
+        command = [sys.executable, "-m", "pytest", *files, "-q"]
+        env = dict(self.env)
+        if self.jax:
+            # xdist may be missing there; -m leaves out what needs a TensorFlow process.
+            command += ["-p", "no:xdist", "-m", JAX_TEST_MARKERS]
+            env["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"  # no TF32
+        else:
+            command += ["-n", "0"]  # one process: the GPU is not shared between workers
+        command += [
             "-p",
             "no:cacheprovider",
             "-p",
             "gpu_check_plugin",
             "--gpu-check-report",
             str(report),
+            "--gpu-check-backend",
+            self.backend,
             "--gpu-check-expect",
             "CPU" if self.dry_run else "GPU",
             "--gpu-check-tf32-off",
         ]
         if self.dry_run:
             command.append("--gpu-check-one-per-file")
-        env = {
-            **self.env,
-            "PYTHONPATH": os.pathsep.join(
-                filter(None, [str(BENCHMARKS), os.environ.get("PYTHONPATH")])
-            ),
-        }
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(BENCHMARKS), self.env.get("PYTHONPATH")])
+        )
         log = self.out / "tests.log"
         code, seconds = run_step(command, log, self.deadlines["tests"], env)
         record = json.loads(report.read_text()) if report.exists() else {}
         self.result["tests"] = {
-            "files": TEST_FILES,
+            "files": files,
+            **({"markers": JAX_TEST_MARKERS} if self.jax else {}),
             "exit_code": code,
             "timed_out": code is None,
             "seconds": seconds,
@@ -291,11 +513,14 @@ class Check:
     def bench(self):
         bench_json = self.out / "bench_layer.json"
         bench_json.unlink(missing_ok=True)
-        command = [sys.executable, str(BENCHMARKS / "bench_layer.py"), "--json", str(bench_json)]
+        script = "bench_layer_jax.py" if self.jax else "bench_layer.py"
+        command = [sys.executable, str(BENCHMARKS / script), "--json", str(bench_json)]
         if self.dry_run:
-            command += ["--smoke", "--max-shapes", "1", "--device", "/CPU:0"]
+            command += ["--smoke", "--max-shapes", "1"]
+            command += [] if self.jax else ["--device", "/CPU:0"]
         else:
-            command += ["--reps", "10", "--device", "/GPU:0"]
+            command += ["--reps", "10"]
+            command += [] if self.jax else ["--device", "/GPU:0"]
         log = self.out / "bench_layer.log"
         code, seconds = run_step(command, log, self.deadlines["bench"], self.env)
         bench = {
@@ -315,8 +540,9 @@ class Check:
                 targets=record["targets"],
             )
         else:  # stopped early: the rows it printed
+            row = r"(?:train|inference)" if self.jax else r"(?:graph|XLA)"
             bench["rows_printed"] = re.findall(
-                r"^\| .* \| (?:graph|XLA) \| .*\|$",
+                rf"^\| .* \| {row} \| .*\|$",
                 log.read_text(encoding="utf-8", errors="replace"),
                 re.M,
             )
@@ -327,6 +553,55 @@ class Check:
             return f"the layer benchmark failed ({when}): {tail(log)}"
         return None
 
+    def fake_quant(self):
+        """Under JAX: QAT's fake quantization on the GPU against the CPU, bit for bit (in the
+        dry run, the CPU against itself)."""
+        found = self.out / "fake_quant.json"
+        found.unlink(missing_ok=True)
+        device = "cpu" if self.dry_run else "gpu"
+        script = str(BENCHMARKS / "gpu_fake_quant.py")
+        command = [sys.executable, script, "--device", device, "--against", "cpu"]
+        command += ["--json", str(found)]
+        log = self.out / "fake_quant.log"
+        code, seconds = run_step(command, log, self.deadlines["fake_quant"], self.env)
+        record = json.loads(found.read_text()) if found.exists() else {}
+        self.result["fake_quant"] = {
+            "exit_code": code,
+            "timed_out": code is None,
+            "seconds": seconds,
+            "log": log.name,
+            **record,
+        }
+        self.save()
+        if code == 0 and record.get("bit_for_bit"):
+            return None
+        if record.get("mismatches"):
+            first = record["mismatches"][0]
+            return (
+                f"fake quantization on {record['device']} differs from {record['against']} in "
+                f"{record['mismatched_cases']} outputs (first: {first['case']}): see {found}"
+            )
+        when = f"ran past {self.deadlines['fake_quant']} s" if code is None else f"exit {code}"
+        return f"the fake-quantization comparison failed ({when}): {tail(log)}"
+
+    def summary(self):
+        """The line printed when every step passed."""
+        tests, bench = self.result["tests"], self.result["bench"]
+        if self.jax:
+            probe = self.result["jax"]
+            versions = f"JAX {probe['version']}, Keras {probe['keras']['version']}"
+            extra = (
+                f", fake quantization equal bit for bit to the CPU's "
+                f"({self.result['fake_quant']['values_compared']} values)"
+            )
+        else:
+            versions, extra = f"TensorFlow {self.result['tensorflow']['version']}", ""
+        return (
+            f"gpu_check: passed on {self.result['device']} ({versions}): {tests['passed']} tests "
+            f"passed on {tests['placement']['default_device']}, {len(bench['rows'])} benchmark "
+            f"rows{extra} [{self.out / 'gpu_check.json'}]"
+        )
+
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
@@ -335,6 +610,18 @@ def main(argv=None):
     )
     parser.add_argument(
         "--dry-run", action="store_true", help="the same steps on the CPU at tiny sizes"
+    )
+    parser.add_argument(
+        "--backend",
+        choices=("auto", "tensorflow", "jax"),
+        default="auto",
+        help="auto (default): TensorFlow where it is importable, else JAX",
+    )
+    parser.add_argument(
+        "--wheels",
+        type=pathlib.Path,
+        default=WHEELS,
+        help="under JAX without Keras, the wheels to install (default: build/gpu_wheels/)",
     )
     parser.add_argument(
         "out",
@@ -348,15 +635,20 @@ def main(argv=None):
         args.out.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         parser.error(f"cannot create the output folder {args.out}: {error}")
-    check = Check(args.out.resolve(), args.dry_run, argv)
+    backend = resolve_backend(args.backend)
+    check = Check(args.out.resolve(), args.dry_run, argv, backend, args.wheels.resolve())
+    name = "TensorFlow" if backend == "tensorflow" else "JAX"
     try:
-        print("gpu_check: probe (TensorFlow, its GPUs) ...", flush=True)
+        if check.jax:
+            print("gpu_check: setup (Keras, keras_bn) ...", flush=True)
+            check.setup()
+        print(f"gpu_check: probe ({name}, its GPUs) ...", flush=True)
         check.probe()
         # A failing test does not stop the benchmark: the check reports both.
         failures = []
-        for name, step in (("tests", check.tests), ("bench", check.bench)):
-            print(f"gpu_check: {name} ...", flush=True)
-            failures.append(step())
+        for step, run in check.steps():
+            print(f"gpu_check: {step} ...", flush=True)
+            failures.append(run())
         if any(failures):
             raise CheckFailed("; ".join(filter(None, failures)))
     except CheckFailed as failure:
@@ -364,15 +656,11 @@ def main(argv=None):
         check.save()
         print(f"gpu_check: FAILED: {failure} [{args.out / 'gpu_check.json'}]", file=sys.stderr)
         return failure.code
+    finally:
+        check.cleanup()
     check.result["status"] = "passed"
     check.save()
-    tests, bench = check.result["tests"], check.result["bench"]
-    print(
-        f"gpu_check: passed on {check.result['device']} (TensorFlow "
-        f"{check.result['tensorflow']['version']}): {tests['passed']} tests passed on "
-        f"{tests['placement']['default_device']}, {len(bench['rows'])} benchmark rows "
-        f"[{args.out / 'gpu_check.json'}]"
-    )
+    print(check.summary())
     return 0
 
 

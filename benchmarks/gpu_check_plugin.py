@@ -3,23 +3,25 @@
 Options (gpu_check.py passes them, with `-p gpu_check_plugin` and benchmarks/ on PYTHONPATH):
 
     --gpu-check-report PATH   JSON of the outcome counts, the failed tests' ids, the GPUs
-                              TensorFlow sees and the device an op without a device scope runs
-                              on; rewritten after every test, so a run stopped at its deadline
-                              still leaves its counts.
+                              the backend sees and the device an op without a device scope
+                              runs on; rewritten after every test, so a run stopped at its
+                              deadline still leaves its counts.
+    --gpu-check-backend NAME  tensorflow (default) or jax: whose devices the report holds.
     --gpu-check-expect KIND   GPU or CPU: before the first test, stop the session (exit code 3)
                               unless an op without a device scope runs on a device of that kind.
     --gpu-check-one-per-file  keep only the first test of each file (gpu_check's dry run).
     --gpu-check-tf32-off      turn TensorFloat-32 off before the first test (the report says
-                              whether it is on).
+                              whether it is on); under JAX, float32 matmuls at "highest"
+                              precision (gpu_check also sets JAX_DEFAULT_MATMUL_PRECISION).
 
-TensorFlow is imported in the hooks, never at import: tests/conftest.py sets its environment and
-logical devices first.
+TensorFlow and JAX are imported in the hooks, never at import: tests/conftest.py and
+tests_jax/conftest.py set their environment and devices first.
 """
 
 import json
 
 import pytest
-from gpu_check import atomic, tensorflow_devices
+from gpu_check import atomic, jax_devices, tensorflow_devices
 
 PLACEMENT_EXIT_CODE = 3
 
@@ -34,6 +36,12 @@ def pytest_addoption(parser):
         "--gpu-check-one-per-file", action="store_true", help="the first test of each file only"
     )
     group.addoption("--gpu-check-tf32-off", action="store_true", help="turn TF32 off")
+    group.addoption(
+        "--gpu-check-backend",
+        choices=("tensorflow", "jax"),
+        default="tensorflow",
+        help="whose devices to check and report",
+    )
 
 
 def pytest_configure(config):
@@ -47,6 +55,7 @@ class _Recorder:
         self.expect = config.getoption("--gpu-check-expect")
         self.one_per_file = config.getoption("--gpu-check-one-per-file")
         self.tf32_off = config.getoption("--gpu-check-tf32-off")
+        self.backend = config.getoption("--gpu-check-backend")
         self.record = {
             "passed": 0,
             "failed": 0,
@@ -72,21 +81,41 @@ class _Recorder:
             config.hook.pytest_deselected(items=[item for item in items if item not in kept])
             items[:] = [item for item in items if item in kept]
 
-    def pytest_collection_finish(self, session):
+    def _tensorflow_placement(self):
+        """TensorFlow's devices, TF32 off if asked; the kind of the default device."""
         import tensorflow as tf
 
         if self.tf32_off:
             tf.config.experimental.enable_tensor_float_32_execution(False)
         self.record["tf32"] = tf.config.experimental.tensor_float_32_execution_enabled()
         placement = tensorflow_devices()
+        return placement, placement["default_device"].rsplit(":", 2)[-2]  # ".../GPU:0" -> "GPU"
+
+    def _jax_placement(self):
+        """JAX's devices, float32 matmuls at full precision if asked; the default's kind."""
+        import jax
+
+        if self.tf32_off:
+            jax.config.update("jax_default_matmul_precision", "highest")
+        precision = jax.config.jax_default_matmul_precision
+        self.record["matmul_precision"] = precision
+        self.record["tf32"] = precision not in ("highest", "float32")
+        placement = jax_devices()
+        return placement, placement["kind"]
+
+    def pytest_collection_finish(self, session):
+        if self.backend == "jax":
+            placement, kind = self._jax_placement()
+        else:
+            placement, kind = self._tensorflow_placement()
         self.record["placement"] = placement
         self.record["collected"] = len(session.items)
         self._write()
-        kind = placement["default_device"].rsplit(":", 2)[-2]  # ".../device:GPU:0" -> "GPU"
         if self.expect and kind != self.expect:
+            name = "JAX" if self.backend == "jax" else "TensorFlow"
             self.record["stopped"] = (
                 f"the tests' ops would run on {placement['default_device']}, not a "
-                f"{self.expect} (TensorFlow sees GPUs: {[g['name'] for g in placement['gpus']]})"
+                f"{self.expect} ({name} sees GPUs: {[g['name'] for g in placement['gpus']]})"
             )
             self._write()
             pytest.exit(self.record["stopped"], returncode=PLACEMENT_EXIT_CODE)
