@@ -9,7 +9,8 @@ on the same medians. A third table times the fused path's re-centring
 (keras_bn/backend/tensorflow/fused.py: a tf.cond that re-runs the kernel on x minus the first
 pass's per-channel mean when some channel's mean is far from zero) in the keras_bn train step:
 as shipped (on this data the test says no), with the re-centring off (twice: the second is the
-noise control), and with the re-run forced; each cost is the median over reps of the per-rep ratio to the step without it.
+noise control), and with the re-run forced; each cost is the median over reps of the per-rep
+ratio to the step without it.
 
     python benchmarks/bench_layer.py            # full table (a few minutes on 2 cores)
     python benchmarks/bench_layer.py --smoke    # tiny shapes, one repetition: CI's check
