@@ -62,7 +62,7 @@ def large_offset_errors(shape, axis, mode, composite=False):
     Args:
         shape, axis: the input's shape and the layer's channel axis.
         mode: "eager", "graph" (tf.function) or "xla" (jit_compile=True); it and the layout
-            pick the path (`keras_bn.ops.train_path`).
+            pick the path (`keras_bn.backend.tensorflow.ops.train_path`).
         composite: force the composite path (the layer's `_fused = False`).
 
     Returns:

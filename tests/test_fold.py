@@ -31,7 +31,7 @@ def _bn_params(rng, channels):
 
 
 def _bn_numpy(x, params, axis):
-    """Inference BN, written out independently of keras_bn.ops, in float64."""
+    """Inference BN, written out independently of the backend, in float64."""
     gamma, beta, mean, var, eps = params
     shape = [1] * x.ndim
     shape[axis] = -1

@@ -160,7 +160,7 @@ def test_inference_matches_affine_reference(layout, mode, dtype):
 # Mean 1e3, std 1e-2 in float32 (resolution 6e-5 at 1e3, σ/160): each path's documented
 # accuracy there (docs/guide/layer.md, "Far from zero"), scale-relative, against float64.
 LARGE_OFFSET_BOUNDS = {  # path: (output and ∂l/∂x, moving variance)
-    "fused": (1e-5, 1e-5),  # the kernel re-run on re-centred x (keras_bn/fused.py)
+    "fused": (1e-5, 1e-5),  # the kernel re-run on re-centred x (backend/tensorflow/fused.py)
     "xla_cpu": (1e-5, 1e-5),
     "composite": (1e-5, 1e-5),  # x centred as (x − shift) − residual (statistics.py)
 }

@@ -1,4 +1,4 @@
-"""keras_bn.ops and keras_bn.statistics against independent references: numpy formulas, TF
+"""The TensorFlow backend's ops and statistics against independent references: numpy formulas, TF
 autodiff of a plain reference written here, and finite differences."""
 
 import numpy as np

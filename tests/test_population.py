@@ -108,7 +108,7 @@ def test_unequal_batches_are_pooled_by_count():
 @pytest.mark.parametrize("layout", ["channels_last", "channels_first"])
 @pytest.mark.parametrize("case", ["mean_1e4_std_1e-2", "outlying_shift_samples"])
 def test_statistics_stay_exact_where_float32_sums_cancel(layout, case):
-    """Each BN input's moments are one-read shifted sums (keras_bn/xla.py) about a shift K
+    """Each BN input's moments are one-read shifted sums (backend/tensorflow/xla.py) about a shift K
     taken from a few samples at the first spatial position. Far from zero (mean 1e4, std
     1e-2), and where those samples lie far out (a bright corner pixel: K ~30σ from the mean,
     so the sums are redone about the mean), Algorithm 2's statistics still match float64

@@ -1,7 +1,7 @@
 """Property-based tests (hypothesis) of keras_bn.BatchNormalization over ranks 2–5, axis
 choices (negative, list, channels_first), float16/bfloat16/float32/float64, center/scale,
-masks and batch sizes from 2, eager and under XLA (jit_compile, where keras_bn/xla.py's path
-runs on CPU). Profiles live in conftest.py ("ci" by default, "thorough")."""
+masks and batch sizes from 2, eager and under XLA (jit_compile, where the path of
+backend/tensorflow/xla.py runs on CPU). Profiles live in conftest.py ("ci" by default, "thorough")."""
 
 import keras
 import numpy as np
@@ -38,7 +38,8 @@ GRADIENT_TOL = {"float16": 2e-2, "bfloat16": 1e-1, "float32": 1e-4, "float64": 1
 @st.composite
 def bn_cases(draw):
     rank = draw(st.integers(2, 5))
-    # keras_bn/xla.py splits batches of 4, 8 and 16 into its GROUPS evenly and pads the others.
+    # backend/tensorflow/xla.py splits batches of 4, 8 and 16 into its GROUPS evenly and pads
+    # the others.
     batch = draw(st.sampled_from([2, 3, 4, 5, 8, 16]))
     shape = [batch] + [draw(st.integers(1, 4)) for _ in range(rank - 1)]
     kind = draw(st.sampled_from(["last", "negative", "channels_first", "list"]))

@@ -114,7 +114,7 @@ def zero_unless_enough(gamma, count):
 def _centered_moments(x, axes, mask, count):
     """(shift K, offset Δμ, variance), kept broadcastable to x, over the unmasked values: the
     shifted sums of `_shifted_moments`. Without a mask K is `_shift_estimate`'s, and the sums
-    are redone about K + Δμ where K was too far from the mean (keras_bn/xla.py's `_moments`);
+    are redone about K + Δμ where K was too far from the mean (the TensorFlow backend's xla.py);
     with one K is the masked mean, which makes them the corrected two-pass algorithm of
     `statistics.centered_moments`."""
     if mask is not None:

@@ -1,10 +1,10 @@
 """The composite path: train-mode batch normalization from plain TensorFlow ops.
 
-It runs wherever neither the fused kernels (keras_bn/fused.py) nor the XLA:CPU arrangement
-(keras_bn/xla.py) apply: masks, synchronized replicas, other devices under XLA, float64 and
-other layouts (see `ops.train_path`). The moments are keras_bn/statistics.py's corrected
+It runs wherever neither the fused kernels (fused.py) nor the XLA:CPU arrangement
+(xla.py) apply: masks, synchronized replicas, other devices under XLA, float64 and
+other layouts (see `ops.train_path`). The moments are statistics.py's corrected
 two-pass ones. With g = ∂l/∂y and inv = 1/√(σ² + ε), the backward pass is the closed form of
-the chain rule (notation of keras_bn/statistics.py):
+the chain rule (notation of statistics.py):
 
     ∂l/∂β = Σg,   ∂l/∂γ = Σg·x̂,   ∂l/∂x = γ·inv·(g − w·(Σg + x̂·Σg·x̂) / m)
 
@@ -13,7 +13,7 @@ where w is the mask broadcast to x (1 everywhere without one) and m each channel
 or not, because every output depends on μ and σ². The statistics are outputs without gradient.
 With a replica context, Σg and Σg·x̂ are all-reduced as the forward sums are.
 
-This module imports only the leaf keras_bn/statistics.py.
+This module imports only the leaf statistics.py.
 """
 
 import tensorflow as tf

@@ -6,12 +6,12 @@ that is 2-3× faster than composite ops. The kernels see a 4D view of x, a resha
 on channel-last inputs goes through the same kernel's inference mode (`batch_norm_eval`).
 
 The kernels are never used under XLA, which lowers their training mode to E[x²] − E[x]² (see
-`fused_data_format`). This module imports only the leaves keras_bn/statistics.py and
-keras_bn/placement.py.
+`fused_data_format`). This module imports only the leaves statistics.py and
+placement.py.
 
 Far from zero the CPU kernel loses accuracy: at a mean of 1e3 and std of 1e-2 (float32) its
 output was off by up to 1.3e-2 of the output's scale and its variance by 2.6e-3 (TF 2.21;
-benchmarks/offset_accuracy.py), against 1e-7 for keras_bn/xla.py. Normalization is
+benchmarks/offset_accuracy.py), against 1e-7 for xla.py. Normalization is
 shift-invariant, so when the kernel's first pass finds some channel's mean more than
 `RECENTRE_STDDEVS` standard deviations from zero, a tf.cond runs it again on x minus that mean
 (rounded to x's dtype), adds the mean back to the batch mean, and hands the backward kernel the
@@ -43,7 +43,7 @@ def fused_data_format(x, channel_axes, epsilon, mask=None):
 
     Never under XLA: XLA lowers the kernel's training mode to E[x²] − E[x]², whose float32
     variance was off by a factor of thousands at a mean of 1e3 and std of 1e-2 (TF 2.21). Under
-    XLA, `ops.train_path` picks keras_bn/xla.py's arrangement on CPU, the composite path
+    XLA, `ops.train_path` picks xla.py's arrangement on CPU, the composite path
     elsewhere.
     """
     if (

@@ -7,13 +7,13 @@ per-channel mean and biased variance over the m elements reduced:
 
 Where each part lives:
 
-- keras_bn/statistics.py: the moments (corrected two-pass, never E[x²] − E[x]²), the count m,
+- statistics.py: the moments (corrected two-pass, never E[x²] − E[x]²), the count m,
   masks and per-channel shapes; the leaf every other module here imports.
-- keras_bn/fused.py: the fused path, TensorFlow's FusedBatchNormV3 kernels.
-- keras_bn/xla.py: the XLA:CPU path, the same sums arranged for XLA:CPU's fusion rules.
-- keras_bn/composite.py: the composite path, plain ops with the closed-form gradient, for masks,
+- fused.py: the fused path, TensorFlow's FusedBatchNormV3 kernels.
+- xla.py: the XLA:CPU path, the same sums arranged for XLA:CPU's fusion rules.
+- composite.py: the composite path, plain ops with the closed-form gradient, for masks,
   synchronized replicas and every other layout.
-- keras_bn/placement.py: where the traced graph runs (under XLA; on a CPU).
+- placement.py: where the traced graph runs (under XLA; on a CPU).
 
 The three paths import only those leaves, never each other; this module chooses between them
 (`train_path`) and holds the functional API the layer calls. All functions take `channel_axes`:
@@ -38,7 +38,7 @@ def train_path(x, channel_axes, epsilon, mask=None, fused=None, replica_context=
     1. "fused" where `fused.fused_data_format` allows (one channel axis, last or second; no
        mask; a 16/32-bit float; never under XLA) and the replicas are not synchronized.
     2. "xla_cpu" under XLA on a CPU, without a mask or synchronized replicas, when x has a
-       reduced axis other than its last (keras_bn/xla.py; its arrangement is tuned to XLA:CPU's
+       reduced axis other than its last (xla.py; its arrangement is tuned to XLA:CPU's
        fusion rules, so other devices keep the composite path until measured there).
     3. "composite" everywhere else.
 
@@ -57,7 +57,7 @@ def train_path(x, channel_axes, epsilon, mask=None, fused=None, replica_context=
     Raises:
         ValueError: `fused=True` where the fused kernel does not apply.
     """
-    # 1. The fused kernels (keras_bn/fused.py).
+    # 1. The fused kernels (fused.py).
     if (
         fused is not False
         and replica_context is None
@@ -71,7 +71,7 @@ def train_path(x, channel_axes, epsilon, mask=None, fused=None, replica_context=
             f"mask {'given' if mask is not None else 'none'}, XLA "
             f"{placement.in_xla_context()}, synchronized {replica_context is not None}."
         )
-    # 2. The XLA:CPU arrangement (keras_bn/xla.py); fused=False forces step 3 instead.
+    # 2. The XLA:CPU arrangement (xla.py); fused=False forces step 3 instead.
     if (
         fused is None
         and replica_context is None
@@ -81,7 +81,7 @@ def train_path(x, channel_axes, epsilon, mask=None, fused=None, replica_context=
         and placement.runs_on_cpu()
     ):
         return "xla_cpu"
-    # 3. Composite ops (keras_bn/composite.py).
+    # 3. Composite ops (composite.py).
     return "composite"
 
 
@@ -91,11 +91,11 @@ def batch_norm_train(
     """Train-mode batch normalization with a hand-written gradient.
 
     Three implementations of the same maths, chosen by `train_path`: TensorFlow's
-    FusedBatchNormV3 and FusedBatchNormGradV3 kernels (keras_bn/fused.py), 2-3× faster than
+    FusedBatchNormV3 and FusedBatchNormGradV3 kernels (fused.py), 2-3× faster than
     composite ops; under XLA on a CPU, the same sums arranged so that XLA fuses them, 3 reads of
-    x per train step (keras_bn/xla.py); everywhere else (masks, synchronized replicas, other
+    x per train step (xla.py); everywhere else (masks, synchronized replicas, other
     devices under XLA, other layouts) composite ops with the two-pass moments and the
-    closed-form gradient (keras_bn/composite.py).
+    closed-form gradient (composite.py).
 
     Args:
         x: floating tensor. float16/bfloat16 statistics are computed in float32.

@@ -1,7 +1,7 @@
 """Where the graph being traced runs: under XLA or not, on a CPU or not.
 
-`ops.train_path` picks an implementation from these (keras_bn/xla.py's arrangement only under
-XLA on a CPU), and keras_bn/fused.py refuses the fused kernels under XLA. A leaf: it imports
+`ops.train_path` picks an implementation from these (xla.py's arrangement only under
+XLA on a CPU), and fused.py refuses the fused kernels under XLA. A leaf: it imports
 only TensorFlow.
 """
 
