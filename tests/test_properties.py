@@ -1,7 +1,8 @@
 """Property-based tests (hypothesis) of keras_bn.BatchNormalization over ranks 2–5, axis
 choices (negative, list, channels_first), float16/bfloat16/float32/float64, center/scale,
 masks and batch sizes from 2, eager and under XLA (jit_compile, where the path of
-backend/tensorflow/xla.py runs on CPU). Profiles live in conftest.py ("ci" by default, "thorough")."""
+backend/tensorflow/xla.py runs on CPU). Profiles live in conftest.py ("ci" by default,
+"thorough")."""
 
 import keras
 import numpy as np

@@ -1,6 +1,6 @@
 """The XLA:CPU train path (backend/tensorflow/xla.py): where it is selected, and that it is as
-exact as the path without XLA. References: the same layer traced without XLA (the fused kernel or the
-composite ops), and float64 numpy normalization of the same float32 data."""
+exact as the path without XLA. References: the same layer traced without XLA (the fused kernel or
+the composite ops), and float64 numpy normalization of the same float32 data."""
 
 import keras
 import numpy as np
