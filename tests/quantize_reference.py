@@ -27,6 +27,13 @@ def weight_scale(kernel, bits, per_channel):
     return np.where(largest > 0, np.maximum(largest, 1e-8), 1.0) / q_max(bits)
 
 
+def straight_through_weight_mask(kernel, bits, per_channel):
+    """torch.ao's straight-through rule for symmetric weight fake quantization: gradient 1
+    where round(w/Δ) lies in [−q_max, q_max], else 0 (float64)."""
+    levels = np.round(np.asarray(kernel, np.float64) / weight_scale(kernel, bits, per_channel))
+    return ((levels >= -q_max(bits)) & (levels <= q_max(bits))).astype(np.float64)
+
+
 def fake_quant_weights(kernel, bits, per_channel, scale=None):
     """Symmetric narrow-range k-bit fake quantization (Δ from the kernel unless given)."""
     kernel = np.asarray(kernel, np.float64)

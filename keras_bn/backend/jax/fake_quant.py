@@ -170,12 +170,35 @@ def weight_max_abs(kernel: Any, per_channel: bool) -> Any:
 
 
 def fake_quant_weights(kernel: Any, max_abs: Any, bits: int) -> Any:
-    """`fake_quant.fake_quant_weights` in jnp: the symmetric narrow-range grid of ±max_abs."""
+    """`fake_quant.fake_quant_weights` in jnp: the symmetric narrow-range grid of ±max_abs, with
+    gradient 1 to every weight (TensorFlow's op would stop it at the weight that sets the
+    range, which float32 puts just past the op's nudged maximum)."""
+    return _weights_on_grid(jnp.asarray(kernel, jnp.float32), max_abs, bits)
+
+
+def _rounded_weights(kernel: Any, max_abs: Any, bits: int) -> Any:
     if jnp.ndim(max_abs) == 1:
         return fake_quant_with_min_max_vars_per_channel(
             kernel, -max_abs, max_abs, num_bits=bits, narrow_range=True
         )
     return fake_quant_with_min_max_vars(kernel, -max_abs, max_abs, num_bits=bits, narrow_range=True)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _weights_on_grid(kernel: Any, max_abs: Any, bits: int) -> Any:
+    return _rounded_weights(kernel, max_abs, bits)
+
+
+def _weights_on_grid_forward(kernel: Any, max_abs: Any, bits: int) -> Any:
+    return _rounded_weights(kernel, max_abs, bits), max_abs
+
+
+def _weights_on_grid_backward(bits: int, max_abs: Any, gradients: Any) -> Any:
+    del bits
+    return gradients, jnp.zeros_like(max_abs)  # the range is a constant of the step
+
+
+_weights_on_grid.defvjp(_weights_on_grid_forward, _weights_on_grid_backward)
 
 
 def fake_quant_activations(x: Any, minimum: Any, maximum: Any, bits: int) -> Any:

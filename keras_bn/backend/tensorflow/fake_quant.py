@@ -23,7 +23,18 @@ def weight_max_abs(kernel, per_channel):
 
 
 def fake_quant_weights(kernel, max_abs, bits):
-    """The TensorFlow kernel of keras_bn.quantize.fake_quant.fake_quant_weights."""
+    """The TensorFlow kernel of keras_bn.quantize.fake_quant.fake_quant_weights: the op's
+    values, with gradient 1 to every weight (the op would stop it at the weight that sets the
+    range, which float32 puts just past the op's nudged maximum)."""
+
+    @tf.custom_gradient
+    def on_grid(kernel):
+        return _rounded_weights(kernel, max_abs, bits), lambda gradient: gradient
+
+    return on_grid(kernel)
+
+
+def _rounded_weights(kernel, max_abs, bits):
     if max_abs.shape.rank == 1:
         # On a 2-D (-1, channels) view: the op is elementwise, but its gradient takes rank ≤ 4
         # only (a Conv3D kernel has rank 5).
