@@ -23,7 +23,9 @@ Under JAX (the GPU machine: JAX with its CUDA plugin, no TensorFlow, no Keras, n
    carried with the repository) are installed with pip into a temporary folder (those of
    distributions this Python lacks), and where keras_bn is not importable the checkout is, as
    a link tree (export/ as keras_bn/export, as pyproject.toml installs it); both go on
-   PYTHONPATH for the steps, and the folder is removed at the end;
+   PYTHONPATH for the steps, with benchmarks/ and the checkout, PYTHONSAFEPATH=1 keeps the
+   checkout's own keras_bn/ (without export/) from coming first, and the folder is removed at
+   the end;
 1. probe: JAX imports and sees a GPU (jax.devices("gpu")), Keras and keras_bn import;
 2. tests: JAX_TEST_FILES less their `tensorflow_side` tests (those compare with a TensorFlow
    process), on the GPU (JAX's default device, checked before the first test), float32
@@ -95,7 +97,7 @@ DEADLINES = {"probe": 60, "tests": 240, "bench": 150}
 DRY_RUN_DEADLINES = {"probe": 60, "tests": 120, "bench": 120}
 # Under JAX, 460 s at most with nvidia-smi's.
 JAX_DEADLINES = {"setup": 30, "probe": 45, "tests": 200, "bench": 120, "fake_quant": 50}
-JAX_DRY_RUN_DEADLINES = {"setup": 30, "probe": 60, "tests": 120, "bench": 120, "fake_quant": 90}
+JAX_DRY_RUN_DEADLINES = {"setup": 30, "probe": 60, "tests": 120, "bench": 120, "fake_quant": 60}
 NVIDIA_SMI_DEADLINE = 15
 CANNOT_RUN, FAILED = 2, 1
 
@@ -352,10 +354,14 @@ class Check:
             (tree / "export").symlink_to(ROOT / "export")
             record["keras_bn"] = f"linked from {ROOT}"
             paths.append(self.site / "src")
+            # Python puts the working directory (the checkout, whose keras_bn has no export/)
+            # or a script's folder first on sys.path; not with PYTHONSAFEPATH (Python 3.11+).
+            self.env["PYTHONSAFEPATH"] = "1"
         if paths:
+            paths += [BENCHMARKS, ROOT]  # the benchmarks' shared modules, then the checkout
             record["pythonpath"] = [str(path) for path in paths]
             self.env["PYTHONPATH"] = os.pathsep.join(
-                [*map(str, paths), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+                [*map(str, paths), *filter(None, [os.environ.get("PYTHONPATH")])]
             )
         self.save()
 
@@ -561,7 +567,7 @@ class Check:
         device = "cpu" if self.dry_run else "gpu"
         script = str(BENCHMARKS / "gpu_fake_quant.py")
         command = [sys.executable, script, "--device", device, "--against", "cpu"]
-        command += ["--json", str(found)]
+        command += ["--json", str(found), *(["--every", "8"] if self.dry_run else [])]
         log = self.out / "fake_quant.log"
         code, seconds = run_step(command, log, self.deadlines["fake_quant"], self.env)
         record = json.loads(found.read_text()) if found.exists() else {}
