@@ -15,7 +15,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_bn import _augmentation, _backend, _bn_layers, _hooks
-from keras_bn._batches import Batches, Data
+from keras_bn._batches import Batches, Data, input_count
 from keras_bn._errors import UnsupportedModelError
 from keras_bn.population import PooledMoments
 from keras_bn.quantize.layers import refuse_folded_batch_norms
@@ -138,10 +138,10 @@ def check_batchnorm(
     Args:
         model: a built Keras model (Sequential, Functional, subclassed, nested).
         data: optional batches, as for `keras_bn.recalibrate`: a `tf.data.Dataset` (finite,
-            or with `steps`), a numpy array or a dict of them (named inputs; split into batches
-            of `batch_size`), or an iterable of batches; `(x, y)` and `(x, y, sample_weight)`
-            elements use `x`. Give batches of the size you train with: the small-batch and gap
-            checks depend on it.
+            or with `steps`), whole arrays (an array, a dict or a list of them, or `(x, y)` of
+            those; split into batches of `batch_size`), or an iterable of batches; `(x, y)`
+            and `(x, y, sample_weight)` elements use `x`. Give batches of the size you train
+            with: the small-batch and gap checks depend on it.
         batch_size: batch size for numpy-array (or dict of arrays) data.
         steps: how many batches of `data` to use; None uses them all.
 
@@ -172,7 +172,7 @@ def check_batchnorm(
         if message
     ]
     if data is not None:
-        batches = Batches(data, steps, batch_size)
+        batches = Batches(data, steps, batch_size, inputs=input_count(model))
         stale = {f.layer for f in findings}
         findings += _data_findings(model, layers, paths, batches, skip=stale)
     findings += _unfoldable(model, layers, paths)
