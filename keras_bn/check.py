@@ -248,7 +248,7 @@ def _data_findings(
     # One shadowing of the BN calls for both passes: `record` makes the BNs infer and records
     # their inputs; outside it they are forced into training mode (batch statistics) while
     # every other layer, Dropout included, infers.
-    with _hooks.BatchNormCalls(layers, training=True) as statistics:
+    with _hooks.BatchNormCalls(layers, training=True, root=model) as statistics:
 
         def infer_and_record(x: Any) -> tuple[dict[int, _hooks.Moments], Any]:
             outputs = []

@@ -212,8 +212,9 @@ def recalibrate(
             layer, or a different number of batches on another pass; a layer's statistics
             would be NaN or inf (NaN or inf in the data or in the layer's input: the message
             names the layer, the first such batch and the channels); a BN layer is called
-            more than once per forward pass (shared); or the model holds a stateful layer (an
-            RNN with `stateful=True`).
+            more than once per forward pass (shared; a BN inside `TimeDistributed` is not:
+            it is recalibrated over batch × time, its m values per channel); or the model
+            holds a stateful layer (an RNN with `stateful=True`).
         UnsupportedModelError: the model holds quantization-aware layers with folded batch
             norms (`keras_bn.quantize`); recalibrate the float model before quantizing it.
 
@@ -300,6 +301,7 @@ def recalibrate_per_layer(
             batches.count,
             bar,
             batches.check_count,
+            root=model,
         )
     return RecalibrationReport(
         layers=done.changes,

@@ -486,3 +486,50 @@ def test_x_y_arrays_as_fit_takes_them():
     with pytest.raises(ValueError, match=r"input 1 has 39 samples"):
         keras_bn.recalibrate(two, [xa, xb[:39]], progress=False)
 
+
+class _TimeDistributedModel(keras.Model):
+    """Subclassed: Dense → TimeDistributed(BN), for the per-layer method."""
+
+    def __init__(self, bn):
+        super().__init__(name="time_distributed_model")
+        self.dense = keras.layers.Dense(3)
+        self.wrapped = keras.layers.TimeDistributed(bn)
+
+    def call(self, x, training=None):
+        return self.wrapped(self.dense(x), training=training)
+
+
+@pytest.mark.parametrize("subclassed", [False, True], ids=["functional", "subclassed"])
+@pytest.mark.parametrize(
+    "bn_class,unbiased",
+    [(keras_bn.BatchNormalization, True), (keras.layers.BatchNormalization, False)],
+    ids=["keras_bn", "keras"],
+)
+def test_time_distributed_batch_norm_is_recalibrated_over_batch_and_time(
+    bn_class, unbiased, subclassed
+):
+    """Issue 32, item 7: TimeDistributed(BN) calls its BN once per time step, and infers with
+    one set of statistics for every step: Algorithm 2 over the batch × time values of each
+    batch (m = batch · steps per channel). It was refused as a shared BN layer."""
+    bn = bn_class()
+    if subclassed:
+        model = _TimeDistributedModel(bn)
+        model(np.zeros((2, 5, 4), "float32"))
+    else:
+        inputs = keras.Input((5, 4))
+        h = keras.layers.Dense(3)(inputs)
+        model = keras.Model(inputs, keras.layers.TimeDistributed(bn)(h))
+    x = _data((40, 5, 4))
+    report = keras_bn.recalibrate(model, x, batch_size=16, progress=False)
+    assert report.batches == 3 and [c.name for c in report.layers] == [bn.name]
+    dense = model.dense if subclassed else model.layers[1]
+    features = np.asarray(dense(x), np.float64)
+    parts = [features[i : i + 16].reshape(-1, 3) for i in range(0, 40, 16)]  # batch × time
+    m = np.array([len(p) for p in parts], dtype=np.float64)
+    mean = sum(len(p) * p.mean(axis=0) for p in parts) / m.sum()
+    variance = sum(len(p) * p.var(axis=0) for p in parts) / ((m - 1).sum() if unbiased else m.sum())
+    assert_close(bn.moving_mean, mean, 1e-5)
+    assert_close(bn.moving_variance, variance, 1e-5)
+    # And the model infers with them at every step.
+    expected = (features - mean) / np.sqrt(variance + bn.epsilon)
+    assert_close(model(x, training=False), expected, 1e-4)
