@@ -137,6 +137,7 @@ def export(
     fold: bool = True,
     probe: trace.ModelInput | None = None,
     on_stage: Callable[[str], None] | None = None,
+    allow_unverified: bool = False,
 ) -> report.ExportReport:
     """Fold `model`, convert it with `fmt`, write it to `path` only if it verifies.
 
@@ -153,8 +154,9 @@ def export(
         scale_tolerance = default_scale_tolerance(model, fmt)
     else:
         scale_tolerance = defaults.check_scale_tolerance(scale_tolerance)
-    if not isinstance(strict, bool):
-        raise ValueError(f"strict must be True or False; received strict={strict!r}.")
+    for flag, value in (("strict", strict), ("allow_unverified", allow_unverified)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{flag} must be True or False; received {flag}={value!r}.")
     atomic.target(path)  # a folder or a device fails here, not after the conversion
     sig = trace.signature(model, fmt.names)
     fmt.check_model(model)
@@ -164,7 +166,7 @@ def export(
         steps = dict(zip(sig.output_names, qat.output_steps(model)))
     samples = fmt.samples(sig, probe)
     expected = trace.outputs(model, sig, samples.probe)
-    report.check_varies(expected, samples.probe.what)
+    unverified = report.check_varies(expected, samples.probe.what, samples.probe, allow_unverified)
     in_sample = None
     if samples.calibration is not None:
         in_sample = trace.spread_samples(samples.calibration, defaults.PROBE_SAMPLES)
@@ -174,7 +176,12 @@ def export(
     if fold:
         stage("fold")
     source, fold_report = (
-        fold_batch_norms(model, sig.pack(samples.probe), int8_readiness=fmt.quantization == "int8")
+        fold_batch_norms(
+            model,
+            sig.pack(samples.probe),
+            int8_readiness=fmt.quantization == "int8",
+            allow_unverified=unverified is not None,
+        )
         if fold
         else (model, None)
     )
@@ -220,6 +227,7 @@ def export(
             calibration_samples=(
                 None if samples.calibration is None else samples.calibration.samples
             ),
+            unverified=unverified,
             **quantized,
         )
         if strict and not result.passed:
