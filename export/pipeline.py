@@ -30,6 +30,7 @@ from keras_bn import _models
 from keras_bn._errors import UnsupportedModelError
 from keras_bn.export import atomic, defaults, qat, report, trace
 from keras_bn.export.graph import fold_batch_norms
+from keras_bn.quantize import hosts
 
 
 class Samples(typing.NamedTuple):
@@ -114,9 +115,17 @@ class QuantizedFormat(Format):
         return None
 
     def check_model(self, model: keras.Model) -> None:
-        """The float format's refusals, then each QAT host's `host_refusal`."""
+        """The float format's refusals, then for each QAT host the refusal every format
+        shares (`hosts.int8_file_refusal`) and its own `host_refusal`."""
         super().check_model(model)
         for layer in _models.layers_within(model, qat.QAT_HOSTS):
+            shared = hosts.int8_file_refusal(layer.host, _input_rank(layer))
+            if shared:
+                raise UnsupportedModelError(
+                    f"{self.names.format} export of a quantization-aware model cannot take QAT "
+                    f"layer "
+                    f"'{layer.name}': its host {shared}, then train it again."
+                )
             refusal = self.host_refusal(layer)
             if refusal:
                 raise UnsupportedModelError(refusal)
@@ -126,6 +135,14 @@ class QuantizedFormat(Format):
         output names, kept for `check_weights`."""
         self._weights = qat.host_weights(model, taken=(*sig.input_names, *sig.output_names))
         return self._weights
+
+
+def _input_rank(layer: keras.layers.Layer) -> int | None:
+    """The rank of the input `layer` is called on in its model's graph; None where unknown."""
+    try:
+        return len(layer.input.shape)
+    except (AttributeError, ValueError):
+        return None
 
 
 def export(
