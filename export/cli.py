@@ -132,6 +132,13 @@ def _parser() -> argparse.ArgumentParser:
         f"{defaults.QAT_PERCENTILE:g}%%)",
     )
     parser.add_argument(
+        "--allow-unverified",
+        action="store_true",
+        help="for a smoke test: write the files of a model whose own outputs are the same for "
+        "every probe sample (untrained or dead), which no probe can verify; they are marked "
+        "UNVERIFIED in the summary and the report",
+    )
+    parser.add_argument(
         "--atol", type=float, metavar="TOL", help="deprecated: the old name of --scale-tolerance"
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {keras_bn.__version__}")
@@ -314,6 +321,7 @@ def _export(args: argparse.Namespace, stage: Callable[[str], None]) -> dict[str,
                     fold=not args.no_fold,
                     scale_tolerance=args.scale_tolerance,
                     on_stage=on_stage,
+                    allow_unverified=args.allow_unverified,
                 ),
             )
         )
@@ -328,6 +336,7 @@ def _export(args: argparse.Namespace, stage: Callable[[str], None]) -> dict[str,
                     probe=probe,
                     scale_tolerance=args.scale_tolerance,
                     on_stage=on_stage,
+                    allow_unverified=args.allow_unverified,
                 ),
             )
         )
@@ -351,7 +360,12 @@ def _export(args: argparse.Namespace, stage: Callable[[str], None]) -> dict[str,
         and (fold_report is None or (args.int8_readiness and not measured))
     ):
         stage("fold")
-        fold_report = fold_batch_norms(model, probe, int8_readiness=args.int8_readiness)[1]
+        fold_report = fold_batch_norms(
+            model,
+            probe,
+            int8_readiness=args.int8_readiness,
+            allow_unverified=args.allow_unverified,
+        )[1]
 
     # The folded model is judged like a float32 file: a mixed-precision one rounds as its
     # exports do, so it gets their default too.
@@ -474,6 +488,8 @@ def _human_summary(summary: dict[str, Any]) -> str:
                 f"tolerance: max {bounds['max_lsb']:g} LSB, {bounds['percentile']:g}th "
                 f"percentile {bounds['percentile_lsb']:g} LSB of each output's step"
             )
+        if report["unverified"]:
+            lines.append(f"  UNVERIFIED: {report['unverified']}")
         if report["passed"]:
             lines.append(f"  passed ({tolerance})")
         else:
@@ -481,6 +497,8 @@ def _human_summary(summary: dict[str, Any]) -> str:
                 f"  FAILED ({tolerance}): not written; any existing file at the path is unchanged"
             )
     verdict = "passed" if summary["passed"] else "FAILED"
+    if any(report["unverified"] for report in summary["exports"]):
+        verdict += " (UNVERIFIED: the model's own output is the same for every probe sample)"
     lines.append(f"verification {verdict}")
     return "\n".join(lines)
 

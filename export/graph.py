@@ -90,7 +90,10 @@ class KeptBN:
 
 
 def fold_batch_norms(
-    model: keras.Model, probe: trace.ModelInput | None = None, int8_readiness: bool = False
+    model: keras.Model,
+    probe: trace.ModelInput | None = None,
+    int8_readiness: bool = False,
+    allow_unverified: bool = False,
 ) -> tuple[keras.Model, FoldReport]:
     """Fold every batch norm of `model` into a neighbouring Dense/Conv layer.
 
@@ -107,6 +110,9 @@ def fold_batch_norms(
             ones as an int8 file's are (export/readiness.py). One forward pass per host and
             mode: on ResNet50 about 19 times the fold's own time, hence off by default;
             `export_tflite(..., quantization="int8")` turns it on.
+        allow_unverified: accept a model whose own outputs are the same for every sample of
+            a varied probe (untrained, dead): the comparison then only says the folded model
+            gives that output too. False refuses it (ValueError).
 
     Returns:
         (folded_model, FoldReport). BNs that cannot be folded are kept as InferenceAffine
@@ -124,7 +130,8 @@ def fold_batch_norms(
             unbuilt Sequential, or a layer's config does not round-trip; a TypeError and a
             ValueError.
         ValueError: `probe` does not fit the model's inputs (a list for a dict of several
-            inputs, say) or an output is the same for all its samples, a BN to be folded
+            inputs, say) or an output is the same for all its samples (unless the samples
+            differ and allow_unverified is True), a BN to be folded
             has a non-finite inference scale or shift (NaN or inf statistics or weights), or
             int8_readiness is not a bool.
 
@@ -143,7 +150,7 @@ def fold_batch_norms(
     sig = trace.signature(model)
     inputs = trace.random_feed(sig) if probe is None else trace.feed(sig, probe)
     expected = trace.outputs(model, sig, inputs)
-    report.check_varies(expected, inputs.what)
+    report.check_varies(expected, inputs.what, inputs, allow_unverified)
     actual = trace.outputs(folded_model, sig, inputs)
     errors, scales, channels = report.compare(
         expected, {"folded": actual}, defaults.FLOAT32_SCALE_TOLERANCE

@@ -63,6 +63,7 @@ def export_onnx(
     on_stage: Callable[[str], None] | None = None,
     *,
     atol: float | None = None,
+    allow_unverified: bool = False,
 ) -> report.ExportReport:
     """Write `model` as an .onnx file at `path`, once it matches the Keras model in onnxruntime.
 
@@ -98,6 +99,11 @@ def export_onnx(
         on_stage: optional callback, called with "fold", "convert" and "verify" as each
             stage starts (the CLI's progress display).
         atol: the deprecated name of `scale_tolerance` (a DeprecationWarning).
+        allow_unverified: for a smoke test of a model whose own outputs are the same for
+            every probe sample (untrained, or dead: every unit before the output off), which
+            no probe can verify: write its file anyway, with `report.unverified` saying why.
+            Off by default: such a model is refused (ValueError). A probe whose samples are
+            all alike is refused either way.
 
     Returns:
         ExportReport: the error of each output (and its worst channel) in onnxruntime with
@@ -114,8 +120,9 @@ def export_onnx(
             (ungrouped), DepthwiseConv2D or SeparableConv2D, or an output no quantizer
             rounds; named; a TypeError and a ValueError.
         ValueError: a bad argument (both `scale_tolerance` and `atol`, say), a probe that does
-            not fit the model or on which an output is the same for every sample, or a file
-            that onnx.checker rejects; for a quantization-aware model, a scale_tolerance, an
+            not fit the model or on which an output is the same for every sample (for a model
+            whose own outputs are, unless allow_unverified), or a file that onnx.checker
+            rejects; for a quantization-aware model, a scale_tolerance, an
             opset under 13, or an activation quantizer that never saw a training batch.
         OSError: `path` cannot be written, or is a folder, FIFO or device (refused before
             converting).
@@ -130,6 +137,7 @@ def export_onnx(
         fold=fold,
         probe=probe,
         on_stage=on_stage,
+        allow_unverified=allow_unverified,
     )
 
 

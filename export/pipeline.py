@@ -30,6 +30,7 @@ from keras_bn import _models
 from keras_bn._errors import UnsupportedModelError
 from keras_bn.export import atomic, defaults, qat, report, trace
 from keras_bn.export.graph import fold_batch_norms
+from keras_bn.quantize import hosts
 
 
 class Samples(typing.NamedTuple):
@@ -114,9 +115,17 @@ class QuantizedFormat(Format):
         return None
 
     def check_model(self, model: keras.Model) -> None:
-        """The float format's refusals, then each QAT host's `host_refusal`."""
+        """The float format's refusals, then for each QAT host the refusal every format
+        shares (`hosts.int8_file_refusal`) and its own `host_refusal`."""
         super().check_model(model)
         for layer in _models.layers_within(model, qat.QAT_HOSTS):
+            shared = hosts.int8_file_refusal(layer.host, _input_rank(layer))
+            if shared:
+                raise UnsupportedModelError(
+                    f"{self.names.format} export of a quantization-aware model cannot take QAT "
+                    f"layer "
+                    f"'{layer.name}': its host {shared}, then train it again."
+                )
             refusal = self.host_refusal(layer)
             if refusal:
                 raise UnsupportedModelError(refusal)
@@ -128,6 +137,14 @@ class QuantizedFormat(Format):
         return self._weights
 
 
+def _input_rank(layer: keras.layers.Layer) -> int | None:
+    """The rank of the input `layer` is called on in its model's graph; None where unknown."""
+    try:
+        return len(layer.input.shape)
+    except (AttributeError, ValueError):
+        return None
+
+
 def export(
     model: keras.Model,
     path: str | os.PathLike[str],
@@ -137,6 +154,7 @@ def export(
     fold: bool = True,
     probe: trace.ModelInput | None = None,
     on_stage: Callable[[str], None] | None = None,
+    allow_unverified: bool = False,
 ) -> report.ExportReport:
     """Fold `model`, convert it with `fmt`, write it to `path` only if it verifies.
 
@@ -153,8 +171,9 @@ def export(
         scale_tolerance = default_scale_tolerance(model, fmt)
     else:
         scale_tolerance = defaults.check_scale_tolerance(scale_tolerance)
-    if not isinstance(strict, bool):
-        raise ValueError(f"strict must be True or False; received strict={strict!r}.")
+    for flag, value in (("strict", strict), ("allow_unverified", allow_unverified)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{flag} must be True or False; received {flag}={value!r}.")
     atomic.target(path)  # a folder or a device fails here, not after the conversion
     sig = trace.signature(model, fmt.names)
     fmt.check_model(model)
@@ -164,7 +183,7 @@ def export(
         steps = dict(zip(sig.output_names, qat.output_steps(model)))
     samples = fmt.samples(sig, probe)
     expected = trace.outputs(model, sig, samples.probe)
-    report.check_varies(expected, samples.probe.what)
+    unverified = report.check_varies(expected, samples.probe.what, samples.probe, allow_unverified)
     in_sample = None
     if samples.calibration is not None:
         in_sample = trace.spread_samples(samples.calibration, defaults.PROBE_SAMPLES)
@@ -174,7 +193,12 @@ def export(
     if fold:
         stage("fold")
     source, fold_report = (
-        fold_batch_norms(model, sig.pack(samples.probe), int8_readiness=fmt.quantization == "int8")
+        fold_batch_norms(
+            model,
+            sig.pack(samples.probe),
+            int8_readiness=fmt.quantization == "int8",
+            allow_unverified=unverified is not None,
+        )
         if fold
         else (model, None)
     )
@@ -220,6 +244,7 @@ def export(
             calibration_samples=(
                 None if samples.calibration is None else samples.calibration.samples
             ),
+            unverified=unverified,
             **quantized,
         )
         if strict and not result.passed:

@@ -179,19 +179,34 @@ def compare(
     return errors, scales, channels
 
 
-def check_varies(expected: Mapping[str, npt.ArrayLike], what: str) -> None:
+def check_varies(
+    expected: Mapping[str, npt.ArrayLike],
+    what: str,
+    inputs: Mapping[str, npt.ArrayLike] | None = None,
+    allow_unverified: bool = False,
+) -> str | None:
     """Refuse a probe on which an output is the same for every sample.
 
     Such a probe verifies nothing: a file that ignores its input (a wrong kernel layout, a
-    dropped layer) matches it, and an all-zero output has scale 0.
+    dropped layer) matches it, and an all-zero output has scale 0. Where the probe's samples
+    differ (`inputs`) the model itself ignores them (an untrained or dead network): no probe
+    can verify its file, which `allow_unverified` writes anyway, reported unverified.
 
     Args:
         expected: {output name: Keras output on the probe}.
         what: the probe's name, for the message.
+        inputs: {input name: the probe's array}, to tell a constant probe from a constant
+            model; None: not known (the probe is blamed).
+        allow_unverified: accept a model whose own outputs are constant on a varied probe.
+
+    Returns:
+        None, or with `allow_unverified`, why the file is unverified (the constant outputs).
 
     Raises:
-        ValueError: naming the first such output and the probe.
+        ValueError: naming the first such output and the probe; for a constant model, saying
+            so, and naming `probe=` and `allow_unverified=True`.
     """
+    constant: list[str] = []
     for name, value in expected.items():
         value = np.asarray(value)
         if len(value) < 2:
@@ -200,12 +215,34 @@ def check_varies(expected: Mapping[str, npt.ArrayLike], what: str) -> None:
                 f"with the input, and a file that ignores its input would match it. Give "
                 f"several different samples (real inputs)."
             )
-        if np.all(value == value[:1]):  # NaN != NaN: a NaN output fails later, as NaN
+        if not np.all(value == value[:1]):  # NaN != NaN: a NaN output fails later, as NaN
+            continue
+        varied = inputs is not None and any(
+            not np.all(np.asarray(array) == np.asarray(array)[:1]) for array in inputs.values()
+        )
+        if not varied:
             raise ValueError(
                 f"Output '{name}' is the same for all {len(value)} samples of {what} (max "
                 f"|output| {scale(value):.3g}): a file that ignores its input would match it. "
                 f"Give samples on which the model's outputs differ (real inputs)."
             )
+        if not allow_unverified:
+            raise ValueError(
+                f"Output '{name}' is the same for all {len(value)} samples of {what} (max "
+                f"|output| {scale(value):.3g}), though the samples differ: the model itself "
+                f"gives the same output for every probe sample (an untrained or dead network, "
+                f"every unit before the output off, say), so no probe can tell its file from "
+                f"one that ignores its input. Train the model, or give probe= samples on which "
+                f"its outputs differ; for a smoke test only, allow_unverified=True (CLI: "
+                f"--allow-unverified) writes the file anyway, marked unverified in its report."
+            )
+        constant.append(name)
+    if not constant:
+        return None
+    return (
+        f"output(s) {constant} of the model are the same for every sample of {what}: the "
+        f"file could not be verified (allow_unverified=True)"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -588,6 +625,9 @@ class ExportReport(_OutputErrors):
             float (their input or output is a float tensor; the float input's QUANTIZE and
             the float output's DEQUANTIZE are not counted): empty for a full-integer file,
             which `passed` requires; None for other files.
+        unverified: why the file is unverified, when the model's own outputs were the same
+            for every probe sample and the export was given allow_unverified=True (its errors
+            then say only that the file gives that output too); None for a verified file.
     """
 
     format: str
@@ -608,6 +648,7 @@ class ExportReport(_OutputErrors):
     lsb_tolerance: LsbTolerance | None = None
     weights: list | None = None
     float_ops: dict | None = None
+    unverified: str | None = None
 
     def _error_by_output(self) -> dict[str, float]:
         return {name: worst(by_setting.values()) for name, by_setting in self.errors.items()}

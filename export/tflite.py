@@ -77,6 +77,7 @@ def export_tflite(
     on_stage: Callable[[str], None] | None = None,
     *,
     atol: float | None = None,
+    allow_unverified: bool = False,
 ) -> report.ExportReport:
     """Write `model` as a .tflite file at `path`, once it matches the Keras model in LiteRT.
 
@@ -125,6 +126,11 @@ def export_tflite(
         on_stage: optional callback, called with "fold", "convert" and "verify" as each
             stage starts (the CLI's progress display).
         atol: the deprecated name of `scale_tolerance` (a DeprecationWarning).
+        allow_unverified: for a smoke test of a model whose own outputs are the same for
+            every probe sample (untrained, or dead: every unit before the output off), which
+            no probe can verify: write its file anyway, with `report.unverified` saying why.
+            Off by default: such a model is refused (ValueError). A probe whose samples are
+            all alike is refused either way.
 
     Returns:
         ExportReport: the LiteRT error of each output (and its worst channel) against
@@ -144,7 +150,8 @@ def export_tflite(
             quantizer rounds; named; a TypeError and a ValueError.
         ValueError: a bad argument (both `scale_tolerance` and `atol`, say), a probe or
             representative data that does not fit the model, a probe on which an output is
-            the same for every sample, or fewer than 16 samples for int8; for a
+            the same for every sample (for a model whose own outputs are, unless
+            allow_unverified), or fewer than 16 samples for int8; for a
             quantization-aware model, a quantization other than None and "int8", a
             scale_tolerance, or an activation quantizer that never saw a training batch.
         ConverterError: the converter failed (e.g. an op that is not a TFLite builtin).
@@ -171,6 +178,7 @@ def export_tflite(
             fold=fold,
             probe=probe,
             on_stage=on_stage,
+            allow_unverified=allow_unverified,
         )
     if quantization == "int8" and representative_data is None:
         raise ValueError(
@@ -186,6 +194,7 @@ def export_tflite(
         fold=fold,
         probe=probe,
         on_stage=on_stage,
+        allow_unverified=allow_unverified,
     )
 
 

@@ -30,28 +30,55 @@ class BatchNormCalls:
     layer's input and runs the layer in inference mode; elsewhere it passes `training` on as
     the model gives it, or as `training` forces it. The layer's own computation is unchanged.
 
+    A BN wrapped in `keras.layers.TimeDistributed` is called once per time step, and infers
+    with one set of statistics for every step: inside `record` its wrapper's `call` is
+    shadowed too, and records the moments over batch × time (the wrapper's input with those
+    two axes merged, its mask likewise), the BN's own per-step calls then only inferring.
+
     Args:
         layers: the BN layers (either class) to shadow; `record` keys them by their index here.
         training: what every BN gets as `training` outside `record`: None (the default) leaves
             the model's flag, True forces batch statistics (the other layers, Dropout
             included, still follow the model's flag).
+        root: the model or layer the forward pass runs, searched for TimeDistributed wrappers
+            of `layers`; None: no BN is wrapped.
     """
 
-    def __init__(self, layers: Sequence[keras.layers.Layer], training: bool | None = None) -> None:
+    def __init__(
+        self,
+        layers: Sequence[keras.layers.Layer],
+        training: bool | None = None,
+        root: keras.layers.Layer | None = None,
+    ) -> None:
         self._layers = layers
         self._training = training
         self._recorded: dict[int, Moments] | None = None
         self._shadowed: list[Callable[..., Any] | None] = []  # each layer's own `call` attribute
         self.order: list[int] = []  # the layers' indices in the order the last `record` called them
+        index = {id(layer): i for i, layer in enumerate(layers)}
+        self._wrappers = [
+            (index[id(wrapper.layer)], wrapper)
+            for wrapper in ([] if root is None else root._flatten_layers(include_self=True))
+            if isinstance(wrapper, keras.layers.TimeDistributed) and id(wrapper.layer) in index
+        ]
+        self._per_step: set[int] = set()  # the BNs whose wrapper recorded them in this call
 
     def __enter__(self) -> "BatchNormCalls":
-        self._shadowed = [layer.__dict__.get("call") for layer in self._layers]
-        for index, layer in enumerate(self._layers):
-            object.__setattr__(layer, "call", self._wrap(index, layer, layer.call))
+        shadowing = [
+            *(
+                (layer, self._wrap(index, layer, layer.call))
+                for index, layer in enumerate(self._layers)
+            ),
+            *((wrapper, self._wrap_time(index, wrapper)) for index, wrapper in self._wrappers),
+        ]
+        self._shadowed = [layer.__dict__.get("call") for layer, _ in shadowing]
+        self._shadowing = [layer for layer, _ in shadowing]
+        for layer, call in shadowing:
+            object.__setattr__(layer, "call", call)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for layer, previous in zip(self._layers, self._shadowed):
+        for layer, previous in zip(self._shadowing, self._shadowed):
             if previous is None:
                 object.__delattr__(layer, "call")
             else:
@@ -62,14 +89,39 @@ class BatchNormCalls:
     ) -> Callable[..., Any]:
         def shadowed_call(inputs: Any, *args: Any, **kwargs: Any) -> Any:
             if self._recorded is not None:
-                if index in self._recorded:
-                    raise shared_error(layer)
-                self._recorded[index] = batch_moments(layer, inputs, kwargs.get("mask"))
+                if index not in self._per_step:  # one step of a TimeDistributed: recorded
+                    if index in self._recorded:
+                        raise shared_error(layer)
+                    self._recorded[index] = batch_moments(layer, inputs, kwargs.get("mask"))
                 # Inference even where the caller's code passes training=True to this layer.
                 kwargs["training"] = False
             elif self._training is not None:
                 kwargs["training"] = self._training
             return call(inputs, *args, **kwargs)
+
+        return shadowed_call
+
+    def _wrap_time(
+        self, index: int, wrapper: keras.layers.TimeDistributed
+    ) -> Callable[..., Any]:
+        call = wrapper.call
+        layer = self._layers[index]
+
+        def shadowed_call(inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            if self._recorded is None:
+                return call(inputs, *args, **kwargs)
+            if index in self._recorded:
+                raise shared_error(layer)
+            mask = kwargs.get("mask")
+            self._recorded[index] = batch_moments(
+                layer, _merge_time(inputs), None if mask is None else _merge_time(mask)
+            )
+            kwargs["training"] = False
+            self._per_step.add(index)
+            try:
+                return call(inputs, *args, **kwargs)
+            finally:
+                self._per_step.discard(index)
 
         return shadowed_call
 
@@ -93,6 +145,13 @@ class BatchNormCalls:
             return dict(self._recorded)
         finally:
             self._recorded = None
+
+
+def _merge_time(tensor: Any) -> Any:
+    """`tensor` (batch, time, ...) as (batch · time, ...): what a TimeDistributed layer's
+    steps see, as one batch."""
+    shape = keras.ops.shape(tensor)
+    return keras.ops.reshape(tensor, (-1, *shape[2:]))
 
 
 def shared_error(layer: keras.layers.Layer) -> ValueError:

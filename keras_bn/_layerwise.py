@@ -235,6 +235,7 @@ def in_call_order(
     count: int | None,
     bar: "ProgressBar",
     check_count: Callable[[int], None] = lambda batches: None,
+    root: keras.layers.Layer | None = None,
 ) -> Recalibrated:
     """The per-layer method: recalibrate `layers` one at a time in the order `forward` calls
     them, each from one pass over `inputs` with every layer before it already recalibrated.
@@ -252,6 +253,8 @@ def in_call_order(
             one per input of each pass.
         check_count: called with the number of inputs of each pass (it raises when they
             differ).
+        root: the model or layer `forward` runs; a BN of `layers` in a TimeDistributed inside
+            it is recalibrated over batch × time (`BatchNormCalls`).
 
     Returns:
         A `Recalibrated`.
@@ -260,7 +263,7 @@ def in_call_order(
         ValueError: no input gives a layer 2 values in any channel; a layer's statistics come
             out NaN or inf; or a layer is called more than once by `forward`.
     """
-    with BatchNormCalls(layers) as statistics:
+    with BatchNormCalls(layers, root=root) as statistics:
 
         def recorded(x: Any) -> dict[int, Any]:
             return statistics.record(lambda: forward(x))

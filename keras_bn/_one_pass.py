@@ -333,6 +333,7 @@ def run(
                 next(iter(_FrontierInputs(kept, boundary.reads, 1))),
                 count,
                 bar,
+                root=boundary.operation,
             )
             changes += done.changes
             not_called += [boundary.layers[i] for i in done.not_called]

@@ -60,8 +60,9 @@ class Recalibrate(keras.callbacks.Callback):
 
     Args:
         data: the batches to compute the statistics from, as for `keras_bn.recalibrate`: a
-            `tf.data.Dataset` (finite, or with `steps`), a numpy array or a dict of them (named
-            inputs), or an iterable of batches; `(x, y)` and `(x, y, sample_weight)` elements
+            `tf.data.Dataset` (finite, or with `steps`), whole arrays (an array, a dict or a
+            list of them, or `(x, y)` of those; split into batches of `batch_size`), or an
+            iterable of batches; `(x, y)` and `(x, y, sample_weight)` elements
             use `x`. A one-shot iterator (a generator) is read once, here, and kept in memory.
         batch_size: batch size for numpy-array (or dict of arrays) data.
         steps: how many batches to use each time; None uses them all.
@@ -186,7 +187,8 @@ class Recalibrate(keras.callbacks.Callback):
             self.last_report = recalibrate_layers(
                 self.model,
                 layers,
-                self._batches.fresh(),
+                # A list of arrays is a multi-input model's inputs: known once the model is.
+                self._batches.for_model(self.model).fresh(),
                 self.progress,
                 self.max_memory,
             )

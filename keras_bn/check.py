@@ -14,7 +14,7 @@ import keras
 import numpy as np
 
 from keras_bn import _augmentation, _bn_layers, _hooks, backend
-from keras_bn._batches import Batches, Data
+from keras_bn._batches import Batches, Data, input_count
 from keras_bn._errors import UnsupportedModelError
 from keras_bn.population import PooledMoments
 from keras_bn.quantize.layers import refuse_folded_batch_norms
@@ -137,10 +137,10 @@ def check_batchnorm(
     Args:
         model: a built Keras model (Sequential, Functional, subclassed, nested).
         data: optional batches, as for `keras_bn.recalibrate`: a `tf.data.Dataset` (finite,
-            or with `steps`), a numpy array or a dict of them (named inputs; split into batches
-            of `batch_size`), or an iterable of batches; `(x, y)` and `(x, y, sample_weight)`
-            elements use `x`. Give batches of the size you train with: the small-batch and gap
-            checks depend on it.
+            or with `steps`), whole arrays (an array, a dict or a list of them, or `(x, y)` of
+            those; split into batches of `batch_size`), or an iterable of batches; `(x, y)`
+            and `(x, y, sample_weight)` elements use `x`. Give batches of the size you train
+            with: the small-batch and gap checks depend on it.
         batch_size: batch size for numpy-array (or dict of arrays) data.
         steps: how many batches of `data` to use; None uses them all.
 
@@ -171,7 +171,7 @@ def check_batchnorm(
         if message
     ]
     if data is not None:
-        batches = Batches(data, steps, batch_size)
+        batches = Batches(data, steps, batch_size, inputs=input_count(model))
         stale = {f.layer for f in findings}
         findings += _data_findings(model, layers, paths, batches, skip=stale)
     findings += _unfoldable(model, layers, paths)
@@ -247,7 +247,7 @@ def _data_findings(
     # One shadowing of the BN calls for both passes: `record` makes the BNs infer and records
     # their inputs; outside it they are forced into training mode (batch statistics) while
     # every other layer, Dropout included, infers.
-    with _hooks.BatchNormCalls(layers, training=True) as statistics:
+    with _hooks.BatchNormCalls(layers, training=True, root=model) as statistics:
 
         def infer_and_record(x: Any) -> tuple[dict[int, _hooks.Moments], Any]:
             outputs = []

@@ -43,7 +43,7 @@ import keras
 import numpy as np
 
 from keras_bn import _bn_layers, _frontier, _one_pass
-from keras_bn._batches import Batches, Data
+from keras_bn._batches import Batches, Data, input_count
 from keras_bn._hooks import Snapshot
 from keras_bn._layerwise import LayerChange, PooledMoments, ProgressBar, in_call_order
 from keras_bn.quantize.layers import refuse_folded_batch_norms
@@ -183,10 +183,12 @@ def recalibrate(
 
     Args:
         model: a built Keras model (Sequential, Functional, subclassed, nested).
-        data: a `tf.data.Dataset`, a numpy array, a dict of numpy arrays (a model with named
-            inputs), or an iterable of batches. Elements may be `x`, or `(x, y)` /
-            `(x, y, sample_weight)` tuples, of which only `x` is used. An array, or each array
-            of a dict, is split along its first axis into batches of `batch_size`. A one-shot
+        data: whole arrays as `fit` takes them: a numpy array, a dict of them (a model with
+            named inputs), a list of them (a model with several inputs), or `(x, y)` /
+            `(x, y, sample_weight)` of those, of which only x is used; each array is split
+            along its first axis into batches of `batch_size`. Or a `tf.data.Dataset` or an
+            iterable of batches, whose elements may be `x`, or `(x, y)` /
+            `(x, y, sample_weight)` tuples, of which only `x` is used. A one-shot
             iterator (a generator) is read once: streamed by the one pass, held in memory
             for a subclassed model's passes.
         steps: how many batches to use; None uses them all (required for an infinite
@@ -203,14 +205,16 @@ def recalibrate(
 
     Raises:
         ValueError: the model has no BN layer; `steps` or `batch_size` is not a positive int;
-            `max_memory` is not an int ≥ 0 or None;
-            the dataset is infinite and `steps` is None; the arrays of a dict differ in
-            length; `data` gives no batch, or no batch with 2 values per channel for some
+            `max_memory` is not an int ≥ 0 or None; whole arrays whose numbers of samples
+            differ (x's, or x's and y's; the arrays of a dict), a list of arrays that is not
+            one per model input, or a y that is no array; the dataset is infinite and `steps`
+            is None; `data` gives no batch, or no batch with 2 values per channel for some
             layer, or a different number of batches on another pass; a layer's statistics
             would be NaN or inf (NaN or inf in the data or in the layer's input: the message
             names the layer, the first such batch and the channels); a BN layer is called
-            more than once per forward pass (shared); or the model holds a stateful layer (an
-            RNN with `stateful=True`).
+            more than once per forward pass (shared; a BN inside `TimeDistributed` is not:
+            it is recalibrated over batch × time, its m values per channel); or the model
+            holds a stateful layer (an RNN with `stateful=True`).
         UnsupportedModelError: the model holds quantization-aware layers with folded batch
             norms (`keras_bn.quantize`); recalibrate the float model before quantizing it.
 
@@ -226,7 +230,9 @@ def recalibrate(
         raise ValueError(f"Model '{model.name}' has no BatchNormalization layer to recalibrate.")
     budget = check_max_memory(max_memory)
     # The one pass reads `data` once: a generator is streamed, not held in memory.
-    batches = Batches(data, steps, batch_size, keep=not _one_pass.walkable(model))
+    batches = Batches(
+        data, steps, batch_size, keep=not _one_pass.walkable(model), inputs=input_count(model)
+    )
     return recalibrate_layers(model, layers, batches, progress, budget)
 
 
@@ -295,6 +301,7 @@ def recalibrate_per_layer(
             batches.count,
             bar,
             batches.check_count,
+            root=model,
         )
     return RecalibrationReport(
         layers=done.changes,

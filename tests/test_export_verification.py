@@ -403,6 +403,52 @@ def test_a_probe_whose_outputs_do_not_vary_is_refused(fmt, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def _dead_model():
+    """Its output is the same for every input: every ReLU before the head is off."""
+    x = keras.Input((8,), name="x")
+    h = L.ReLU()(L.BatchNormalization()(L.Dense(16, use_bias=False)(x)))
+    model = keras.Model(x, L.Dense(3, name="y")(h))
+    bn = model.layers[2]
+    bn.beta.assign(np.full(16, -1e3))  # every channel far below 0: all ReLUs off
+    model.layers[-1].bias.assign(np.array([0.5, -1.0, 2.0]))
+    return model
+
+
+@pytest.mark.parametrize("fmt", sorted(EXPORTERS))
+def test_a_model_whose_own_output_is_constant_is_exported_unverified_only_when_asked(fmt, tmp_path):
+    """Issue 32, item 8: a model that gives the same output for every (varied) probe sample
+    (untrained, dead) is refused with a message that says it is the model, names probe= and
+    the option allow_unverified=True; with it the file is written and its report marked
+    unverified, never by default. A constant probe is still the probe's fault: refused."""
+    model = _dead_model()
+    probe = np.random.default_rng(0).normal(size=(64, 8)).astype("float32")
+    out = tmp_path / f"m.{fmt}"
+    with pytest.raises(ValueError) as refused:
+        EXPORTERS[fmt](model, out, probe=probe)
+    message = str(refused.value)
+    assert "the model itself gives the same output for every probe sample" in message
+    assert "probe=" in message and "allow_unverified=True" in message
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(ValueError, match="the model itself"):
+        EXPORTERS[fmt](model, out, probe=probe, strict=False)  # strict=False is no way through
+    assert os.listdir(tmp_path) == []
+    result = EXPORTERS[fmt](model, out, probe=probe, allow_unverified=True)
+    assert result.unverified is not None and "'y'" in result.unverified
+    assert result.to_dict()["unverified"] == result.unverified
+    # The file is the model's constant, run in its own runtime; numpy gives the reference.
+    assert_close(RUNNERS[fmt](out, {"x": probe})["y"], np.tile([0.5, -1.0, 2.0], (64, 1)), 1e-6)
+    # A constant probe is refused as before, even with the option: a real probe fixes it.
+    with pytest.raises(ValueError, match=r"^Output 'y' is the same for all 64 samples of probe"):
+        EXPORTERS[fmt](
+            _single_output_model(),
+            tmp_path / "n.out",
+            probe=probe[:1].repeat(64, 0),
+            allow_unverified=True,
+        )
+    # A model that works is verified as ever.
+    assert EXPORTERS[fmt](_single_output_model(), out, probe=probe).unverified is None
+
+
 def test_constant_representative_data_is_refused_for_int8(tmp_path):
     model = _single_output_model()
     with pytest.raises(
@@ -567,3 +613,23 @@ def test_cli_summary_shows_the_worst_channel_and_the_held_out_samples(tmp_path):
     assert export["worst_channels"]["quote"]["channel"] == 1 and not export["passed"]
     assert export["in_sample_relative_error"] is not None
     assert not (tmp_path / "q.tflite").exists()
+
+
+@pytest.mark.slow
+def test_cli_exports_a_model_whose_own_output_is_constant_only_with_allow_unverified(tmp_path):
+    """Issue 32, item 8, in the CLI: the same refusal names --allow-unverified; with it the
+    file is written and the summary and the JSON report say UNVERIFIED."""
+    _dead_model().save(tmp_path / "m.keras")
+    np.save(tmp_path / "x.npy", np.random.default_rng(0).normal(size=(64, 8)).astype("float32"))
+    args = [tmp_path / "m.keras", "--onnx", tmp_path / "m.onnx"]
+    args += ["--representative-data", tmp_path / "x.npy", "--report", tmp_path / "r.json"]
+    result = run_cli(*args)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    error = _last_error(result)
+    assert "the model itself gives the same output" in error and "--allow-unverified" in error
+    assert not (tmp_path / "m.onnx").exists()
+    result = run_cli(*args, "--allow-unverified")
+    assert result.returncode == 0, result.stderr
+    assert "UNVERIFIED" in result.stdout and (tmp_path / "m.onnx").exists()
+    written = json.loads((tmp_path / "r.json").read_text())["exports"][0]
+    assert "'y'" in written["unverified"]

@@ -425,3 +425,111 @@ def test_mobilenet_v2_every_layer_matches_its_inference_input():
         mean, var = _numpy_population(batches, unbiased=True)
         np.testing.assert_allclose(bn.moving_mean, mean, rtol=0, atol=1e-4 * np.sqrt(var.max()))
         assert_close(bn.moving_variance, var, 1e-4)
+
+
+def _pooled_reference(values, batch_size):
+    """Algorithm 2 in float64 over `values` (samples, channels) cut into batches of
+    `batch_size`: Σm·μ / Σm and keras_bn's Σm·σ² / Σ(m − 1)."""
+    parts = [values[i : i + batch_size] for i in range(0, len(values), batch_size)]
+    m = np.array([len(p) for p in parts], dtype=np.float64)
+    mean = sum(len(p) * p.mean(axis=0) for p in parts) / m.sum()
+    return mean, sum(len(p) * p.var(axis=0) for p in parts) / (m - 1).sum()
+
+
+def test_x_y_arrays_as_fit_takes_them():
+    """Issue 32, item 5: `(x, y)` and `(x, y, sample_weight)` of whole arrays are `fit`'s
+    form: x alone, batched by `batch_size` (they were read as two batches, pooling y's
+    statistics into the BN; a y of another shape crashed inside the layer); a list of arrays
+    is a multi-input model's x; and a form that is neither is refused, naming what was given.
+    The same for `callbacks.Recalibrate` and `check_batchnorm`, which share the path."""
+    inputs = keras.Input((3,))
+    bn = keras_bn.BatchNormalization()
+    model = keras.Model(inputs, bn(inputs))
+    x = _data((40, 3), loc=0.0, scale=1.0)
+    y = _data((40, 3), seed=1, loc=100.0, scale=1.0)
+    mean, variance = _pooled_reference(x.astype(np.float64), 16)
+    for data in [(x, y), (x, y, np.ones(40, "float32")), (x, y[:, :1]), (x, None)]:
+        bn.moving_mean.assign(np.full(3, 7.0))
+        report = keras_bn.recalibrate(model, data, batch_size=16, progress=False)
+        assert report.batches == 3  # 16, 16 and 8: batch_size applies
+        assert_close(bn.moving_mean, mean, 1e-6)
+        assert_close(bn.moving_variance, variance, 1e-6)
+    # A list of arrays for a two-input model, as `fit` takes it (Keras said "expects 2
+    # input(s), received 1").
+    a, b = keras.Input((2,)), keras.Input((3,))
+    bn2 = keras_bn.BatchNormalization()
+    two = keras.Model([a, b], bn2(keras.layers.Concatenate()([a, b])))
+    xa, xb = _data((40, 2)), _data((40, 3), seed=2)
+    joined = np.concatenate([xa, xb], axis=1).astype(np.float64)
+    mean2, variance2 = _pooled_reference(joined, 16)
+    for data in [[xa, xb], ([xa, xb], y), ((xa, xb), y, None)]:
+        bn2.moving_mean.assign(np.full(5, 7.0))
+        report = keras_bn.recalibrate(two, data, batch_size=16, progress=False)
+        assert report.batches == 3
+        assert_close(bn2.moving_mean, mean2, 1e-6)
+        assert_close(bn2.moving_variance, variance2, 1e-6)
+    # The callback, given (x, y) and a multi-input list at construction.
+    for target, data, expected in [(model, (x, y), mean), (two, [xa, xb], mean2)]:
+        callback = keras_bn.callbacks.Recalibrate(data, batch_size=16)
+        target.compile("sgd", "mse")
+        target_bn = bn if target is model else bn2
+        target_bn.moving_mean.assign(np.full(expected.shape, 7.0))
+        callback.set_model(target)
+        callback.on_train_end()
+        assert callback.last_report is not None and callback.last_report.batches == 3
+        assert_close(target_bn.moving_mean, expected, 1e-6)
+    findings = keras_bn.diagnostics.check_batchnorm(two, ([xa, xb], y), batch_size=16)
+    assert [f.kind for f in findings] == ["unfoldable"]
+    # Sample counts that differ: fit refuses them, and so does recalibrate, naming them.
+    with pytest.raises(ValueError, match=r"x has 40 samples.*y has 39"):
+        keras_bn.recalibrate(model, (x, y[:39]), progress=False)
+    with pytest.raises(ValueError, match=r"input 1 has 39 samples"):
+        keras_bn.recalibrate(two, [xa, xb[:39]], progress=False)
+
+
+class _TimeDistributedModel(keras.Model):
+    """Subclassed: Dense → TimeDistributed(BN), for the per-layer method."""
+
+    def __init__(self, bn):
+        super().__init__(name="time_distributed_model")
+        self.dense = keras.layers.Dense(3)
+        self.wrapped = keras.layers.TimeDistributed(bn)
+
+    def call(self, x, training=None):
+        return self.wrapped(self.dense(x), training=training)
+
+
+@pytest.mark.parametrize("subclassed", [False, True], ids=["functional", "subclassed"])
+@pytest.mark.parametrize(
+    "bn_class,unbiased",
+    [(keras_bn.BatchNormalization, True), (keras.layers.BatchNormalization, False)],
+    ids=["keras_bn", "keras"],
+)
+def test_time_distributed_batch_norm_is_recalibrated_over_batch_and_time(
+    bn_class, unbiased, subclassed
+):
+    """Issue 32, item 7: TimeDistributed(BN) calls its BN once per time step, and infers with
+    one set of statistics for every step: Algorithm 2 over the batch × time values of each
+    batch (m = batch · steps per channel). It was refused as a shared BN layer."""
+    bn = bn_class()
+    if subclassed:
+        model = _TimeDistributedModel(bn)
+        model(np.zeros((2, 5, 4), "float32"))
+    else:
+        inputs = keras.Input((5, 4))
+        h = keras.layers.Dense(3)(inputs)
+        model = keras.Model(inputs, keras.layers.TimeDistributed(bn)(h))
+    x = _data((40, 5, 4))
+    report = keras_bn.recalibrate(model, x, batch_size=16, progress=False)
+    assert report.batches == 3 and [c.name for c in report.layers] == [bn.name]
+    dense = model.dense if subclassed else model.layers[1]
+    features = np.asarray(dense(x), np.float64)
+    parts = [features[i : i + 16].reshape(-1, 3) for i in range(0, 40, 16)]  # batch × time
+    m = np.array([len(p) for p in parts], dtype=np.float64)
+    mean = sum(len(p) * p.mean(axis=0) for p in parts) / m.sum()
+    variance = sum(len(p) * p.var(axis=0) for p in parts) / ((m - 1).sum() if unbiased else m.sum())
+    assert_close(bn.moving_mean, mean, 1e-5)
+    assert_close(bn.moving_variance, variance, 1e-5)
+    # And the model infers with them at every step.
+    expected = (features - mean) / np.sqrt(variance + bn.epsilon)
+    assert_close(model(x, training=False), expected, 1e-4)

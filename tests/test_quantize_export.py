@@ -11,6 +11,7 @@ its kernels, and with the k-bit grid's bounds. Bad inputs are refused by name; a
 trip exports in a fresh process; and keras-bn-export takes a QAT file the same way."""
 
 import json
+import os
 
 import keras
 import numpy as np
@@ -806,3 +807,51 @@ def test_the_hosts_each_format_takes(host, shape, refused_by, tmp_path):
         else:
             result = exporter(qat_model, path, probe=x)
             assert result.passed and all(w.matches for w in result.weights)
+
+
+def _qat_model_with(host_layer, shape):
+    inputs = keras.Input(shape)
+    x = L.Activation("linear")(inputs)
+    x = host_layer(x)
+    x = BN()(x)
+    x = L.ReLU()(x)
+    x = L.Flatten()(x)
+    return keras.Model(inputs, L.Dense(2)(x))
+
+
+@pytest.mark.parametrize(
+    "host, shape, named",
+    [
+        (lambda: L.Conv2D(4, 3, dilation_rate=2, name="dilated"), (12, 12, 3), "dilation_rate"),
+        (
+            lambda: L.DepthwiseConv2D(3, dilation_rate=(1, 2), name="dilated"),
+            (12, 12, 3),
+            "dilation",
+        ),
+        (lambda: L.Dense(4, name="dense3d"), (5, 3), "rank-3"),
+    ],
+    ids=["dilated_conv", "dilated_depthwise", "rank3_dense"],
+)
+def test_hosts_no_int8_file_holds_are_refused_up_front_by_name(host, shape, named, tmp_path):
+    """Issue 32, item 2: a dilated convolution and a Dense on a rank-3 tensor were quantized,
+    trained, written by export_onnx, and failed export_tflite late with "not its 8-bit grid".
+    quantize_model now keeps them in float, naming why in its report; a QAT layer built on one
+    directly is refused by both writers alike, up front, with UnsupportedModelError naming
+    the layer and the reason, and no file written."""
+    model = _qat_model_with(host(), shape)
+    with pytest.warns(keras_bn.KerasBNWarning, match="no_int8_file"):
+        _, found = quantize_model(model, return_report=True)
+    kept = {k.layer: k for k in found.kept}
+    name = model.layers[2].name
+    assert name in kept and kept[name].kind == "no_int8_file" and named in kept[name].reason
+    # A QAT layer built on such a host, by hand.
+    inputs = keras.Input(shape)
+    layer = QuantizedHostBatchNorm(host(), BN(), name="qat_host")
+    direct = keras.Model(inputs, layer(inputs))
+    x = np.random.default_rng(0).normal(size=(16, *shape)).astype("float32")
+    direct.compile("sgd", "mse")
+    direct.fit(x, np.asarray(direct(x)), epochs=1, verbose=0)
+    for exporter in (export_tflite, export_onnx):
+        with pytest.raises(UnsupportedModelError, match=rf"'qat_host'.*{named}"):
+            exporter(direct, tmp_path / "m.out", probe=x)
+    assert os.listdir(tmp_path) == []

@@ -221,3 +221,23 @@ def test_freeze_functions_refuse_what_they_cannot_freeze():
 def test_freeze_callback_refuses_bad_steps(kwargs, value):
     with pytest.raises(ValueError, match=value):
         FreezeBatchNorm(**kwargs)
+
+
+def test_freeze_callback_refuses_a_model_without_folded_batch_norm_when_training_starts():
+    # Issue 32, item 4: a QAT model with no QuantizedHostBatchNorm is refused in
+    # on_train_begin, before any step trains, not at step `after_steps` half-way through.
+    inputs = keras.Input((4,))
+    x = ActivationQuantizer(name="input_quantizer")(inputs)
+    outputs = QuantizedHost(L.Dense(2), name="head")(x)
+    model = keras.Model(inputs, outputs)
+    model.compile("sgd", "mse")
+    x, y = np.zeros((16, 4), "float32"), np.zeros((16, 2), "float32")
+    with pytest.raises(ValueError, match="holds no QuantizedHostBatchNorm"):
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[FreezeBatchNorm(3)])
+    assert int(model.optimizer.iterations.numpy()) == 0
+    # Likewise the ranges: a model with no ActivationQuantizer at all.
+    plain = keras.Sequential([keras.Input((4,)), L.Dense(2)])
+    plain.compile("sgd", "mse")
+    with pytest.raises(ValueError, match="holds no QuantizedHostBatchNorm"):
+        plain.fit(x, y, batch_size=4, verbose=0, callbacks=[FreezeBatchNorm(2)])
+    assert int(plain.optimizer.iterations.numpy()) == 0

@@ -68,15 +68,21 @@ def freeze_ranges(model: keras.layers.Layer) -> list[ActivationQuantizer]:
 def _find(model: keras.layers.Layer, cls: type[_Frozen]) -> list[_Frozen]:
     """Every built `cls` layer inside `model` (itself included); a ValueError if none, or if
     one is not built."""
-    layers = _models.layers_within(model, cls, include_self=True)
-    if not layers:
-        raise ValueError(f"'{model.name}' holds no {cls.__name__} layer: nothing to freeze.")
+    layers = _holding(model, cls)
     unbuilt = [layer.name for layer in layers if not layer.built]
     if unbuilt:
         raise ValueError(
             f"{cls.__name__} layer(s) {unbuilt} of '{model.name}' are not built yet; call or "
             f"build the model first."
         )
+    return layers
+
+
+def _holding(model: keras.layers.Layer, cls: type[_Frozen]) -> list[_Frozen]:
+    """Every `cls` layer inside `model` (itself included); a ValueError if none."""
+    layers = _models.layers_within(model, cls, include_self=True)
+    if not layers:
+        raise ValueError(f"'{model.name}' holds no {cls.__name__} layer: nothing to freeze.")
     return layers
 
 
@@ -107,7 +113,9 @@ class FreezeBatchNorm(keras.callbacks.Callback):
 
     Raises:
         ValueError: an argument that is not an int in range (bools included); the message
-            names the value.
+            names the value. In `on_train_begin`, before any step trains: the model holds no
+            QuantizedHostBatchNorm (no BN was folded; nothing to freeze), or, with
+            `freeze_ranges_after_steps`, no ActivationQuantizer.
 
     Example::
 
@@ -127,11 +135,20 @@ class FreezeBatchNorm(keras.callbacks.Callback):
         self._done = {"batch_norm": False, "ranges": False}
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
-        """Freeze at once what a resumed run has already passed.
+        """Refuse a model with nothing to freeze, and freeze at once what a resumed run has
+        already passed.
 
         Args:
             logs: unused (Keras's callback signature).
+
+        Raises:
+            ValueError: the model holds no QuantizedHostBatchNorm, or no ActivationQuantizer
+                while `freeze_ranges_after_steps` is set.
         """
+        # Now rather than at step `after_steps`, which would lose the steps trained before it.
+        _holding(self.model, QuantizedHostBatchNorm)
+        if self.freeze_ranges_after_steps is not None:
+            _holding(self.model, ActivationQuantizer)
         self._done = {"batch_norm": False, "ranges": False}
         self._freeze_due()
 

@@ -73,6 +73,38 @@ def kind_of(host: keras.layers.Layer) -> str:
     return kind
 
 
+def int8_file_refusal(host: keras.layers.Layer, input_rank: int | None) -> str | None:
+    """Why no int8 file keras_bn writes can hold a QAT layer on `host`, or None.
+
+    A dilated convolution and a Dense on an input of rank > 2 train and fake-quantize like the
+    others, but the int8 TFLite converter does not keep their kernels on the 8-bit grid the
+    QAT layer rounds to (its file failed verification, late, with a message naming neither);
+    both writers refuse them alike, and `quantize_model` keeps them in float.
+
+    Args:
+        host: the host layer (a Dense or a convolution).
+        input_rank: the rank of the input it is called on; None where unknown.
+
+    Returns:
+        The reason in words, naming the layer and the attribute, or None.
+    """
+    dilation = getattr(host, "dilation_rate", None)
+    convolution = KINDS.get(type(host)) in (CONV, DEPTHWISE, SEPARABLE)
+    if convolution and dilation is not None and any(rate != 1 for rate in tuple(dilation)):
+        return (
+            f"'{host.name}' ({type(host).__name__}) has dilation_rate={tuple(dilation)}, "
+            f"which no int8 file of a quantization-aware model holds on its 8-bit grid; use "
+            f"dilation_rate=1"
+        )
+    if KINDS.get(type(host)) == DENSE and input_rank is not None and input_rank > 2:
+        return (
+            f"'{host.name}' (Dense) reads a rank-{input_rank} input, which no int8 file of a "
+            f"quantization-aware model holds on its 8-bit grid (a FULLY_CONNECTED takes "
+            f"(batch, features)); Reshape the input to rank 2 before it, or Flatten it"
+        )
+    return None
+
+
 def deserialize(
     host: keras.layers.Layer | dict[str, Any],
 ) -> tuple[keras.layers.Layer, dict[str, Any]]:

@@ -18,8 +18,9 @@ class KeptLayer:
             "subclass") or "batch_norm_config" (renorm, virtual_batch_size,
             synchronized=True or momentum=None, which the folded QAT layer cannot train) or
             "activity_regularizer" (the BN's or its host's, whose loss term a QAT layer would
-            drop); for a host (Dense or convolution), "shared_host", "lora", "quantized" or
-            "activity_regularizer"; for any
+            drop); for a host (Dense or convolution), "shared_host", "lora", "quantized",
+            "activity_regularizer" or "no_int8_file" (a dilated convolution, a Dense on an
+            input of rank > 2: `hosts.int8_file_refusal`); for any
             other layer with weights, "not_quantizable" (no QAT form: a transposed
             convolution, a normalization other than BN, an embedding, a custom layer, ...).
     """

@@ -313,6 +313,9 @@ class _ModelRewrite:
             if type(host) not in hosts.KINDS or id(host) in self.qat or id(host) in self.kept_ids:
                 continue
             refusal = _rewrite.refuse_host(host, self.info) or _activity_refusal(host, "host")
+            no_file = hosts.int8_file_refusal(host, len(node.input_tensors[0].shape))
+            if refusal is None and no_file:
+                refusal = _rewrite.Refusal("no_int8_file", no_file)
             if self.shared_in is not None:
                 refusal = _rewrite.Refusal("shared_host", f"host '{host.name}' {self.shared_in}")
             if refusal:
