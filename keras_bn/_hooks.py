@@ -101,9 +101,7 @@ class BatchNormCalls:
 
         return shadowed_call
 
-    def _wrap_time(
-        self, index: int, wrapper: keras.layers.TimeDistributed
-    ) -> Callable[..., Any]:
+    def _wrap_time(self, index: int, wrapper: keras.layers.TimeDistributed) -> Callable[..., Any]:
         call = wrapper.call
         layer = self._layers[index]
 
