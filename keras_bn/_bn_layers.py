@@ -18,6 +18,7 @@ which holds under TensorFlow and JAX alike (the TensorFlow-only features guard t
 import keras
 import numpy as np
 
+from keras_bn._errors import UnsupportedModelError
 from keras_bn.layers import BatchNormalization
 
 KERAS_BN = keras.layers.BatchNormalization
@@ -91,3 +92,36 @@ def inference_affine(layer):
     mean = np.asarray(layer.moving_mean, np.float64)
     scale = gamma / np.sqrt(np.asarray(layer.moving_variance, np.float64) + float(layer.epsilon))
     return scale.ravel(), (beta - scale * mean).ravel()
+
+
+def refuse_folded(model, action):
+    """Refuse a model that holds layers folding a batch norm into their weights (the QAT
+    layers: class attribute `folds_batch_norm`), for a tool that measures the input of every
+    BN layer (`recalibrate`, `check_batchnorm`).
+
+    Such a layer's batch norm is never called: its statistics scale the host's kernel before
+    that is rounded, so the host's output they describe changes with them, and there is no
+    input of the BN's own to measure.
+
+    Args:
+        model: a Keras model or layer (nested ones are searched).
+        action: the tool, for the message ("recalibrate").
+
+    Raises:
+        UnsupportedModelError: `model` holds such layers (the message names them and what to
+            do instead).
+    """
+    folded = [
+        layer.name
+        for layer in model._flatten_layers(include_self=True)
+        if getattr(type(layer), "folds_batch_norm", False)
+    ]
+    if folded:
+        raise UnsupportedModelError(
+            f"{action} cannot take '{model.name}': its quantization-aware layers {folded} fold "
+            f"their batch norms into fake-quantized weights. Those statistics decide how the "
+            f"weights round, so the output they describe changes with them: there is no BN "
+            f"input of their own to measure. Run {action} on the float model before "
+            f"keras_bn.quantize.quantize_model; during QAT the layers keep moving averages of "
+            f"their batch statistics until FreezeBatchNorm freezes them."
+        )

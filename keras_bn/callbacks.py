@@ -16,7 +16,6 @@ from keras_bn import _bn_layers, _hooks
 from keras_bn._batches import Batches, Data
 from keras_bn._errors import KerasBNWarning
 from keras_bn.population import RecalibrationReport, check_max_memory, recalibrate_layers
-from keras_bn.quantize.layers import refuse_folded_batch_norms
 
 __all__ = ["Recalibrate"]
 
@@ -128,7 +127,7 @@ class Recalibrate(keras.callbacks.Callback):
             UnsupportedModelError: the model holds quantization-aware layers with folded
                 batch norms (`keras_bn.quantize`), whose statistics cannot be recalibrated.
         """
-        refuse_folded_batch_norms(self.model, "callbacks.Recalibrate")
+        _bn_layers.refuse_folded(self.model, "callbacks.Recalibrate")
         self._validation_runs = 0
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:

@@ -17,7 +17,6 @@ from keras_bn import _augmentation, _bn_layers, _hooks, backend
 from keras_bn._batches import Batches, Data, input_count
 from keras_bn._errors import UnsupportedModelError
 from keras_bn.population import PooledMoments
-from keras_bn.quantize.layers import refuse_folded_batch_norms
 
 #: stale_statistics: the largest |moving mean − input mean|, in input standard deviations.
 STALE_MEAN_SHIFT = 0.5
@@ -156,7 +155,7 @@ def check_batchnorm(
         UnsupportedModelError: the model holds quantization-aware layers with folded batch
             norms (`keras_bn.quantize`); check the float model before quantizing it.
     """
-    refuse_folded_batch_norms(model, "check_batchnorm")
+    _bn_layers.refuse_folded(model, "check_batchnorm")
     layers = _bn_layers.in_model(model)
     if not layers:
         raise ValueError(f"Model '{model.name}' has no BatchNormalization layer to check.")

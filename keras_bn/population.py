@@ -46,7 +46,6 @@ from keras_bn import _bn_layers, _frontier, _one_pass
 from keras_bn._batches import Batches, Data, input_count
 from keras_bn._hooks import Snapshot
 from keras_bn._layerwise import LayerChange, PooledMoments, ProgressBar, in_call_order
-from keras_bn.quantize.layers import refuse_folded_batch_norms
 
 __all__ = ["LayerChange", "PooledMoments", "RecalibrationReport", "recalibrate"]
 
@@ -224,7 +223,7 @@ def recalibrate(
             report = keras_bn.recalibrate(model, x_train, batch_size=64)
             print(report)   # per layer: max |Δmean|, max |Δvar|
     """
-    refuse_folded_batch_norms(model, "recalibrate")
+    _bn_layers.refuse_folded(model, "recalibrate")
     layers = _bn_layers.in_model(model)
     if not layers:
         raise ValueError(f"Model '{model.name}' has no BatchNormalization layer to recalibrate.")

@@ -364,3 +364,11 @@ def test_finder_ignores_parent_packages_and_accepts_a_tree_without_cycles(tmp_pa
 )
 def test_find_cycle_on_small_graphs(graph, expected):
     assert find_cycle(graph) == expected
+
+
+def test_the_float_tools_do_not_import_qat():
+    """recalibrate, Recalibrate and check_batchnorm refuse a QAT model through a class
+    attribute (`folds_batch_norm`), not by importing keras_bn.quantize."""
+    for module in ("keras_bn.population", "keras_bn.callbacks", "keras_bn.check"):
+        qat = sorted(m for m in GRAPH[module] if m.startswith("keras_bn.quantize"))
+        assert not qat, f"{module} imports {qat}"

@@ -54,7 +54,6 @@ from keras import ops
 
 from keras_bn import _models, backend
 from keras_bn._bn_layers import KERAS_BN, KERAS_BN_BN
-from keras_bn._errors import UnsupportedModelError
 from keras_bn.quantize import fake_quant, grids, hosts
 from keras_bn.quantize.activation import ActivationQuantizer, scalar_state, validate_momentum
 
@@ -426,6 +425,10 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
     """Host → batch norm (→ ReLU/ReLU6) as one QAT layer, the BN folded into the weights that
     are fake-quantized; see the module docstring for the maths.
 
+    Its class attribute `folds_batch_norm` tells the tools that measure every BN's input
+    (`recalibrate`, `check_batchnorm`) that it holds a BN they cannot measure
+    (`keras_bn._bn_layers.refuse_folded`).
+
     The batch norm's weights (γ, β, moving mean and variance) live in `batch_norm`, a
     keras_bn.BatchNormalization that is never called: its config gives momentum, epsilon,
     center, scale, initializers, regularizers and constraints, and its moving variance is the
@@ -459,6 +462,8 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
             host's channel axis; in training, a static batch with m ≤ 1 values per channel;
             or an argument out of range (the message names the value).
     """
+
+    folds_batch_norm = True
 
     def __init__(
         self,
@@ -735,34 +740,3 @@ def batch_norm_refusal(batch_norm: keras.layers.Layer) -> str | None:
             f"folded QAT layer keeps exponential moving averages: give a momentum in [0, 1)."
         )
     return None
-
-
-def refuse_folded_batch_norms(model: keras.layers.Layer, action: str) -> None:
-    """Refuse a model that holds QuantizedHostBatchNorm layers, for a tool that measures the
-    input of every BN layer (`recalibrate`, `check_batchnorm`).
-
-    A QAT layer's batch norm is never called: its statistics scale the host's kernel before
-    that is rounded, so the host's output they describe changes with them, and there is no
-    input of the BN's own to measure.
-
-    Args:
-        model: a Keras model or layer (nested ones are searched).
-        action: the tool, for the message ("recalibrate").
-
-    Raises:
-        UnsupportedModelError: `model` holds a QuantizedHostBatchNorm (the message names them
-            and what to do instead).
-    """
-    folded = [
-        layer.name
-        for layer in _models.layers_within(model, QuantizedHostBatchNorm, include_self=True)
-    ]
-    if folded:
-        raise UnsupportedModelError(
-            f"{action} cannot take '{model.name}': its quantization-aware layers {folded} fold "
-            f"their batch norms into fake-quantized weights. Those statistics decide how the "
-            f"weights round, so the output they describe changes with them: there is no BN "
-            f"input of their own to measure. Run {action} on the float model before "
-            f"keras_bn.quantize.quantize_model; during QAT the layers keep moving averages of "
-            f"their batch statistics until FreezeBatchNorm freezes them."
-        )
