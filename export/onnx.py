@@ -19,17 +19,21 @@ from typing import Any
 
 import keras
 import numpy as np
-import onnx
-import onnxruntime as ort
-from onnx import numpy_helper
 
-from keras_bn import _backend, _models
-from keras_bn._errors import UnsupportedModelError, one_line
-from keras_bn.export import pipeline, qat, qdq, report, trace
-from keras_bn.quantize import hosts
+from keras_bn import _backend
 
-# The writer converts TensorFlow functions: a file from another backend is loaded under TensorFlow.
+# The writer converts TensorFlow functions: a file from another backend is loaded under
+# TensorFlow. Checked before the converters' imports, so that their absence is named.
 _backend.require_writers("keras_bn.export.export_onnx")
+
+import onnx  # noqa: E402
+import onnxruntime as ort  # noqa: E402
+from onnx import numpy_helper  # noqa: E402
+
+from keras_bn import _models  # noqa: E402
+from keras_bn._errors import UnsupportedModelError, one_line  # noqa: E402
+from keras_bn.export import pipeline, qat, qdq, report, trace  # noqa: E402
+from keras_bn.quantize import hosts  # noqa: E402
 
 # Both ends of onnxruntime's optimiser: what the file says, and what ORT makes of it.
 SESSION_SETTINGS = {

@@ -22,15 +22,18 @@ from typing import Any
 
 import keras
 import numpy as np
-from ai_edge_litert.interpreter import Interpreter, OpResolverType
 
 from keras_bn import _backend
-from keras_bn._errors import UnsupportedModelError
-from keras_bn.export import defaults, pipeline, qat, report, trace
-from keras_bn.quantize import hosts
 
-# The writer converts TensorFlow functions: a file from another backend is loaded under TensorFlow.
+# The writer converts TensorFlow functions: a file from another backend is loaded under
+# TensorFlow. Checked before the runtime's import, so that its absence is named.
 _backend.require_writers("keras_bn.export.export_tflite")
+
+from ai_edge_litert.interpreter import Interpreter, OpResolverType  # noqa: E402
+
+from keras_bn._errors import UnsupportedModelError  # noqa: E402
+from keras_bn.export import defaults, pipeline, qat, report, trace  # noqa: E402
+from keras_bn.quantize import hosts  # noqa: E402
 
 QUANTIZATIONS = tuple(defaults.SCALE_TOLERANCES)  # None (float32), "float16", "dynamic", "int8"
 SIGNATURE = "serve"

@@ -73,6 +73,8 @@ def require_tensorflow(name="keras_bn"):
     found = backend.name()
     if found != "tensorflow":
         hint = " " + EXPORT_HINT if name.startswith("keras_bn.export") else ""
+        if importlib.util.find_spec("tensorflow") is None:
+            hint += ' TensorFlow is not installed: pip install "keras-bn[tensorflow]".'
         raise ImportError(
             f"{name} needs the TensorFlow Keras backend, but Keras is using {found!r}. Under "
             f"{_BACKEND_NAMES.get(found, found)} keras_bn.BatchNormalization, recalibrate, "

@@ -70,6 +70,10 @@ if keras.backend.backend() == "jax":
         "under JAX, Keras exports ONNX through the jax2onnx package, which keras-bn does not "
         "install (it writes its own ONNX files under TensorFlow)"
     )
+if importlib.util.find_spec("tensorflow") is None:
+    NOT_RUN["keras.src.export.saved_model_test"] = (
+        "imports TensorFlow, which this Python (make's .venv-jax, keras-bn[jax]) does not have"
+    )
 
 
 def _keras_test_files():
