@@ -53,8 +53,10 @@ bench-export: $(STAMP)
 JAX_TESTS := KERAS_BACKEND=jax KERAS_BN_NO_TENSORFLOW=1 KERAS_BN_TF_PYTHON=$(CURDIR)/$(PY) \
 	$(PY_JAX) -m pytest tests_jax -p no:xdist
 
+# Keras's parity tests under JAX run in $(PY) too: its SavedModel tests need TensorFlow.
 test: $(STAMP) $(STAMP_JAX)
 	$(PY) -m pytest $(PYTEST_ARGS)
+	KERAS_BACKEND=jax $(PY) -m pytest tests_jax/test_keras_parity_jax.py -p no:xdist -q
 	$(JAX_TESTS)
 
 # The inner loop: the suite less the notebooks, the docs build, the slow tests (marked from a

@@ -472,7 +472,8 @@ def test_differences_are_the_docs_parity_page():
 
 def test_other_keras_test_files_are_run():
     """Beyond the BN test file, Keras's tests that build a BN in a model or wrapper run too
-    (each must construct a keras_bn layer); their count is at least today's."""
+    (each must construct a keras_bn layer); their count is at least today's (fewer where
+    TensorFlow is absent and saved_model_test is not run)."""
     others = [
         name
         for name, cls in globals().items()
@@ -480,7 +481,7 @@ def test_other_keras_test_files_are_run():
         for test in dir(cls)
         if test.startswith("test") and callable(getattr(cls, test))
     ]
-    assert len(others) >= 50
+    assert len(others) >= (50 if importlib.util.find_spec("tensorflow") else 24)
 
 
 def test_selection_follows_helper_arguments():
