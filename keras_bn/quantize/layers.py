@@ -32,8 +32,10 @@ with gradients by autodiff through the batch moments (as PyTorch's
 a channels-last 4D output computes that as FusedBatchNormV3 in training of z/s, forward and
 backward (the TensorFlow backend's fused.py, which re-centres far from zero). The moving
 statistics follow keras_bn.BatchNormalization: μ ← momentum·μ + (1 − momentum)·(μ_B + b) and
-v ← momentum·v + (1 − momentum)·m/(m − 1)·σ²_B, skipped for a non-finite batch or m ≤ 1. The
-mean is that of the host's output with its bias, so that the folded form's b − μ is BN's.
+v ← momentum·v + (1 − momentum)·m/(m − 1)·σ²_B, skipped for a non-finite batch or m ≤ 1, by
+the BN's own `update_moving_statistics` (so under a tf.distribute strategy every replica takes
+the replicas' count-weighted averages, as the layer's do). The mean is that of the host's
+output with its bias, so that the folded form's b − μ is BN's.
 A batch that gives m = 1 at run time (`fit`'s last batch of one) outputs β before the freeze,
 with no gradient to x, γ or the kernel, as keras_bn.BatchNormalization does.
 
