@@ -621,12 +621,10 @@ class ExportReport(_OutputErrors):
             other files.
         weights: for a QAT model's file, a WeightCheck per fake-quantized kernel, which must
             all match; None for other files.
-        float_ops: for a QAT model's file, op name → count of the ops that compute in
-            float, in the format's op names: in TFLite, the ops with a float input or output
-            tensor (the float input's QUANTIZE and the float output's DEQUANTIZE are not
-            counted); in ONNX, the ops outside a DequantizeLinear → op → QuantizeLinear unit
-            (`keras_bn.export.qdq.float_ops`). Empty for a file an integer runtime computes
-            whole, which `passed` requires; None for other files.
+        float_ops: for a QAT model's TFLite file, op name → count of the ops that compute in
+            float (their input or output is a float tensor; the float input's QUANTIZE and
+            the float output's DEQUANTIZE are not counted): empty for a full-integer file,
+            which `passed` requires; None for other files.
         unverified: why the file is unverified, when the model's own outputs were the same
             for every probe sample and the export was given allow_unverified=True (its errors
             then say only that the file gives that output too); None for a verified file.
