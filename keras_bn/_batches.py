@@ -60,11 +60,26 @@ def _samples(value: Any) -> list[int] | None:
     return None
 
 
+def _as_numpy(value: Any, depth: int = 2) -> Any:
+    """`value` with the backend's tensors (tf.Tensor, jax.Array) as numpy arrays, at its top and
+    in the tuples, lists and dicts that `fit`'s whole-array forms nest: `fit` takes tensors as
+    whole arrays too."""
+    if keras.ops.is_tensor(value):
+        return keras.ops.convert_to_numpy(value)
+    if depth and isinstance(value, dict):
+        return {key: _as_numpy(part, depth - 1) for key, part in value.items()}
+    if depth and isinstance(value, (list, tuple)):
+        parts = [_as_numpy(part, depth - 1) for part in value]
+        return tuple(parts) if isinstance(value, tuple) else parts
+    return value
+
+
 def whole_arrays(data: Data, inputs: int | None) -> Any:
     """`data`'s x when `data` is whole arrays in one of `fit`'s forms, else None (batches).
 
-    The forms: an array; a dict of arrays (named inputs); a list of arrays when the model takes
-    more than one input (for a one-input model such a list is a list of batches, as before);
+    The forms (the backend's tensors count as arrays): an array; a dict of arrays (named
+    inputs); a list of arrays when the model takes more than one input (for a one-input model
+    such a list is a list of batches, as before);
     `(x, y)` or `(x, y, sample_weight)`, a tuple whose x is one of those (or a tuple of
     arrays), y and sample_weight arrays (or dicts or lists of them) or None.
 
@@ -80,6 +95,7 @@ def whole_arrays(data: Data, inputs: int | None) -> Any:
             samples; a list of arrays whose length is not the model's number of inputs; or a
             y or sample_weight that is no array. The message names what was given.
     """
+    data = _as_numpy(data)
     if isinstance(data, (np.ndarray, dict)):
         return data  # checked by `split`, which names the lengths
     if isinstance(data, list) and inputs is not None and inputs > 1 and _samples(data):

@@ -448,7 +448,8 @@ def test_x_y_arrays_as_fit_takes_them():
     x = _data((40, 3), loc=0.0, scale=1.0)
     y = _data((40, 3), seed=1, loc=100.0, scale=1.0)
     mean, variance = _pooled_reference(x.astype(np.float64), 16)
-    for data in [(x, y), (x, y, np.ones(40, "float32")), (x, y[:, :1]), (x, None)]:
+    tx, ty = keras.ops.convert_to_tensor(x), keras.ops.convert_to_tensor(y)  # fit takes these
+    for data in [(x, y), (x, y, np.ones(40, "float32")), (x, y[:, :1]), (x, None), (tx, ty), tx]:
         bn.moving_mean.assign(np.full(3, 7.0))
         report = keras_bn.recalibrate(model, data, batch_size=16, progress=False)
         assert report.batches == 3  # 16, 16 and 8: batch_size applies

@@ -428,3 +428,24 @@ def test_check_batchnorm_and_recalibrate_match_tensorflow(tmp_path):
         mean, variance = tensorflow["statistics"][layer.name]
         np.testing.assert_allclose(layer.moving_mean.numpy(), mean, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(layer.moving_variance.numpy(), variance, rtol=1e-5)
+
+
+def test_x_y_of_jax_arrays_are_whole_arrays_as_fit_takes_them():
+    """`recalibrate(model, (x, y))` with jax arrays uses x alone, batched by batch_size, as with
+    numpy arrays (y was pooled into the statistics as a second batch)."""
+    import jax.numpy as jnp
+
+    inputs = keras.Input((3,))
+    bn = keras_bn.BatchNormalization()
+    model = keras.Model(inputs, bn(inputs))
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(40, 3)).astype("float32")
+    y = (rng.normal(size=(40, 3)) + 100.0).astype("float32")
+    keras_bn.recalibrate(model, (x, y), batch_size=16, progress=False)
+    expected = [np.asarray(bn.moving_mean), np.asarray(bn.moving_variance)]
+    bn.moving_mean.assign(np.full(3, 7.0))
+    report = keras_bn.recalibrate(model, (jnp.asarray(x), jnp.asarray(y)), batch_size=16)
+    assert report.batches == 3
+    np.testing.assert_array_equal(np.asarray(bn.moving_mean), expected[0])
+    np.testing.assert_array_equal(np.asarray(bn.moving_variance), expected[1])
+    assert abs(float(np.mean(expected[0]))) < 1.0  # x's mean, not pooled with y's 100
