@@ -844,6 +844,9 @@ def test_hosts_no_int8_file_holds_are_refused_up_front_by_name(host, shape, name
     kept = {k.layer: k for k in found.kept}
     name = model.layers[2].name
     assert name in kept and kept[name].kind == "no_int8_file" and named in kept[name].reason
+    # Its BN stays float for the same reason (it was called a "subclass" of Keras's BN).
+    bn = model.layers[3].name
+    assert kept[bn].kind == "no_int8_file" and f"follows host '{name}'" in kept[bn].reason
     # A QAT layer built on such a host, by hand.
     inputs = keras.Input(shape)
     layer = QuantizedHostBatchNorm(host(), BN(), name="qat_host")

@@ -318,10 +318,17 @@ class _ModelRewrite:
                 refusal = _rewrite.Refusal("no_int8_file", no_file)
             if self.shared_in is not None:
                 refusal = _rewrite.Refusal("shared_host", f"host '{host.name}' {self.shared_in}")
+            bn_node = pairs.get(id(host))
             if refusal:
                 self._keep(host, f"{refusal.message}; it stays float", refusal.kind)
+                if bn_node is not None:  # paired before the host was refused: float with it
+                    self._keep(
+                        bn_node.operation,
+                        f"BN layer '{bn_node.operation.name}' follows host '{host.name}', which "
+                        f"stays float ({refusal.message}); it stays a float BN",
+                        refusal.kind,
+                    )
                 continue
-            bn_node = pairs.get(id(host))
             bn = bn_node.operation if bn_node else None
             tail = bn_node or node  # the node whose output the QAT layer's output replaces
             own = _rewrite.activation_name(host)
