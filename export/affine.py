@@ -16,7 +16,7 @@ from keras_bn import backend
 from keras_bn._shapes import ShapePreserving
 
 # Before either layer can be built under a backend keras_bn does not run on.
-backend.get()
+backend.get("keras_bn.export.InferenceAffine")
 
 
 class _PerChannelMap(ShapePreserving, keras.layers.Layer):

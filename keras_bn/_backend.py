@@ -37,7 +37,7 @@ def require(name):
     if name in WRITER_NAMES:
         require_writers(name)
     else:
-        backend.get()
+        backend.get(name)
 
 
 def require_writers(name):
@@ -75,13 +75,17 @@ def require_tensorflow(name="keras_bn"):
         hint = " " + EXPORT_HINT if name.startswith("keras_bn.export") else ""
         if importlib.util.find_spec("tensorflow") is None:
             hint += ' TensorFlow is not installed: pip install "keras-bn[tensorflow]".'
-        raise ImportError(
-            f"{name} needs the TensorFlow Keras backend, but Keras is using {found!r}. Under "
-            f"{_BACKEND_NAMES.get(found, found)} keras_bn.BatchNormalization, recalibrate, "
-            f"callbacks.Recalibrate, diagnostics.check_batchnorm, convert, "
+        works = (
+            f" Under {_BACKEND_NAMES.get(found, found)} keras_bn.BatchNormalization, "
+            f"recalibrate, callbacks.Recalibrate, diagnostics.check_batchnorm, convert, "
             f"keras_bn.export.fold_batch_norms and quantize work; the diagnostics' gradient "
-            f"probes and the TFLite and ONNX writers need TensorFlow.{hint} Set "
-            f"KERAS_BACKEND=tensorflow before importing keras."
+            f"probes and the TFLite and ONNX writers need TensorFlow."
+            if found in backend.SUPPORTED
+            else ""
+        )
+        raise ImportError(
+            f"{name} needs the TensorFlow Keras backend, but Keras is using {found!r}.{works}"
+            f"{hint} Set KERAS_BACKEND=tensorflow before importing keras."
         )
 
 

@@ -12,7 +12,8 @@ from keras_bn import _axes, backend, ghost
 from keras_bn import renorm as renormalization
 from keras_bn._shapes import ShapePreserving
 
-backend.get()  # before any keras_bn layer can be built under a backend it does not run on
+# Before any keras_bn layer can be built under a backend it does not run on.
+backend.get("keras_bn.BatchNormalization")
 
 # What keras.initializers.get, .regularizers.get and .constraints.get take: a name, a
 # serialized config, or an instance (any callable).

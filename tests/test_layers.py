@@ -644,7 +644,7 @@ def test_other_backends_get_the_layer_or_a_clear_import_error(backend):
             " Under JAX keras_bn.BatchNormalization, recalibrate, callbacks.Recalibrate, "
             "diagnostics.check_batchnorm, convert, keras_bn.export.fold_batch_norms and "
             "quantize work; the diagnostics' gradient probes and the TFLite and ONNX writers "
-            "need TensorFlow for now."
+            "need TensorFlow."
         )
         hint = (
             ' Save the model (model.save("model.keras")) and load the .keras file under '

@@ -78,8 +78,11 @@ def name() -> str:
     return keras.backend.backend()
 
 
-def get() -> types.ModuleType:
+def get(what: str = "keras_bn") -> types.ModuleType:
     """The backend module for the Keras backend in use, imported on the first call.
+
+    Args:
+        what: what is about to be used, named in the error.
 
     Returns:
         keras_bn.backend.tensorflow or keras_bn.backend.jax.
@@ -93,9 +96,9 @@ def get() -> types.ModuleType:
         found = name()
         if found not in SUPPORTED:
             raise ImportError(
-                f"keras_bn needs the TensorFlow or JAX Keras backend, but Keras is using "
-                f"{found!r}. Set KERAS_BACKEND=tensorflow or KERAS_BACKEND=jax before "
-                f"importing keras."
+                f"{what} needs the TensorFlow or JAX Keras backend, but Keras is using "
+                f"{found!r} (PyTorch is not supported yet). Set KERAS_BACKEND=tensorflow or "
+                f"KERAS_BACKEND=jax before importing keras."
             )
         _chosen = importlib.import_module(f"keras_bn.backend.{found}")
     return _chosen

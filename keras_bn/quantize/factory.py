@@ -62,7 +62,7 @@ def from_layers(
             range (the message names the value).
         ImportError: Keras runs on a backend the QAT layers do not support (PyTorch, NumPy).
     """
-    backend.get()  # see quantize_model
+    backend.get("keras_bn.quantize")  # see quantize_model
     for layer in (host, batch_norm):
         if layer is not None and not layer.built:
             raise ValueError(f"Layer '{layer.name}' is not built; its weights cannot be copied.")

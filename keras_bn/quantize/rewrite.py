@@ -136,7 +136,7 @@ def quantize_model(
         qat.compile(keras.optimizers.Adam(1e-4), loss, metrics=["accuracy"])
         qat.fit(x, y, epochs=3, callbacks=[keras_bn.quantize.FreezeBatchNorm(500)])
     """
-    backend.get()
+    backend.get("keras_bn.quantize.quantize_model")
     if not isinstance(model, keras.Model):
         raise TypeError(f"quantize_model takes a keras.Model; received model={model!r}.")
     for name, value in (("per_channel", per_channel), ("return_report", return_report)):
