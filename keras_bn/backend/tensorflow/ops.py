@@ -27,7 +27,7 @@ from keras_bn.backend.tensorflow import composite, placement, xla
 from keras_bn.backend.tensorflow import (
     fused as fused_kernel,
 )  # `fused` is an argument of the functions below
-from keras_bn.backend.tensorflow.statistics import element_count, per_channel, statistics_dtype
+from keras_bn.backend.tensorflow.statistics import per_channel, statistics_dtype
 
 
 def train_path(x, channel_axes, epsilon, mask=None, fused=None, replica_context=None):
@@ -36,10 +36,7 @@ def train_path(x, channel_axes, epsilon, mask=None, fused=None, replica_context=
     The first that applies, in this order:
 
     1. "fused" where `fused.fused_data_format` allows (one channel axis, last or second; no
-       mask; a 16/32-bit float; never under XLA) and the replicas are not synchronized, with
-       at most `fused.MAX_COUNT` values per channel unless `fused` is True (the kernel's
-       rounding grows with the count; a count known only at run time is checked then, by
-       `batch_norm_train`).
+       mask; a 16/32-bit float; never under XLA) and the replicas are not synchronized.
     2. "xla_cpu" under XLA on a CPU, without a mask or synchronized replicas, when x has a
        reduced axis other than its last (xla.py; its arrangement is tuned to XLA:CPU's
        fusion rules, so other devices keep the composite path until measured there).
@@ -60,14 +57,11 @@ def train_path(x, channel_axes, epsilon, mask=None, fused=None, replica_context=
     Raises:
         ValueError: `fused=True` where the fused kernel does not apply.
     """
-    # 1. The fused kernels (fused.py), unless asked for (fused=True), up to fused.MAX_COUNT
-    # values per channel where the count is static (batch_norm_train checks it at run time
-    # where it is not).
+    # 1. The fused kernels (fused.py).
     if (
         fused is not False
         and replica_context is None
         and fused_kernel.fused_data_format(x, channel_axes, epsilon, mask) is not None
-        and (fused or not _static_count_above(x, channel_axes, fused_kernel.MAX_COUNT))
     ):
         return "fused"
     if fused:  # True demands the fused kernels, and step 1 found they do not apply
@@ -89,12 +83,6 @@ def train_path(x, channel_axes, epsilon, mask=None, fused=None, replica_context=
         return "xla_cpu"
     # 3. Composite ops (composite.py).
     return "composite"
-
-
-def _static_count_above(x, channel_axes, limit):
-    """Whether x's per-channel count is static and above `limit`."""
-    count = element_count(x, channel_axes)
-    return isinstance(count, int) and count > limit
 
 
 def batch_norm_train(
@@ -132,28 +120,12 @@ def batch_norm_train(
         ValueError: `fused=True` where the fused kernel does not apply.
     """
     path = train_path(x, channel_axes, epsilon, mask, fused, replica_context)
+    if path == "fused":
+        data_format = fused_kernel.fused_data_format(x, channel_axes, epsilon, mask)
+        return fused_kernel.batch_norm_train(x, gamma, beta, channel_axes, epsilon, data_format)
     if path == "xla_cpu":
         return xla.batch_norm_train(x, gamma, beta, channel_axes, epsilon)
-    if path == "composite":
-        return composite.batch_norm_train(
-            x, gamma, beta, channel_axes, epsilon, mask, replica_context
-        )
-    data_format = fused_kernel.fused_data_format(x, channel_axes, epsilon, mask)
-
-    def kernel():
-        return fused_kernel.batch_norm_train(x, gamma, beta, channel_axes, epsilon, data_format)
-
-    # A static count above fused.MAX_COUNT was routed by train_path; one known only at run time
-    # (fit's batch size) is routed here, as the kernel's rounding grows with it.
-    count = element_count(x, channel_axes)
-    if fused or isinstance(count, int):
-        return kernel()
-
-    def composite_path():  # y in x's dtype, as the kernel's, for tf.cond
-        y, mean, variance = composite.batch_norm_train(x, gamma, beta, channel_axes, epsilon)
-        return tf.cast(y, x.dtype), mean, variance
-
-    return tf.cond(count <= fused_kernel.MAX_COUNT, kernel, composite_path)
+    return composite.batch_norm_train(x, gamma, beta, channel_axes, epsilon, mask, replica_context)
 
 
 def inference_affine(mean, variance, gamma, beta, epsilon):
