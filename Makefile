@@ -100,6 +100,7 @@ notebooks: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_layer.py --json benchmarks/results/bench_layer.json
+	$(PY) benchmarks/bench_large_counts.py
 	$(PY) benchmarks/bench_model.py
 	$(PY) benchmarks/bench_sync.py
 	$(PY) benchmarks/bench_recalibrate.py --json benchmarks/results/bench_recalibrate.json

@@ -94,6 +94,14 @@ def test_bench_model_smoke():
     assert "target: under XLA, BN's share of the step" in out
 
 
+def test_bench_large_counts_smoke():
+    out = _run("bench_large_counts.py")
+    assert out.startswith("machine: ")
+    (row,) = [line for line in out.splitlines() if line.startswith("| 64 |")]
+    errors = [float(cell) for cell in row.strip("|").split("|")[-2:]]
+    assert all(error < 1e-5 for error in errors)  # keras_bn's and Keras's σ², vs float64
+
+
 @pytest.mark.slow
 def test_bench_sync_smoke():
     out = _run("bench_sync.py")

@@ -252,7 +252,10 @@ def test_a_tiny_budget_spills_the_frontier_and_removes_it(tmp_path, monkeypatch)
     report = _compare(model, _data((40, 8, 8, 3)), max_memory=0)
     assert report.strategy == "one_pass_spilled"
     assert report.peak_frontier_bytes == 0 and report.spilled_bytes > 0
-    assert list(tmp_path.iterdir()) == []  # the spill folder is gone
+    # The spill folder is gone. (Autograph writes its converted functions to the temp folder
+    # too, the first time in a process: run alone, this test saw them.)
+    left = [p for p in tmp_path.iterdir() if not p.name.startswith("__autograph_generated")]
+    assert left == []
 
 
 def test_the_spill_folder_is_removed_when_it_fails(tmp_path, monkeypatch):
