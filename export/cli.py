@@ -549,6 +549,8 @@ def _lsb_lines(report: dict[str, Any]) -> list[str]:
 
 def _samples_line(report: dict[str, Any]) -> str:
     """Which samples a file was verified on (and, for int8, its error on calibration ones)."""
+    if report["unverified"]:
+        return f"  run on {report['probe_samples']} probe samples, not verified (UNVERIFIED below)"
     if report["calibration_samples"] is None:
         return f"  verified on {report['probe_samples']} samples"
     return (

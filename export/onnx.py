@@ -10,7 +10,8 @@ converts to an ONNX Conv with its `group` attribute. A grouped Conv3D is refused
 A quantization-aware (QAT) model is written in QDQ form: its export form (export/qat.py) holds
 every activation range as an 8-bit FakeQuant op, which tf2onnx writes as a QuantizeLinear /
 DequantizeLinear pair, and its kernels as inputs of the traced function, which export/qdq.py
-then makes int8 initializers read by per-channel DequantizeLinear nodes.
+then makes int8 initializers read by per-channel DequantizeLinear nodes. The ops that compute
+in float are read from the written graph (`qdq.float_ops`).
 """
 
 import os
@@ -77,8 +78,10 @@ def export_onnx(
     its weights are, and each activation a per-tensor uint8 QuantizeLinear/DequantizeLinear
     pair on its range's grid. It is judged in units of each output's quantization step (the
     report's `lsb_errors`: at most `defaults.QAT_MAX_LSB` steps on every value and
-    `defaults.QAT_PERCENTILE_LSB` on 99% of them), and its int8 weights are read back and
-    must equal that grid (`weights`).
+    `defaults.QAT_PERCENTILE_LSB` on 99% of them), its int8 weights are read back and must
+    equal that grid (`weights`), and no op may compute in float (`float_ops`: an op outside a
+    DequantizeLinear → op → QuantizeLinear unit, as a Lambda(t·3 + 1) between QAT layers
+    writes its multiply; the TFLite file refuses the same ops).
 
     Args:
         model: a built Sequential or Functional Keras model; any number of inputs and outputs
@@ -112,11 +115,13 @@ def export_onnx(
     Returns:
         ExportReport: the error of each output (and its worst channel) in onnxruntime with
         graph optimisation disabled and enabled, the file's op histogram and its size; for a
-        quantization-aware model also the errors in output steps and the weights read back.
+        quantization-aware model also the errors in output steps, the weights read back and
+        the float ops.
 
     Raises:
         VerificationError: the file is over `scale_tolerance` (or not finite) and strict is
-            True; any file at `path` is unchanged.
+            True (for a quantization-aware model: over its tolerance in output steps, a kernel
+            off its grid, or an op that computes in float); any file at `path` is unchanged.
         UnsupportedModelError: a model structure the export cannot take (a subclassed or
             unbuilt model, a layer whose config does not round-trip, an input and an output
             dict key with the same name); for a quantization-aware model, a layer kept in
@@ -246,6 +251,11 @@ class _QuantizedONNX(pipeline.QuantizedFormat, _ONNX):
         return [
             _weight_check(weight, initializers, producers, consumers) for weight in self._weights
         ]
+
+    def float_ops(self, path: str) -> dict[str, int]:
+        """The file's ops that compute in float (`qdq.float_ops`): found in the graph, by
+        the rule the TFLite file's are, since each format writes a Keras op as its own ops."""
+        return report.histogram(qdq.float_ops(onnx.load(path)))
 
 
 def _weight_check(

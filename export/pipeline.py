@@ -93,10 +93,11 @@ class Format:
         file."""
         raise NotImplementedError
 
-    def float_ops(self, path: str) -> dict[str, int] | None:
-        """For a QAT model: op name → count of the file's ops that compute in float, or None
-        where the format does not tell (ONNX's QDQ form computes between its pairs)."""
-        return None
+    def float_ops(self, path: str) -> dict[str, int]:
+        """For a QAT model: op name → count of the file's ops that compute in float (in the
+        format's own op names), read from the file; empty for a file an integer runtime
+        computes whole."""
+        raise NotImplementedError
 
 
 class QuantizedFormat(Format):

@@ -10,6 +10,9 @@ its Conv or MatMul only the layout changes its handlers make (TensorFlow's kerne
 ONNX's: Reshape, Transpose). `int8_weights` replaces each such input and its chain by the
 integers in the layout the chain ends in, found by running the same chain on them, and a
 DequantizeLinear on the axis the output channels end on.
+
+`float_ops` names the nodes of such a graph that an integer runtime computes in float: those
+outside a DequantizeLinear → op → QuantizeLinear unit.
 """
 
 from collections.abc import Iterable
@@ -197,3 +200,201 @@ def _remove(graph: onnx.GraphProto, nodes: Iterable[onnx.NodeProto], inputs: set
     unread = [i for i in graph.initializer if i.name not in read]
     for initializer in unread:
         graph.initializer.remove(initializer)
+
+
+# Float-op analysis of a QDQ file. In QDQ form every op formally computes in float; an integer
+# runtime computes in integers exactly the ops whose operands are dequantized values and whose
+# result is quantized again (DequantizeLinear → op → QuantizeLinear), as the TFLite converter
+# keeps in int8 exactly the ops whose tensors all carry a range. The same rule, read from the
+# file, names the same op of the model in both formats (export/tflite.py reads its own ops);
+# a Keras-level check could not, since one Keras layer (a Lambda) may write several ops of
+# which only the last is rounded.
+# Ops that only move values: never named, whatever they carry.
+SHAPE_OPS = frozenset({"Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Identity"})
+# Ops whose result lies on their input's grid (values moved, selected, clamped or maxed): a
+# QuantizeLinear after them quantizes the op before them too, as TFLite gives a concatenation,
+# max pool or clamp its input's scale.
+_GRID_KEEPING = SHAPE_OPS | {
+    "Concat",
+    "Split",
+    "Slice",
+    "Gather",
+    "Pad",
+    "Tile",
+    "Expand",
+    "MaxPool",
+    "GlobalMaxPool",
+    "ReduceMax",
+    "ReduceMin",
+    "Relu",
+    "Clip",
+    "Min",
+    "Max",
+}
+# Ops whose output grid the int8 spec fixes (1/256 for a softmax, `keras_bn.quantize.spec`):
+# on dequantized operands they are integer ops, as TFLite's LOGISTIC, TANH and SOFTMAX are
+# (a sigmoid mid-network, a swish's x·σ(x), a squeeze-and-excitation gate), and they may end
+# the model's float output unquantized, as the QAT model's own output is.
+_FIXED_GRID = frozenset({"Softmax", "LogSoftmax", "Sigmoid", "Tanh"})
+_FLOAT_TYPES = frozenset(
+    {
+        onnx.TensorProto.FLOAT,
+        onnx.TensorProto.FLOAT16,
+        onnx.TensorProto.DOUBLE,
+        onnx.TensorProto.BFLOAT16,
+    }
+)
+
+
+def float_ops(proto: onnx.ModelProto) -> list[str]:
+    """The op type of every node of a QDQ file that computes in float, in graph order.
+
+    A node computes in integers when its float operands are dequantized values or constants
+    and its result reaches a QuantizeLinear through grid-keeping ops only (Concat, MaxPool,
+    Relu, clamps and shape-only ops, which keep their input's grid), or the model's output
+    for an op on a fixed grid (Softmax). An op on a fixed grid (Sigmoid, Tanh, Softmax,
+    LogSoftmax) of dequantized operands is an integer op whose result is on that grid, as
+    the TFLite converter writes it (so x·Sigmoid(x) of a swish is too). The export's own
+    units count as one op: a Conv, MatMul or Gemm on an int8 kernel with its bias Add (the
+    int32 bias of an integer kernel), and an AveragePool with the rounding of its halves
+    (`halves_as_ops` in export/qat.py: Sub, Sign, Mul, Add). Every other node that reads or
+    writes a float tensor is named: an op whose result another op computes on before any
+    QuantizeLinear, the op that computes on it, and any op downstream of them up to the next
+    QuantizeLinear. The model's float input, which a QuantizeLinear reads, and the
+    DequantizeLinear of its float output are not counted; shape-only ops never are.
+
+    Args:
+        proto: the onnx.ModelProto of a QAT model's file (`int8_weights` applied).
+
+    Returns:
+        list of op types, one per float node ([] for a file an integer runtime computes).
+    """
+    graph = onnx.shape_inference.infer_shapes(proto).graph
+    types = {v.name: v.type.tensor_type.elem_type for v in (*graph.input, *graph.value_info)}
+    types.update({v.name: v.type.tensor_type.elem_type for v in graph.output})
+    types.update({i.name: i.data_type for i in graph.initializer})
+    producers = {name: node for node in graph.node for name in node.output}
+    constants = _constants(graph)
+    rounding = _pool_roundings(graph, producers, constants)
+    # The value's state: on a grid (dequantized), float (unquantized and computed on, or the
+    # model's input), or pending: computed from values on grids, to be quantized, with the
+    # computing nodes (and non-shape grid-keeping ones) that produced it.
+    on_grid: set[str] = set()
+    floating_values = {value.name for value in graph.input} - constants
+    pending: dict[str, list[onnx.NodeProto]] = {}
+    named: dict[int, onnx.NodeProto] = {}
+
+    def name(*nodes: onnx.NodeProto) -> None:
+        for node in nodes:
+            if node.op_type not in SHAPE_OPS:
+                named.setdefault(id(node), node)
+
+    for node in graph.node:
+        values = [value for value in node.input if value and value not in constants]
+        if node.op_type == "QuantizeLinear" or node.output[0] in constants:
+            continue  # quantizes whatever it reads; a constant computes nothing at run time
+        if node.op_type == "DequantizeLinear":
+            on_grid.update(node.output)
+            continue
+        if not any(types.get(v, onnx.TensorProto.FLOAT) in _FLOAT_TYPES for v in _io(node)):
+            continue  # integer arithmetic (shapes)
+        sources = [pending[v] for v in values if v in pending]
+        if any(value in floating_values for value in values):
+            name(node)
+            floating_values.update(node.output)
+        elif node.op_type in _FIXED_GRID and not sources:
+            on_grid.update(node.output)  # on the spec's fixed grid in an integer runtime
+        elif node.op_type in _GRID_KEEPING:
+            if sources:
+                carried = [n for chain in sources for n in chain]
+                pending.update({out: [*carried, node] for out in node.output})
+            else:
+                on_grid.update(node.output)
+        elif not sources or id(node) in rounding or _bias_add(node, sources, producers):
+            carried = [n for chain in sources for n in chain]
+            pending.update({out: [*carried, node] for out in node.output})
+        else:  # computes on a result no QuantizeLinear rounded
+            for chain in sources:
+                name(*chain)
+            name(node)
+            floating_values.update(node.output)
+    for value in graph.output:
+        chain = pending.get(value.name, [])
+        computing = [n for n in chain if n.op_type not in _GRID_KEEPING]
+        if chain and not (computing and computing[-1].op_type in _FIXED_GRID):
+            name(*chain)  # an output no QuantizeLinear rounds
+    return [node.op_type for node in graph.node if id(node) in named]
+
+
+def _io(node: onnx.NodeProto) -> list[str]:
+    return [value for value in (*node.input, *node.output) if value]
+
+
+def _constants(graph: onnx.GraphProto) -> set[str]:
+    """The values known before the graph runs: initializers, Constant nodes and what is
+    computed from them alone."""
+    found = {initializer.name for initializer in graph.initializer}
+    for node in graph.node:
+        if node.op_type == "Constant" or (node.input and all(v in found for v in node.input if v)):
+            found.update(node.output)
+    return found
+
+
+def _source(value: str, producers: dict[str, onnx.NodeProto]) -> tuple[str, onnx.NodeProto | None]:
+    """(the value before any shape-only ops that led to `value`, its producer or None)."""
+    node = producers.get(value)
+    while node is not None and node.op_type in SHAPE_OPS:
+        value = node.input[0]
+        node = producers.get(value)
+    return value, node
+
+
+def _bias_add(
+    node: onnx.NodeProto,
+    sources: list[list[onnx.NodeProto]],
+    producers: dict[str, onnx.NodeProto],
+) -> bool:
+    """Whether `node` adds a constant (the bias) to the result of a Conv, MatMul or Gemm on a
+    dequantized kernel and nothing else: one integer kernel with it."""
+    if node.op_type != "Add" or len(sources) != 1:
+        return False
+    (chain,) = sources
+    computing = [n for n in chain if n.op_type not in SHAPE_OPS]
+    if len(computing) != 1 or computing[0].op_type not in WEIGHT_CONSUMERS:
+        return False
+    kernel = producers.get(computing[0].input[1])
+    return kernel is not None and kernel.op_type == "DequantizeLinear"
+
+
+def _pool_roundings(
+    graph: onnx.GraphProto, producers: dict[str, onnx.NodeProto], constants: set[str]
+) -> set[int]:
+    """The ids of the nodes that round an AveragePool's halves as TFLite's int8 pool does
+    (`fake_quant.halves_away_from_int8_zero`: pool + Sign(pool − c)·c'): Sub, Sign, Mul, Add,
+    found by that structure (shape-only ops between them allowed)."""
+    found: set[int] = set()
+    for add in graph.node:
+        if add.op_type != "Add" or len(add.input) != 2:
+            continue
+        for pool_value, move_value in (add.input, reversed(add.input)):
+            pool_value, pool = _source(pool_value, producers)
+            _, mul = _source(move_value, producers)
+            if pool is None or pool.op_type != "AveragePool" or mul is None:
+                continue
+            if mul.op_type != "Mul" or not any(v in constants for v in mul.input):
+                continue
+            moved = [v for v in mul.input if v not in constants]
+            if len(moved) != 1:
+                continue
+            _, sign = _source(moved[0], producers)
+            if sign is None or sign.op_type != "Sign":
+                continue
+            _, sub = _source(sign.input[0], producers)
+            if (
+                sub is not None
+                and sub.op_type == "Sub"
+                and _source(sub.input[0], producers)[0] == pool_value
+                and sub.input[1] in constants
+            ):
+                found |= {id(add), id(mul), id(sign), id(sub)}
+    return found

@@ -196,7 +196,8 @@ def check_varies(
         expected: {output name: Keras output on the probe}.
         what: the probe's name, for the message.
         inputs: {input name: the probe's array}, to tell a constant probe from a constant
-            model; None: not known (the probe is blamed).
+            model: the model is blamed only where every input varies; None: not known (the
+            probe is blamed).
         allow_unverified: accept a model whose own outputs are constant on a varied probe.
 
     Returns:
@@ -217,14 +218,15 @@ def check_varies(
             )
         if not np.all(value == value[:1]):  # NaN != NaN: a NaN output fails later, as NaN
             continue
-        varied = inputs is not None and any(
-            not np.all(np.asarray(array) == np.asarray(array)[:1]) for array in inputs.values()
-        )
-        if not varied:
+        # The model is blamed only where every input varies: an output may read only the
+        # inputs that are constant.
+        same = _constant_inputs(inputs)
+        if same is None or same:
+            which = f"; input(s) {same} are the same for every sample" if same else ""
             raise ValueError(
                 f"Output '{name}' is the same for all {len(value)} samples of {what} (max "
-                f"|output| {scale(value):.3g}): a file that ignores its input would match it. "
-                f"Give samples on which the model's outputs differ (real inputs)."
+                f"|output| {scale(value):.3g}){which}: a file that ignores its input would "
+                f"match it. Give samples on which the model's outputs differ (real inputs)."
             )
         if not allow_unverified:
             raise ValueError(
@@ -232,9 +234,10 @@ def check_varies(
                 f"|output| {scale(value):.3g}), though the samples differ: the model itself "
                 f"gives the same output for every probe sample (an untrained or dead network, "
                 f"every unit before the output off, say), so no probe can tell its file from "
-                f"one that ignores its input. Train the model, or give probe= samples on which "
-                f"its outputs differ; for a smoke test only, allow_unverified=True (CLI: "
-                f"--allow-unverified) writes the file anyway, marked unverified in its report."
+                f"one that ignores its input. Train the model, or give probe= samples (CLI: "
+                f"--representative-data) on which its outputs differ; for a smoke test only, "
+                f"allow_unverified=True (CLI: --allow-unverified) writes the file anyway, "
+                f"marked unverified in its report."
             )
         constant.append(name)
     if not constant:
@@ -243,6 +246,15 @@ def check_varies(
         f"output(s) {constant} of the model are the same for every sample of {what}: the "
         f"file could not be verified (allow_unverified=True)"
     )
+
+
+def _constant_inputs(inputs: Mapping[str, npt.ArrayLike] | None) -> list[str] | None:
+    """The names of the inputs whose samples are all the same; None where not known."""
+    if inputs is None:
+        return None
+    return [
+        key for key, array in inputs.items() if np.all(np.asarray(array) == np.asarray(array)[:1])
+    ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -621,10 +633,12 @@ class ExportReport(_OutputErrors):
             other files.
         weights: for a QAT model's file, a WeightCheck per fake-quantized kernel, which must
             all match; None for other files.
-        float_ops: for a QAT model's TFLite file, op name → count of the ops that compute in
-            float (their input or output is a float tensor; the float input's QUANTIZE and
-            the float output's DEQUANTIZE are not counted): empty for a full-integer file,
-            which `passed` requires; None for other files.
+        float_ops: for a QAT model's file, op name → count of the ops that compute in
+            float, in the format's op names: in TFLite, the ops with a float input or output
+            tensor (the float input's QUANTIZE and the float output's DEQUANTIZE are not
+            counted); in ONNX, the ops outside a DequantizeLinear → op → QuantizeLinear unit
+            (`keras_bn.export.qdq.float_ops`). Empty for a file an integer runtime computes
+            whole, which `passed` requires; None for other files.
         unverified: why the file is unverified, when the model's own outputs were the same
             for every probe sample and the export was given allow_unverified=True (its errors
             then say only that the file gives that output too); None for a verified file.

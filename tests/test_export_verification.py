@@ -449,6 +449,19 @@ def test_a_model_whose_own_output_is_constant_is_exported_unverified_only_when_a
     assert EXPORTERS[fmt](_single_output_model(), out, probe=probe).unverified is None
 
 
+def test_allow_unverified_blames_a_probe_whose_read_input_is_constant(tmp_path):
+    """A two-input model whose output reads only `a`: a probe whose `a` is the same for every
+    sample (only the unused `b` varies) is the probe's fault, not the model's, and is refused
+    naming `a` even with allow_unverified (before, any varying input made it 'the model')."""
+    a, b = keras.Input((8,), name="a"), keras.Input((8,), name="b")
+    model = keras.Model([a, b], L.Dense(3, name="y")(a))
+    rng = np.random.default_rng(0)
+    probe = {"a": np.ones((64, 8), "float32"), "b": rng.normal(size=(64, 8)).astype("float32")}
+    with pytest.raises(ValueError, match=r"input\(s\) \['a'\] are the same for every sample"):
+        export_onnx(model, tmp_path / "m.onnx", probe=probe, allow_unverified=True)
+    assert os.listdir(tmp_path) == []
+
+
 def test_constant_representative_data_is_refused_for_int8(tmp_path):
     model = _single_output_model()
     with pytest.raises(
@@ -627,9 +640,12 @@ def test_cli_exports_a_model_whose_own_output_is_constant_only_with_allow_unveri
     assert result.returncode == 2 and "Traceback" not in result.stderr
     error = _last_error(result)
     assert "the model itself gives the same output" in error and "--allow-unverified" in error
+    assert "--representative-data" in error  # the CLI's name for probe=
     assert not (tmp_path / "m.onnx").exists()
     result = run_cli(*args, "--allow-unverified")
     assert result.returncode == 0, result.stderr
     assert "UNVERIFIED" in result.stdout and (tmp_path / "m.onnx").exists()
+    assert "verified on" not in result.stdout  # the samples line says it is not
+    assert "run on 64 probe samples, not verified" in result.stdout
     written = json.loads((tmp_path / "r.json").read_text())["exports"][0]
     assert "'y'" in written["unverified"]

@@ -258,7 +258,7 @@ def test_four_bit_activations_stay_integer(models, x_test, tmp_path):
     assert len(levels) <= 16  # the head's 4-bit grid
     path = tmp_path / "m.onnx"
     result = export_onnx(model, path, probe=x_test)
-    assert result.passed
+    assert result.passed and result.float_ops == {}  # the clamps keep their input's grid
     graph = onnx.load(path).graph
     initializers = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
     quantizers = [n for n in graph.node if n.op_type == "QuantizeLinear"]
@@ -274,6 +274,8 @@ def test_a_softmax_output_is_judged_on_its_fixed_step(models, x_test, tmp_path):
     (lsb,) = result.lsb_errors.values()
     assert lsb["litert"].step == 1 / 256 and result.passed
     assert "SOFTMAX" in result.op_histogram and result.float_ops == {}
+    result = export_onnx(model, tmp_path / "m.onnx", probe=x_test)
+    assert result.passed and result.float_ops == {}  # its output end, on its fixed grid
 
 
 # --------------------------------------------------------------------------- ONNX
@@ -287,7 +289,7 @@ def test_onnx_is_qdq_with_int8_weights_within_two_lsb(
     path = tmp_path / "m.onnx"
     result = export_onnx(model, path, probe=x_test)
     assert result.passed and result.fold is None and result.scale_tolerance is None
-    assert result.quantization == "int8" and result.float_ops is None
+    assert result.quantization == "int8" and result.float_ops == {}
     step = _output_step(model)
     want = model(x_test, training=False)
     for level in (
@@ -399,6 +401,7 @@ def test_average_pools_export_within_the_lsb_check(tmp_path, fan_out):
     assert pool_in == pool_out and mean_in != mean_out
     result = export_onnx(model, tmp_path / "m.onnx", probe=x)
     assert result.passed and result.percentile_lsb_error <= defaults.QAT_PERCENTILE_LSB
+    assert result.float_ops == {}  # the pool's rounding of halves is part of its unit
 
 
 @pytest.mark.slow
@@ -419,6 +422,96 @@ def test_a_shared_average_pool_is_refused_by_the_tflite_converter(tmp_path):
     with pytest.raises(ConverterError, match="same scale constraint"):
         export_tflite(model, tmp_path / "m.tflite", probe=x)
     assert not (tmp_path / "m.tflite").exists()
+
+
+# --------------------------------------------------------------------------- float ops
+
+
+def _qat_fitted(model, outputs=2):
+    """quantize_model of a float model on (8, 8, 3) images, 2 epochs of QAT; (model, x)."""
+    keras.utils.set_random_seed(0)
+    model = quantize_model(model)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 8, 8, 3)).astype("float32")
+    model.compile(keras.optimizers.Adam(3e-3), "mse")
+    model.fit(x, rng.normal(size=(64, outputs)), batch_size=16, epochs=2, verbose=0)
+    return model, x
+
+
+def _with_float_op_between(float_op):
+    """Conv2D+BN+ReLU, `float_op`, Conv2D, global average pooling, Dense; QAT, 2 epochs."""
+    keras.utils.set_random_seed(0)
+    image = keras.Input((8, 8, 3), name="image")
+    x = L.ReLU(name="a_relu")(BN(name="a_bn")(L.Conv2D(4, 3, padding="same", name="a")(image)))
+    x = float_op(x)
+    x = L.GlobalAveragePooling2D(name="gap")(L.Conv2D(4, 3, padding="same", name="b")(x))
+    return _qat_fitted(keras.Model(image, L.Dense(2, name="head")(x)))
+
+
+@pytest.mark.slow
+def test_a_float_op_between_quantized_layers_is_refused_by_both_formats(tmp_path):
+    """A Lambda(t·3 + 1) between two QAT layers: quantize_model rounds its output, but its
+    multiply's result lies on no grid, so both files compute it in float. Each report names
+    its own format's float ops; both exporters refuse the file by default (nothing written)
+    and write it with strict=False, marked failed."""
+    model, x = _with_float_op_between(L.Lambda(lambda t: t * 3 + 1, name="affine"))
+    assert isinstance(model.get_layer("affine"), L.Lambda)  # kept as it is, between QAT layers
+    for exporter, name, ops in (
+        (export_tflite, "m.tflite", {"MUL", "ADD"}),
+        (export_onnx, "m.onnx", {"Mul", "Add"}),
+    ):
+        path = tmp_path / name
+        with pytest.raises(VerificationError, match="it computes in float: ") as error:
+            exporter(model, path, probe=x)
+        assert all(f"{op}×" in str(error.value) for op in ops), str(error.value)
+        assert ops <= set(error.value.report.float_ops) and not path.exists()
+        result = exporter(model, path, probe=x, strict=False)
+        assert path.exists() and not result.passed
+        assert ops <= set(result.float_ops), result.float_ops
+
+
+@pytest.mark.slow
+def test_fixed_grid_ops_between_quantized_layers_are_no_float_ops(tmp_path):
+    """A sigmoid or tanh of quantized values is an integer op on the grid the int8 spec fixes
+    (TFLite's LOGISTIC and TANH): neither format names it, nor a swish's x·σ(x) or a
+    squeeze-and-excitation gate, and both files are written and verified (the ONNX rule once
+    named them, refusing models TFLite writes in int8)."""
+    keras.utils.set_random_seed(0)
+    image = keras.Input((8, 8, 3), name="image")
+    a = L.ReLU(name="a_relu")(BN(name="a_bn")(L.Conv2D(4, 3, padding="same", name="a")(image)))
+    gate = L.GlobalAveragePooling2D(keepdims=True, name="squeeze")(a)
+    branches = [
+        L.Activation("sigmoid", name="sigmoid")(a),
+        L.Activation("tanh", name="tanh")(L.Conv2D(4, 3, padding="same", name="c")(a)),
+        L.Activation("swish", name="swish")(L.Conv2D(4, 3, padding="same", name="d")(a)),
+        L.Multiply(name="scale")([a, L.Conv2D(4, 1, activation="sigmoid", name="excite")(gate)]),
+    ]
+    # Added two at a time: a 4-input Add is 3 ADD ops, 2 of them on unrounded sums.
+    pairs = [L.Add(name=f"sum_{i}")(branches[2 * i : 2 * i + 2]) for i in range(2)]
+    x = L.Conv2D(4, 3, padding="same", name="b")(L.Add(name="sum")(pairs))
+    model, x = _qat_fitted(keras.Model(image, L.Dense(2, name="head")(L.Flatten()(x))))
+    for exporter, name in ((export_tflite, "m.tflite"), (export_onnx, "m.onnx")):
+        result = exporter(model, tmp_path / name, probe=x)
+        assert result.passed and result.float_ops == {}, (name, result.float_ops)
+
+
+@pytest.mark.slow
+def test_reshapes_and_permutes_between_quantized_layers_are_no_float_ops(tmp_path):
+    """Reshape, Permute and Flatten between QAT layers, a ReLU6 Dense and a softmax head: both
+    files are integer between their ends (no false float op in ONNX, where the moves are
+    Reshape and Transpose nodes between a DequantizeLinear and the next MatMul)."""
+    keras.utils.set_random_seed(0)
+    image = keras.Input((8, 8, 3), name="image")
+    x = L.ReLU(name="a_relu")(BN(name="a_bn")(L.Conv2D(4, 3, padding="same", name="a")(image)))
+    x = L.Permute((2, 1), name="permute")(L.Reshape((16, 16), name="reshape")(x))
+    x = L.Conv2D(4, 3, padding="same", name="b")(L.Reshape((8, 8, 4), name="reshape_back")(x))
+    x = L.Dense(8, activation="relu6", name="mid")(L.Flatten(name="flatten")(x))
+    x = L.Flatten(name="flatten2")(L.Reshape((2, 4), name="reshape2")(x))
+    outputs = L.Dense(3, activation="softmax", name="head")(x)
+    model, x = _qat_fitted(keras.Model(image, outputs), outputs=3)
+    for exporter, name in ((export_tflite, "m.tflite"), (export_onnx, "m.onnx")):
+        result = exporter(model, tmp_path / name, probe=x)
+        assert result.passed and result.float_ops == {}, (name, result.float_ops)
 
 
 # --------------------------------------------------------------------------- refusals
@@ -511,7 +604,7 @@ def test_channels_first_hosts_export_to_onnx_and_are_refused_by_tflite(tmp_path)
     x = rng.normal(size=(64, 3, 7, 7)).astype("float32")
     model.fit(x, rng.normal(size=(64, 3)), batch_size=16, epochs=2, verbose=0)
     result = export_onnx(model, tmp_path / "m.onnx", probe=x)
-    assert result.passed and len(result.weights) == 3
+    assert result.passed and len(result.weights) == 3 and result.float_ops == {}
     assert all(w.matches for w in result.weights)
     with pytest.raises(
         UnsupportedModelError,
@@ -673,7 +766,7 @@ def test_the_cli_exports_a_qat_model_and_reports_lsb(saved, tmp_path):
     out = result.stdout
     assert "quantization-aware model" in out and "verification passed" in out
     assert "weights: 6 of 6 kernels int8 on their 8-bit grids" in out
-    assert "float ops: none (full integer)" in out and "99th percentile" in out
+    assert out.count("float ops: none (full integer)") == 2 and "99th percentile" in out
     summary = json.loads((tmp_path / "r.json").read_text())
     assert summary["quantization_aware"] is True and summary["fold"] is None
     tflite, onnx_report = summary["exports"]
@@ -686,7 +779,9 @@ def test_the_cli_exports_a_qat_model_and_reports_lsb(saved, tmp_path):
         }
         assert exported["probe_samples"] == 64 and exported["calibration_samples"] is None
         assert exported["percentile_lsb_error"] <= 2
-    assert tflite["quantization"] == "int8" and tflite["float_ops"] == {}
+    assert (
+        tflite["quantization"] == "int8" and tflite["float_ops"] == onnx_report["float_ops"] == {}
+    )
     assert set(onnx_report["lsb_errors"]["head_qat"]) == {"ort_disabled", "ort_enabled"}
 
 
