@@ -51,12 +51,12 @@ bench-export: $(STAMP)
 # (Keras fixes its backend when first imported; pyproject's testpaths keep it out of the first
 # run). The tests that compare with TensorFlow run its side in $(PY) (KERAS_BN_TF_PYTHON).
 JAX_TESTS := KERAS_BACKEND=jax KERAS_BN_NO_TENSORFLOW=1 KERAS_BN_TF_PYTHON=$(CURDIR)/$(PY) \
-	$(PY_JAX) -m pytest tests_jax -p no:xdist
+	$(PY_JAX) -m pytest tests_jax $(PYTEST_ARGS)
 
 # Keras's parity tests under JAX run in $(PY) too: its SavedModel tests need TensorFlow.
 test: $(STAMP) $(STAMP_JAX)
 	$(PY) -m pytest $(PYTEST_ARGS)
-	KERAS_BACKEND=jax $(PY) -m pytest tests_jax/test_keras_parity_jax.py -p no:xdist -q
+	KERAS_BACKEND=jax $(PY) -m pytest tests_jax/test_keras_parity_jax.py $(PYTEST_ARGS) -q
 	$(JAX_TESTS)
 
 # The inner loop: the suite less the notebooks, the docs build, the slow tests (marked from a
