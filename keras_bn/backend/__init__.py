@@ -2,10 +2,10 @@
 
 `get()` returns the module of the backend Keras uses, chosen once, the first time it is asked:
 keras_bn/backend/tensorflow/, keras_bn/backend/jax/ or keras_bn/backend/torch/. Each exposes the
-same functions, with the same signatures, and everything outside this package calls them through `get()` (as Keras's
-`keras.ops` call `keras/src/backend/<name>/`), so that the layers, `recalibrate`, the fold and
-QAT are written once, and only the backend Keras runs is imported: a JAX or PyTorch user
-needs no TensorFlow.
+same functions, with the same signatures, and everything outside this package calls them
+through `get()` (as Keras's `keras.ops` call `keras/src/backend/<name>/`), so that the layers,
+`recalibrate`, the fold and QAT are written once, and only the backend Keras runs is imported:
+a JAX or PyTorch user needs no TensorFlow.
 
 The interface is `INTERFACE`, each backend module's `__all__`.
 """

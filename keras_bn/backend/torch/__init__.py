@@ -90,10 +90,12 @@ def local_copies(variable, strategy=None):
 
 
 def compiled(function, **options):
-    """`function` as it is: the recalibration passes run eagerly (a torch.compile would cost
-    its compilation on every new shape, for passes run a few hundred times)."""
+    """`function` run eagerly without recording an autograd graph: the passes given here
+    (recalibration's, check_batchnorm's) are never differentiated, and their outputs go to
+    numpy, which refuses a tensor that requires grad. No torch.compile: it would cost a
+    compilation for every new shape, for passes run a few hundred times."""
     del options
-    return function
+    return torch.no_grad()(function)
 
 
 def name_scope(name):
@@ -124,4 +126,3 @@ def specialized(function, signatures):
     """`function` itself: `compiled` traces nothing under PyTorch."""
     del signatures
     return function
-

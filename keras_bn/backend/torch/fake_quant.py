@@ -118,9 +118,7 @@ def fake_quant_with_min_max_vars(x, minimum, maximum, num_bits=8, narrow_range=F
     return _FakeQuant.apply(x, minimum, maximum, num_bits, narrow_range, False)
 
 
-def fake_quant_with_min_max_vars_per_channel(
-    x, minimum, maximum, num_bits=8, narrow_range=False
-):
+def fake_quant_with_min_max_vars_per_channel(x, minimum, maximum, num_bits=8, narrow_range=False):
     """`tf.quantization.fake_quant_with_min_max_vars_per_channel` in torch: one range per entry
     of x's last axis.
 
