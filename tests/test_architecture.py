@@ -300,11 +300,7 @@ def test_each_backend_exposes_the_same_interface():
     from keras_bn import backend
 
     found = {
-        name: (
-            imported_signatures(name)
-            if _importable(name)
-            else static_signatures(name)
-        )
+        name: (imported_signatures(name) if _importable(name) else static_signatures(name))
         for name in backend.SUPPORTED
     }
     missing = {
