@@ -259,16 +259,23 @@ def static_signatures(backend_name):
     package = f"keras_bn.backend.{backend_name}"
     directory = ROOT / "keras_bn" / "backend" / backend_name
 
+    def parameters(args):
+        """((name, repr of its default or None), ...) in inspect's order."""
+        positional = args.posonlyargs + args.args
+        defaults = [None] * (len(positional) - len(args.defaults)) + args.defaults
+        pairs = list(zip(positional, defaults))
+        pairs += [(args.vararg, None)] if args.vararg else []
+        pairs += list(zip(args.kwonlyargs, args.kw_defaults))
+        pairs += [(args.kwarg, None)] if args.kwarg else []
+        return tuple(
+            (arg.arg, None if default is None else repr(ast.literal_eval(default)))
+            for arg, default in pairs
+        )
+
     def defined(path):
         tree = ast.parse(path.read_text(), filename=str(path))
         return tree, {
-            node.name: tuple(
-                (arg.arg, None if default is None else repr(ast.literal_eval(default)))
-                for arg, default in zip(
-                    node.args.args,
-                    [None] * (len(node.args.args) - len(node.args.defaults)) + node.args.defaults,
-                )
-            )
+            node.name: parameters(node.args)
             for node in tree.body
             if isinstance(node, ast.FunctionDef)
         }
