@@ -205,31 +205,36 @@ def test_moments_are_redone_about_the_mean_when_the_first_values_are_far():
     np.testing.assert_allclose(array(layer.moving_variance), var * m / (m - 1), rtol=1e-5)
 
 
-def test_mixed_float16_keeps_float32_statistics_and_gradients():
-    """mixed_float16: float16 in and out, float32 weights and statistics; the moving statistics
-    are those of the float16 values computed in float64, the gradient autograd's of the plain
-    formula on those values in float32, rounded to float16."""
-    keras.mixed_precision.set_global_policy("mixed_float16")
+@pytest.mark.parametrize(
+    ("policy", "dtype", "tolerance"),
+    [("mixed_float16", torch.float16, 2e-3), ("mixed_bfloat16", torch.bfloat16, 1.6e-2)],
+)
+def test_mixed_precision_keeps_float32_statistics_and_gradients(policy, dtype, tolerance):
+    """A 16-bit policy: 16-bit in and out, float32 weights and statistics; the moving
+    statistics are those of the 16-bit values computed in float64, the output and the gradient
+    autograd's of the plain formula on those values in float32, rounded to 16 bits (to within
+    one 16-bit rounding: `tolerance`)."""
+    keras.mixed_precision.set_global_policy(policy)
     shape = (32, 3)
     layer = keras_bn.BatchNormalization()
-    x16 = _data(shape, 1, loc=100.0, scale=50.0).astype("float16")
+    x = torch.tensor(_data(shape, 1, loc=100.0, scale=50.0)).to(dtype).requires_grad_()
+    values = array(x.float())  # the 16-bit values, exactly
     cotangent = _data(shape, 2, loc=0.0, scale=1.0)
-    x = torch.tensor(x16, requires_grad=True)
     y = layer(x, training=True)
-    assert y.dtype == torch.float16
+    assert y.dtype == dtype
     assert all(v.dtype == "float32" for v in layer.weights)
     torch.sum(y.float() * torch.as_tensor(cotangent)).backward()
-    _, mean, var, m = numpy_train(x16, np.ones(3), np.zeros(3), [1], EPS)
+    _, mean, var, m = numpy_train(values, np.ones(3), np.zeros(3), [1], EPS)
     np.testing.assert_allclose(array(layer.moving_mean), 0.01 * mean, rtol=1e-6)
     np.testing.assert_allclose(
         array(layer.moving_variance), 0.99 + 0.01 * var * m / (m - 1), rtol=1e-6
     )
-    x32 = torch.tensor(x16.astype("float32"), requires_grad=True)
+    x32 = torch.tensor(values, requires_grad=True)
     plain = torch_train(x32, torch.ones(3), torch.zeros(3), [1], EPS)
     torch.sum(plain * torch.as_tensor(cotangent)).backward()
-    assert x.grad.dtype == torch.float16
-    _close(array(x.grad), array(x32.grad.half()), 1e-3)
-    _close(array(y), array(plain.half()), 2e-3)
+    assert x.grad.dtype == dtype
+    _close(array(x.grad.float()), array(x32.grad), tolerance)
+    _close(array(y.float()), array(plain), tolerance)
 
 
 def test_float16_under_autocast_gets_float32_statistics():
@@ -270,6 +275,29 @@ def test_fit_whose_last_batch_holds_one_sample_raises():
         model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     history = model.fit(x[:8], y[:8], batch_size=4, epochs=1, shuffle=False, verbose=0)
     assert np.isfinite(history.history["loss"]).all()
+
+
+def test_a_batch_of_one_under_torch_compile_outputs_beta_as_a_traced_fit():
+    """Under torch.compile (dynamo; the "eager" backend, no code generation) a batch of one is
+    run-time data, as in JAX's traced `fit` and TensorFlow's: the output is β, the gradients
+    to x and γ are 0 (β's is the upstream), and the statistics stay; a larger batch through
+    the same compiled step normalizes and updates."""
+    layer = _layer((None, 3))
+    beta = array(layer.beta)
+    step = torch.compile(lambda x: layer(x, training=True), backend="eager")
+    x = torch.tensor(_data((1, 3), 2), requires_grad=True)
+    y = step(x)
+    np.testing.assert_array_equal(array(y), beta[None])
+    torch.sum(y * 3.0).backward()
+    np.testing.assert_array_equal(array(x.grad), 0.0)
+    np.testing.assert_array_equal(array(layer.gamma.value.grad), 0.0)
+    np.testing.assert_array_equal(array(layer.beta.value.grad), 3.0)
+    np.testing.assert_array_equal(array(layer.moving_mean), 0.0)
+    np.testing.assert_array_equal(array(layer.moving_variance), 1.0)
+    batch = _data((6, 3), 3)
+    want, mean, _, _ = numpy_train(batch, array(layer.gamma), beta, [1], EPS)
+    _close(array(step(torch.tensor(batch))), want, 1e-5)
+    np.testing.assert_allclose(array(layer.moving_mean), 0.1 * mean, rtol=1e-5)
 
 
 def test_channel_with_one_value_outputs_beta_and_keeps_its_statistics():

@@ -79,6 +79,23 @@ def test_recalibrate_sets_algorithm_2_over_the_data():
     np.testing.assert_allclose(array(theirs.moving_variance), variance, rtol=1e-5)
 
 
+def test_recalibrate_callback_sets_the_data_statistics_at_the_end_of_fit():
+    """callbacks.Recalibrate in PyTorch's `fit`: after training, the BN on the raw input holds
+    Algorithm 2 over the callback's data, not fit's moving averages."""
+    model = keras.Sequential(
+        [keras.Input((4,)), keras_bn.BatchNormalization(name="bn"), L.Dense(1)]
+    )
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    x, data = _data((32, 4), 7), _data((40, 4), 8, loc=-1.0, scale=0.5)
+    callback = keras_bn.callbacks.Recalibrate(data, batch_size=16)
+    model.fit(x, x[:, :1], batch_size=8, epochs=1, verbose=0, callbacks=[callback])
+    assert callback.last_report is not None
+    mean, variance = _pooled([data[i : i + 16].astype(np.float64) for i in range(0, 40, 16)])
+    bn = model.get_layer("bn")
+    np.testing.assert_allclose(array(bn.moving_mean), mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(array(bn.moving_variance), variance, rtol=1e-5)
+
+
 @pytest.mark.parametrize("data_format", ["channels_last", "channels_first"])
 def test_the_folded_model_computes_the_inference_formula(data_format):
     """Conv2D → BN → ReLU folded: no BN left, the outputs are the unfolded model's inference
