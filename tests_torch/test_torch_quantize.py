@@ -285,3 +285,56 @@ def test_bias_rounds_half_to_even_with_a_straight_through_gradient():
     np.testing.assert_array_equal(array(rounded), np.round(array(bias) / 0.25) * np.float32(0.25))
     rounded.sum().backward()
     np.testing.assert_array_equal(array(bias.grad), 1.0)
+
+
+# The TensorFlow side of the QAT round trip, in a Python of its own (Keras fixes its backend).
+_TF_EXPORT = """
+import os, sys
+os.environ["KERAS_BACKEND"] = "tensorflow"
+import json, keras, numpy as np, keras_bn
+from keras_bn.export import export_onnx, export_tflite
+folder = sys.argv[1]
+# compile=False: Keras saves a PyTorch model's optimizer as its torch subclass.
+model = keras.saving.load_model(os.path.join(folder, "qat.keras"), compile=False)
+x = np.load(os.path.join(folder, "x.npy"))
+found = {"outputs": model.predict(x, verbose=0).tolist()}
+for name, export in (("tflite", export_tflite), ("onnx", export_onnx)):
+    result = export(model, os.path.join(folder, "m." + name), probe=x)
+    found[name] = [bool(result.passed), result.quantization, max(
+        lsb.max_lsb for errors in result.lsb_errors.values() for lsb in errors.values())]
+print(json.dumps(found))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.tensorflow_side
+def test_torch_trained_qat_model_loads_and_exports_under_tensorflow(tmp_path):
+    """A QAT model trained under PyTorch (FreezeBatchNorm included) and saved loads under
+    TensorFlow with the same outputs, and its int8 TFLite and ONNX files verify within one
+    output step."""
+    import keras
+
+    import keras_bn
+
+    inputs = keras.Input((8, 8, 3))
+    h = keras.layers.Conv2D(4, 3, padding="same")(inputs)
+    h = keras.layers.ReLU()(keras_bn.BatchNormalization()(h))
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    model = keras.Model(inputs, keras.layers.Dense(2)(h))
+    qat = keras_bn.quantize.quantize_model(model)
+    qat.compile("adam", "mse")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 8, 8, 3)).astype("float32")
+    y = rng.normal(size=(32, 2)).astype("float32")
+    freeze = keras_bn.quantize.FreezeBatchNorm(after_steps=2)
+    qat.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[freeze])
+    qat.save(tmp_path / "qat.keras")
+    np.save(tmp_path / "x.npy", x[:8])
+    expected = array(qat.predict(x[:8], verbose=0))
+    found = tensorflow_side.run(_TF_EXPORT, tmp_path, backend="tensorflow")
+    scale = float(np.max(np.abs(expected)))
+    np.testing.assert_allclose(found["outputs"], expected, rtol=0, atol=1e-5 * scale)
+    for name in ("tflite", "onnx"):
+        passed, quantization, max_lsb = found[name]
+        assert passed and quantization == "int8", found[name]
+        assert max_lsb <= 1.0, found[name]

@@ -3,6 +3,9 @@
 formula), `quantize_model` trained with `fit` and round-tripped through a .keras file, and
 `check_batchnorm`'s findings."""
 
+import importlib
+import importlib.util
+
 import keras
 import numpy as np
 import pytest
@@ -225,3 +228,31 @@ def test_check_batchnorm_finds_the_mistakes():
         ("shifted", "small_batch"),
         ("inner/after_relu", "unfoldable"),
     } <= kinds
+
+
+@pytest.mark.parametrize(
+    ("use", "name"),
+    [
+        (
+            lambda: keras_bn.diagnostics.gradient_norms_by_layer(None, None, None, "mse"),
+            "keras_bn.diagnostics.gradient_norms_by_layer",
+        ),
+        (lambda: importlib.import_module("keras_bn.export").export_tflite, None),
+        (lambda: importlib.import_module("keras_bn.export.onnx"), "keras_bn.export.export_onnx"),
+    ],
+)
+def test_what_needs_tensorflow_says_so(use, name):
+    """The diagnostics' gradient probes and the writers raise an ImportError naming what needs
+    TensorFlow and what works under PyTorch; where TensorFlow is not installed (make's
+    .venv-torch), the extra to install."""
+    with pytest.raises(ImportError) as raised:
+        use()
+    message = str(raised.value)
+    if importlib.util.find_spec("tensorflow") is not None:
+        assert "needs the TensorFlow Keras backend, but Keras is using 'torch'" in message
+        assert "Under PyTorch keras_bn.BatchNormalization, recalibrate, " in message
+    else:
+        assert 'pip install "keras-bn[' in message, message
+    assert "KERAS_BACKEND=tensorflow" in message
+    if name is not None:
+        assert message.startswith(name)
