@@ -198,6 +198,30 @@ def test_qat_batch_norm_statistics_follow_the_batches():
     np.testing.assert_allclose(array(bn.moving_variance), variance, rtol=1e-4)
 
 
+def test_qat_layer_gives_its_folded_kernel_bias_and_integers():
+    """The numpy views the writers read of a QAT layer under PyTorch: the folded kernel
+    W·γ/√(v + ε) and bias β + s·(b − μ) (numpy float64), and the kernel's int8 grid, each
+    integer within half a step of the folded kernel over its per-channel step max|W·s|/127."""
+    inputs = keras.Input((6, 6, 3))
+    host, bn = L.Conv2D(4, 3, name="host"), keras_bn.BatchNormalization(name="bn")
+    _randomise(keras.Model(inputs, bn(host(inputs))))
+    layer = keras_bn.quantize.from_layers(host, bn, weight_bits=8, activation_bits=None)
+    scale = array(bn.gamma).astype(np.float64) / np.sqrt(
+        array(bn.moving_variance).astype(np.float64) + bn.epsilon
+    )
+    want_kernel = array(host.kernel).astype(np.float64) * scale
+    want_bias = array(bn.beta) + scale * (array(host.bias) - array(bn.moving_mean))
+    kernel, bias = layer.folded_weights()
+    np.testing.assert_allclose(kernel, want_kernel, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(bias, want_bias, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(layer.inference_bias(), bias)  # no input grid here
+    grid = layer.weight_grids()["kernel"]
+    step = np.abs(want_kernel).reshape(-1, 4).max(0) / 127
+    np.testing.assert_allclose(grid.scale, step, rtol=1e-6)
+    assert np.abs(grid.q).max() == 127
+    assert np.all(np.abs(grid.q * step - want_kernel) <= 0.5 * step * (1 + 1e-5))
+
+
 def test_check_batchnorm_finds_the_mistakes():
     """Statistics far from the data, statistics never updated, a BN after a ReLU (nested,
     unfoldable), batches of 4."""
