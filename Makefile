@@ -17,8 +17,8 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 DEMO := artifacts/demo
 EXPORT := $(VENV)/bin/keras-bn-export
 
-.PHONY: demo test test-fast test-torch lint typecheck docs bench bench-export gpu-check gpu-wheels notebooks \
-	clean
+.PHONY: demo test test-fast test-torch lint typecheck docs bench bench-export gpu-check gpu-wheels \
+	notebooks clean
 
 $(PY):
 	python3 -m venv $(VENV)
