@@ -6,14 +6,19 @@ STAMP := $(VENV)/.installed
 VENV_JAX := .venv-jax
 PY_JAX := $(VENV_JAX)/bin/python
 STAMP_JAX := $(VENV_JAX)/.installed
+# The PyTorch tests' virtualenv: keras-bn with its torch (CPU wheel) and test extras, and no
+# TensorFlow.
+VENV_TORCH := .venv-torch
+PY_TORCH := $(VENV_TORCH)/bin/python
+STAMP_TORCH := $(VENV_TORCH)/.installed
 PYTEST_ARGS ?= -n 2 --dist loadgroup
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
 DEMO := artifacts/demo
 EXPORT := $(VENV)/bin/keras-bn-export
 
-.PHONY: demo test test-fast lint typecheck docs bench bench-export gpu-check gpu-wheels notebooks \
-	clean
+.PHONY: demo test test-fast test-torch lint typecheck docs bench bench-export gpu-check gpu-wheels \
+	notebooks clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -30,6 +35,14 @@ $(STAMP_JAX): $(PY_JAX) pyproject.toml
 	@echo "Installing keras-bn with JAX and its test dependencies, without TensorFlow, into $(VENV_JAX) (about 1 minute)…"
 	$(PY_JAX) -m pip install --quiet -e '.[jax,test]'
 	touch $(STAMP_JAX)
+
+$(PY_TORCH):
+	python3 -m venv $(VENV_TORCH)
+
+$(STAMP_TORCH): $(PY_TORCH) pyproject.toml
+	@echo "Installing keras-bn with PyTorch (CPU) and its test dependencies, without TensorFlow, into $(VENV_TORCH)…"
+	$(PY_TORCH) -m pip install --quiet -e '.[torch,test]'
+	touch $(STAMP_TORCH)
 
 # Train, save, fold, export (.tflite float32 and int8, .onnx), verify, report: into $(DEMO)/.
 demo: $(STAMP)
@@ -52,6 +65,15 @@ bench-export: $(STAMP)
 # run). The tests that compare with TensorFlow run its side in $(PY) (KERAS_BN_TF_PYTHON).
 JAX_TESTS := KERAS_BACKEND=jax KERAS_BN_NO_TENSORFLOW=1 KERAS_BN_TF_PYTHON=$(CURDIR)/$(PY) \
 	$(PY_JAX) -m pytest tests_jax $(PYTEST_ARGS)
+
+# tests_torch/: keras_bn under the PyTorch backend, in $(VENV_TORCH), without TensorFlow, in a
+# Python of its own, as JAX_TESTS; its TensorFlow comparisons run in $(PY) (KERAS_BN_TF_PYTHON).
+TORCH_TESTS := KERAS_BACKEND=torch KERAS_BN_NO_TENSORFLOW=1 KERAS_BN_TF_PYTHON=$(CURDIR)/$(PY) \
+	$(PY_TORCH) -m pytest tests_torch -p no:xdist
+
+# Not (yet) part of `make test`.
+test-torch: $(STAMP) $(STAMP_TORCH)
+	$(TORCH_TESTS)
 
 # Keras's parity tests under JAX run in $(PY) too: its SavedModel tests need TensorFlow.
 test: $(STAMP) $(STAMP_JAX)
@@ -120,4 +142,4 @@ gpu-wheels:
 	benchmarks/gpu_wheels.sh
 
 clean:
-	rm -rf $(VENV) $(VENV_JAX) .pytest_cache .hypothesis *.egg-info
+	rm -rf $(VENV) $(VENV_JAX) $(VENV_TORCH) .pytest_cache .hypothesis *.egg-info

@@ -438,9 +438,13 @@ def held_out_split(samples: Feed) -> tuple[Feed, Feed]:
 
 
 def outputs(model: keras.Model, sig: Signature, inputs: Feed) -> dict[str, np.ndarray]:
-    """{output name: float64 array}: the model run in inference mode on a feed."""
+    """{output name: float64 array}: the model run in inference mode on a feed (through
+    keras.ops.convert_to_numpy: a PyTorch output may require grad, or lie on a GPU)."""
     results = keras.tree.flatten(model(sig.pack(inputs), training=False))
-    return {name: np.asarray(r, np.float64) for name, r in zip(sig.output_names, results)}
+    return {
+        name: np.asarray(keras.ops.convert_to_numpy(r), np.float64)
+        for name, r in zip(sig.output_names, results)
+    }
 
 
 def tensor_specs(sig: Signature) -> list[Any]:

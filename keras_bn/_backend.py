@@ -1,10 +1,11 @@
 """The guard: what of keras_bn runs where, and the message when it cannot.
 
-Everything runs under every backend of keras_bn.backend (TensorFlow and JAX), except what
-converts TensorFlow functions: the TFLite and ONNX writers (`export_tflite`, `export_onnx`,
-which also need the `export` extra's converters and runtimes) and the diagnostics' gradient
-probes. The guard runs when a public name is first used (keras_bn/_lazy.py) and when one of
-those functions is called, before anything is built where it cannot run.
+Everything runs under every backend of keras_bn.backend (TensorFlow, JAX and PyTorch), except
+what converts TensorFlow functions: the TFLite and ONNX writers (`export_tflite`,
+`export_onnx`, which also need the `export` extra's converters and runtimes) and the
+diagnostics' gradient probes. The guard runs when a public name is first used
+(keras_bn/_lazy.py) and when one of those functions is called, before anything is built where
+it cannot run.
 """
 
 import importlib.util
@@ -89,4 +90,4 @@ def require_tensorflow(name="keras_bn"):
         )
 
 
-_BACKEND_NAMES = {"jax": "JAX"}
+_BACKEND_NAMES = {"jax": "JAX", "torch": "PyTorch"}

@@ -3,6 +3,7 @@ uses them, and tests_jax/ runs that module under JAX too. helpers.py re-exports 
 
 import os
 
+import keras
 import numpy as np
 
 
@@ -12,8 +13,9 @@ def assert_close(actual, expected, rtol):
     Scale-relative rather than elementwise, so that entries near zero (a gradient component
     that happens to vanish) do not demand absolute precision no computation can give.
     """
-    actual = np.asarray(actual, dtype=np.float64)
-    expected = np.asarray(expected, dtype=np.float64)
+    # keras.ops.convert_to_numpy: a PyTorch tensor that requires grad refuses np.asarray.
+    actual = np.asarray(keras.ops.convert_to_numpy(actual), dtype=np.float64)
+    expected = np.asarray(keras.ops.convert_to_numpy(expected), dtype=np.float64)
     assert actual.shape == expected.shape, (actual.shape, expected.shape)
     scale = max(float(np.abs(expected).max()), 1e-30)
     np.testing.assert_allclose(actual, expected, rtol=rtol, atol=rtol * scale)

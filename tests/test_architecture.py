@@ -1,7 +1,7 @@
 """The import structure of the project, read statically with `ast`: no module of keras_bn/ or
 export/ (installed as keras_bn.export) imports itself back through any chain of imports, the
-TensorFlow backend's train paths sit on its leaves, and TensorFlow and JAX are imported at
-module level only inside keras_bn/backend/ (docs/architecture.md, "Modules").
+TensorFlow backend's train paths sit on its leaves, and TensorFlow, JAX and PyTorch are imported
+at module level only inside keras_bn/backend/ (docs/architecture.md, "Modules").
 
 The graph's nodes are the project's modules, found by walking the package directories (so a
 module added later is covered). Its edges are every `import` and `from ... import` statement
@@ -13,6 +13,7 @@ the package (its __init__). The implicit import of a module's parent packages is
 
 import ast
 import importlib
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -31,7 +32,7 @@ STATISTICS = f"{TF}.statistics"
 # other nor ops.
 TRAIN_PATHS = {f"{TF}.fused", f"{TF}.xla", f"{TF}.composite"}
 # The frameworks whose import only keras_bn/backend/ may make at module level.
-FRAMEWORKS = ("tensorflow", "jax", "tf2onnx")
+FRAMEWORKS = ("tensorflow", "jax", "torch", "tf2onnx")
 # The modules outside keras_bn/backend/ that touch TensorFlow at all, lazily: the diagnostics'
 # gradient probes, tf.data input, and the writers (with the writers' traced functions and the
 # keras-bn-export command).
@@ -214,9 +215,9 @@ def framework_imports(path):
     return top, lazy
 
 
-def test_only_the_backends_import_tensorflow_or_jax_at_module_level():
-    """Importing any keras_bn module outside keras_bn/backend/ imports neither TensorFlow nor
-    JAX: a JAX user needs no TensorFlow, a TensorFlow user no JAX."""
+def test_only_the_backends_import_a_framework_at_module_level():
+    """Importing any keras_bn module outside keras_bn/backend/ imports no TensorFlow, JAX or
+    PyTorch: a JAX or PyTorch user needs no TensorFlow, a TensorFlow user neither of them."""
     offenders = {}
     for module, path in project_modules(PACKAGES).items():
         top, _ = framework_imports(path)
@@ -234,27 +235,114 @@ def test_few_modules_outside_the_backends_touch_a_framework():
     assert touching == LAZY_FRAMEWORK_USERS
 
 
-def test_each_backend_exposes_the_same_interface():
-    """keras_bn/backend/{tensorflow,jax} each have every function of the interface, with the
-    same parameters (names and defaults)."""
+def imported_signatures(backend_name):
+    """({function: ((parameter, repr of its default or None), ...)}, __all__) of the imported
+    keras_bn.backend.<backend_name>."""
     import inspect
 
+    module = importlib.import_module(f"keras_bn.backend.{backend_name}")
+    functions = {
+        name: tuple(
+            (p.name, None if p.default is p.empty else repr(p.default))
+            for p in inspect.signature(function).parameters.values()
+        )
+        for name, function in vars(module).items()
+        if inspect.isfunction(function)
+    }
+    return functions, list(module.__all__)
+
+
+def static_signatures(backend_name):
+    """What `imported_signatures` gives, read from the sources with `ast`, for a backend whose
+    framework this Python lacks: the functions keras_bn/backend/<backend_name>/__init__.py
+    defines, and those it imports from its own modules; `__all__ = list(INTERFACE)`."""
+    package = f"keras_bn.backend.{backend_name}"
+    directory = ROOT / "keras_bn" / "backend" / backend_name
+
+    def parameters(args):
+        """((name, repr of its default or None), ...) in inspect's order."""
+        positional = args.posonlyargs + args.args
+        defaults = [None] * (len(positional) - len(args.defaults)) + args.defaults
+        pairs = list(zip(positional, defaults))
+        pairs += [(args.vararg, None)] if args.vararg else []
+        pairs += list(zip(args.kwonlyargs, args.kw_defaults))
+        pairs += [(args.kwarg, None)] if args.kwarg else []
+        return tuple(
+            (arg.arg, None if default is None else repr(ast.literal_eval(default)))
+            for arg, default in pairs
+        )
+
+    def defined(path):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        return tree, {
+            node.name: parameters(node.args)
+            for node in tree.body
+            if isinstance(node, ast.FunctionDef)
+        }
+
+    tree, functions = defined(directory / "__init__.py")
+    exported = None
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(package + "."):
+            _, found = defined(directory / (node.module.rpartition(".")[2] + ".py"))
+            functions.update({alias.name: found[alias.name] for alias in node.names})
+        elif isinstance(node, ast.Assign) and [t.id for t in node.targets] == ["__all__"]:
+            assert ast.unparse(node.value) == "list(INTERFACE)", ast.unparse(node.value)
+            from keras_bn.backend import INTERFACE
+
+            exported = list(INTERFACE)
+    return functions, exported
+
+
+def _importable(backend_name):
+    """Whether this Python has the backend's framework (each backend is named after its
+    framework's module)."""
+    return importlib.util.find_spec(backend_name) is not None
+
+
+def test_each_backend_exposes_the_same_interface():
+    """keras_bn/backend/{tensorflow,jax,torch} each have every function of the interface, with
+    the same parameters (names and defaults): imported where this Python has the framework,
+    else read from the sources (the TensorFlow suite's Python has no PyTorch)."""
     from keras_bn import backend
 
-    modules = [importlib.import_module(f"keras_bn.backend.{name}") for name in backend.SUPPORTED]
+    found = {
+        name: (imported_signatures(name) if _importable(name) else static_signatures(name))
+        for name in backend.SUPPORTED
+    }
+    missing = {
+        name: sorted(set(backend.INTERFACE) - set(functions))
+        for name, (functions, _) in found.items()
+        if set(backend.INTERFACE) - set(functions)
+    }
+    assert not missing, missing
     differ = {}
-    for name in backend.INTERFACE:
-        signatures = {  # AttributeError names a missing function
-            tuple(
-                (p.name, p.default)
-                for p in inspect.signature(getattr(module, name)).parameters.values()
-            )
-            for module in modules
-        }
+    for function in backend.INTERFACE:
+        signatures = {functions[function] for functions, _ in found.values()}
         if len(signatures) > 1:
-            differ[name] = sorted(signatures)
+            differ[function] = sorted(signatures)
     assert not differ, differ
-    assert all(sorted(module.__all__) == sorted(backend.INTERFACE) for module in modules)
+    for name, (_, exported) in found.items():
+        assert sorted(exported) == sorted(backend.INTERFACE), name
+
+
+def test_the_static_reading_of_a_backend_agrees_with_its_import():
+    """The `ast` reading that stands in for a backend whose framework is missing gives what
+    importing it gives, on every backend this Python can import (it cannot pass vacuously)."""
+    from keras_bn import backend
+
+    checked = 0
+    for name in backend.SUPPORTED:
+        if not _importable(name):
+            continue
+        imported, exported = imported_signatures(name)
+        static, static_exported = static_signatures(name)
+        assert static_exported == exported, name
+        assert {f: static[f] for f in backend.INTERFACE} == {
+            f: imported[f] for f in backend.INTERFACE
+        }, name
+        checked += 1
+    assert checked, "no backend's framework is importable here"
 
 
 def test_the_framework_finder_tells_module_level_from_lazy(tmp_path):

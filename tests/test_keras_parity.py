@@ -58,11 +58,24 @@ DIFFERENCES = {
 
 # Keras test modules with a BatchNormalization that this suite cannot run, and why.
 NOT_RUN = {
-    "keras.src.export.torch_test": "imports torch: export under Keras's PyTorch backend, where "
-    "keras_bn does not run",
     "keras.src.export.openvino_test": "needs the openvino package, which keras-bn does not "
     "install (Keras skips these tests without it)",
 }
+# tests_torch/test_keras_parity_torch.py runs this module under PyTorch, which has torch.
+if importlib.util.find_spec("torch") is None:
+    NOT_RUN["keras.src.export.torch_test"] = (
+        "imports torch, which this Python does not have (tests_torch/ runs it, in .venv-torch)"
+    )
+if importlib.util.find_spec("jax") is None:
+    NOT_RUN["keras.src.trainers.trainer_test"] = (
+        "imports jax whatever the backend, which this Python (make's .venv-torch) does not have"
+    )
+if keras.backend.backend() == "torch":
+    NOT_RUN["keras.src.export.onnx_test"] = (
+        "under PyTorch, Keras exports ONNX through torch.onnx and the onnx, onnxscript and "
+        "onnxruntime packages, which keras-bn[torch] does not install (keras-bn writes its own "
+        "ONNX files under TensorFlow)"
+    )
 # tests_jax/test_keras_parity_jax.py runs this module under JAX, where Keras's ONNX export goes
 # through another package.
 if keras.backend.backend() == "jax":
@@ -72,7 +85,7 @@ if keras.backend.backend() == "jax":
     )
 if importlib.util.find_spec("tensorflow") is None:
     NOT_RUN["keras.src.export.saved_model_test"] = (
-        "imports TensorFlow, which this Python (make's .venv-jax, keras-bn[jax]) does not have"
+        "imports TensorFlow, which this Python (make's .venv-jax or .venv-torch) does not have"
     )
 
 
@@ -209,7 +222,8 @@ class _Rewrites(testing.TestCase):
 
         broadcast_shape = [1] * len(input_shape)
         broadcast_shape[axis] = input_shape[axis]
-        out = np.asarray(out) - np.reshape(np.asarray(layer.beta), broadcast_shape)
+        # keras.ops.convert_to_numpy as Keras's test (a PyTorch output requires grad).
+        out = keras.ops.convert_to_numpy(out) - np.reshape(np.asarray(layer.beta), broadcast_shape)
         out = out / np.reshape(np.asarray(layer.gamma), broadcast_shape)
         reduction_axes = list(range(len(input_shape)))
         del reduction_axes[axis]

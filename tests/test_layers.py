@@ -634,8 +634,8 @@ def test_other_backends_get_the_layer_or_a_clear_import_error(backend):
     """`import keras_bn` works under any backend (it is lazy). Under JAX the layer, convert,
     fold_batch_norms and quantize work and the first use of any other keras_bn name raises
     the guard's ImportError, which says what works there (tests_jax/ tests what works);
-    under a backend the layer does not support (NumPy here: like PyTorch, which is not
-    installed) the layer raises too."""
+    under a backend the layer does not support (NumPy here; tests_torch/ tests PyTorch) the
+    layer raises too."""
     found = python_json(_BACKEND_GUARD_SCRIPT, KERAS_BACKEND=backend)
     assert found.pop("keras imported by import keras_bn") is False
     assert found.pop("backend") == backend
@@ -664,8 +664,8 @@ def test_other_backends_get_the_layer_or_a_clear_import_error(backend):
         }
         return
     layer_message = (
-        " needs the TensorFlow or JAX Keras backend, but Keras is using 'numpy' (PyTorch is not "
-        "supported"
+        " needs the TensorFlow, JAX or PyTorch Keras backend, but Keras is using 'numpy'. Set "
+        "KERAS_BACKEND=tensorflow, KERAS_BACKEND=jax or KERAS_BACKEND=torch"
     )
     assert found["keras_bn.BatchNormalization"].startswith(
         "keras_bn.BatchNormalization" + layer_message

@@ -1,11 +1,11 @@
 """The one switch point between keras_bn's maths and the Keras backend it runs on.
 
 `get()` returns the module of the backend Keras uses, chosen once, the first time it is asked:
-keras_bn/backend/tensorflow/ or keras_bn/backend/jax/. Both expose the same functions, with the
-same signatures, and everything outside this package calls them through `get()` (as Keras's
-`keras.ops` call `keras/src/backend/<name>/`), so that the layers, `recalibrate`, the fold and
-QAT are written once, and only the backend Keras runs is imported: a JAX user needs no
-TensorFlow.
+keras_bn/backend/tensorflow/, keras_bn/backend/jax/ or keras_bn/backend/torch/. Each exposes the
+same functions, with the same signatures, and everything outside this package calls them
+through `get()` (as Keras's `keras.ops` call `keras/src/backend/<name>/`), so that the layers,
+`recalibrate`, the fold and QAT are written once, and only the backend Keras runs is imported:
+a JAX or PyTorch user needs no TensorFlow.
 
 The interface is `INTERFACE`, each backend module's `__all__`.
 """
@@ -62,7 +62,7 @@ INTERFACE = (
     "halves_away_from_int8_zero",
 )
 # The Keras backends keras_bn runs on, each a subpackage here.
-SUPPORTED = ("tensorflow", "jax")
+SUPPORTED = ("tensorflow", "jax", "torch")
 
 _chosen: types.ModuleType | None = None
 
@@ -71,7 +71,7 @@ def name() -> str:
     """The Keras backend's name (imports keras).
 
     Returns:
-        str, e.g. "tensorflow" or "jax".
+        str, e.g. "tensorflow", "jax" or "torch".
     """
     import keras
 
@@ -85,7 +85,7 @@ def get(what: str = "keras_bn") -> types.ModuleType:
         what: what is about to be used, named in the error.
 
     Returns:
-        keras_bn.backend.tensorflow or keras_bn.backend.jax.
+        keras_bn.backend.tensorflow, keras_bn.backend.jax or keras_bn.backend.torch.
 
     Raises:
         ImportError: Keras runs on a backend keras_bn does not support; the message names it
@@ -96,9 +96,9 @@ def get(what: str = "keras_bn") -> types.ModuleType:
         found = name()
         if found not in SUPPORTED:
             raise ImportError(
-                f"{what} needs the TensorFlow or JAX Keras backend, but Keras is using "
-                f"{found!r} (PyTorch is not supported yet). Set KERAS_BACKEND=tensorflow or "
-                f"KERAS_BACKEND=jax before importing keras."
+                f"{what} needs the TensorFlow, JAX or PyTorch Keras backend, but Keras is "
+                f"using {found!r}. Set KERAS_BACKEND=tensorflow, KERAS_BACKEND=jax or "
+                f"KERAS_BACKEND=torch before importing keras."
             )
         _chosen = importlib.import_module(f"keras_bn.backend.{found}")
     return _chosen

@@ -219,7 +219,7 @@ class _QuantizedHostLayer(keras.layers.Layer):
         """
         _, max_abs, _ = self._quantized_kernel()
         _, bias = self.folded_weights()
-        return np.asarray(self._bias_on_grid(ops.convert_to_tensor(bias), max_abs))
+        return ops.convert_to_numpy(self._bias_on_grid(ops.convert_to_tensor(bias), max_abs))
 
     def _host_bias(self) -> Any:
         """The host's bias as float32 (zeros without one)."""
@@ -276,11 +276,12 @@ class _QuantizedHostLayer(keras.layers.Layer):
         times its step, to float32 rounding), times `factor` per channel."""
         bits = self.weight_bits
         assert bits is not None  # weight_grids refuses float weights
-        largest = np.asarray(max_abs, np.float32)
+        # ops.convert_to_numpy, not np.asarray: a PyTorch tensor may require grad.
+        largest = ops.convert_to_numpy(max_abs).astype(np.float32)
         scale, _, _, _ = fake_quant.nudged_grid(-largest, largest, bits, narrow_range=True)
-        q = np.round(np.asarray(quantized, np.float64) / scale)
+        q = np.round(ops.convert_to_numpy(quantized).astype(np.float64) / scale)
         if factor is not None:
-            q = q * np.asarray(factor)
+            q = q * ops.convert_to_numpy(factor)
         return fake_quant.WeightGrid(q.astype(np.int8), scale, bits)
 
     def export_function(self, weight_op: Callable[[str, Any], Any]) -> Callable[[Any], Any]:
@@ -417,8 +418,8 @@ class QuantizedHost(_QuantizedHostLayer):
             separable host, the pointwise kernel), the bias zeros when the host has none.
         """
         return (
-            np.asarray(hosts.folded_kernel(self.host), np.float32),
-            np.asarray(self._host_bias()),
+            ops.convert_to_numpy(hosts.folded_kernel(self.host)).astype(np.float32),
+            ops.convert_to_numpy(self._host_bias()),
         )
 
 
@@ -651,7 +652,7 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
         kernel = hosts.from_channels_last(
             self._kernel_view() * scale, hosts.folded_kernel(self.host).shape
         )
-        return np.asarray(kernel), np.asarray(beta + scale * (bias - mean))
+        return ops.convert_to_numpy(kernel), ops.convert_to_numpy(beta + scale * (bias - mean))
 
     def get_config(self) -> dict[str, Any]:
         """Every constructor argument, for `from_config` and saving.

@@ -1,11 +1,14 @@
-"""The other side of tests_jax's cross-backend tests: a script run in a fresh Python.
+"""The other side of tests_jax's and tests_torch's cross-backend tests: a script run in a fresh
+Python.
 
-Keras fixes its backend when first imported, so a test that compares JAX with TensorFlow runs
-each other side in a process of its own. `make test` runs tests_jax in .venv-jax, where
-TensorFlow is not installed, and names a Python that has it in KERAS_BN_TF_PYTHON
-(.venv/bin/python); where that is unset, this Python serves if it can import TensorFlow. Where
-neither holds, the tests that need TensorFlow fail, saying so (CI must run them, never skip
-them). The tests marked `tensorflow_side` use it; benchmarks/gpu_check.py leaves them out.
+Keras fixes its backend when first imported, so a test that compares JAX or PyTorch with
+TensorFlow runs each other side in a process of its own. `make test` runs tests_jax in
+.venv-jax, and `make test-torch` tests_torch in .venv-torch, where TensorFlow is not installed,
+and names a Python that has it in KERAS_BN_TF_PYTHON (.venv/bin/python); where that is unset,
+this Python serves if it can import TensorFlow. Where neither holds, the tests that need
+TensorFlow fail, saying so (CI must run them, never skip them). The tests marked
+`tensorflow_side` use it; benchmarks/gpu_check.py leaves them out. It lives in tests/, on
+pyproject's pythonpath, so that both suites import it.
 """
 
 import importlib.util
@@ -33,13 +36,14 @@ def tensorflow_python():
         f"this test compares with TensorFlow, run in a Python of its own, but {sys.executable} "
         f"cannot import tensorflow and {VARIABLE} is not set: set {VARIABLE} to a Python that "
         f'has keras-bn and TensorFlow (`make test` sets .venv/bin/python; pip install -e ".[all]"'
-        f" makes one), or run tests_jax in such a Python",
+        f" makes one), or run the suite in such a Python",
         pytrace=False,
     )
 
 
 def python_for(backend):
-    """The Python for a script under `backend`: TensorFlow's, or this one for JAX."""
+    """The Python for a script under `backend`: TensorFlow's, or this one for JAX or
+    PyTorch."""
     return tensorflow_python() if backend == "tensorflow" else sys.executable
 
 
