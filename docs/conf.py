@@ -6,6 +6,7 @@ that runs Sphinx, at the sizes KERAS_BN_SMALL selects (full by default), and cac
 per size, so a rebuild re-executes only the notebooks that changed.
 """
 
+import inspect
 import os
 import pathlib
 import sys
@@ -63,3 +64,17 @@ html_theme_options = {
     "show_toc_level": 2,
 }
 nitpicky = False
+
+
+def _constructor_signature(app, what, name, obj, options, signature, return_annotation):
+    """A Keras layer's signature as its __init__'s: autodoc would show Keras's
+    `Layer.__new__(*args, **kwargs)`, which says nothing of the arguments."""
+    if what != "class" or signature != "(*args, **kwargs)" or "__init__" not in vars(obj):
+        return None
+    parameters = list(inspect.signature(obj.__init__).parameters.values())[1:]  # no self
+    plain = [p.replace(annotation=inspect.Parameter.empty) for p in parameters]
+    return str(inspect.Signature(plain)), return_annotation
+
+
+def setup(app):
+    app.connect("autodoc-process-signature", _constructor_signature)

@@ -146,6 +146,16 @@ def test_api_page_lists_every_public_name(site, browser):
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("docs_site")
+def test_api_page_shows_the_layers_real_signature(site):
+    """Not Keras's `Layer.__new__(*args, **kwargs)`: the arguments of __init__."""
+    text = html.unescape(re.sub(r"<[^>]*>", "", (site / "api.html").read_text(encoding="utf-8")))
+    text = re.sub(r"\s+", " ", text)
+    assert "keras_bn.BatchNormalization(axis=-1, momentum=0.99, epsilon=0.001" in text
+    assert "(*args, **kwargs)" not in text
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("docs_site")
 def test_no_page_shows_tensorflow_log_lines(site):
     """TensorFlow's C++ logging (what it prints to the process's stderr as it loads and runs)
     stays out of the pages; Python warnings that a cell raises are still shown."""
