@@ -25,7 +25,7 @@ $(PY):
 
 $(STAMP): $(PY) pyproject.toml
 	@echo "Installing keras-bn with every extra (TensorFlow, JAX, export, examples, dev, docs) into $(VENV) (about 3 minutes)…"
-	$(PY) -m pip install --quiet -e '.[all,examples,dev,docs]'
+	$(PY) -m pip install --quiet -e '.[all,torch,examples,dev,docs]'
 	touch $(STAMP)
 
 $(PY_JAX):
@@ -69,17 +69,28 @@ JAX_TESTS := KERAS_BACKEND=jax KERAS_BN_NO_TENSORFLOW=1 KERAS_BN_TF_PYTHON=$(CUR
 # tests_torch/: keras_bn under the PyTorch backend, in $(VENV_TORCH), without TensorFlow, in a
 # Python of its own, as JAX_TESTS; its TensorFlow comparisons run in $(PY) (KERAS_BN_TF_PYTHON).
 TORCH_TESTS := KERAS_BACKEND=torch KERAS_BN_NO_TENSORFLOW=1 KERAS_BN_TF_PYTHON=$(CURDIR)/$(PY) \
-	$(PY_TORCH) -m pytest tests_torch -p no:xdist
+	$(PY_TORCH) -m pytest tests_torch $(PYTEST_ARGS)
+# With TensorFlow installed beside PyTorch ($(PY) has both): the layer, the tools and fit, which
+# must not reach for TensorFlow under KERAS_BACKEND=torch.
+TORCH_WITH_TF_TESTS := KERAS_BACKEND=torch $(PY) -m pytest tests_torch/test_torch_layer.py \
+	tests_torch/test_torch_tools.py tests_torch/test_torch_training.py $(PYTEST_ARGS) -q
 
-# Not (yet) part of `make test`.
 test-torch: $(STAMP) $(STAMP_TORCH)
 	$(TORCH_TESTS)
+	$(TORCH_WITH_TF_TESTS)
 
 # Keras's parity tests under JAX run in $(PY) too: its SavedModel tests need TensorFlow.
-test: $(STAMP) $(STAMP_JAX)
-	$(PY) -m pytest $(PYTEST_ARGS)
+# The notebooks run once, in the docs site's build (tests/test_docs.py, at CI size): it fails
+# on any failing cell, a claim's assert included, and its pages are checked for TensorFlow log
+# lines; test_notebooks.py's own run of them (what `make notebooks` does at full size) would
+# repeat that.
+NOTEBOOKS_RUN_BY_THE_SITE := -k "not test_notebook_runs_and_its_checks_hold"
+test: $(STAMP) $(STAMP_JAX) $(STAMP_TORCH)
+	$(PY) -m pytest $(PYTEST_ARGS) $(NOTEBOOKS_RUN_BY_THE_SITE)
 	KERAS_BACKEND=jax $(PY) -m pytest tests_jax/test_keras_parity_jax.py $(PYTEST_ARGS) -q
 	$(JAX_TESTS)
+	$(TORCH_TESTS)
+	$(TORCH_WITH_TF_TESTS)
 
 # The inner loop: the suite less the notebooks, the docs build, the slow tests (marked from a
 # --durations=0 run: every test function costing 5 s or more in all) and three files of
