@@ -4,6 +4,7 @@ where a test must reach inside, a small script that calls `keras_bn.export.cli.m
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -12,6 +13,7 @@ import zipfile
 import keras
 import numpy as np
 import pytest
+from test_notebooks import TENSORFLOW_LOG_LINE
 
 import digits
 from helpers import docs_page, randomise_batch_norms, run_cli
@@ -57,6 +59,45 @@ def test_success_writes_both_files_and_the_json_report(saved, tmp_path):
     assert set(onnx["errors"][output]) == {"ort_disabled", "ort_enabled"}
     assert max(tflite["relative_error"], onnx["relative_error"]) <= 1e-4
     assert tflite["op_histogram"]["CONV_2D"] == 2 and "MUL" not in tflite["op_histogram"]
+
+    # The table `make demo` ends with (examples/digits.py --summary) reads these reports.
+    shutil.copy(saved / "cnn.keras", tmp_path / "cnn.keras")
+    header, *rows = digits.summary(str(tmp_path))
+    assert header.split() == ["file", "size", "format", "verification", "test", "accuracy"]
+    by_name = {os.path.basename(row.split()[0]): row for row in rows}
+    assert sorted(by_name) == ["cnn.keras", "m.onnx", "m.tflite", "r.json"]
+    for name, kind in [("m.tflite", "TFLite float32"), ("m.onnx", "ONNX float32")]:
+        size = f"{os.path.getsize(tmp_path / name) / 1024:.1f} KiB"
+        assert re.search(rf"\s{size}\s+{kind}\s+passed \(", by_name[name]), by_name[name]
+        assert re.search(r"tolerance 0\.0001\)\s+[01]\.\d{4}$", by_name[name]), by_name[name]
+    assert re.search(r"Keras model\s+[01]\.\d{4}$", by_name["cnn.keras"])
+    assert "export report" in by_name["r.json"]
+
+
+def test_stderr_holds_the_progress_only_and_the_converters_lines_go_to_the_report(saved, tmp_path):
+    """Run as a user runs it (no TF_CPP_MIN_LOG_LEVEL), an int8 export prints no TensorFlow
+    line: its start-up lines are dropped, and the converter's raw "fully_quantize: 0, ..."
+    and its calibrator's "tf.lite.Interpreter is deprecated" go into the report's `log`."""
+    env = {key: value for key, value in os.environ.items() if key != "TF_CPP_MIN_LOG_LEVEL"}
+    result = run_cli(
+        saved / "cnn.keras",
+        "--tflite",
+        tmp_path / "q.tflite",
+        "--quantize",
+        "int8",
+        "--representative-data",
+        saved / "x.npy",
+        "--report",
+        tmp_path / "r.json",
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.splitlines()
+    assert [line for line in lines if not re.search(r"\d:\d\d:\d\d$", line)] == [], lines
+    assert not [line for line in lines if TENSORFLOW_LOG_LINE.search(line)]
+    (export,) = json.loads((tmp_path / "r.json").read_text())["exports"]
+    log = "\n".join(export["log"])
+    assert "fully_quantize: 0" in log and "tf.lite.Interpreter is deprecated" in log
 
 
 def test_int8_passes_its_default_tolerance(saved, tmp_path):

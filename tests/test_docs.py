@@ -159,9 +159,10 @@ def test_no_page_shows_tensorflow_log_lines(site):
 
 
 @pytest.mark.slow
-def test_readme_tour_runs(tmp_path, monkeypatch):
+def test_readme_tour_runs(tmp_path, monkeypatch, capfd):
     """The README's tour trains, recalibrates, folds and writes two verified files, then
-    trains a quantization-aware copy and writes its verified int8 file."""
+    trains a quantization-aware copy and writes its verified int8 file; it prints its one line,
+    and what the converters and runtimes print goes into the reports' `log`, not stderr."""
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     section = readme.split("\n## A tour\n", 1)[1].split("\n## ", 1)[0]
     (snippet,) = re.findall(r"```python\n(.*?)```", section, re.S)
@@ -178,6 +179,11 @@ def test_readme_tour_runs(tmp_path, monkeypatch):
     ]
     qat_layers = [type(layer).__name__ for layer in namespace["qat"].layers]
     assert "QuantizedHostBatchNorm" in qat_layers, qat_layers
+    out, err = capfd.readouterr()
+    assert out.count("\n") == 1 and out.startswith("[FoldedBN("), out
+    for raw in ("fully_quantize", "XNNPACK", "Interpreter is deprecated"):
+        assert raw not in err, err[-2000:]
+    assert not [line for line in err.splitlines() if TENSORFLOW_LOG_LINE.search(line)], err
 
 
 def test_readme_fits_on_a_screen_and_links_only_to_files_that_exist():
