@@ -3,7 +3,9 @@ where a test must reach inside, a small script that calls `keras_bn.export.cli.m
 
 import json
 import os
+import pathlib
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -18,6 +20,8 @@ from test_notebooks import TENSORFLOW_LOG_LINE
 import digits
 from helpers import docs_page, randomise_batch_norms, run_cli
 from keras_bn.export import defaults
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +102,27 @@ def test_stderr_holds_the_progress_only_and_the_converters_lines_go_to_the_repor
     (export,) = json.loads((tmp_path / "r.json").read_text())["exports"]
     log = "\n".join(export["log"])
     assert "fully_quantize: 0" in log and "tf.lite.Interpreter is deprecated" in log
+
+
+def test_the_readme_command_line_runs_as_written_on_the_demos_file(saved, tmp_path):
+    """README.md's command line, run as written in the folder `make demo` ran in, on the
+    .keras file the demo saves (here an untrained model of the same architecture)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("\n## A tour\n", 1)[1].split("\n## ", 1)[0]
+    (block,) = re.findall(r"```sh\n(.*?)```", section, re.S)
+    (line,) = block.strip().splitlines()
+    program, model, *args = shlex.split(line)
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    demo = re.search(r"^DEMO := (\S+)$", makefile, re.M).group(1)
+    assert "--save $(DEMO)/digits.keras" in makefile
+    assert program == "keras-bn-export" and model == f"{demo}/digits.keras"
+    (tmp_path / demo).mkdir(parents=True)
+    shutil.copy(saved / "cnn.keras", tmp_path / model)
+    result = run_cli(model, *args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "verification passed" in result.stdout
+    written = [args[i + 1] for i, flag in enumerate(args) if flag in ("--tflite", "--onnx")]
+    assert written and all((tmp_path / name).is_file() for name in written)
 
 
 def test_int8_passes_its_default_tolerance(saved, tmp_path):
