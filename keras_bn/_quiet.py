@@ -2,18 +2,19 @@
 
 TensorFlow 2.21 writes lines to the process's stderr (file descriptor 2, from C++) that no
 setting of the caller's silences: "oneDNN custom operations are on", absl's "All log messages
-before absl::InitializeLog() is called are written to STDERR" with the lines it buffered
-("failed call to cuInit: UNKNOWN ERROR (303)" on a machine without a GPU), and, while the TFLite
-converter runs, its raw "fully_quantize: 0, inference_type: 6, ..." and a
-"tf.lite.Interpreter is deprecated" warning from its int8 calibrator. This module is the one
-place that deals with them:
+before absl::InitializeLog() is called are written to STDERR", "Could not find cuda drivers"
+(each twice), "failed call to cuInit: ... UNKNOWN ERROR (303)" on a machine without a GPU when
+it lists its devices; and while the TFLite converter runs, its raw "fully_quantize: 0,
+inference_type: 6, ..." and a "tf.lite.Interpreter is deprecated" warning from its int8
+calibrator (TF_CPP_MIN_LOG_LEVEL=2 silences only its C++ INFO and WARNING lines). This module
+is the one place that deals with them:
 
 - `entry_point()`, for the project's own commands (the demo, keras-bn-export, the benchmarks,
-  the notebooks' kernels through examples/kernelspec.py): sets `ENVIRONMENT` where the caller
-  has not, then imports TensorFlow with its start-up lines captured; the known lines in
-  `NOISE` are dropped and anything else is written back to stderr, so an error still shows.
-  A caller who sets TF_CPP_MIN_LOG_LEVEL to 0 or 1 (asking for TensorFlow's logs) gets every
-  line.
+  the docs build and the notebooks' kernels through examples/kernelspec.py): sets
+  `ENVIRONMENT` where the caller has not, then imports TensorFlow with its start-up lines
+  captured; the known lines in `NOISE` are dropped and anything else is written back to
+  stderr, so an error still shows. A caller who sets TF_CPP_MIN_LOG_LEVEL to 0 or 1 (asking
+  for TensorFlow's logs) gets every line.
 - `captured()`, around the converters and the runtimes that check their files
   (export/pipeline.py): what they write to stderr and the known warnings go into a list, the
   export report's `log`, instead; if the call raises, everything it wrote is written back to
@@ -56,7 +57,7 @@ CONVERTER_WARNINGS = re.compile(r"tf\.lite\.Interpreter is deprecated")
 
 def wants_logs() -> bool:
     """Whether the caller asked for TensorFlow's INFO or WARNING lines (TF_CPP_MIN_LOG_LEVEL
-    0 or 1): then nothing is captured."""
+    0 or 1): then `entry_point` drops none of its start-up lines."""
     return os.environ.get("TF_CPP_MIN_LOG_LEVEL", "").strip() in ("0", "1")
 
 
