@@ -44,7 +44,8 @@ $(STAMP_TORCH): $(PY_TORCH) pyproject.toml
 	$(PY_TORCH) -m pip install --quiet -e '.[torch,test]'
 	touch $(STAMP_TORCH)
 
-# Train, save, fold, export (.tflite float32 and int8, .onnx), verify, report: into $(DEMO)/.
+# Train, save, fold, export (.tflite float32 and int8, .onnx), verify, report: into $(DEMO)/,
+# then a table of what was written (size, format, verification, test accuracy).
 demo: $(STAMP)
 	mkdir -p $(DEMO)
 	$(PY) examples/digits.py --save $(DEMO)/digits.keras --save-inputs $(DEMO)/digits_train_x.npy
@@ -53,7 +54,8 @@ demo: $(STAMP)
 	$(EXPORT) $(DEMO)/digits.keras --tflite $(DEMO)/digits_int8.tflite --quantize int8 \
 		--representative-data $(DEMO)/digits_train_x.npy \
 		--report $(DEMO)/report_int8.json
-	$(PY) examples/digits.py --score-tflite $(DEMO)/digits_int8.tflite
+	$(PY) examples/digits.py --summary $(DEMO)
+	@echo "To use the virtualenv (python with keras_bn, keras-bn-export): . $(VENV)/bin/activate"
 
 # Export latency (folded / unfolded / no BN) and ResNet50 fold time: prints a table.
 bench-export: $(STAMP)
@@ -123,6 +125,8 @@ typecheck: $(STAMP)
 # KERAS_BN_SMALL=1; cached per size in $(DOCS)); any warning fails the build.
 DOCS := build/docs
 docs: $(STAMP)
+	@echo "Building the site into $(DOCS)/html; a line \"<notebook>: Executing notebook\" starts \
+	each notebook that changed (at full size unless KERAS_BN_SMALL=1: minutes each)."
 	$(PY) -m sphinx -W --keep-going -b html docs $(DOCS)/html
 	@echo "Open $(DOCS)/html/index.html"
 

@@ -15,12 +15,17 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 BUILD = pathlib.Path(os.environ.get("KERAS_BN_DOCS_BUILD", ROOT / "build" / "docs"))
 SMALL = os.environ.get("KERAS_BN_SMALL", "0") == "1"
 
-os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ["KERAS_BN_SMALL"] = "1" if SMALL else "0"  # the notebooks' kernels inherit it
 # No MPLBACKEND: the kernels keep matplotlib-inline, so plt.show() puts a figure in the page.
 os.environ.pop("MPLBACKEND", None)
 
+
+# Sphinx is an entry point too (autodoc imports keras_bn and TensorFlow): the TensorFlow Keras
+# backend, quiet logs and TensorFlow's start-up lines dropped, as in every command of the
+# project (keras_bn/_quiet.py); the kernels inherit the environment.
+from keras_bn import _quiet  # noqa: E402
+
+_quiet.entry_point()
 
 # The notebooks' kernel: this Python, its C++ logging kept out of the pages.
 sys.path.insert(0, str(ROOT / "examples"))

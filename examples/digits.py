@@ -1,10 +1,20 @@
 """The bundled digits data set and a small keras_bn CNN: shared by `make demo`, tests and notebooks.
 
 Run as a script (`make demo`) it trains the CNN and prints the test accuracy; it can also save
-the model and its training inputs (for int8 calibration), and score an exported .tflite file.
+the model and its training inputs (for int8 calibration), score an exported .tflite file, and
+print the table `make demo` ends with (`--summary FOLDER`: each file written there, its size and
+format, its verification from keras-bn-export's JSON reports, and its test accuracy).
 """
 
 import argparse
+import glob
+import json
+import os
+
+from keras_bn import _quiet
+
+if __name__ == "__main__":  # the demo: quiet TensorFlow start-up, as every entry point's
+    _quiet.entry_point()
 
 import keras
 import numpy as np
@@ -209,6 +219,82 @@ def tflite_accuracy(path):
     return float(np.mean(predictions.argmax(-1) == y_test))
 
 
+def file_accuracy(path):
+    """Test accuracy of a digits classifier saved as .keras, .tflite or .onnx, each run in its
+    own runtime (Keras, LiteRT, onnxruntime); None for any other file."""
+    _, _, x_test, y_test = load()
+    if path.endswith(".keras"):
+        predictions = keras.saving.load_model(path, compile=False).predict(x_test, verbose=0)
+    elif path.endswith(".tflite"):
+        return tflite_accuracy(path)
+    elif path.endswith(".onnx"):
+        from keras_bn.export.onnx import run
+
+        (predictions,) = run(path, x_test).values()
+    else:
+        return None
+    return float(np.mean(np.asarray(predictions).argmax(-1) == y_test))
+
+
+def summary(folder):
+    """The lines of the table `make demo` ends with: every file in `folder`, its size, its
+    format, its verification (from the keras-bn-export JSON reports there: passed or FAILED,
+    with the error as a fraction of the output's scale and the tolerance) and the digits test
+    accuracy of the models."""
+    verified = {}  # absolute path → the report's entry for it
+    for report_path in glob.glob(os.path.join(folder, "*.json")):
+        with open(report_path, encoding="utf-8") as file:
+            report = json.load(file)
+        for export in report.get("exports", []):
+            verified[os.path.abspath(export["path"])] = export
+    rows = [("file", "size", "format", "verification", "test accuracy")]
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            continue
+        export = verified.get(os.path.abspath(path))
+        with _quiet.captured([]):  # LiteRT's "Created TensorFlow Lite XNNPACK delegate"
+            accuracy = file_accuracy(path)
+        rows.append(
+            (
+                path,
+                _size(os.path.getsize(path)),
+                _format(path, export),
+                _verification(path, export),
+                "" if accuracy is None else f"{accuracy:.4f}",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+
+
+def _size(size):
+    return f"{size / 1024:.1f} KiB" if size >= 1024 else f"{size} B"
+
+
+def _format(path, export):
+    if export is not None:
+        name = {"tflite": "TFLite", "onnx": "ONNX"}[export["format"]]
+        return f"{name} {export['quantization'] or 'float32'}"
+    extension = os.path.splitext(path)[1]
+    return {".keras": "Keras model", ".npy": "NumPy array", ".json": "export report"}.get(
+        extension, extension.lstrip(".") or "?"
+    )
+
+
+def _verification(path, export):
+    if export is None:
+        return "" if path.endswith(".keras") else "-"
+    verdict = "passed" if export["passed"] else "FAILED"
+    if export["unverified"]:
+        verdict = f"{verdict}, UNVERIFIED"
+    if export["scale_tolerance"] is None:  # a quantization-aware model's file: output steps
+        return f"{verdict} ({export['max_lsb_error']:.3g} LSB)"
+    error = export["relative_error"]
+    shown = "nan" if error is None else f"{error:.1e}"
+    return f"{verdict} ({shown} of scale, tolerance {export['scale_tolerance']:g})"
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--epochs", type=int, default=10)
@@ -224,7 +310,17 @@ def main(argv=None):
         metavar="MODEL.tflite",
         help="only print the test accuracy of this exported model",
     )
+    parser.add_argument(
+        "--summary",
+        metavar="FOLDER",
+        help="only print a table of the files in FOLDER: size, format, verification (from "
+        "keras-bn-export's JSON reports there) and test accuracy",
+    )
     args = parser.parse_args(argv)
+    if args.summary:
+        print(f"Written to {args.summary}/ (test accuracy on the digits test set):")
+        print("\n".join(summary(args.summary)))
+        return 0
     if args.score_tflite:
         accuracy = tflite_accuracy(args.score_tflite)
         print(f"digits test accuracy ({args.score_tflite}, LiteRT): {accuracy:.4f}")

@@ -3,15 +3,22 @@
 A 'python3' kernelspec that launches this Python (sys.executable), so the notebooks import the
 keras_bn installed beside it. The kernel leaves its file descriptors alone
 (`capture_fd_output=False`): what C++ libraries write there, TensorFlow's logging above all,
-goes to the caller's stderr, not into the notebook. TF_CPP_MIN_LOG_LEVEL cannot keep it out:
-TensorFlow 2.21 prints "oneDNN custom operations are on" and "Could not find cuda drivers"
-before it reads the variable. What Python writes to sys.stderr (a warning a cell raises) is
-still shown.
+goes to the caller's stderr, not into the notebook. What Python writes to sys.stderr (a warning
+a cell raises) is still shown.
+
+The kernel starts as every entry point of the project does (keras_bn/_quiet.py): TensorFlow is
+imported before the first cell, quiet, with the lines it prints as it loads dropped (TensorFlow
+2.21 prints "oneDNN custom operations are on" and "Could not find cuda drivers" whatever
+TF_CPP_MIN_LOG_LEVEL says), so that `make docs` and the tests' output stay readable; any other
+line still shows.
 """
 
 import json
 import pathlib
 import sys
+
+# Run in the kernel before the first cell.
+STARTUP = "from keras_bn import _quiet; _quiet.entry_point()"
 
 
 def write_kernelspec(folder: pathlib.Path, display_name: str) -> None:
@@ -23,7 +30,13 @@ def write_kernelspec(folder: pathlib.Path, display_name: str) -> None:
     """
     spec_dir = folder / "kernels" / "python3"
     spec_dir.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, "-m", "ipykernel_launcher", "--IPKernelApp.capture_fd_output=False"]
+    argv = [
+        sys.executable,
+        "-m",
+        "ipykernel_launcher",
+        "--IPKernelApp.capture_fd_output=False",
+        f"--IPKernelApp.exec_lines={STARTUP}",
+    ]
     spec = {
         "argv": [*argv, "-f", "{connection_file}"],
         "display_name": display_name,

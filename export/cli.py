@@ -15,8 +15,11 @@ Exit codes:
 
 Everything that answers without exporting (--help, --version, a usage error) does so before
 TensorFlow, Keras, tf2onnx or LiteRT are imported, so it is fast, and the environment defaults
-below (quiet TensorFlow logs, the TensorFlow Keras backend) are set before TensorFlow reads
-them.
+(keras_bn/_quiet.py: quiet TensorFlow logs, the TensorFlow Keras backend) are set before
+TensorFlow reads them. The lines TensorFlow prints as it loads are dropped (any line not known
+to be one still prints; TF_CPP_MIN_LOG_LEVEL=0 or 1 keeps them all), and what the converters
+and the runtimes print goes into each export's `log` in the report (--report), not the
+terminal, unless the export fails on it.
 
 A quantization-aware model (a `.keras` file holding keras_bn.quantize layers) is exported as
 the API exports it: its own int8 (TFLite full integer, ONNX QDQ), not folded, with no
@@ -39,6 +42,7 @@ from collections.abc import Callable
 from typing import Any
 
 import keras_bn
+from keras_bn import _quiet
 from keras_bn._errors import one_line
 from keras_bn.export import defaults
 
@@ -58,8 +62,8 @@ EXIT_CODES = {
     INTERNAL_ERROR: "an internal error of keras-bn-export (a bug): the traceback, to report",
 }
 # Set before TensorFlow is imported, unless the caller set them: quiet logs, the TensorFlow
-# Keras backend (the only one keras_bn runs on).
-ENVIRONMENT_DEFAULTS = {"TF_CPP_MIN_LOG_LEVEL": "3", "KERAS_BACKEND": "tensorflow"}
+# Keras backend (the only one the writers run on).
+ENVIRONMENT_DEFAULTS = _quiet.ENVIRONMENT
 # Bad input: what the user can fix. Anything else is a bug of keras-bn-export.
 BAD_INPUT = (ValueError, OSError)
 
@@ -267,6 +271,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _export(args: argparse.Namespace, stage: Callable[[str], None]) -> dict[str, Any]:
     stage("load")
+    _quiet.entry_point()  # imports TensorFlow, its start-up lines dropped
     import keras
     import numpy as np
     from tensorflow.lite.python.convert import ConverterError

@@ -26,7 +26,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_bn import _models
+from keras_bn import _models, _quiet
 from keras_bn._errors import UnsupportedModelError
 from keras_bn.export import atomic, defaults, qat, report, trace
 from keras_bn.export.graph import fold_batch_norms
@@ -204,7 +204,9 @@ def export(
         else (model, None)
     )
     stage("convert")
-    content = fmt.convert(source, sig)
+    log: list[str] = []  # what the converter and the runtime print: into the report
+    with _quiet.captured(log):
+        content = fmt.convert(source, sig)
     # A QAT file (no scale_tolerance) has its per-channel errors reported, at int8's channel
     # floor, not judged.
     channel_tolerance = (
@@ -212,21 +214,24 @@ def export(
     )
 
     def verify(written: str) -> report.ExportReport:
-        fmt.check_file(written, path)
-        actual = fmt.run(written, samples.probe)
+        with _quiet.captured(log):
+            fmt.check_file(written, path)
+            actual = fmt.run(written, samples.probe)
+            in_sample_actual = None if in_sample is None else fmt.run(written, in_sample)
+            ops = fmt.op_names(written)
+            quantized: dict[str, Any] = {}
+            if fmt.quantized:
+                quantized = dict(
+                    lsb_errors=report.lsb_errors(expected, actual, steps, defaults.QAT_PERCENTILE),
+                    lsb_tolerance=_LSB_TOLERANCE,
+                    weights=fmt.check_weights(written),
+                    float_ops=fmt.float_ops(written),
+                )
         errors, scales, channels = report.compare(expected, actual, channel_tolerance)
         in_sample_errors = in_sample_channels = None
-        if in_sample is not None:
+        if in_sample_actual is not None:
             in_sample_errors, _, in_sample_channels = report.compare(
-                expected_in_sample, fmt.run(written, in_sample), channel_tolerance
-            )
-        quantized: dict[str, Any] = {}
-        if fmt.quantized:
-            quantized = dict(
-                lsb_errors=report.lsb_errors(expected, actual, steps, defaults.QAT_PERCENTILE),
-                lsb_tolerance=_LSB_TOLERANCE,
-                weights=fmt.check_weights(written),
-                float_ops=fmt.float_ops(written),
+                expected_in_sample, in_sample_actual, channel_tolerance
             )
         result = report.ExportReport(
             format=fmt.name,
@@ -235,7 +240,7 @@ def export(
             errors=errors,
             output_scales=scales,
             scale_tolerance=scale_tolerance,
-            op_histogram=report.histogram(fmt.op_names(written)),
+            op_histogram=report.histogram(ops),
             quantization=fmt.quantization,
             fold=fold_report,
             worst_channels=channels,
@@ -246,6 +251,7 @@ def export(
                 None if samples.calibration is None else samples.calibration.samples
             ),
             unverified=unverified,
+            log=log,
             **quantized,
         )
         if strict and not result.passed:

@@ -642,6 +642,11 @@ class ExportReport(_OutputErrors):
         unverified: why the file is unverified, when the model's own outputs were the same
             for every probe sample and the export was given allow_unverified=True (its errors
             then say only that the file gives that output too); None for a verified file.
+        log: the lines the converter and the runtime wrote to stderr while the file was made
+            and checked (TensorFlow's C++ logging, such as the TFLite converter's
+            "fully_quantize: 0, inference_type: 6, ..."), and the deprecation warnings about
+            TensorFlow they raised, kept here rather than on the terminal
+            (keras_bn/_quiet.py); a conversion that fails prints them instead.
     """
 
     format: str
@@ -663,6 +668,7 @@ class ExportReport(_OutputErrors):
     weights: list | None = None
     float_ops: dict | None = None
     unverified: str | None = None
+    log: list = dataclasses.field(default_factory=list)
 
     def _error_by_output(self) -> dict[str, float]:
         return {name: worst(by_setting.values()) for name, by_setting in self.errors.items()}

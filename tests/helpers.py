@@ -308,12 +308,19 @@ def fold_input(rank, channels, data_format, rng):
 CLI_SCRIPT = shutil.which("keras-bn-export", path=os.path.dirname(sys.executable))
 
 
-def run_cli(*args):
-    """Run the installed keras-bn-export console script with `args` (paths allowed);
-    returns the subprocess.CompletedProcess (text stdout and stderr)."""
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+def run_cli(*args, cwd=None, env=None):
+    """Run the installed keras-bn-export console script with `args` (paths allowed), in `cwd`,
+    with `env` (default: this process's environment, TensorFlow's C++ logging off); returns
+    the subprocess.CompletedProcess (text stdout and stderr)."""
+    if env is None:
+        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
     return subprocess.run(
-        [CLI_SCRIPT, *map(str, args)], capture_output=True, text=True, env=env, timeout=300
+        [CLI_SCRIPT, *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        timeout=300,
     )
 
 

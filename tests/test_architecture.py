@@ -34,9 +34,10 @@ TRAIN_PATHS = {f"{TF}.fused", f"{TF}.xla", f"{TF}.composite"}
 # The frameworks whose import only keras_bn/backend/ may make at module level.
 FRAMEWORKS = ("tensorflow", "jax", "torch", "tf2onnx")
 # The modules outside keras_bn/backend/ that touch TensorFlow at all, lazily: the diagnostics'
-# gradient probes, tf.data input, and the writers (with the writers' traced functions and the
-# keras-bn-export command).
+# gradient probes, tf.data input, the writers (with the writers' traced functions and the
+# keras-bn-export command), and the entry points' quiet import of TensorFlow.
 LAZY_FRAMEWORK_USERS = {
+    "keras_bn._quiet",
     "keras_bn.export.cli",
     "keras_bn.diagnostics",
     "keras_bn._batches",

@@ -3,7 +3,10 @@ where a test must reach inside, a small script that calls `keras_bn.export.cli.m
 
 import json
 import os
+import pathlib
 import re
+import shlex
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -12,10 +15,13 @@ import zipfile
 import keras
 import numpy as np
 import pytest
+from test_notebooks import TENSORFLOW_LOG_LINE
 
 import digits
 from helpers import docs_page, randomise_batch_norms, run_cli
 from keras_bn.export import defaults
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +63,66 @@ def test_success_writes_both_files_and_the_json_report(saved, tmp_path):
     assert set(onnx["errors"][output]) == {"ort_disabled", "ort_enabled"}
     assert max(tflite["relative_error"], onnx["relative_error"]) <= 1e-4
     assert tflite["op_histogram"]["CONV_2D"] == 2 and "MUL" not in tflite["op_histogram"]
+
+    # The table `make demo` ends with (examples/digits.py --summary) reads these reports.
+    shutil.copy(saved / "cnn.keras", tmp_path / "cnn.keras")
+    header, *rows = digits.summary(str(tmp_path))
+    assert header.split() == ["file", "size", "format", "verification", "test", "accuracy"]
+    by_name = {os.path.basename(row.split()[0]): row for row in rows}
+    assert sorted(by_name) == ["cnn.keras", "m.onnx", "m.tflite", "r.json"]
+    for name, kind in [("m.tflite", "TFLite float32"), ("m.onnx", "ONNX float32")]:
+        size = f"{os.path.getsize(tmp_path / name) / 1024:.1f} KiB"
+        assert re.search(rf"\s{size}\s+{kind}\s+passed \(", by_name[name]), by_name[name]
+        assert re.search(r"tolerance 0\.0001\)\s+[01]\.\d{4}$", by_name[name]), by_name[name]
+    assert re.search(r"Keras model\s+[01]\.\d{4}$", by_name["cnn.keras"])
+    assert "export report" in by_name["r.json"]
+
+
+def test_stderr_holds_the_progress_only_and_the_converters_lines_go_to_the_report(saved, tmp_path):
+    """Run as a user runs it (no TF_CPP_MIN_LOG_LEVEL), an int8 export prints no TensorFlow
+    line: its start-up lines are dropped, and the converter's raw "fully_quantize: 0, ..."
+    and its calibrator's "tf.lite.Interpreter is deprecated" go into the report's `log`."""
+    env = {key: value for key, value in os.environ.items() if key != "TF_CPP_MIN_LOG_LEVEL"}
+    result = run_cli(
+        saved / "cnn.keras",
+        "--tflite",
+        tmp_path / "q.tflite",
+        "--quantize",
+        "int8",
+        "--representative-data",
+        saved / "x.npy",
+        "--report",
+        tmp_path / "r.json",
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.splitlines()
+    assert [line for line in lines if not re.search(r"\d:\d\d:\d\d$", line)] == [], lines
+    assert not [line for line in lines if TENSORFLOW_LOG_LINE.search(line)]
+    (export,) = json.loads((tmp_path / "r.json").read_text())["exports"]
+    log = "\n".join(export["log"])
+    assert "fully_quantize: 0" in log and "tf.lite.Interpreter is deprecated" in log
+
+
+def test_the_readme_command_line_runs_as_written_on_the_demos_file(saved, tmp_path):
+    """README.md's command line, run as written in the folder `make demo` ran in, on the
+    .keras file the demo saves (here an untrained model of the same architecture)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("\n## A tour\n", 1)[1].split("\n## ", 1)[0]
+    (block,) = re.findall(r"```sh\n(.*?)```", section, re.S)
+    (line,) = block.strip().splitlines()
+    program, model, *args = shlex.split(line)
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    demo = re.search(r"^DEMO := (\S+)$", makefile, re.M).group(1)
+    assert "--save $(DEMO)/digits.keras" in makefile
+    assert program == "keras-bn-export" and model == f"{demo}/digits.keras"
+    (tmp_path / demo).mkdir(parents=True)
+    shutil.copy(saved / "cnn.keras", tmp_path / model)
+    result = run_cli(model, *args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "verification passed" in result.stdout
+    written = [args[i + 1] for i, flag in enumerate(args) if flag in ("--tflite", "--onnx")]
+    assert written and all((tmp_path / name).is_file() for name in written)
 
 
 def test_int8_passes_its_default_tolerance(saved, tmp_path):

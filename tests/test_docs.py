@@ -21,6 +21,7 @@ from test_notebooks import TENSORFLOW_LOG_LINE, kernel_environment
 
 import keras_bn
 import keras_bn.export
+from helpers import docs_page
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "examples").glob("*.ipynb"))
@@ -169,9 +170,10 @@ def test_no_page_shows_tensorflow_log_lines(site):
 
 
 @pytest.mark.slow
-def test_readme_tour_runs(tmp_path, monkeypatch):
+def test_readme_tour_runs(tmp_path, monkeypatch, capfd):
     """The README's tour trains, recalibrates, folds and writes two verified files, then
-    trains a quantization-aware copy and writes its verified int8 file."""
+    trains a quantization-aware copy and writes its verified int8 file; it prints its one line,
+    and what the converters and runtimes print goes into the reports' `log`, not stderr."""
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     section = readme.split("\n## A tour\n", 1)[1].split("\n## ", 1)[0]
     (snippet,) = re.findall(r"```python\n(.*?)```", section, re.S)
@@ -188,6 +190,30 @@ def test_readme_tour_runs(tmp_path, monkeypatch):
     ]
     qat_layers = [type(layer).__name__ for layer in namespace["qat"].layers]
     assert "QuantizedHostBatchNorm" in qat_layers, qat_layers
+    out, err = capfd.readouterr()
+    assert out.count("\n") == 1 and out.startswith("[FoldedBN("), out
+    for raw in ("fully_quantize", "XNNPACK", "Interpreter is deprecated"):
+        assert raw not in err, err[-2000:]
+    assert not [line for line in err.splitlines() if TENSORFLOW_LOG_LINE.search(line)], err
+
+
+def test_pages_name_the_backends_as_the_backends_page_does():
+    """The landing page, the README, the install page and pyproject's description say
+    TensorFlow and JAX, as docs/guide/backends.md does, never TensorFlow alone; the landing and
+    install pages say PyTorch is not supported yet."""
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    texts = {
+        "pyproject.toml": re.search(r'^description = "(.*)"$', pyproject, re.M).group(1),
+        "README.md": (ROOT / "README.md").read_text(encoding="utf-8"),
+        "docs/index.md": docs_page("index.md"),
+        "docs/install.md": docs_page("install.md"),
+    }
+    for name, text in texts.items():
+        assert "JAX" in text, name
+        assert not re.search(r"\(TensorFlow( backend)?\)", text), name
+    for name in ("docs/index.md", "docs/install.md"):
+        assert re.search(r"PyTorch[^.]* yet\b|not yet on PyTorch", texts[name]), name
+    assert "| PyTorch, NumPy, OpenVINO |" in docs_page("guide/backends.md")
 
 
 def test_readme_fits_on_a_screen_and_links_only_to_files_that_exist():

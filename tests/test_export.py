@@ -4,6 +4,7 @@ file over its tolerance never replaces anything; models with several inputs and 
 
 import os
 import re
+import sys
 import warnings
 
 import keras
@@ -74,6 +75,9 @@ def test_quantized_files_meet_their_default_tolerance(cnn, tmp_path, quantizatio
     assert report.size_bytes < 0.6 * float_size
     if quantization == "int8":
         assert report.op_histogram["QUANTIZE"] >= 1
+        # The converter's raw line and its calibrator's deprecation warning: in the report.
+        log = "\n".join(report.log)
+        assert "fully_quantize: 0" in log and "tf.lite.Interpreter is deprecated" in log
 
 
 @pytest.mark.slow
@@ -243,6 +247,32 @@ def test_file_over_tolerance_never_replaces_the_existing_file(fmt, tmp_path):
     assert not written.passed and target.read_bytes() != b"previous export"
     assert written.size_bytes == os.path.getsize(target)
     assert os.listdir(tmp_path) == [target.name]
+
+
+def test_what_a_converter_prints_goes_into_the_log_unless_it_fails(capfd):
+    """keras_bn/_quiet.captured, around the converters and runtimes: what is written to file
+    descriptor 2 (C++) and the converter's known warnings go into the log; Python's own
+    sys.stderr still reaches the terminal, other warnings are raised as they were, and on an
+    exception everything captured is written back before it propagates."""
+    from keras_bn import _quiet
+
+    log = []
+    with pytest.warns(UserWarning, match="not the converter's") as raised, _quiet.captured(log):
+        os.write(2, b"I0000 a line from C++\n")
+        print("Python's stderr", file=sys.stderr)
+        warnings.warn("Warning: tf.lite.Interpreter is deprecated and ...", stacklevel=1)
+        warnings.warn("not the converter's", stacklevel=1)
+    assert len(raised) == 1
+    assert log == [
+        "I0000 a line from C++",
+        "UserWarning: Warning: tf.lite.Interpreter is deprecated and ...",
+    ]
+    assert capfd.readouterr().err == "Python's stderr\n"
+    with pytest.raises(RuntimeError, match="failed"), _quiet.captured(log):
+        os.write(2, b"the converter's complaint\n")
+        raise RuntimeError("failed")
+    assert capfd.readouterr().err == "the converter's complaint\n"
+    assert len(log) == 2
 
 
 def test_tolerance_is_the_callers(cnn, tmp_path):

@@ -8,7 +8,7 @@ import keras
 import pytest
 
 import keras_bn
-from helpers import python_json, randomise_batch_norms
+from helpers import docs_page, python_json, randomise_batch_norms
 from keras_bn.export import InferenceAffine, fold_batch_norms
 
 HEAVY = ("tensorflow", "keras", "tf2onnx", "ai_edge_litert", "onnxruntime", "onnx")
@@ -82,6 +82,7 @@ def saved(tmp_path_factory):
 
 LOAD = """
 import json
+import re
 {imports}
 import keras
 
@@ -91,7 +92,8 @@ for name in ("bn.keras", "folded.keras"):
         layer = keras.saving.load_model({folder!r} + "/" + name).get_layer("bn")
         found.append(f"{{type(layer).__module__}}.{{type(layer).__name__}}")
     except TypeError as error:
-        found.append("TypeError")
+        located = re.search(r"Could not locate class '\\w+'", str(error))
+        found.append("TypeError: " + (located.group(0) if located else "another"))
 print(json.dumps(found))
 """
 
@@ -117,7 +119,13 @@ def test_a_plain_import_lets_keras_load_keras_bn_layers(saved, imports):
 
 @pytest.mark.slow
 def test_without_keras_bn_keras_cannot_load_them(saved):
-    """Keras does not import a config's module itself (only its own packages'): the
-    registration above is what makes the files load."""
+    """Keras does not import a config's module itself (only its own packages': keras,
+    keras_hub, keras_cv, keras_nlp), and has no hook by which a file could name one: the
+    registration above is what makes the files load, and without it Keras says what
+    docs/guide/errors.md quotes."""
     found = python_json(LOAD.format(imports="", folder=str(saved)))
-    assert found == ["TypeError", "TypeError"]
+    assert found == [
+        "TypeError: Could not locate class 'BatchNormalization'",
+        "TypeError: Could not locate class 'InferenceAffine'",
+    ]
+    assert "Could not locate class 'BatchNormalization'" in docs_page("guide/errors.md")

@@ -115,6 +115,21 @@ def test_notebooks_are_committed_without_outputs(path):
 
 
 @pytest.mark.slow
+def test_the_kernel_imports_tensorflow_quietly_before_the_first_cell(kernel_for_this_python, capfd):
+    """examples/kernelspec.py's kernel starts as the project's commands do
+    (keras_bn/_quiet.py): TensorFlow is imported before the first cell, and the lines it
+    prints as it loads stay off the stderr the kernel shares with its caller (`make docs`)."""
+    notebook = nbformat.v4.new_notebook(
+        cells=[nbformat.v4.new_code_cell("import sys\nprint('tensorflow' in sys.modules)")]
+    )
+    client = NotebookClient(notebook, kernel_name=kernel_for_this_python, timeout=CELL_TIMEOUT_S)
+    client.execute(env=kernel_environment())
+    assert notebook.cells[0].outputs[0]["text"] == "True\n"
+    err = capfd.readouterr().err
+    assert not [line for line in err.splitlines() if TENSORFLOW_LOG_LINE.search(line)], err
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs_and_its_checks_hold(path, kernel_for_this_python):
     notebook = nbformat.read(path, as_version=4)

@@ -1,0 +1,136 @@
+"""TensorFlow's start-up and converter noise, kept off the terminal without hiding errors.
+
+TensorFlow 2.21 writes lines to the process's stderr (file descriptor 2, from C++) that no
+setting of the caller's silences: "oneDNN custom operations are on", absl's "All log messages
+before absl::InitializeLog() is called are written to STDERR", "Could not find cuda drivers"
+(each twice), "failed call to cuInit: ... UNKNOWN ERROR (303)" on a machine without a GPU when
+it lists its devices; and while the TFLite converter runs, its raw "fully_quantize: 0,
+inference_type: 6, ..." and a "tf.lite.Interpreter is deprecated" warning from its int8
+calibrator (TF_CPP_MIN_LOG_LEVEL=2 silences only its C++ INFO and WARNING lines). This module
+is the one place that deals with them:
+
+- `entry_point()`, for the project's own commands (the demo, keras-bn-export, the benchmarks,
+  the docs build and the notebooks' kernels through examples/kernelspec.py): sets
+  `ENVIRONMENT` where the caller has not, then imports TensorFlow with its start-up lines
+  captured; the known lines in `NOISE` are dropped and anything else is written back to
+  stderr, so an error still shows. A caller who sets TF_CPP_MIN_LOG_LEVEL to 0 or 1 (asking
+  for TensorFlow's logs) gets every line.
+- `captured()`, around the converters and the runtimes that check their files
+  (export/pipeline.py): what they write to stderr and the known warnings go into a list, the
+  export report's `log`, instead; if the call raises, everything it wrote is written back to
+  stderr before the exception propagates.
+
+`import keras_bn` calls neither: a library leaves the process's logging to its user.
+"""
+
+import contextlib
+import os
+import re
+import sys
+import tempfile
+import warnings
+from collections.abc import Iterable, Iterator
+
+# Set by entry_point() where the caller has not: TensorFlow's C++ INFO and WARNING lines off
+# (its errors still print), the TensorFlow Keras backend.
+ENVIRONMENT = {"TF_CPP_MIN_LOG_LEVEL": "2", "KERAS_BACKEND": "tensorflow"}
+
+# The lines TensorFlow prints at start-up whatever TF_CPP_MIN_LOG_LEVEL says, each a known
+# message about the machine, not about the user's model.
+NOISE = re.compile(
+    r"oneDNN custom operations are on"
+    r"|To turn them off, set the environment variable `TF_ENABLE_ONEDNN_OPTS=0`"
+    r"|All log messages before absl::InitializeLog\(\) is called are written to STDERR"
+    r"|failed call to cuInit"
+    r"|Could not find cuda drivers on your machine"
+    r"|Unable to register cu(DNN|FFT|BLAS) factory"
+    r"|computation placer already registered"
+    r"|TF-TRT Warning: Could not find TensorRT"
+    r"|This TensorFlow binary is optimized to use available CPU instructions"
+    r"|To enable the following instructions: .* rebuild TensorFlow"
+)
+# The Python warnings a conversion raises that are about TensorFlow, not the model: the int8
+# calibrator still builds the deprecated tf.lite.Interpreter (the files themselves are run in
+# LiteRT's).
+CONVERTER_WARNINGS = re.compile(r"tf\.lite\.Interpreter is deprecated")
+
+
+def wants_logs() -> bool:
+    """Whether the caller asked for TensorFlow's INFO or WARNING lines (TF_CPP_MIN_LOG_LEVEL
+    0 or 1): then `entry_point` drops none of its start-up lines."""
+    return os.environ.get("TF_CPP_MIN_LOG_LEVEL", "").strip() in ("0", "1")
+
+
+def entry_point() -> None:
+    """For a command's start, before anything imports TensorFlow: set `ENVIRONMENT` where unset,
+    then import TensorFlow with its known start-up lines dropped (any other line is written to
+    stderr). Does nothing more if TensorFlow is already imported or cannot be."""
+    for name, value in ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
+    if "tensorflow" in sys.modules or wants_logs():
+        return
+    with _native_stderr() as lines:
+        try:
+            import tensorflow as tf
+
+            tf.config.list_physical_devices()  # the GPU probe logs here (cuInit), once
+        except ImportError:
+            pass  # a JAX-only environment: the command says what it needs
+    _write_back(line for line in lines if not NOISE.search(line))
+
+
+@contextlib.contextmanager
+def captured(log: list[str]) -> Iterator[None]:
+    """Capture what the body writes to stderr (file descriptor 2, C++ included) and the
+    `CONVERTER_WARNINGS` it raises, appending them to `log` as lines; other warnings are
+    raised again as they were. If the body raises, everything captured is written back to
+    stderr first. (Whatever TF_CPP_MIN_LOG_LEVEL says: importing JAX sets it to 1.)"""
+    lines: list[str] = []
+    caught: list[warnings.WarningMessage] = []
+    try:
+        with _native_stderr() as lines, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield
+    except BaseException:
+        _write_back(lines)
+        _warn_again(caught)
+        raise
+    noise = [w for w in caught if CONVERTER_WARNINGS.search(str(w.message))]
+    _warn_again([w for w in caught if w not in noise])
+    log.extend(line for line in lines if line.strip())
+    log.extend(f"{w.category.__name__}: {' '.join(str(w.message).split())}" for w in noise)
+
+
+def _warn_again(caught: list[warnings.WarningMessage]) -> None:
+    """Raise captured warnings again, through the caller's filters."""
+    for warning in caught:
+        warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+
+
+@contextlib.contextmanager
+def _native_stderr() -> Iterator[list[str]]:
+    """File descriptor 2 into a temporary file for the body; Python's own sys.stderr (a
+    progress display, a traceback) keeps writing to the terminal. Yields a list that holds
+    the captured lines once the body is done."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    python_stderr = sys.stderr
+    lines: list[str] = []
+    with tempfile.TemporaryFile() as capture:
+        os.dup2(capture.fileno(), 2)
+        terminal = os.fdopen(os.dup(saved), "w", buffering=1, closefd=True)
+        sys.stderr = terminal
+        try:
+            yield lines
+        finally:
+            sys.stderr = python_stderr
+            terminal.close()
+            os.dup2(saved, 2)
+            os.close(saved)
+            capture.seek(0)
+            lines[:] = capture.read().decode("utf-8", "replace").splitlines()
+
+
+def _write_back(lines: Iterable[str]) -> None:
+    for line in lines:
+        print(line, file=sys.stderr)
