@@ -55,6 +55,9 @@ nb_execution_timeout = int(os.environ.get("KERAS_BN_CELL_TIMEOUT", "7200"))
 nb_execution_raise_on_error = True
 nb_execution_show_tb = True
 nb_merge_streams = True
+# A cell's display(Markdown(...)) as MyST, as the pages are: CommonMark, the default, has no
+# tables, and the Performance page's tables came out as lines of pipes.
+nb_render_markdown_format = "myst"
 
 autodoc_member_order = "bysource"
 autodoc_typehints = "none"

@@ -236,6 +236,23 @@ _GRID_KEEPING = SHAPE_OPS | {
 # (a sigmoid mid-network, a swish's x·σ(x), a squeeze-and-excitation gate), and they may end
 # the model's float output unquantized, as the QAT model's own output is.
 _FIXED_GRID = frozenset({"Softmax", "LogSoftmax", "Sigmoid", "Tanh"})
+# The ops that compute in integers between a DequantizeLinear and a QuantizeLinear: those with
+# int8 kernels in the TFLite converter's output and onnxruntime's QDQ fusions. Another op there
+# (Elu, Softplus, Sin, Neg, Exp, ...) is computed in float, as TFLite's file names it.
+_INTEGER_OPS = _FIXED_GRID | {
+    "Conv",
+    "MatMul",
+    "Gemm",
+    "Add",
+    "Sub",
+    "Mul",
+    "AveragePool",
+    "GlobalAveragePool",
+    "ReduceMean",
+    "LeakyRelu",
+    "Abs",
+    "Resize",
+}
 _FLOAT_TYPES = frozenset(
     {
         onnx.TensorProto.FLOAT,
@@ -254,7 +271,10 @@ def float_ops(proto: onnx.ModelProto) -> list[str]:
     Relu, clamps and shape-only ops, which keep their input's grid), or the model's output
     for an op on a fixed grid (Softmax). An op on a fixed grid (Sigmoid, Tanh, Softmax,
     LogSoftmax) of dequantized operands is an integer op whose result is on that grid, as
-    the TFLite converter writes it (so x·Sigmoid(x) of a swish is too). The export's own
+    the TFLite converter writes it (so x·Sigmoid(x) of a swish is too). An op with no
+    integer kernel (`_INTEGER_OPS`: an Elu, Softplus, Exp) computes in float wherever it is,
+    and grid-keeping ops on the model's inputs alone (a Concat of two inputs) are the inputs
+    as given, quantized by the QuantizeLinear after them. The export's own
     units count as one op: a Conv, MatMul or Gemm on an int8 kernel with its bias Add (the
     int32 bias of an integer kernel), and an AveragePool with the rounding of its halves
     (`halves_as_ops` in export/qat.py: Sub, Sign, Mul, Add). Every other node that reads or
@@ -281,6 +301,9 @@ def float_ops(proto: onnx.ModelProto) -> list[str]:
     # computing nodes (and non-shape grid-keeping ones) that produced it.
     on_grid: set[str] = set()
     floating_values = {value.name for value in graph.input} - constants
+    # The model's inputs, and what grid-keeping ops (a Concatenate of two inputs) make of them
+    # alone: a QuantizeLinear after them quantizes the inputs as given.
+    as_given = set(floating_values)
     pending: dict[str, list[onnx.NodeProto]] = {}
     named: dict[int, onnx.NodeProto] = {}
 
@@ -299,7 +322,14 @@ def float_ops(proto: onnx.ModelProto) -> list[str]:
         if not any(types.get(v, onnx.TensorProto.FLOAT) in _FLOAT_TYPES for v in _io(node)):
             continue  # integer arithmetic (shapes)
         sources = [pending[v] for v in values if v in pending]
-        if any(value in floating_values for value in values):
+        if (
+            node.op_type in _GRID_KEEPING
+            and any(value in as_given for value in values)
+            and all(value in as_given or value in on_grid for value in values)
+        ):
+            as_given.update(node.output)
+            floating_values.update(node.output)
+        elif any(value in floating_values for value in values):
             name(node)
             floating_values.update(node.output)
         elif node.op_type in _FIXED_GRID and not sources:
@@ -310,6 +340,11 @@ def float_ops(proto: onnx.ModelProto) -> list[str]:
                 pending.update({out: [*carried, node] for out in node.output})
             else:
                 on_grid.update(node.output)
+        elif node.op_type not in _INTEGER_OPS and id(node) not in rounding:
+            for chain in sources:  # no integer kernel: it computes in float
+                name(*chain)
+            name(node)
+            floating_values.update(node.output)
         elif not sources or id(node) in rounding or _bias_add(node, sources, producers):
             carried = [n for chain in sources for n in chain]
             pending.update({out: [*carried, node] for out in node.output})

@@ -196,8 +196,9 @@ def check_varies(
         expected: {output name: Keras output on the probe}.
         what: the probe's name, for the message.
         inputs: {input name: the probe's array}, to tell a constant probe from a constant
-            model: the model is blamed only where every input varies; None: not known (the
-            probe is blamed).
+            model: where every input is constant (or this is None: not known) the probe is
+            blamed, with no way through; where some input varies, allow_unverified may write
+            the file, and the message names the inputs that do not vary.
         allow_unverified: accept a model whose own outputs are constant on a varied probe.
 
     Returns:
@@ -218,33 +219,42 @@ def check_varies(
             )
         if not np.all(value == value[:1]):  # NaN != NaN: a NaN output fails later, as NaN
             continue
-        # The model is blamed only where every input varies: an output may read only the
-        # inputs that are constant.
         same = _constant_inputs(inputs)
-        if same is None or same:
-            which = f"; input(s) {same} are the same for every sample" if same else ""
+        if same is None or (inputs is not None and len(same) == len(inputs)):
             raise ValueError(
                 f"Output '{name}' is the same for all {len(value)} samples of {what} (max "
-                f"|output| {scale(value):.3g}){which}: a file that ignores its input would "
-                f"match it. Give samples on which the model's outputs differ (real inputs)."
+                f"|output| {scale(value):.3g}): a file that ignores its input would match it. "
+                f"Give samples on which the model's outputs differ (real inputs)."
             )
         if not allow_unverified:
+            # Some input varies: the model itself may be constant (untrained, dead), or read
+            # only the inputs that do not vary.
+            cause = (
+                f"input(s) {same} are the same for every sample, and the output may read only "
+                f"them; give them samples that differ (probe=, CLI: --representative-data). If "
+                f"the model itself gives the same output for every sample anyway"
+                if same
+                else "the model itself gives the same output for every probe sample (an "
+                "untrained or dead network, every unit before the output off, say), so no "
+                "probe can tell its file from one that ignores its input. Train the model, "
+                "or give probe= samples (CLI: --representative-data) on which its outputs "
+                "differ; for a smoke test only"
+            )
+            differ = "some inputs differ between samples" if same else "the samples differ"
             raise ValueError(
                 f"Output '{name}' is the same for all {len(value)} samples of {what} (max "
-                f"|output| {scale(value):.3g}), though the samples differ: the model itself "
-                f"gives the same output for every probe sample (an untrained or dead network, "
-                f"every unit before the output off, say), so no probe can tell its file from "
-                f"one that ignores its input. Train the model, or give probe= samples (CLI: "
-                f"--representative-data) on which its outputs differ; for a smoke test only, "
+                f"|output| {scale(value):.3g}), though {differ}: {cause}, "
                 f"allow_unverified=True (CLI: --allow-unverified) writes the file anyway, "
                 f"marked unverified in its report."
             )
         constant.append(name)
     if not constant:
         return None
+    same = _constant_inputs(inputs)
+    given = f" (input(s) {same} the same for every sample)" if same else ""
     return (
-        f"output(s) {constant} of the model are the same for every sample of {what}: the "
-        f"file could not be verified (allow_unverified=True)"
+        f"output(s) {constant} of the model are the same for every sample of {what}{given}: "
+        f"the file could not be verified (allow_unverified=True)"
     )
 
 

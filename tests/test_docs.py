@@ -147,6 +147,16 @@ def test_api_page_lists_every_public_name(site, browser):
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("docs_site")
+def test_tables_a_cell_displays_are_rendered(site):
+    """The Performance page's tables come from its cells (display(Markdown(...))): they must be
+    HTML tables, not lines of pipes."""
+    page = (site / "guide" / "performance.html").read_text(encoding="utf-8")
+    assert "| target | bound |" not in page and "|---|" not in page
+    assert "Results at a glance" in page and page.count("<table") >= 10
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("docs_site")
 def test_api_page_shows_the_layers_real_signature(site):
     """Not Keras's `Layer.__new__(*args, **kwargs)`: the arguments of __init__."""
     text = html.unescape(re.sub(r"<[^>]*>", "", (site / "api.html").read_text(encoding="utf-8")))

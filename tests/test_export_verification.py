@@ -449,17 +449,23 @@ def test_a_model_whose_own_output_is_constant_is_exported_unverified_only_when_a
     assert EXPORTERS[fmt](_single_output_model(), out, probe=probe).unverified is None
 
 
-def test_allow_unverified_blames_a_probe_whose_read_input_is_constant(tmp_path):
-    """A two-input model whose output reads only `a`: a probe whose `a` is the same for every
-    sample (only the unused `b` varies) is the probe's fault, not the model's, and is refused
-    naming `a` even with allow_unverified (before, any varying input made it 'the model')."""
+def test_a_constant_output_with_a_constant_input_names_that_input(tmp_path):
+    """A two-input model whose output reads only `a`, on a probe whose `a` is the same for
+    every sample (only the unused `b` varies): the refusal names `a` (the probe may be at
+    fault, not the model), and allow_unverified=True, the user's call for an input that is
+    constant in all real data (a flag), writes the file marked unverified, naming `a` too."""
     a, b = keras.Input((8,), name="a"), keras.Input((8,), name="b")
     model = keras.Model([a, b], L.Dense(3, name="y")(a))
     rng = np.random.default_rng(0)
     probe = {"a": np.ones((64, 8), "float32"), "b": rng.normal(size=(64, 8)).astype("float32")}
     with pytest.raises(ValueError, match=r"input\(s\) \['a'\] are the same for every sample"):
-        export_onnx(model, tmp_path / "m.onnx", probe=probe, allow_unverified=True)
+        export_onnx(model, tmp_path / "m.onnx", probe=probe)
     assert os.listdir(tmp_path) == []
+    result = export_onnx(model, tmp_path / "m.onnx", probe=probe, allow_unverified=True)
+    assert "input(s) ['a'] the same for every sample" in result.unverified
+    both = {"a": probe["a"], "b": np.ones((64, 8), "float32")}  # every input constant
+    with pytest.raises(ValueError, match=r"a file that ignores its input would match it"):
+        export_onnx(model, tmp_path / "n.onnx", probe=both, allow_unverified=True)
 
 
 def test_constant_representative_data_is_refused_for_int8(tmp_path):

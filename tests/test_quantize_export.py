@@ -448,17 +448,32 @@ def _with_float_op_between(float_op):
     return _qat_fitted(keras.Model(image, L.Dense(2, name="head")(x)))
 
 
+FLOAT_OPS = {
+    # Two ops, of which only the last is rounded: the multiply's result lies on no grid.
+    "affine": (
+        lambda: L.Lambda(lambda t: t * 3 + 1, name="affine"),
+        {"MUL", "ADD"},
+        {"Mul", "Add"},
+    ),
+    # One op with no integer kernel: rounded, but computed in float (DequantizeLinear → Elu →
+    # QuantizeLinear in ONNX, which once passed it as an integer unit).
+    "elu": (lambda: L.Activation("elu", name="elu"), {"ELU"}, {"Elu"}),
+}
+
+
 @pytest.mark.slow
-def test_a_float_op_between_quantized_layers_is_refused_by_both_formats(tmp_path):
-    """A Lambda(t·3 + 1) between two QAT layers: quantize_model rounds its output, but its
-    multiply's result lies on no grid, so both files compute it in float. Each report names
-    its own format's float ops; both exporters refuse the file by default (nothing written)
-    and write it with strict=False, marked failed."""
-    model, x = _with_float_op_between(L.Lambda(lambda t: t * 3 + 1, name="affine"))
-    assert isinstance(model.get_layer("affine"), L.Lambda)  # kept as it is, between QAT layers
+@pytest.mark.parametrize("case", sorted(FLOAT_OPS))
+def test_a_float_op_between_quantized_layers_is_refused_by_both_formats(case, tmp_path):
+    """A Lambda(t·3 + 1) or an ELU between two QAT layers: quantize_model rounds its output,
+    but both files compute it in float. Each report names its own format's float ops; both
+    exporters refuse the file by default (nothing written) and write it with strict=False,
+    marked failed."""
+    layer, tflite_ops, onnx_ops = FLOAT_OPS[case]
+    model, x = _with_float_op_between(layer())
+    assert type(model.get_layer(case)) is type(layer())  # kept as it is, between QAT layers
     for exporter, name, ops in (
-        (export_tflite, "m.tflite", {"MUL", "ADD"}),
-        (export_onnx, "m.onnx", {"Mul", "Add"}),
+        (export_tflite, "m.tflite", tflite_ops),
+        (export_onnx, "m.onnx", onnx_ops),
     ):
         path = tmp_path / name
         with pytest.raises(VerificationError, match="it computes in float: ") as error:
@@ -490,6 +505,23 @@ def test_fixed_grid_ops_between_quantized_layers_are_no_float_ops(tmp_path):
     pairs = [L.Add(name=f"sum_{i}")(branches[2 * i : 2 * i + 2]) for i in range(2)]
     x = L.Conv2D(4, 3, padding="same", name="b")(L.Add(name="sum")(pairs))
     model, x = _qat_fitted(keras.Model(image, L.Dense(2, name="head")(L.Flatten()(x))))
+    for exporter, name in ((export_tflite, "m.tflite"), (export_onnx, "m.onnx")):
+        result = exporter(model, tmp_path / name, probe=x)
+        assert result.passed and result.float_ops == {}, (name, result.float_ops)
+
+
+@pytest.mark.slow
+def test_a_concatenation_of_the_models_inputs_is_no_float_op(tmp_path):
+    """Two inputs concatenated before the first QAT layer: the QuantizeLinear after the Concat
+    quantizes the inputs as given, as TFLite does (ONNX once named the Concat)."""
+    keras.utils.set_random_seed(0)
+    a, b = keras.Input((8,), name="a"), keras.Input((8,), name="b")
+    h = L.ReLU()(BN()(L.Dense(8, use_bias=False)(L.Concatenate()([a, b]))))
+    model = quantize_model(keras.Model([a, b], L.Dense(2, name="head")(h)))
+    rng = np.random.default_rng(0)
+    x = {k: rng.normal(size=(64, 8)).astype("float32") for k in ("a", "b")}
+    model.compile(keras.optimizers.Adam(3e-3), "mse")
+    model.fit(x, rng.normal(size=(64, 2)), batch_size=16, epochs=2, verbose=0)
     for exporter, name in ((export_tflite, "m.tflite"), (export_onnx, "m.onnx")):
         result = exporter(model, tmp_path / name, probe=x)
         assert result.passed and result.float_ops == {}, (name, result.float_ops)
