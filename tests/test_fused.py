@@ -231,4 +231,5 @@ def test_recentring_reruns_the_kernel_only_where_a_channel_is_far_from_zero(
     for channel in (1, 2):
         assert_close(np.take(y, channel, axis), np.take(expected, channel, axis), 1e-5)
         assert_close(variance[channel], expected_variance[channel], 1e-5)
-        assert abs(mean[channel] - expected_mean[channel]) <= 1e-7 * abs(expected_mean[channel])
+        # Within 2 float32 units: the shift plus the re-run's mean, each rounded.
+        assert abs(mean[channel] - expected_mean[channel]) <= 2.4e-7 * abs(expected_mean[channel])

@@ -24,7 +24,7 @@ as before: its accuracy there is not measured.
 import tensorflow as tf
 
 from keras_bn.backend.tensorflow import placement
-from keras_bn.backend.tensorflow.statistics import element_count
+from keras_bn.backend.tensorflow.statistics import element_count, shift_estimate
 
 # The smallest epsilon cuDNN accepts; below it the fused kernel would silently change ε on GPU.
 _MIN_EPSILON = 1.001e-5
@@ -110,6 +110,7 @@ def batch_norm_train(x, gamma, beta, channel_axes, epsilon, data_format):
     """
     empty = tf.constant([], gamma.dtype)
     per_channel = [1, -1, 1, 1] if data_format == "NCHW" else [1, 1, 1, -1]
+    reduced = [0, 2, 3] if data_format == "NCHW" else [0, 1, 2]
 
     @tf.custom_gradient
     def _normalize(x4, gamma, beta):
@@ -127,10 +128,12 @@ def batch_norm_train(x, gamma, beta, channel_axes, epsilon, data_format):
             far = tf.reduce_any(tf.abs(mean) > RECENTRE_STDDEVS * tf.sqrt(unbiased_variance))
 
             def recentred():
-                # The first pass's mean, rounded to x's dtype: the value actually subtracted.
-                # A channel whose mean is not finite is left as it is.
-                finite = tf.where(tf.math.is_finite(mean), mean, tf.zeros_like(mean))
-                shift = tf.cast(tf.cast(finite, x4.dtype), mean.dtype)
+                # The mean of each channel's first values (in x's dtype: the value actually
+                # subtracted), not the first pass's mean, which far from zero at a large count
+                # is itself off by hundreds of σ. A channel whose shift is not finite is left.
+                estimate = tf.reshape(shift_estimate(x4, reduced), tf.shape(mean))
+                finite = tf.where(tf.math.is_finite(estimate), estimate, tf.zeros_like(estimate))
+                shift = tf.cast(finite, mean.dtype)
                 shifted = x4 - tf.reshape(tf.cast(shift, x4.dtype), per_channel)
                 return (shifted, shift, *kernel(shifted))
 

@@ -25,6 +25,7 @@ import tensorflow as tf
 from tensorflow.compiler.tf2xla.python import xla as tf2xla
 
 from keras_bn._axes import mask_axes, reduction_axes
+from keras_bn.backend.constants import SHIFT_SAMPLES
 from keras_bn.backend.tensorflow import placement
 
 # The most terms one stage of `blocked_sum` adds up (where the shape allows). A float32 sum of
@@ -143,6 +144,26 @@ def moments(x, channel_axes, mask=None, replica_context=None):
     """
     shift, residual, variance = centered_moments(x, channel_axes, mask, replica_context)
     return shift + residual, variance
+
+
+def shift_estimate(x, reduced):
+    """K: each channel's mean over the first SHIFT_SAMPLES positions of the first reduced axis
+    (index 0 of the others), per-channel shaped, in x's dtype: a shift within a few σ of the
+    mean, taken from a few values, so exact where the batch's own sums are not. A batch may
+    be empty (known at run time, or traced with a size 0): it is padded by one, so that the
+    shift is then 0 and the statistics NaN (so the layer leaves its moving statistics alone),
+    as on the other paths.
+    """
+    rank = x.shape.rank
+    first = reduced[0]
+    # At least 1: the pad below is then what an empty batch's shift is taken from.
+    samples = tf.clip_by_value(tf.shape(x)[first], 1, SHIFT_SAMPLES)
+    if any(x.shape[a] in (None, 0) for a in reduced):
+        x = tf.pad(x, [[0, 1] if a in reduced else [0, 0] for a in range(rank)])
+    size = [samples if a == first else 1 if a in reduced else -1 for a in range(rank)]
+    head = tf.slice(x, [0] * rank, tf.stack(size))
+    # Each term divided before the sum, which then cannot overflow where the values do not.
+    return tf.reduce_sum(head / tf.cast(samples, x.dtype), axis=reduced, keepdims=True)
 
 
 def moments_about(x, channel_axes, shift):

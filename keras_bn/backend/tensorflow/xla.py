@@ -33,8 +33,13 @@ runs). This module imports only the leaf statistics.py of this backend.
 import tensorflow as tf
 
 from keras_bn._axes import reduction_axes
-from keras_bn.backend.constants import SHIFT_REDO_RATIO, SHIFT_SAMPLES
-from keras_bn.backend.tensorflow.statistics import blocked_sum, element_count, statistics_dtype
+from keras_bn.backend.constants import SHIFT_REDO_RATIO
+from keras_bn.backend.tensorflow.statistics import (
+    blocked_sum,
+    element_count,
+    shift_estimate,
+    statistics_dtype,
+)
 
 # Slices added elementwise before the reduce_sum: the partials are 1/GROUPS of x. 4 was as
 # fast as 8 or faster on every shape of benchmarks/bench_layer.py (0-20%, interleaved runs),
@@ -121,10 +126,10 @@ def _grouped_sums(x, channel_axes):
 
 
 def _moments(x, channel_axes, m, sums):
-    """(K, Δμ, σ²): the shifted sums about `_shift_estimate`'s K, redone about the mean when
-    K was too far from it (or σ² is not finite)."""
+    """(K, Δμ, σ²): the shifted sums about `statistics.shift_estimate`'s K, redone about the
+    mean when K was too far from it (or σ² is not finite)."""
     reduced = reduction_axes(x.shape.rank, channel_axes)
-    shift, offset, variance = _shifted_moments(x, _shift_estimate(x, reduced), m, sums)
+    shift, offset, variance = _shifted_moments(x, shift_estimate(x, reduced), m, sums)
     return tf.cond(
         tf.reduce_any(
             (tf.square(offset) > SHIFT_REDO_RATIO * variance) | ~tf.math.is_finite(variance)
@@ -132,24 +137,6 @@ def _moments(x, channel_axes, m, sums):
         lambda: _shifted_moments(x, shift + offset, m, sums),
         lambda: (shift, offset, variance),
     )
-
-
-def _shift_estimate(x, reduced):
-    """K: each channel's mean over the first SHIFT_SAMPLES positions of the first reduced axis
-    (index 0 of the others), per-channel shaped. A batch may be empty (known at run time, or
-    traced with a size 0): it is padded by one, so that the shift is then 0 and the statistics
-    NaN (so the layer leaves its moving statistics alone), as on the other paths.
-    """
-    rank = x.shape.rank
-    first = reduced[0]
-    # At least 1: the pad below is then what an empty batch's shift is taken from.
-    samples = tf.clip_by_value(tf.shape(x)[first], 1, SHIFT_SAMPLES)
-    if any(x.shape[a] in (None, 0) for a in reduced):
-        x = tf.pad(x, [[0, 1] if a in reduced else [0, 0] for a in range(rank)])
-    size = [samples if a == first else 1 if a in reduced else -1 for a in range(rank)]
-    head = tf.slice(x, [0] * rank, tf.stack(size))
-    # Each term divided before the sum, which then cannot overflow where the values do not.
-    return tf.reduce_sum(head / tf.cast(samples, x.dtype), axis=reduced, keepdims=True)
 
 
 def _shifted_moments(x, shift, m, sums):
