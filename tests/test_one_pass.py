@@ -72,9 +72,14 @@ def _compare(model, data, layers=None, batch_size=16, steps=None, max_memory=Non
     assert reference.strategy == "per_layer"
     assert report.strategy in ("one_pass", "one_pass_spilled")
     for layer, want, got in zip(layers, expected, _statistics(layers)):
-        for w, g in zip(want, got):
+        # A mean near 0 (after an upstream BN) is judged on the spread of its layer's input,
+        # the scale its rounding follows, not on its own size.
+        spread = np.sqrt(np.max(layer.moving_variance.numpy()))
+        for variable, w, g in zip(layer.non_trainable_variables, want, got):
             if w.dtype.kind in "iu":  # num_batches_tracked
                 np.testing.assert_array_equal(g, w, err_msg=layer.name)
+            elif variable is layer.moving_mean:
+                np.testing.assert_allclose(g, w, rtol=RTOL, atol=RTOL * spread, err_msg=layer.name)
             else:
                 assert_close(g, w, RTOL)
     assert [c.name for c in report.layers] == [c.name for c in reference.layers]

@@ -247,8 +247,16 @@ def blocked_sum(t, axes):
     else:
         partial = blocked_sum(t, inner)
     if placement.in_xla_context():
-        (partial,) = tf2xla.optimization_barrier(partial)
+        partial = _barrier(partial)
     return tf.reduce_sum(partial, axes[:1], keepdims=True)
+
+
+@tf.custom_gradient
+def _barrier(t):
+    """XLA's optimization barrier, the identity to the gradient (TensorFlow registers none for
+    it: a QAT layer under XLA differentiates through its batch statistics)."""
+    (kept,) = tf2xla.optimization_barrier(t)
+    return kept, lambda upstream: upstream
 
 
 def _blocked_axis_sum(t, axis):
