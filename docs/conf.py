@@ -66,7 +66,12 @@ napoleon_numpy_docstring = False
 
 html_theme = "pydata_sphinx_theme"
 html_title = "keras-bn"
-html_static_path = []
+html_static_path = ["_static"]
+html_css_files = ["custom.css"]
+# Pages that are a section of their own have nothing to list in the left sidebar ("Section
+# Navigation" stood empty): without it their tables and code get its width. The examples
+# keep it, for their notebooks.
+html_sidebars = {page: [] for page in ("index", "install", "api", "architecture", "guide/*")}
 html_theme_options = {
     "navigation_with_keys": False,
     "show_toc_level": 2,
@@ -77,9 +82,13 @@ nitpicky = False
 def _constructor_signature(app, what, name, obj, options, signature, return_annotation):
     """A Keras layer's signature as its __init__'s: autodoc would show Keras's
     `Layer.__new__(*args, **kwargs)`, which says nothing of the arguments."""
-    if what != "class" or signature != "(*args, **kwargs)" or "__init__" not in vars(obj):
+    if what != "class" or signature != "(*args, **kwargs)":
         return None
-    parameters = list(inspect.signature(obj.__init__).parameters.values())[1:]  # no self
+    # The nearest __init__ of keras_bn's own (QuantizedHost's, for a subclass that has none).
+    owner = next((c for c in obj.__mro__ if "__init__" in vars(c)), object)
+    if not owner.__module__.startswith("keras_bn"):
+        return None
+    parameters = list(inspect.signature(owner.__init__).parameters.values())[1:]  # no self
     plain = [p.replace(annotation=inspect.Parameter.empty) for p in parameters]
     return str(inspect.Signature(plain)), return_annotation
 

@@ -24,6 +24,7 @@ is the one place that deals with them:
 """
 
 import contextlib
+import logging
 import os
 import re
 import sys
@@ -67,7 +68,13 @@ def entry_point() -> None:
     stderr). Does nothing more if TensorFlow is already imported or cannot be."""
     for name, value in ENVIRONMENT.items():
         os.environ.setdefault(name, value)
-    if "tensorflow" in sys.modules or wants_logs():
+    if wants_logs():
+        return
+    # Raised outside `captured()` too (a notebook cell converting for itself, say).
+    warnings.filterwarnings("ignore", message="(?s).*" + CONVERTER_WARNINGS.pattern)
+    # TensorFlow's Python INFO lines ("Assets written to: /tmp/..." as a conversion saves).
+    logging.getLogger("tensorflow").setLevel(logging.WARNING)
+    if "tensorflow" in sys.modules:
         return
     with _native_stderr() as lines:
         try:

@@ -157,6 +157,19 @@ def test_tables_a_cell_displays_are_rendered(site):
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("docs_site")
+def test_no_page_shows_a_local_path_or_a_warning(site):
+    """A page shows neither this machine's paths (the checkout, a virtualenv's site-packages)
+    nor a Python warning a cell raised (whose first line names the file that raised it)."""
+    local = re.compile(re.escape(str(ROOT)) + r"|/site-packages/|\w+Warning: ")
+    found = []
+    for page in sorted(site.rglob("*.html")):
+        text = html.unescape(re.sub(r"<[^>]*>", "", page.read_text(encoding="utf-8")))
+        found += [f"{page.relative_to(site)}: {m.group(0)}" for m in local.finditer(text)]
+    assert not found, found[:10]
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("docs_site")
 def test_api_page_shows_the_layers_real_signature(site):
     """Not Keras's `Layer.__new__(*args, **kwargs)`: the arguments of __init__."""
     text = html.unescape(re.sub(r"<[^>]*>", "", (site / "api.html").read_text(encoding="utf-8")))
