@@ -72,18 +72,20 @@ def entry_point() -> None:
         return
     # Raised outside `captured()` too (a notebook cell converting for itself, say).
     warnings.filterwarnings("ignore", message="(?s).*" + CONVERTER_WARNINGS.pattern)
-    # TensorFlow's Python INFO lines ("Assets written to: /tmp/..." as a conversion saves).
-    logging.getLogger("tensorflow").setLevel(logging.WARNING)
-    if "tensorflow" in sys.modules:
-        return
-    with _native_stderr() as lines:
-        try:
-            import tensorflow as tf
+    if "tensorflow" not in sys.modules:
+        with _native_stderr() as lines:
+            try:
+                import tensorflow as tf
 
-            tf.config.list_physical_devices()  # the GPU probe logs here (cuInit), once
-        except ImportError:
-            pass  # a JAX-only environment: the command says what it needs
-    _write_back(line for line in lines if not NOISE.search(line))
+                tf.config.list_physical_devices()  # the GPU probe logs here (cuInit), once
+            except ImportError:
+                pass  # a JAX-only environment: the command says what it needs
+        _write_back(line for line in lines if not NOISE.search(line))
+    if "tensorflow" in sys.modules:
+        # TensorFlow's Python INFO lines ("Assets written to: /tmp/..." as a conversion
+        # saves): its logger, made on first use, is set to INFO in an interactive session (a
+        # notebook's kernel), so it is made here and set back.
+        sys.modules["tensorflow"].get_logger().setLevel(logging.WARNING)
 
 
 @contextlib.contextmanager

@@ -159,8 +159,9 @@ def test_tables_a_cell_displays_are_rendered(site):
 @pytest.mark.xdist_group("docs_site")
 def test_no_page_shows_a_local_path_or_a_warning(site):
     """A page shows neither this machine's paths (the checkout, a virtualenv's site-packages)
-    nor a Python warning a cell raised (whose first line names the file that raised it)."""
-    local = re.compile(re.escape(str(ROOT)) + r"|/site-packages/|\w+Warning: ")
+    nor a Python warning a cell raised (whose first line names the file that raised it), nor
+    TensorFlow's Python INFO lines (a conversion's "Assets written to: /tmp/...")."""
+    local = re.compile(re.escape(str(ROOT)) + r"|/site-packages/|\w+Warning: |INFO:tensorflow:")
     found = []
     for page in sorted(site.rglob("*.html")):
         text = html.unescape(re.sub(r"<[^>]*>", "", page.read_text(encoding="utf-8")))
