@@ -32,6 +32,9 @@ import sys
 import time
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
+# tests_jax/ for the sweep, tests/ for the helpers it imports (tensorflow_side, shared with
+# tests_torch/), as pyproject's pytest pythonpath gives them to the suites.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests_jax"))
 
 import jax
