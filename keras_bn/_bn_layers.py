@@ -31,9 +31,36 @@ def is_batch_norm(layer):
     return isinstance(layer, BN_TYPES)
 
 
+def folds_batch_norm(layer):
+    """True for a layer that folds a batch norm into weights it rounds (the QAT layers: class
+    attribute `folds_batch_norm`): its BN is never called, and what it normalizes in training
+    comes from the layer itself (its `batch_norm_moments`)."""
+    return getattr(type(layer), "folds_batch_norm", False)
+
+
 def in_model(model):
-    """Every BN layer of `model` (either class), nested models included, in layer order."""
-    return [layer for layer in model._flatten_layers(include_self=False) if is_batch_norm(layer)]
+    """Every layer of `model` whose statistics `recalibrate` sets, nested models included, in
+    layer order: the BN layers (either class), and the layers that fold one (whose own BN,
+    never called, is theirs to set and not listed)."""
+    found, seen = [], set()
+
+    def walk(parent):
+        for layer in parent._flatten_layers(include_self=False, recursive=False):
+            if id(layer) in seen:  # a layer shared by two parents
+                continue
+            seen.add(id(layer))
+            if is_batch_norm(layer) or folds_batch_norm(layer):
+                found.append(layer)
+            if not folds_batch_norm(layer):
+                walk(layer)
+
+    walk(model)
+    return found
+
+
+def statistics_of(layer):
+    """The BN layer holding `layer`'s moving statistics: its folded BN, or itself."""
+    return layer.batch_norm if folds_batch_norm(layer) else layer
 
 
 def batch_norms_inside(layer):
@@ -112,9 +139,7 @@ def refuse_folded(model, action):
             do instead).
     """
     folded = [
-        layer.name
-        for layer in model._flatten_layers(include_self=True)
-        if getattr(type(layer), "folds_batch_norm", False)
+        layer.name for layer in model._flatten_layers(include_self=True) if folds_batch_norm(layer)
     ]
     if folded:
         raise UnsupportedModelError(

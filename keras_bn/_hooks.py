@@ -92,7 +92,7 @@ class BatchNormCalls:
                 if index not in self._per_step:  # one step of a TimeDistributed: recorded
                     if index in self._recorded:
                         raise shared_error(layer)
-                    self._recorded[index] = batch_moments(layer, inputs, kwargs.get("mask"))
+                    self._recorded[index] = layer_moments(layer, inputs, kwargs.get("mask"))
                 # Inference even where the caller's code passes training=True to this layer.
                 kwargs["training"] = False
             elif self._training is not None:
@@ -111,7 +111,7 @@ class BatchNormCalls:
             if index in self._recorded:
                 raise shared_error(layer)
             mask = kwargs.get("mask")
-            self._recorded[index] = batch_moments(
+            self._recorded[index] = layer_moments(
                 layer, _merge_time(inputs), None if mask is None else _merge_time(mask)
             )
             kwargs["training"] = False
@@ -158,6 +158,16 @@ def shared_error(layer: keras.layers.Layer) -> ValueError:
         f"recalibrate: layer '{layer.name}' is called more than once per forward pass; a "
         f"shared BN layer has no single input distribution."
     )
+
+
+def layer_moments(layer: keras.layers.Layer, inputs: Any, mask: Any) -> Moments:
+    """The moments `recalibrate` pools for `layer` from one batch of its input: a BN's
+    `batch_moments`, or, for a layer that folds its BN (QAT), those of what that BN
+    normalizes in training (the layer's `batch_norm_moments`; its `call` takes no mask, so
+    Keras passes it none)."""
+    if _bn_layers.folds_batch_norm(layer):
+        return layer.batch_norm_moments(inputs)
+    return batch_moments(layer, inputs, mask)
 
 
 def batch_moments(layer: keras.layers.Layer, inputs: Any, mask: Any) -> Moments:

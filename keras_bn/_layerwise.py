@@ -10,6 +10,8 @@ into), where the forward function is that layer's call on its inputs.
 """
 
 import dataclasses
+import itertools
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -18,6 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from keras_bn import _bn_layers, backend
+from keras_bn._errors import KerasBNWarning
 from keras_bn._hooks import BatchNormCalls
 
 
@@ -39,6 +42,14 @@ class LayerChange:
             them).
         unchanged_channels: flat indices of the channels that no batch gave 2 values (a time
             step that is padding in every sequence, under a mask): they keep their statistics.
+        passes: the passes over the data this layer took: 1 for a BN; for a layer that folds
+            its BN into rounded weights (QAT), one per fixed-point iteration (`settle`).
+        unsettled_weights: for such a layer, how many of its kernel's weights round, with
+            the statistics kept, to other integers than those they were measured with (0: a
+            fixed point, whose statistics are those of the integers it rounds to); 0 for a BN.
+        settling_error: for such a layer, how far the statistics kept are from those of the
+            integers they round to: the largest change of the mean or of σ, in units of σ,
+            that measuring with those integers gives (0 at a fixed point; see `settle`).
     """
 
     name: str
@@ -49,6 +60,9 @@ class LayerChange:
     new_variance: np.ndarray
     batches_used: int | None = None
     unchanged_channels: tuple[int, ...] = ()
+    passes: int = 1
+    unsettled_weights: int = 0
+    settling_error: float = 0.0
 
     @property
     def mean_change(self) -> np.ndarray:
@@ -151,7 +165,8 @@ class PooledMoments:
 
 
 def assign(layer: keras.layers.Layer, sums: PooledMoments) -> LayerChange:
-    """Set `layer`'s statistics to the pooled ones in the channels some batch reached.
+    """Set `layer`'s statistics (a folding layer's: its BN's) to the pooled ones in the
+    channels some batch reached.
 
     Raises:
         ValueError: no batch gave the layer 2 values in any channel; or the statistics are NaN
@@ -164,6 +179,7 @@ def assign(layer: keras.layers.Layer, sums: PooledMoments) -> LayerChange:
             f"values per channel (m ≤ 1 in all {sums.skipped} batches), which "
             f"Algorithm 2 needs to estimate a batch variance. Use larger batches."
         )
+    name, layer = layer.name, _bn_layers.statistics_of(layer)
     mean, variance = sums.population(_bn_layers.unbiased_variance(layer))
     seen = sums.seen
     old_mean = layer.moving_mean.numpy().astype(np.float64)
@@ -172,7 +188,7 @@ def assign(layer: keras.layers.Layer, sums: PooledMoments) -> LayerChange:
     with np.errstate(over="ignore"):  # too large for the dtype: inf, refused below
         mean = mean.astype(layer.moving_mean.dtype)
         variance = variance.astype(layer.moving_variance.dtype)
-    _refuse_non_finite(layer, sums, seen & ~(np.isfinite(mean) & np.isfinite(variance)))
+    _refuse_non_finite(name, layer, sums, seen & ~(np.isfinite(mean) & np.isfinite(variance)))
     layer.moving_mean.assign(mean)
     layer.moving_variance.assign(variance)
     # Renorm layers (both classes) keep moving_stddev = √(moving_variance + ε) for Keras.
@@ -183,7 +199,7 @@ def assign(layer: keras.layers.Layer, sums: PooledMoments) -> LayerChange:
     if getattr(layer, "num_batches_tracked", None) is not None:
         layer.num_batches_tracked.assign(sums.batches)
     return LayerChange(
-        name=layer.name,
+        name=name,
         convention=_bn_layers.variance_convention(layer),
         old_mean=old_mean,
         new_mean=layer.moving_mean.numpy().astype(np.float64),
@@ -194,7 +210,9 @@ def assign(layer: keras.layers.Layer, sums: PooledMoments) -> LayerChange:
     )
 
 
-def _refuse_non_finite(layer: keras.layers.Layer, sums: PooledMoments, bad: np.ndarray) -> None:
+def _refuse_non_finite(
+    name: str, layer: keras.layers.Layer, sums: PooledMoments, bad: np.ndarray
+) -> None:
     """ValueError naming the layer, the first batch and the channels (flat indices) where its
     statistics came out NaN or inf, if any did."""
     if not bad.any():
@@ -208,10 +226,111 @@ def _refuse_non_finite(layer: keras.layers.Layer, sums: PooledMoments, bad: np.n
         else f"they overflow {layer.moving_variance.dtype}"
     )
     raise ValueError(
-        f"recalibrate: layer '{layer.name}' would get NaN or inf statistics: {cause}, in "
+        f"recalibrate: layer '{name}' would get NaN or inf statistics: {cause}, in "
         f"channels {shown} ({len(channels)} of {bad.size}). Every layer's statistics are left "
         f"as they were. Check the data, and the weights and statistics of the layers before it."
     )
+
+
+# The most passes `settle` makes for one layer that folds its BN.
+MAX_SETTLING_PASSES = 10
+
+
+def settle(
+    layer: keras.layers.Layer,
+    pooled: Callable[[], PooledMoments],
+    another_pass: Callable[[], None] = lambda: None,
+) -> LayerChange:
+    """`assign(layer, pooled())`, and for a layer that folds its BN into rounded weights
+    (QAT), again until its kernel rounds to the integers the statistics were measured with.
+
+    Such a layer scales its kernel by γ/σ before rounding it, σ from the moving variance, so
+    new statistics can move some weights to another integer, which changes what the BN
+    normalizes. Each pass measures with the integers the last one left, until a pass moves
+    none (a fixed point: the statistics are exactly those of the integers the layer rounds
+    to), for at most `MAX_SETTLING_PASSES`, or until the integers return to an earlier state
+    (a cycle, which more passes would repeat). Per-channel weight ranges settle at once (each
+    channel's scale cancels in its own grid); with a per-tensor range each channel's σ moves
+    the other channels' integers, and a few weights may keep crossing a rounding boundary.
+    Then the layer keeps the statistics of the pass k closest to its own integers: pass k + 1
+    measured with exactly the integers pass k's statistics round to, so their difference
+    (`LayerChange.settling_error`) is how far pass k is from a fixed point. A
+    `KerasBNWarning` names such a layer.
+
+    Args:
+        layer: a BN layer, or a layer that folds one.
+        pooled: one pass over the data: the layer's pooled moments with its weights as they
+            are now.
+        another_pass: called before each pass after the first (the progress bar's total).
+
+    Returns:
+        The `LayerChange` from the statistics before the first pass to those kept, with the
+        passes made, the integers that the next pass measured differently and the
+        settling error (both 0 at a fixed point).
+    """
+    rounded = _rounded_weights(layer)
+    if rounded is None:  # a BN, or float weights: nothing rounds
+        return assign(layer, pooled())
+    history = [rounded]
+    passes: list[tuple[PooledMoments, LayerChange, int]] = []  # (moments, change, moved)
+    while True:
+        sums = pooled()
+        change = assign(layer, sums)
+        rounded = _rounded_weights(layer)
+        assert rounded is not None  # the layer still rounds its kernel
+        moved = int(np.count_nonzero(rounded != history[-1]))
+        passes.append((sums, change, moved))
+        if not moved:
+            kept, error = change, 0.0
+            break
+        if len(passes) == MAX_SETTLING_PASSES or any(np.array_equal(rounded, h) for h in history):
+            errors = [
+                _distance(earlier, later, _bn_layers.statistics_of(layer).epsilon)
+                for (_, earlier, _), (_, later, _) in itertools.pairwise(passes)
+            ]
+            closest = int(np.argmin(errors)) if errors else 0
+            error = errors[closest] if errors else float("inf")
+            kept, moved = passes[closest][1], passes[closest][2]
+            if closest < len(passes) - 1:
+                kept = assign(layer, passes[closest][0])
+            warnings.warn(
+                f"recalibrate: layer '{layer.name}' did not settle in {len(passes)} passes: "
+                f"each pass's σ moved some of its kernel's weights to another integer. It "
+                f"keeps pass {closest + 1}'s statistics, the closest to those of the integers "
+                f"they round to: within {error:.3g}·σ of them ({moved} weight(s) round "
+                f"differently from the integers they were measured with).",
+                KerasBNWarning,
+                stacklevel=3,
+            )
+            break
+        history.append(rounded)
+        another_pass()
+    return dataclasses.replace(
+        kept,
+        old_mean=passes[0][1].old_mean,
+        old_variance=passes[0][1].old_variance,
+        passes=len(passes),
+        unsettled_weights=moved,
+        settling_error=error,
+    )
+
+
+def _distance(earlier: LayerChange, later: LayerChange, epsilon: float) -> float:
+    """The largest change from `earlier`'s statistics to `later`'s, of the mean and of
+    σ = √(v + ε), over the channels, in units of `earlier`'s σ."""
+    sigma = np.sqrt(earlier.new_variance + epsilon)
+    mean = np.abs(later.new_mean - earlier.new_mean) / sigma
+    scale = np.abs(np.sqrt(later.new_variance + epsilon) - sigma) / sigma
+    return float(max(mean.max(), scale.max()))
+
+
+def _rounded_weights(layer: keras.layers.Layer) -> np.ndarray | None:
+    """The integers a folding layer's kernel rounds to now (they depend on its statistics);
+    None for a BN, or float weights."""
+    if not _bn_layers.folds_batch_norm(layer) or layer.weight_bits is None:
+        return None
+    q: np.ndarray = layer.weight_grids()["kernel"].q
+    return q
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,12 +395,16 @@ def in_call_order(
         for index in order:
             layer = layers[index]
             bar.set_description(layer.name)
-            sums = PooledMoments.for_layer(layer)
-            for x in inputs:
-                sums.add(*[np.asarray(t) for t in traced(x)[index]])
-                bar.update(1)
-            check_count(sums.batches + sums.skipped)
-            changes.append(assign(layer, sums))
+
+            def pooled(layer: keras.layers.Layer = layer, index: int = index) -> PooledMoments:
+                sums = PooledMoments.for_layer(_bn_layers.statistics_of(layer))
+                for x in inputs:
+                    sums.add(*[np.asarray(t) for t in traced(x)[index]])
+                    bar.update(1)
+                check_count(sums.batches + sums.skipped)
+                return sums
+
+            changes.append(settle(layer, pooled, lambda: bar.add_total(count)))
     not_called = tuple(i for i in range(len(layers)) if i not in order)
     return Recalibrated(tuple(changes), not_called)
 

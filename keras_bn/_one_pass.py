@@ -16,7 +16,10 @@ frontier (the tensors that later nodes still read, for every batch) is kept in a
 
 A layer whose `call` hides BN layers from the graph (a custom layer, a subclassed model inside
 the graph) is a segment boundary too: its BNs are recalibrated by the per-layer method applied
-to that layer alone, over its inputs in the frontier, one pass of that layer per BN.
+to that layer alone, over its inputs in the frontier, one pass of that layer per BN. So is a
+QAT layer that folds its BN (`keras_bn.quantize`): its statistics decide how its kernel
+rounds, so it takes a pass of that layer alone per fixed-point iteration
+(`_layerwise.settle`), over its inputs kept in the frontier.
 
 Keras has no public API for running a graph's nodes one by one; this reads the internals that
 `_run_through_graph` itself reads (`_nodes_by_depth`, each node's arguments), as
@@ -166,7 +169,7 @@ class Plan:
         operation = node.operation
         inside = self._inside(operation)
         reads = [self._id(t) for t in node.input_tensors]
-        if id(operation) in self._index:
+        if id(operation) in self._index and not _bn_layers.folds_batch_norm(operation):
             self._record(inside)
             self._steps.append(_Step("record", operation, node, reads, [], layers=(inside[0],)))
         elif inside and walkable(operation):
@@ -337,7 +340,7 @@ def run(
             )
             changes += done.changes
             not_called += [boundary.layers[i] for i in done.not_called]
-            evaluations += len(done.changes)  # one evaluation of the layer per pass
+            evaluations += sum(change.passes for change in done.changes)  # one per pass
     reached = {index for segment in plan.segments for index in segment.boundary.layers}
     return Result(
         changes=tuple(changes),

@@ -117,17 +117,11 @@ class Recalibrate(keras.callbacks.Callback):
         self._validation_runs = 0
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
-        """Refuse a QAT model, and start counting validation runs (for the warning when a fit
-        has none).
+        """Start counting validation runs (for the warning when a fit has none).
 
         Args:
             logs: Keras's logs dict (unused).
-
-        Raises:
-            UnsupportedModelError: the model holds quantization-aware layers with folded
-                batch norms (`keras_bn.quantize`), whose statistics cannot be recalibrated.
         """
-        _bn_layers.refuse_folded(self.model, "callbacks.Recalibrate")
         self._validation_runs = 0
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:

@@ -99,10 +99,17 @@ class RecalibrationReport:
             f"{'layer':<40} {'convention':<10} {'max |Δmean|':>12} {'max |Δvar|':>12}",
         ]
         for change in self.layers:
+            settling = ""
+            if change.passes > 1 or change.unsettled_weights:
+                settling = f"  {change.passes} passes, " + (
+                    f"within {change.settling_error:.2g}σ of settled"
+                    if change.unsettled_weights
+                    else "settled"
+                )
             lines.append(
                 f"{change.name:<40} {change.convention:<10} "
                 f"{np.abs(change.mean_change).max():>12.4g} "
-                f"{np.abs(change.variance_change).max():>12.4g}"
+                f"{np.abs(change.variance_change).max():>12.4g}{settling}"
             )
         skipped = {
             c.name: self.batches - c.batches_used
@@ -149,6 +156,15 @@ def recalibrate(
         E[x] = Σ m_B·μ_B / Σ m_B
         Var[x] = Σ m_B·σ²_B / Σ (m_B − 1)     keras_bn.BatchNormalization (unbiased)
         Var[x] = Σ m_B·σ²_B / Σ m_B           keras.layers.BatchNormalization (biased)
+
+    A quantization-aware layer that folds its BN (`keras_bn.quantize`'s
+    QuantizedHostBatchNorm) gets the statistics of what its BN normalizes in training: the
+    host's output with the kernel rounded as the layer rounds it (z/s', with the host bias in
+    the mean). That kernel is scaled by γ/σ before rounding, so the new σ can move weights to
+    other integers: the layer takes passes until its kernel rounds to the integers its
+    statistics were measured with (`LayerChange.passes`). Where 10 passes, or a cycle, do not
+    settle it (a per-tensor weight range at low bits), it keeps the pass closest to settled,
+    `LayerChange.settling_error` says how close, and a `KerasBNWarning` names the layer.
 
     Each layer reads a mask as its own training step does (Keras's reading, the input's
     leading axes, for both classes; see `keras_bn.BatchNormalization.call`), so these are the
@@ -214,8 +230,6 @@ def recalibrate(
             more than once per forward pass (shared; a BN inside `TimeDistributed` is not:
             it is recalibrated over batch × time, its m values per channel); or the model
             holds a stateful layer (an RNN with `stateful=True`).
-        UnsupportedModelError: the model holds quantization-aware layers with folded batch
-            norms (`keras_bn.quantize`); recalibrate the float model before quantizing it.
 
     Example:
         After training with weight averaging, or to replace the moving averages::
@@ -223,7 +237,6 @@ def recalibrate(
             report = keras_bn.recalibrate(model, x_train, batch_size=64)
             print(report)   # per layer: max |Δmean|, max |Δvar|
     """
-    _bn_layers.refuse_folded(model, "recalibrate")
     layers = _bn_layers.in_model(model)
     if not layers:
         raise ValueError(f"Model '{model.name}' has no BatchNormalization layer to recalibrate.")

@@ -153,28 +153,9 @@ def qat_digits():
     return quantize_model(model)
 
 
-def test_recalibrate_refuses_a_qat_model_naming_its_layers(qat_digits):
-    x = digits.load()[0][:128]
-    with pytest.raises(UnsupportedModelError, match=r"recalibrate cannot take .*conv2d.*_qat"):
-        keras_bn.recalibrate(qat_digits, x)
-    with pytest.raises(ValueError, match="Run recalibrate on the float model before"):
-        keras_bn.recalibrate(qat_digits, x)
-
-
 def test_check_batchnorm_refuses_a_qat_model(qat_digits):
     with pytest.raises(UnsupportedModelError, match="check_batchnorm cannot take"):
         check_batchnorm(qat_digits, digits.load()[0][:64])
-
-
-def test_the_recalibrate_callback_refuses_a_qat_model_before_training(qat_digits):
-    x, y = digits.load()[:2]
-    qat_digits.compile(keras.optimizers.SGD(0.0), "sparse_categorical_crossentropy")
-    steps = int(qat_digits.optimizer.iterations.numpy())
-    with pytest.raises(UnsupportedModelError, match=r"callbacks\.Recalibrate cannot take"):
-        qat_digits.fit(
-            x[:128], y[:128], verbose=0, callbacks=[keras_bn.callbacks.Recalibrate(x[:128])]
-        )
-    assert int(qat_digits.optimizer.iterations.numpy()) == steps  # refused before any step
 
 
 def test_recalibrate_before_quantize_model_is_the_way(qat_digits):

@@ -10,13 +10,17 @@ layer then computes exactly the folded BN an int8 file holds, and the last steps
 that. Freezing the ranges stops the activation grids from moving for the final steps.
 """
 
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import keras
 
 from keras_bn import _models
+from keras_bn._batches import Batches, Data
 from keras_bn.quantize.activation import ActivationQuantizer
 from keras_bn.quantize.layers import QuantizedHostBatchNorm
+
+if TYPE_CHECKING:  # keras_bn.population imports what imports this module
+    from keras_bn.population import RecalibrationReport
 
 _Frozen = TypeVar("_Frozen", ActivationQuantizer, QuantizedHostBatchNorm)
 
@@ -96,7 +100,8 @@ def _validate_steps(value: object, name: str, minimum: int, allow_none: bool = F
 
 
 class FreezeBatchNorm(keras.callbacks.Callback):
-    """Freeze the QAT batch norms (and optionally the activation ranges) after some steps.
+    """Freeze the QAT batch norms (and optionally the activation ranges) after some steps,
+    re-estimating their statistics exactly at the freeze.
 
     Before each training batch the callback reads `model.optimizer.iterations` (the number of
     optimizer steps applied so far, across `fit` calls); once it reaches `after_steps` it runs
@@ -105,25 +110,56 @@ class FreezeBatchNorm(keras.callbacks.Callback):
     `steps_per_execution` > 1 the callback runs once per execution, so the freeze lands on the
     first execution boundary at or after the step.
 
+    Given `data`, it first sets the frozen layers' statistics to Algorithm 2's for the weights
+    of that step (`keras_bn.recalibrate`, which settles each layer's rounded kernel; the
+    report goes to `last_report`): the moving averages lag the weights, most where weights
+    oscillate across rounding boundaries at low bit widths (Nagel et al., "Overcoming
+    Oscillations in Quantization-Aware Training", 2022), and the steps after the freeze
+    fine-tune for the statistics the file will hold. Without `data`, or with
+    `reestimate=False`, the moving averages are frozen as they are.
+
     Args:
         after_steps: int ≥ 0, the optimizer step from which batch norm is frozen (0: from the
             start).
         freeze_ranges_after_steps: None (never), or an int ≥ 1, the optimizer step from which
             the activation ranges are frozen (at least one batch must have set them).
+        data: None, or the training inputs to re-estimate from, as `keras_bn.recalibrate`
+            takes them (arrays, `(x, y)`, a dataset, an iterable of batches); a one-shot
+            iterator is read once, here, and kept in memory.
+        batch_size: batch size for whole-array `data`.
+        steps: how many batches of `data` to use; None: all.
+        reestimate: re-estimate at the freeze when `data` is given (True), or not.
 
     Raises:
-        ValueError: an argument that is not an int in range (bools included); the message
-            names the value. In `on_train_begin`, before any step trains: the model holds no
+        ValueError: an argument that is not an int in range (bools included), a `reestimate`
+            that is not a bool, or `data` that `recalibrate` refuses; the message names the
+            value. In `on_train_begin`, before any step trains: the model holds no
             QuantizedHostBatchNorm (no BN was folded; nothing to freeze), or, with
             `freeze_ranges_after_steps`, no ActivationQuantizer.
 
     Example::
 
-        model.fit(data, epochs=3, callbacks=[FreezeBatchNorm(after_steps=1000)])
+        model.fit(x, y, epochs=3, callbacks=[FreezeBatchNorm(after_steps=1000, data=x)])
     """
 
-    def __init__(self, after_steps: int, freeze_ranges_after_steps: int | None = None) -> None:
+    def __init__(
+        self,
+        after_steps: int,
+        freeze_ranges_after_steps: int | None = None,
+        data: Data | None = None,
+        batch_size: int = 32,
+        steps: int | None = None,
+        reestimate: bool = True,
+    ) -> None:
         super().__init__()
+        if not isinstance(reestimate, bool):
+            raise ValueError(
+                f"reestimate must be True or False; received reestimate={reestimate!r}."
+            )
+        # recalibrate's checks of data, steps and batch_size, now rather than at the freeze.
+        self._batches = None if data is None or not reestimate else Batches(data, steps, batch_size)
+        self.reestimate = reestimate
+        self.last_report: RecalibrationReport | None = None
         self.after_steps = _validate_steps(after_steps, "after_steps", 0)
         self.freeze_ranges_after_steps = (
             None
@@ -164,6 +200,15 @@ class FreezeBatchNorm(keras.callbacks.Callback):
     def _freeze_due(self) -> None:
         step = int(self.model.optimizer.iterations.numpy())
         if not self._done["batch_norm"] and step >= self.after_steps:
+            if self._batches is not None:
+                from keras_bn.population import recalibrate_layers
+
+                self.last_report = recalibrate_layers(
+                    self.model,
+                    _find(self.model, QuantizedHostBatchNorm),
+                    self._batches.for_model(self.model).fresh(),
+                    progress=False,
+                )
             freeze_batch_norm(self.model)
             self._done["batch_norm"] = True
         due = self.freeze_ranges_after_steps

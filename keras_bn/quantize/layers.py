@@ -54,7 +54,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_bn import _models, backend
+from keras_bn import _hooks, _models, backend
 from keras_bn._bn_layers import KERAS_BN, KERAS_BN_BN
 from keras_bn.quantize import fake_quant, grids, hosts
 from keras_bn.quantize.activation import ActivationQuantizer, scalar_state, validate_momentum
@@ -614,6 +614,26 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
             outputs = z * per_channel(multiplier) + per_channel(offset)
         self._update_moving_statistics(z, axes, batch_mean + bias, batch_variance, frozen)
         return self._finish(outputs, training)
+
+    def batch_norm_moments(self, inputs: Any) -> tuple[Any, Any, Any]:
+        """(mean, biased variance, m) per channel of what the batch norm normalizes in
+        training, for `recalibrate`: z/s' with the kernel rounded as it is now, its mean with
+        the host bias (the moving mean's convention, see `call`). A separable host's
+        intermediate tensor is quantized as at inference (its range does not move).
+
+        Args:
+            inputs: float tensor, the host's input.
+
+        Returns:
+            Three float32 tensors of the moving statistics' shape.
+        """
+        gamma, _, _, variance, bias = self._bn_parameters()
+        sigma = ops.sqrt(variance + self.batch_norm.epsilon)
+        _, safe_scale, view, max_abs = self._scaled_kernel(gamma, sigma)
+        z = self._linear(ops.cast(inputs, "float32"), self._fake_quant(view, max_abs), False)
+        normalized = z * backend.get().per_channel(1.0 / safe_scale, z, self._channel_axes(z))
+        mean, variance, count = _hooks.batch_moments(self.batch_norm, normalized, None)
+        return mean + ops.reshape(bias, ops.shape(mean)), variance, count
 
     def _quantized_kernel(self) -> tuple[Any, Any, Any | None]:
         gamma, _, _, variance, _ = self._bn_parameters()

@@ -1,0 +1,239 @@
+"""recalibrate, Recalibrate and FreezeBatchNorm on QAT models: each QuantizedHostBatchNorm gets
+Algorithm 2's statistics of what its BN normalizes in training (z/s' with its rounded kernel,
+the host bias in the mean), settled so that the kernel rounds to the integers they were
+measured with; checked against a float64 numpy reference (tests/quantize_reference.py), not
+against keras_bn's own ops."""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import quantize_reference as ref
+
+import keras_bn
+from keras_bn import _layerwise
+from keras_bn.quantize import FreezeBatchNorm, QuantizedHostBatchNorm, quantize_model
+
+L = keras.layers
+BATCH = 20
+
+
+def _data(samples=70, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(samples, 6, 6, 3)).astype("float32")
+    return x, rng.integers(0, 4, samples)
+
+
+def _trained_qat(weight_bits, per_channel, steps=6, seed=0):
+    """conv → BN → ReLU → conv → BN → head, QAT, trained a few steps (the moving averages lag
+    the weights), in training mode throughout."""
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential(
+        [
+            keras.Input((6, 6, 3)),
+            L.Conv2D(6, 3, padding="same"),
+            keras_bn.BatchNormalization(),
+            L.ReLU(),
+            L.Conv2D(5, 3, use_bias=False),
+            keras_bn.BatchNormalization(),
+            L.ReLU(),
+            L.Flatten(),
+            L.Dense(4),
+        ]
+    )
+    qat = quantize_model(model, weight_bits=weight_bits, per_channel=per_channel)
+    qat.compile(keras.optimizers.SGD(0.2), keras.losses.SparseCategoricalCrossentropy(True))
+    x, y = _data()
+    qat.fit(x, y, batch_size=BATCH, epochs=steps // 4 + 1, steps_per_epoch=4, verbose=0)
+    return qat, x
+
+
+def _qat_layers(model):
+    return [layer for layer in model.layers if isinstance(layer, QuantizedHostBatchNorm)]
+
+
+def _reference_statistics(model, layer, x, batch_size):
+    """Algorithm 2 (count-weighted, unbiased) of z/s + b over the batches, in float64, with the
+    kernel rounded from the layer's statistics now: numpy FakeQuant (Δ = max|W·s|/q_max,
+    per channel or per tensor), a numpy convolution, the layer's input from the model."""
+    inputs = np.asarray(keras.Model(model.inputs[0], layer.input)(x), np.float64)
+    bn = layer.batch_norm
+    gamma = np.asarray(bn.gamma, np.float64)
+    sigma = np.sqrt(np.asarray(bn.moving_variance, np.float64) + bn.epsilon)
+    scale = gamma / sigma
+    kernel = np.asarray(layer.host.kernel, np.float64) * scale
+    quantized = ref.fake_quant_weights(kernel, layer.weight_bits, layer.per_channel)
+    integers = np.round(quantized / ref.weight_scale(kernel, layer.weight_bits, layer.per_channel))
+    spec = {"kind": "conv", "strides": (1, 1), "padding": layer.host.padding, "dilation": (1, 1)}
+    bias = 0.0 if layer.host.bias is None else np.asarray(layer.host.bias, np.float64)
+    count = total = squares = 0.0
+    for start in range(0, len(x), batch_size):
+        u = ref.host_output(spec, inputs[start : start + batch_size], quantized) / scale
+        u = u.reshape(-1, u.shape[-1])
+        m = len(u)
+        count, total = count + m, total + u.sum(axis=0)
+        squares = squares + m * u.var(axis=0)  # m·σ²_B, the batch's biased variance
+    batches = -(-len(x) // batch_size)
+    return total / count + bias, squares / (count - batches), integers
+
+
+def _distance(layer, mean, variance):
+    """The largest |Δmean| and |Δσ| from the layer's statistics to (mean, variance), in units
+    of the layer's σ = √(v + ε)."""
+    bn = layer.batch_norm
+    sigma = np.sqrt(np.asarray(bn.moving_variance, np.float64) + bn.epsilon)
+    return max(
+        np.max(np.abs(mean - np.asarray(bn.moving_mean, np.float64)) / sigma),
+        np.max(np.abs(np.sqrt(variance + bn.epsilon) - sigma) / sigma),
+    )
+
+
+@pytest.mark.parametrize("weight_bits", [8, 4, 2])
+def test_per_channel_qat_layers_get_algorithm_2_of_their_rounded_kernels(weight_bits):
+    """Per-channel ranges: each channel's scale cancels in its own grid, so one pass is a fixed
+    point, and the statistics are the numpy reference's (a short last batch included)."""
+    qat, x = _trained_qat(weight_bits, per_channel=True)
+    before = [np.asarray(layer.batch_norm.moving_variance) for layer in _qat_layers(qat)]
+    report = keras_bn.recalibrate(qat, x, batch_size=BATCH, progress=False)
+    assert [change.name for change in report.layers] == [layer.name for layer in _qat_layers(qat)]
+    for layer, old, change in zip(_qat_layers(qat), before, report.layers):
+        mean, variance, integers = _reference_statistics(qat, layer, x, BATCH)
+        np.testing.assert_allclose(layer.batch_norm.moving_mean, mean, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(layer.batch_norm.moving_variance, variance, rtol=1e-4)
+        # The kernel rounds to the integers the statistics describe.
+        np.testing.assert_array_equal(layer.weight_grids()["kernel"].q, integers)
+        assert (change.passes, change.unsettled_weights, change.settling_error) == (1, 0, 0.0)
+        assert not np.allclose(old, variance, rtol=1e-3)  # recalibrate changed something
+
+
+def test_per_tensor_qat_layers_settle_or_say_how_far_they_are():
+    """A per-tensor range ties every channel's integers to every σ: stale statistics (×4 in
+    some channels) move many weights on the first pass, so more passes are needed. What the
+    report says holds: the statistics kept are within `settling_error`·σ of the reference's
+    for the integers the layer now rounds to (0 at a fixed point), and the layer that did not
+    settle is named in a warning."""
+    qat, x = _trained_qat(8, per_channel=False)
+    for layer in _qat_layers(qat):
+        variance = np.asarray(layer.batch_norm.moving_variance)
+        layer.batch_norm.moving_variance.assign(
+            variance * np.where(np.arange(len(variance)) % 2, 4, 1)
+        )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = keras_bn.recalibrate(qat, x, batch_size=BATCH, progress=False)
+    unsettled = {c.name for c in report.layers if c.unsettled_weights}
+    named = {
+        c.name
+        for c in report.layers
+        if any(f"'{c.name}' did not settle" in str(w.message) for w in caught)
+    }
+    assert named == unsettled
+    assert any(change.passes > 1 for change in report.layers)
+    for layer, change in zip(_qat_layers(qat), report.layers):
+        mean, variance, integers = _reference_statistics(qat, layer, x, BATCH)
+        assert _distance(layer, mean, variance) <= change.settling_error + 1e-4
+        moved = np.count_nonzero(layer.weight_grids()["kernel"].q != integers)
+        assert moved == 0  # the reference rounds as the layer does
+        if not change.unsettled_weights:
+            assert change.settling_error == 0.0
+        assert change.settling_error < 0.05  # 8 bits: a few weights, a fraction of a percent
+
+
+def _stale_per_tensor_qat(weight_bits):
+    qat, x = _trained_qat(weight_bits, per_channel=False)
+    for layer in _qat_layers(qat):
+        variance = np.asarray(layer.batch_norm.moving_variance)
+        stale = variance * np.where(np.arange(len(variance)) % 2, 4, 1)
+        layer.batch_norm.moving_variance.assign(stale)
+    return qat, x
+
+
+def test_the_passes_bring_a_4_bit_per_tensor_layer_closer_to_its_own_integers():
+    """Why the passes: one pass measures with the integers the stale σ rounded to, which the
+    new σ no longer gives; the reference for the integers the layer now rounds to is farther
+    from one pass's statistics than from the settled ones (measured here: 0.07σ and 0.13σ
+    after one pass, 0.02σ and 0.04σ after ten)."""
+    distances = {}
+    for limit in (1, _layerwise.MAX_SETTLING_PASSES):
+        qat, x = _stale_per_tensor_qat(4)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(_layerwise, "MAX_SETTLING_PASSES", limit)
+            with pytest.warns(keras_bn.KerasBNWarning, match="did not settle"):
+                report = keras_bn.recalibrate(qat, x, batch_size=BATCH, progress=False)
+        distances[limit] = [
+            _distance(layer, *_reference_statistics(qat, layer, x, BATCH)[:2])
+            for layer in _qat_layers(qat)
+        ]
+        if limit == 1:  # one pass cannot know how far it is
+            assert all(change.settling_error == np.inf for change in report.layers)
+    one, settled = distances[1], distances[_layerwise.MAX_SETTLING_PASSES]
+    assert all(a > 2 * b for a, b in zip(one, settled)), distances
+
+
+def test_the_one_pass_and_the_per_layer_method_agree_on_a_qat_model():
+    qat, x = _trained_qat(4, per_channel=True)
+    inner = keras.models.clone_model(qat)
+    inner.set_weights(qat.get_weights())
+
+    class Wrapped(keras.Model):
+        def __init__(self, model):
+            super().__init__()
+            self.model_inside = model
+
+        def call(self, inputs, training=False):
+            return self.model_inside(inputs, training=training)
+
+    wrapped = Wrapped(inner)
+    wrapped(x[:2])
+    walked = keras_bn.recalibrate(qat, x, batch_size=BATCH, progress=False)
+    per_layer = keras_bn.recalibrate(wrapped, x, batch_size=BATCH, progress=False)
+    assert (walked.strategy, per_layer.strategy) == ("one_pass", "per_layer")
+    for a, b in zip(_qat_layers(qat), _qat_layers(inner)):
+        np.testing.assert_allclose(a.batch_norm.moving_mean, b.batch_norm.moving_mean, atol=1e-6)
+        np.testing.assert_allclose(
+            a.batch_norm.moving_variance, b.batch_norm.moving_variance, rtol=1e-6
+        )
+
+
+def test_the_recalibrate_callback_takes_a_qat_model():
+    qat, x = _trained_qat(4, per_channel=True)
+    _, y = _data()
+    callback = keras_bn.callbacks.Recalibrate(x, batch_size=BATCH)
+    qat.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[callback])
+    assert [c.name for c in callback.last_report.layers] == [
+        layer.name for layer in _qat_layers(qat)
+    ]
+    for layer in _qat_layers(qat):
+        mean, variance, _ = _reference_statistics(qat, layer, x, BATCH)
+        np.testing.assert_allclose(layer.batch_norm.moving_mean, mean, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(layer.batch_norm.moving_variance, variance, rtol=1e-4)
+
+
+@pytest.mark.parametrize("reestimate", [True, False])
+def test_freeze_batch_norm_re_estimates_at_the_freeze(reestimate):
+    """With data, the freeze sets the statistics of the weights at that step (learning rate 0
+    and the ranges frozen first: nothing changes after it, so they are the reference's for the
+    final model); with reestimate=False the moving averages are frozen as they were."""
+    qat, x = _trained_qat(4, per_channel=True)
+    _, y = _data()
+    qat.compile(keras.optimizers.SGD(0.0), keras.losses.SparseCategoricalCrossentropy(True))
+    callback = FreezeBatchNorm(
+        2, freeze_ranges_after_steps=1, data=x, batch_size=BATCH, reestimate=reestimate
+    )
+    qat.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[callback])
+    assert all(bool(layer.batch_norm_frozen.numpy()) for layer in _qat_layers(qat))
+    assert (callback.last_report is not None) == reestimate
+    for layer in _qat_layers(qat):
+        _, variance, _ = _reference_statistics(qat, layer, x, BATCH)
+        matches = np.allclose(layer.batch_norm.moving_variance, variance, rtol=1e-4)
+        assert matches == reestimate
+
+
+def test_freeze_batch_norm_checks_its_new_arguments():
+    with pytest.raises(
+        ValueError, match="reestimate must be True or False; received reestimate='yes'"
+    ):
+        FreezeBatchNorm(2, data=np.zeros((4, 3)), reestimate="yes")
+    with pytest.raises(ValueError, match="batch_size"):
+        FreezeBatchNorm(2, data=np.zeros((4, 3)), batch_size=0)
