@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from keras_bn.backend import INTERFACE
 from keras_bn.backend.constants import MIN_RANGE, ZERO_WEIGHT_RANGE
 
 
@@ -237,3 +238,8 @@ def halves_away_from_int8_zero(
     zero_point = jnp.floor(-jnp.asarray(minimum, jnp.float32) / scale + 0.5)
     int8_zero = (128.0 - zero_point) * scale
     return average + jnp.sign(average - int8_zero) * scale / (4.0 * window)
+
+
+# The interface's functions (keras_bn/backend/__init__.py) defined here, which the backend
+# package imports with `*`.
+__all__ = [name for name in INTERFACE if name in globals()]

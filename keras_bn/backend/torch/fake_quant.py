@@ -22,6 +22,7 @@ of the gradients below min' (to min) and above max' (to max).
 
 import torch
 
+from keras_bn.backend import INTERFACE
 from keras_bn.backend.constants import MIN_RANGE, ZERO_WEIGHT_RANGE
 
 
@@ -210,3 +211,8 @@ def halves_away_from_int8_zero(average, minimum, maximum, bits, window):
     zero_point = torch.floor(_divide(-minimum, scale) + 0.5)
     int8_zero = (128.0 - zero_point) * scale
     return average + torch.sign(average - int8_zero) * _divide(scale, 4.0 * window)
+
+
+# The interface's functions (keras_bn/backend/__init__.py) defined here, which the backend
+# package imports with `*`.
+__all__ = [name for name in INTERFACE if name in globals()]
