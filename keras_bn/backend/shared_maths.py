@@ -262,10 +262,10 @@ def renorm_corrections(mean, variance, renorm_mean, renorm_stddev, epsilon, clip
 
 
 def unbiased_estimates(mean, variance, count, epsilon, dtype, with_stddev):
-    """The per-channel values the moving statistics take from a batch, in the variables'
-    `dtype`: [μ_B, m/(m−1)·σ²_B] (and renorm's √(σ²_B + ε) `with_stddev`), and which channels
-    have the m ≥ 2 values a variance needs: True for a static m (checked by the caller), else a
-    boolean array per channel."""
+    """([μ_B, m/(m−1)·σ²_B], and renorm's √(σ²_B + ε) `with_stddev`), in the variables'
+    `dtype`: what the moving statistics take from a batch; and `enough`, the channels with the
+    m ≥ 2 values a variance needs (True for a static m, which the caller checked, else a
+    boolean array per channel)."""
     xp = arrays_of(mean)
     mean, variance = xp.astype(mean, dtype), xp.astype(variance, dtype)
     if isinstance(count, int):  # static m, checked ≥ 2 by the layer

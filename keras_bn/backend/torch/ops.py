@@ -67,21 +67,9 @@ class _Normalize(torch.autograd.Function):
 def batch_norm_train(
     x, gamma, beta, channel_axes, epsilon, mask=None, fused=None, replica_context=None
 ):
-    """Train-mode batch normalization with the hand-written backward.
-
-    Args:
-        x: floating tensor, normalized in `statistics_dtype(x.dtype)`.
-        gamma, beta: per-channel scale and offset in the statistics dtype.
-        channel_axes: sorted non-negative axes that are not reduced.
-        epsilon: added to the variance.
-        mask: optional output of `expand_mask`; masked-out values do not enter μ or σ².
-        fused: TensorFlow's kernel choice; one path here, so unused.
-        replica_context: always None under PyTorch (no replicas).
-
-    Returns:
-        (y, mean, variance): the output in the statistics dtype, and the per-channel mean and
-        biased variance shaped like gamma, carrying no gradient.
-    """
+    """Train-mode batch normalization with the hand-written backward (`_Normalize`): the
+    arguments and results of the JAX backend's `batch_norm_train`, in tensors; `fused` and
+    `replica_context` unused (one path, no replicas)."""
     del fused, replica_context
     x = x.to(statistics_dtype(x.dtype))
     return _Normalize.apply(x, gamma, beta, mask, tuple(channel_axes), float(epsilon))
