@@ -4,8 +4,8 @@ keras_bn's fake quantization under the JAX backend runs on two JAX devices, the 
 CPU, on the same inputs, and every output and gradient must have the same bits:
 
 - the FakeQuant ops (keras_bn/backend/jax/fake_quant.py), per tensor and per channel, over the
-  60 ranges of tests_jax/test_jax_quantize.py with values on, beside and between every rounding
-  boundary (its sweep, imported), under jit (and every fourth range eagerly too), with their
+  60 ranges of tests/fake_quant_cases.py with values on, beside and between every rounding
+  boundary (the tests' sweep, imported), under jit (and every fourth range eagerly too), with their
   straight-through gradients to x, min and max;
 - keras_bn.quantize.fake_quant's weight grid (weight_max_abs, fake_quant_weights: per channel
   and per tensor, a conv kernel at 2, 4 and 8 bits and a Dense one at 8, with weights on the
@@ -40,7 +40,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests_j
 import jax
 import jax.numpy as jnp
 import numpy as np
-from test_jax_quantize import _sweep  # the bit-for-bit sweep of the tests
+from fake_quant_cases import sweep  # the bit-for-bit sweep of the tests
 
 from keras_bn.backend.jax import fake_quant as jfq
 from keras_bn.export import atomic
@@ -95,7 +95,7 @@ def _weight_step(bits, per_channel):
 def cases():
     """(name, function, args): every call compared; `function` takes the args as arrays."""
     found = []
-    for i, (bits, narrow, low, high, x) in enumerate(_sweep()):
+    for i, (bits, narrow, low, high, x) in enumerate(sweep()):
         scalars = (x, np.float32(low), np.float32(high))
         column = (x[:, None], np.array([low]), np.array([high]))
         per_tensor, per_channel = _fake_quant(False, bits, narrow), _fake_quant(True, bits, narrow)

@@ -256,8 +256,11 @@ def imported_signatures(backend_name):
 def static_signatures(backend_name):
     """What `imported_signatures` gives, read from the sources with `ast`, for a backend whose
     framework this Python lacks: the functions keras_bn/backend/<backend_name>/__init__.py
-    defines, and those it imports from its own modules; `__all__ = list(INTERFACE)`."""
-    package = f"keras_bn.backend.{backend_name}"
+    defines, those it imports by name from keras_bn/backend/ and, from a `*` import, those of
+    the interface the module defines (its `__all__`); `__all__ = list(INTERFACE)`."""
+    from keras_bn.backend import INTERFACE
+
+    package = "keras_bn.backend"
     directory = ROOT / "keras_bn" / "backend" / backend_name
 
     def parameters(args):
@@ -284,13 +287,18 @@ def static_signatures(backend_name):
     tree, functions = defined(directory / "__init__.py")
     exported = None
     for node in tree.body:
-        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(package + "."):
-            _, found = defined(directory / (node.module.rpartition(".")[2] + ".py"))
-            functions.update({alias.name: found[alias.name] for alias in node.names})
+        source = (
+            ROOT.joinpath(*node.module.split(".")) if isinstance(node, ast.ImportFrom) else None
+        )
+        # `from <package> import a, b` imports modules: only imports from module files count.
+        if source is not None and node.module.startswith(package + ".") and not source.is_dir():
+            _, found = defined(source.with_suffix(".py"))
+            if [alias.name for alias in node.names] == ["*"]:
+                functions.update({name: found[name] for name in INTERFACE if name in found})
+            else:
+                functions.update({alias.name: found[alias.name] for alias in node.names})
         elif isinstance(node, ast.Assign) and [t.id for t in node.targets] == ["__all__"]:
             assert ast.unparse(node.value) == "list(INTERFACE)", ast.unparse(node.value)
-            from keras_bn.backend import INTERFACE
-
             exported = list(INTERFACE)
     return functions, exported
 

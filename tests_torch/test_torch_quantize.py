@@ -5,8 +5,7 @@ the ops per tensor and per channel at 2-8 bits on grids holding every rounding b
 QAT weights (symmetric, narrow range, per tensor and per channel) and activations; their
 gradients (TensorFlow's for the ops, torch.ao's rule of gradient 1 for every weight)."""
 
-import json
-
+import fake_quant_cases
 import numpy as np
 import pytest
 import quantize_reference as ref
@@ -16,60 +15,6 @@ from references import array
 
 from keras_bn.backend.torch import fake_quant as tfq
 from keras_bn.quantize import fake_quant
-
-
-def _nudged(low, high, bits, narrow):
-    """(scale, nudged_min) of TensorFlow's nudged grid, in numpy float32: only to place the
-    test values on and around the rounding boundaries (TensorFlow's outputs are the
-    reference)."""
-    f = np.float32
-    q_lo, q_hi = f(1 if narrow else 0), f(2**bits - 1)
-    scale = f(f(high) - f(low)) / f(q_hi - q_lo)
-    zero_from_min = q_lo - f(low) / scale
-    zero = np.clip(np.sign(zero_from_min) * np.floor(np.abs(zero_from_min) + f(0.5)), q_lo, q_hi)
-    return scale, f((q_lo - zero) * scale)
-
-
-def _ranges():
-    """(bits, narrow, min, max): symmetric, asymmetric, min = 0, tiny and wide ranges."""
-    rng = np.random.default_rng(7)
-    found = []
-    for trial in range(60):
-        bits = int(rng.integers(2, 9))
-        narrow = bool(trial % 2)
-        low = np.float32(-abs(rng.normal()) * rng.choice([1e-3, 1.0, 10.0]))
-        high = np.float32(abs(rng.normal()) * rng.choice([1e-3, 1.0, 10.0]))
-        if trial % 3 == 0:
-            high = -low
-        if trial % 7 == 0:
-            low = np.float32(0.0)
-        found.append((bits, narrow, low, high))
-    return found
-
-
-def _values(bits, narrow, low, high, rng):
-    """Random values in and around the range, every grid value, every half between two grid
-    values and the floats either side of each half."""
-    scale, nudged_min = _nudged(low, high, bits, narrow)
-    k = np.arange(-3, 2**bits + 3, dtype=np.float32)
-    halves = (nudged_min + (k + 0.5) * scale).astype(np.float32)
-    return np.concatenate(
-        [
-            rng.uniform(low * 1.2 - 0.1, high * 1.2 + 0.1, 100).astype(np.float32),
-            (nudged_min + k * scale).astype(np.float32),
-            halves,
-            np.nextafter(halves, np.float32(np.inf)),
-            np.nextafter(halves, np.float32(-np.inf)),
-        ]
-    )
-
-
-def _sweep():
-    rng = np.random.default_rng(0)
-    return [
-        (bits, narrow, low, high, _values(bits, narrow, low, high, rng))
-        for bits, narrow, low, high in _ranges()
-    ]
 
 
 def _kernel(bits):
@@ -87,27 +32,14 @@ def _activation_case(bits):
     return x, low, high
 
 
-def _gradient_case(per_channel):
-    rng = np.random.default_rng(2)
-    x = rng.uniform(-2.0, 3.0, size=(50, 3)).astype(np.float32)
-    upstream = rng.normal(size=x.shape).astype(np.float32)
-    low = np.array([-1.0, -0.5, -1.5], np.float32)
-    high = np.array([1.0, 2.0, 1.5], np.float32)
-    if not per_channel:
-        low, high = low[0], high[0]
-    return x, low, high, upstream
-
-
 BITS = range(2, 9)
 
 
-def _cases():
-    """Every TensorFlow FakeQuant call of this module: name -> (op, bits, narrow, arrays)."""
-    cases = {}
-    for i, (bits, narrow, low, high, x) in enumerate(_sweep()):
-        cases[f"sweep{i}"] = ("per_tensor", bits, narrow, {"x": x, "min": low, "max": high})
-        column = {"x": x[:, None], "min": np.array([low]), "max": np.array([high])}
-        cases[f"sweep{i}_channel"] = ("per_channel", bits, narrow, column)
+@pytest.fixture(scope="module")
+def tensorflow_fake_quant(tmp_path_factory):
+    """TensorFlow's outputs (and gradients) for the shared cases and the QAT weight and
+    activation cases, from one process."""
+    cases = fake_quant_cases.shared_cases()
     for bits in BITS:
         kernel = _kernel(bits)
         per_channel = np.abs(kernel).reshape(-1, 24).max(0)
@@ -128,78 +60,18 @@ def _cases():
         )
         x, low, high = _activation_case(bits)
         cases[f"activations{bits}"] = ("per_tensor", bits, False, {"x": x, "min": low, "max": high})
-    for per_channel in (False, True):
-        x, low, high, upstream = _gradient_case(per_channel)
-        op = "per_channel" if per_channel else "per_tensor"
-        arrays = {"x": x, "min": low, "max": high, "upstream": upstream}
-        cases[f"gradient_{op}"] = (op, 8, False, arrays)
-    return cases
-
-
-# TensorFlow's side: each case's FakeQuant output (and, with an upstream, the gradients to x,
-# min and max), eagerly, into outputs.npz.
-_TENSORFLOW_FAKE_QUANT = """
-import json, sys
-import numpy as np
-import tensorflow as tf
-
-folder = sys.argv[1]
-with open(folder + "/cases.json") as file:
-    cases = json.load(file)
-arrays = np.load(folder + "/inputs.npz")
-ops = {
-    "per_tensor": tf.quantization.fake_quant_with_min_max_vars,
-    "per_channel": tf.quantization.fake_quant_with_min_max_vars_per_channel,
-}
-found = {}
-for name, (op, bits, narrow) in cases.items():
-    tensors = [tf.constant(arrays[name + "/" + key]) for key in ("x", "min", "max")]
-    with tf.GradientTape() as tape:
-        tape.watch(tensors)
-        y = ops[op](*tensors, num_bits=bits, narrow_range=narrow)
-        if name + "/upstream" in arrays:
-            loss = tf.reduce_sum(y * arrays[name + "/upstream"])
-    found[name + "/y"] = y.numpy()
-    if name + "/upstream" in arrays:
-        for key, gradient in zip(("x", "min", "max"), tape.gradient(loss, tensors)):
-            found[name + "/d_" + key] = gradient.numpy()
-np.savez(folder + "/outputs.npz", **found)
-print("{}")
-"""
-
-
-@pytest.fixture(scope="module")
-def tensorflow_fake_quant(tmp_path_factory):
-    """TensorFlow's outputs (and gradients) for every case of _cases(), from one process."""
-    folder = tmp_path_factory.mktemp("fake_quant")
-    cases = _cases()
-    with open(folder / "cases.json", "w") as file:
-        json.dump({name: case[:3] for name, case in cases.items()}, file)
-    np.savez(
-        folder / "inputs.npz",
-        **{
-            f"{name}/{key}": np.asarray(value, np.float32)
-            for name, (*_, arrays) in cases.items()
-            for key, value in arrays.items()
-        },
-    )
-    tensorflow_side.run(_TENSORFLOW_FAKE_QUANT, folder, backend="tensorflow")
-    with np.load(folder / "outputs.npz") as outputs:
-        return dict(outputs)
+    return fake_quant_cases.tensorflow_outputs(cases, tmp_path_factory.mktemp("fake_quant"))
 
 
 def _bits_equal(actual, expected):
-    actual, expected = np.asarray(array(actual), np.float32), np.asarray(expected, np.float32)
-    assert actual.shape == expected.shape
-    differ = np.nonzero(actual.view(np.int32) != expected.view(np.int32))
-    assert differ[0].size == 0, (actual[differ][:5], expected[differ][:5])
+    fake_quant_cases.assert_bits_equal(array(actual), expected)
 
 
 @pytest.mark.tensorflow_side
 def test_fake_quant_ops_equal_tensorflow_bit_for_bit(tensorflow_fake_quant):
     """60 ranges (2-8 bits, narrow or not), per tensor and as one channel, every rounding
     boundary."""
-    for i, (bits, narrow, low, high, x) in enumerate(_sweep()):
+    for i, (bits, narrow, low, high, x) in enumerate(fake_quant_cases.sweep()):
         _bits_equal(
             tfq.fake_quant_with_min_max_vars(x, low, high, bits, narrow),
             tensorflow_fake_quant[f"sweep{i}/y"],
@@ -243,7 +115,7 @@ def test_qat_activations_equal_tensorflow_bit_for_bit(bits, tensorflow_fake_quan
 @pytest.mark.tensorflow_side
 @pytest.mark.parametrize("per_channel", [False, True])
 def test_gradients_are_tensorflows_straight_through_rule(per_channel, tensorflow_fake_quant):
-    x, low, high, upstream = _gradient_case(per_channel)
+    x, low, high, upstream = fake_quant_cases.gradient_case(per_channel)
     name = "gradient_per_channel" if per_channel else "gradient_per_tensor"
     expected = [tensorflow_fake_quant[f"{name}/d_{key}"] for key in ("x", "min", "max")]
     op = (

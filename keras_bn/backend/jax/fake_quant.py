@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from keras_bn.backend import INTERFACE
 from keras_bn.backend.constants import MIN_RANGE, ZERO_WEIGHT_RANGE
 
 
@@ -140,19 +141,9 @@ def fake_quant_with_min_max_vars(
 def fake_quant_with_min_max_vars_per_channel(
     x: Any, minimum: Any, maximum: Any, num_bits: int = 8, narrow_range: bool = False
 ) -> Any:
-    """`tf.quantization.fake_quant_with_min_max_vars_per_channel` in jnp: one range per entry
-    of x's last axis.
-
-    Args:
-        x: float32 array.
-        minimum: float32 vector of x's last axis, ≤ 0.
-        maximum: float32 vector of x's last axis, > minimum, ≥ 0.
-        num_bits: 2..16.
-        narrow_range: whether the lowest integer is left out.
-
-    Returns:
-        The fake-quantized array, with TensorFlow's gradients (module docstring).
-    """
+    """`tf.quantization.fake_quant_with_min_max_vars_per_channel`: as
+    `fake_quant_with_min_max_vars`, with one range per entry of x's last axis (`minimum` and
+    `maximum` vectors of that length)."""
     minimum, maximum = _ranges(minimum, maximum)
     return _fake_quant(jnp.asarray(x, jnp.float32), minimum, maximum, num_bits, narrow_range, True)
 
@@ -237,3 +228,8 @@ def halves_away_from_int8_zero(
     zero_point = jnp.floor(-jnp.asarray(minimum, jnp.float32) / scale + 0.5)
     int8_zero = (128.0 - zero_point) * scale
     return average + jnp.sign(average - int8_zero) * scale / (4.0 * window)
+
+
+# The interface's functions (keras_bn/backend/__init__.py) defined here, which the backend
+# package imports with `*`.
+__all__ = [name for name in INTERFACE if name in globals()]

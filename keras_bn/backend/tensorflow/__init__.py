@@ -14,15 +14,7 @@ import tensorflow as tf
 from keras_bn import ghost
 from keras_bn.backend import INTERFACE
 from keras_bn.backend.tensorflow import fused, statistics, xla
-from keras_bn.backend.tensorflow.fake_quant import (
-    activation_step,
-    fake_quant_activations,
-    fake_quant_weights,
-    halves_away_from_int8_zero,
-    round_bias,
-    weight_max_abs,
-    weight_step,
-)
+from keras_bn.backend.tensorflow.fake_quant import *  # noqa: F403
 from keras_bn.backend.tensorflow.ops import batch_norm_eval, batch_norm_inference, batch_norm_train
 from keras_bn.backend.tensorflow.statistics import (
     element_count,

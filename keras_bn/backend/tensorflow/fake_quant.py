@@ -5,6 +5,7 @@ has the grids; keras_bn/backend/jax/fake_quant.py computes the same values bit f
 import numpy as np
 import tensorflow as tf
 
+from keras_bn.backend import INTERFACE
 from keras_bn.backend.constants import MIN_RANGE, ZERO_WEIGHT_RANGE
 
 
@@ -112,3 +113,8 @@ def export_activations(x, grid):
         )
 
     return on_wide_grid(tf.minimum(on_wide_grid(x), grid.nudged_max))
+
+
+# The interface's functions (keras_bn/backend/__init__.py) defined here, which the backend
+# package imports with `*`.
+__all__ = [name for name in INTERFACE if name in globals()]

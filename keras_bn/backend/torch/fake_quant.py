@@ -22,6 +22,7 @@ of the gradients below min' (to min) and above max' (to max).
 
 import torch
 
+from keras_bn.backend import INTERFACE
 from keras_bn.backend.constants import MIN_RANGE, ZERO_WEIGHT_RANGE
 
 
@@ -119,19 +120,9 @@ def fake_quant_with_min_max_vars(x, minimum, maximum, num_bits=8, narrow_range=F
 
 
 def fake_quant_with_min_max_vars_per_channel(x, minimum, maximum, num_bits=8, narrow_range=False):
-    """`tf.quantization.fake_quant_with_min_max_vars_per_channel` in torch: one range per entry
-    of x's last axis.
-
-    Args:
-        x: float32 tensor.
-        minimum: float32 vector of x's last axis, ≤ 0.
-        maximum: float32 vector of x's last axis, > minimum, ≥ 0.
-        num_bits: 2..16.
-        narrow_range: whether the lowest integer is left out.
-
-    Returns:
-        The fake-quantized tensor, with TensorFlow's gradients (module docstring).
-    """
+    """`tf.quantization.fake_quant_with_min_max_vars_per_channel`: as
+    `fake_quant_with_min_max_vars`, with one range per entry of x's last axis (`minimum` and
+    `maximum` vectors of that length)."""
     x = torch.as_tensor(x).to(torch.float32)
     minimum, maximum = _ranges(minimum, maximum, x)
     return _FakeQuant.apply(x, minimum, maximum, num_bits, narrow_range, True)
@@ -210,3 +201,8 @@ def halves_away_from_int8_zero(average, minimum, maximum, bits, window):
     zero_point = torch.floor(_divide(-minimum, scale) + 0.5)
     int8_zero = (128.0 - zero_point) * scale
     return average + torch.sign(average - int8_zero) * _divide(scale, 4.0 * window)
+
+
+# The interface's functions (keras_bn/backend/__init__.py) defined here, which the backend
+# package imports with `*`.
+__all__ = [name for name in INTERFACE if name in globals()]

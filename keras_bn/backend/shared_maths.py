@@ -1,0 +1,336 @@
+"""The batch norm's maths that the JAX and PyTorch backends share, written once.
+
+For one channel over its m values (m_c under a mask):
+
+    μ = Σx / m,   σ² = Σ(x − μ)² / m,   x̂ = (x − μ)/√(σ² + ε),   y = γ·x̂ + β
+
+with the paper's backward (`normalize_backward`, which each backend wraps: a jax.custom_vjp,
+a torch.autograd.Function):
+
+    ∂l/∂β = Σg,   ∂l/∂γ = Σg·x̂,   ∂l/∂x = γ/√(σ² + ε) · (g − w·(Σg + x̂·Σg·x̂)/m)
+
+(w the mask, 1 without one; the sums run over every position, as every position is
+normalized). The moments are shifted sums about K, each channel's mean over its first few
+values, redone about the mean when K lies more than 3σ from it (the arrangement of
+keras_bn/backend/tensorflow/xla.py for TensorFlow's XLA:CPU; under a mask, always about the
+mean: the corrected two-pass algorithm of the TensorFlow backend's statistics.py), never
+E[x²] − E[x]²; float16/bfloat16 inputs get float32 statistics. The moving statistics take
+m/(m−1)·σ² (Ioffe & Szegedy 2015, Algorithm 2) only where m ≥ 2 and the batch is finite
+(`usable`), as on TensorFlow.
+
+Every function runs in the array functions of its arrays' framework (`arrays_of`:
+keras_bn/backend/jax/arrays.py or keras_bn/backend/torch/arrays.py, imported on first use, so
+that neither backend needs the other's framework): the same operations in the same order, so
+that both backends round alike. Shapes are concrete on both, so m is a Python int unless a
+mask makes it per channel.
+"""
+
+import contextlib
+import importlib
+import math
+
+import keras
+
+from keras_bn import _axes, ghost
+from keras_bn.backend import INTERFACE
+from keras_bn.backend.constants import SHIFT_REDO_RATIO, SHIFT_SAMPLES
+
+_FRAMEWORKS = ("jax", "torch")
+
+
+def arrays_of(array):
+    """The array functions for `array`'s framework: keras_bn.backend.jax.arrays for a jax
+    array or tracer, keras_bn.backend.torch.arrays for a tensor; for anything else (a numpy
+    array, a number) those of the Keras backend in use."""
+    framework = type(array).__module__.partition(".")[0]
+    if framework == "jaxlib":
+        framework = "jax"
+    if framework not in _FRAMEWORKS:
+        framework = keras.backend.backend()
+    return importlib.import_module(f"keras_bn.backend.{framework}.arrays")
+
+
+def is_floating(x):
+    """Whether x is a floating-point array."""
+    return keras.backend.is_float_dtype(keras.backend.standardize_dtype(x.dtype))
+
+
+def ghost_average(statistic):
+    """Mean over the ghost axis of a (G, *channels) statistic."""
+    return arrays_of(statistic).mean(statistic, 0)
+
+
+def per_channel(t, x, channel_axes):
+    """A per-channel array reshaped to broadcast against x (channel dims kept, others 1)."""
+    shape = [x.shape[i] if i in channel_axes else 1 for i in range(x.ndim)]
+    return arrays_of(t).reshape(t, shape)
+
+
+def reshape_like(y, x):
+    """y reshaped to x's (concrete) shape."""
+    return arrays_of(y).reshape(y, x.shape)
+
+
+def add(x, y):
+    """x + y broadcast as numpy does."""
+    return arrays_of(x).add(x, y)
+
+
+def expand_mask(mask, x, channel_axes, channel_reading=True):
+    """A mask as 0/1 of x's rank and statistics dtype, read by `keras_bn._axes.mask_axes`'s
+    rules (ValueError when it fits no reading); `channel_reading` False for Keras's reading
+    only (keras.layers.BatchNormalization's)."""
+    xp = arrays_of(x)
+    mask = xp.as_array(mask, x)
+    covered = _axes.mask_axes(tuple(mask.shape), tuple(x.shape), channel_axes, channel_reading)
+    mask = xp.astype(mask, bool)
+    for axis in range(x.ndim):
+        if axis not in covered:
+            mask = xp.expand_dims(mask, axis)
+    return xp.astype(mask, xp.statistics_dtype(x.dtype))
+
+
+def ghost_split(x, virtual_batch_size, channel_axes, mask):
+    """x as (v, G, ...) and its channel axes there, as the TensorFlow backend's
+    `ghost_split` (tf-keras's ghosts: ghost g holds samples g, g+G, ...)."""
+    ghosts = ghost.ghost_count(virtual_batch_size, tuple(x.shape), mask)
+    view = arrays_of(x).reshape(x, (virtual_batch_size, ghosts, *x.shape[1:]))
+    return view, [1] + [a + 1 for a in channel_axes]
+
+
+def element_count(x, channel_axes, mask=None, replica_context=None):
+    """m: a Python int without a mask, else m_c per channel (shaped to broadcast against x).
+    JAX and PyTorch have no replicas here: `replica_context` is always None."""
+    del replica_context
+    axes = reduction_axes(x.ndim, channel_axes)
+    if mask is None:
+        return math.prod(x.shape[i] for i in axes)
+    xp = arrays_of(x)
+    return xp.sum(xp.broadcast_to(mask, x.shape), axes, keepdims=True)
+
+
+def reduction_axes(rank, channel_axes):
+    return tuple(_axes.reduction_axes(rank, channel_axes))
+
+
+def zero_unless_enough(gamma, count):
+    """γ, or 0 in each channel with m_c ≤ 1 at run time (its output is β; its gradients to x
+    and γ are 0). A Python int count was checked by the layer."""
+    if isinstance(count, int):
+        return gamma
+    xp = arrays_of(gamma)
+    return xp.where(xp.reshape(count, gamma.shape) > 1, gamma, 0.0)
+
+
+def centered_moments(x, axes, mask, count):
+    """(shift K, offset Δμ, variance), kept broadcastable to x, over the unmasked values: the
+    shifted sums of `_shifted_moments`. Without a mask K is `_shift_estimate`'s, and the sums
+    are redone about K + Δμ where K was too far from the mean (the TensorFlow backend's xla.py);
+    with one K is the masked mean, which makes them the corrected two-pass algorithm of
+    `statistics.centered_moments`."""
+    xp = arrays_of(x)
+    if mask is not None:
+        divisor = xp.at_least(count, 1.0)  # a fully masked channel: 0, not NaN
+        keep = mask > 0  # selected, not multiplied by 0: padding may hold NaN
+        shift = xp.sum(xp.where(keep, x, 0.0), axes, keepdims=True) / divisor
+        return _shifted_moments(xp, x, xp.constant_for_the_shift(shift), axes, keep, divisor)
+    shift, offset, variance = _shifted_moments(
+        xp, x, _shift_estimate(xp, x, axes), axes, None, count
+    )
+    return xp.cond(
+        xp.any((xp.square(offset) > SHIFT_REDO_RATIO * variance) | ~xp.isfinite(variance)),
+        lambda: _shifted_moments(
+            xp, x, xp.constant_for_the_shift(shift + offset), axes, None, count
+        ),
+        lambda: (shift, offset, variance),
+    )
+
+
+def _shift_estimate(xp, x, axes):
+    """K: each channel's mean over the first SHIFT_SAMPLES values along the first reduced axis
+    (index 0 of the others), kept broadcastable to x; NaN for an empty batch."""
+    first = axes[0]
+    head = x[
+        tuple(
+            slice(0, SHIFT_SAMPLES) if a == first else slice(0, 1) if a in axes else slice(None)
+            for a in range(x.ndim)
+        )
+    ]
+    return xp.mean(xp.constant_for_the_shift(head), axes, keepdims=True)
+
+
+def _shifted_moments(xp, x, shift, axes, keep, divisor):
+    """(K, Δμ, σ²) with t = x − K over the kept values: Δμ = Σt/m, σ² = Σt²/m − Δμ² (Chan,
+    Golub & LeVeque 1983), which loses about a factor 1 + Δμ²/σ² of rounding: the caller
+    keeps |Δμ| ≤ 3σ, or K is the mean and this the corrected two-pass algorithm."""
+    centered = x - shift
+    if keep is not None:
+        centered = xp.where(keep, centered, 0.0)
+    offset = xp.sum(centered, axes, keepdims=True) / divisor
+    variance = xp.sum(xp.square(centered), axes, keepdims=True) / divisor - xp.square(offset)
+    return shift, offset, xp.at_least(variance, 0.0)
+
+
+def moments(x, channel_axes, mask=None, replica_context=None):
+    """(mean, biased variance) per channel, kept broadcastable to x: the layer's shifted
+    moments, `centered_moments` (what `recalibrate` records of a BN's input), differentiable
+    by autodiff (the QAT layers' batch statistics).
+
+    Args:
+        x: the input, in its statistics dtype.
+        channel_axes: sorted non-negative axes that are not reduced.
+        mask: optional output of `expand_mask`.
+        replica_context: always None (no replicas).
+
+    Returns:
+        (mean, variance).
+    """
+    del replica_context
+    count = element_count(x, channel_axes, mask)
+    shift, offset, variance = centered_moments(x, reduction_axes(x.ndim, channel_axes), mask, count)
+    return shift + offset, variance
+
+
+def normalize_forward(x, gamma, beta, mask, channel_axes, epsilon):
+    """y = γ·x̂ + β and the batch's (mean, variance) shaped like gamma, and what
+    `normalize_backward` needs: (x, scale, shift, offset, inv, mask, count)."""
+    xp = arrays_of(x)
+    count = element_count(x, channel_axes, mask)
+    shift, offset, variance = centered_moments(x, reduction_axes(x.ndim, channel_axes), mask, count)
+    inv = xp.rsqrt(variance + epsilon)
+    scale = per_channel(gamma, x, channel_axes) * inv
+    # y = γ·x̂ + β with x̂ = ((x − K) − Δμ)·inv: x − K is exact far out, Δμ joins β.
+    bias = per_channel(beta, x, channel_axes) - offset * scale
+    scale_m, bias_m, shift_m = xp.materialized(scale, bias, shift)
+    y = (x - shift_m) * scale_m + bias_m
+    mean = xp.reshape(shift + offset, gamma.shape)
+    outputs = (y, mean, xp.reshape(variance, gamma.shape))
+    return outputs, (x, scale, shift, offset, inv, mask, count)
+
+
+def normalize_backward(dy, saved, channel_axes):
+    """(∂l/∂x, ∂l/∂γ, ∂l/∂β) from the upstream `dy` and `normalize_forward`'s `saved`: the
+    paper's gradients, with x̂ = ((x − K) − Δμ)·inv never written out:
+
+        Σg·x̂ = inv·(Σg·(x − K) − Δμ·Σg),
+        ∂l/∂x = a·g + w·(b·(x − K) + c),  a = γ·inv,  b = −a·inv·Σg·x̂/m,
+                                          c = a·(Δμ·inv·Σg·x̂ − Σg)/m,
+
+    which is γ·inv·(g − w·(Σg + x̂·Σg·x̂)/m) regrouped per channel, so that ∂l/∂x is one
+    elementwise pass."""
+    x, scale, shift, offset, inv, mask, count = saved
+    xp = arrays_of(x)
+    axes = reduction_axes(x.ndim, channel_axes)
+    sum_dy = xp.sum(dy, axes, keepdims=True)
+    centered = x - xp.materialized(shift)
+    sum_dy_x_hat = inv * (xp.sum(dy * centered, axes, keepdims=True) - offset * sum_dy)
+    m = count if mask is None else xp.at_least(count, 1.0)
+    slope = -scale * inv * sum_dy_x_hat / m
+    intercept = scale * (offset * inv * sum_dy_x_hat - sum_dy) / m
+    scale_m, slope_m, intercept_m = xp.materialized(scale, slope, intercept)
+    correction = slope_m * centered + intercept_m
+    dx = scale_m * dy + (correction if mask is None else mask * correction)
+    param_shape = [x.shape[i] for i in channel_axes]
+    return dx, xp.reshape(sum_dy_x_hat, param_shape), xp.reshape(sum_dy, param_shape)
+
+
+def batch_norm_inference(x, a, b, channel_axes):
+    """The per-channel affine y = a·x + b, in the statistics dtype."""
+    xp = arrays_of(x)
+    x = xp.astype(x, xp.statistics_dtype(x.dtype))
+    return x * per_channel(a, x, channel_axes) + per_channel(b, x, channel_axes)
+
+
+def batch_norm_eval(x, mean, variance, gamma, beta, channel_axes, epsilon):
+    """Inference BN, y = a·x + b with a = γ/√(variance + ε), b = β − a·mean."""
+    a = gamma * arrays_of(variance).rsqrt(variance + epsilon)
+    return batch_norm_inference(x, a, beta - a * mean, channel_axes)
+
+
+def renorm_corrections(mean, variance, renorm_mean, renorm_stddev, epsilon, clipping):
+    """Batch renormalization's per-channel (r, d), without gradient: `renorm.corrections`."""
+    xp = arrays_of(variance)
+    stddev = xp.sqrt(variance + epsilon)
+    renorm_stddev = xp.at_least(renorm_stddev, math.sqrt(epsilon))  # as Keras, early on
+    r = stddev / renorm_stddev
+    d = (mean - renorm_mean) / renorm_stddev
+    clipping = clipping or {}
+    r = xp.clip(r, clipping.get("rmin"), clipping.get("rmax"))
+    if "dmax" in clipping:
+        d = xp.clip(d, -clipping["dmax"], clipping["dmax"])
+    return xp.stop_gradient(r), xp.stop_gradient(d)
+
+
+def unbiased_estimates(mean, variance, count, epsilon, dtype, with_stddev):
+    """([μ_B, m/(m−1)·σ²_B], and renorm's √(σ²_B + ε) `with_stddev`), in the variables'
+    `dtype`: what the moving statistics take from a batch; and `enough`, the channels with the
+    m ≥ 2 values a variance needs (True for a static m, which the caller checked, else a
+    boolean array per channel)."""
+    xp = arrays_of(mean)
+    mean, variance = xp.astype(mean, dtype), xp.astype(variance, dtype)
+    if isinstance(count, int):  # static m, checked ≥ 2 by the layer
+        unbiased, enough = variance * (count / (count - 1)), True
+    else:
+        count = xp.astype(xp.reshape(count, mean.shape), dtype)
+        enough = count > 1.0
+        # A channel with m ≤ 1 is not updated; the divisor only keeps its value finite.
+        unbiased = variance * count / xp.at_least(count - 1.0, 1.0)
+    values = [mean, unbiased] + ([xp.sqrt(variance + epsilon)] if with_stddev else [])
+    return values, enough
+
+
+def usable(values, enough):
+    """Which channels a moving-statistics update reaches: those with m ≥ 2 (`enough`), provided
+    that every value of those channels is finite (else none does: one NaN batch cannot poison
+    the averages, as it poisons torch.nn.BatchNorm's running_var)."""
+    xp = arrays_of(values[0])
+    if enough is True:
+        return xp.all(xp.isfinite(xp.stack(values)))
+    checked = [xp.where(enough, v, 0.0) for v in values]
+    return enough & xp.all(xp.isfinite(xp.stack(checked)))
+
+
+def replica_context():
+    """None: no replicas (a JAX `keras.distribution` batch is one sharded array, whose
+    statistics are already the global batch's; PyTorch's Keras backend has no distribution)."""
+    return None
+
+
+def pool_statistics(values, enough, weight, synchronized):
+    """The values as they are, and which channels take them: no replicas to pool."""
+    del weight, synchronized
+    return values, usable(values, enough)
+
+
+def moving_average(old, value, momentum, update):
+    """momentum·old + (1 − momentum)·value where `update`, else old."""
+    return arrays_of(old).where(update, momentum * old + (1.0 - momentum) * value, old)
+
+
+def local_copies(variable, strategy=None):
+    """The variable itself: one copy of each (no tf.distribute)."""
+    del strategy
+    return [variable]
+
+
+def name_scope(name):
+    """No graph to name."""
+    del name
+    return contextlib.nullcontext()
+
+
+def fused_layout(x, channel_axes, epsilon):
+    """None: TensorFlow's fused kernels do not exist here."""
+    del x, channel_axes, epsilon
+    return None
+
+
+def specialized(function, signatures):
+    """`function` itself: `compiled` traces nothing on these backends."""
+    del signatures
+    return function
+
+
+# The interface's functions (keras_bn/backend/__init__.py) defined here, which the JAX and
+# PyTorch backend packages import with `*`.
+__all__ = [name for name in INTERFACE if name in globals()]
