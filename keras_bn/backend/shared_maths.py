@@ -227,7 +227,12 @@ def normalize_backward(dy, saved, channel_axes):
     m = count if mask is None else xp.at_least(count, 1.0)
     slope = -scale * inv * sum_dy_x_hat / m
     intercept = scale * (offset * inv * sum_dy_x_hat - sum_dy) / m
-    scale_m, slope_m, intercept_m = xp.materialized(scale, slope, intercept)
+    scale_m, slope_m, intercept_m, shift_m = xp.materialized(scale, slope, intercept, shift)
+    if xp.FUSES_ELEMENTWISE:
+        # XLA recomputes x − K inside dx's loop for free; reusing `centered` would write it
+        # out in full and read it back (the float32 train step measured 1.9-2.1x Keras BN's
+        # that way instead of 0.89-0.93x, bench_layer.py --backend jax, 2026-11-27).
+        centered = x - shift_m
     correction = slope_m * centered + intercept_m
     dx = scale_m * dy + (correction if mask is None else mask * correction)
     param_shape = [x.shape[i] for i in channel_axes]

@@ -6,6 +6,10 @@ import jax.numpy as jnp
 from jax.lax import rsqrt, stop_gradient
 from jax.numpy import add, all, any, broadcast_to, isfinite, reshape, sqrt, square, stack, where
 
+# Whether recomputing an elementwise value where it is read is free: XLA fuses
+# elementwise work into the loops that read it.
+FUSES_ELEMENTWISE = True
+
 
 def statistics_dtype(dtype):
     """float64 for float64 inputs, else float32 (16-bit statistics overflow and round)."""

@@ -6,6 +6,10 @@ import keras
 import torch
 from torch import add, all, any, broadcast_to, isfinite, reshape, rsqrt, sqrt, square, stack, where
 
+# Whether recomputing an elementwise value where it is read is free: eager torch
+# writes every intermediate out in full, so it is not.
+FUSES_ELEMENTWISE = False
+
 
 def torch_dtype(dtype):
     """A dtype as torch's: a torch.dtype as it is, a name ("float32") or numpy dtype looked up
