@@ -118,7 +118,8 @@ def zero_unless_enough(gamma, count):
 
 
 def _centered_moments(x, axes, mask, count):
-    """(shift K, offset Δμ, variance), kept broadcastable to x, over the unmasked values: the
+    """(shift K, offset Δμ, variance, x − K), the first three kept broadcastable to x, over the
+    unmasked values (x − K over all of them, for the forward and backward to reuse): the
     shifted sums of `_shifted_moments`. Without a mask K is `_shift_estimate`'s, and the sums
     are redone about K + Δμ where K was too far from the mean (a Python branch: PyTorch runs
     eagerly, so the redo costs a pass only when it happens; Keras's shape inference on the
@@ -129,12 +130,13 @@ def _centered_moments(x, axes, mask, count):
         keep = mask > 0  # selected, not multiplied by 0: padding may hold NaN
         shift = torch.sum(torch.where(keep, x, 0.0), axes, keepdim=True) / divisor
         return _shifted_moments(x, shift.detach(), axes, keep, divisor)
-    shift, offset, variance = _shifted_moments(x, _shift_estimate(x, axes), axes, None, count)
+    found = _shifted_moments(x, _shift_estimate(x, axes), axes, None, count)
+    shift, offset, variance, _ = found
     if x.device.type != "meta" and bool(
         torch.any((offset.square() > SHIFT_REDO_RATIO * variance) | ~torch.isfinite(variance))
     ):
         return _shifted_moments(x, (shift + offset).detach(), axes, None, count)
-    return shift, offset, variance
+    return found
 
 
 def _shift_estimate(x, axes):
@@ -153,15 +155,15 @@ def _shift_estimate(x, axes):
 
 
 def _shifted_moments(x, shift, axes, keep, divisor):
-    """(K, Δμ, σ²) with t = x − K over the kept values: Δμ = Σt/m, σ² = Σt²/m − Δμ² (Chan,
-    Golub & LeVeque 1983), which loses about a factor 1 + Δμ²/σ² of rounding: the caller
-    keeps |Δμ| ≤ 3σ, or K is the mean and this the corrected two-pass algorithm."""
+    """(K, Δμ, σ², t) with t = x − K (over every value), and the sums over the kept values:
+    Δμ = Σt/m, σ² = Σt²/m − Δμ² (Chan, Golub & LeVeque 1983), which loses about a factor
+    1 + Δμ²/σ² of rounding: the caller keeps |Δμ| ≤ 3σ, or K is the mean and this the
+    corrected two-pass algorithm."""
     centered = x - shift
-    if keep is not None:
-        centered = torch.where(keep, centered, 0.0)
-    offset = torch.sum(centered, axes, keepdim=True) / divisor
-    variance = torch.sum(torch.square(centered), axes, keepdim=True) / divisor - offset.square()
-    return shift, offset, torch.clamp(variance, min=0.0)
+    summed = centered if keep is None else torch.where(keep, centered, 0.0)
+    offset = torch.sum(summed, axes, keepdim=True) / divisor
+    variance = torch.sum(torch.square(summed), axes, keepdim=True) / divisor - offset.square()
+    return shift, offset, torch.clamp(variance, min=0.0), centered
 
 
 def moments(x, channel_axes, mask=None, replica_context=None):
@@ -180,7 +182,7 @@ def moments(x, channel_axes, mask=None, replica_context=None):
     """
     del replica_context
     count = element_count(x, channel_axes, mask)
-    shift, offset, variance = _centered_moments(
+    shift, offset, variance, _ = _centered_moments(
         x, _reduction_axes(x.ndim, channel_axes), mask, count
     )
     return shift + offset, variance
@@ -193,16 +195,19 @@ class _Normalize(torch.autograd.Function):
     def forward(ctx, x, gamma, beta, mask, channel_axes, epsilon):
         axes = _reduction_axes(x.ndim, channel_axes)
         count = element_count(x, channel_axes, mask)
-        shift, offset, variance = _centered_moments(x, axes, mask, count)
+        shift, offset, variance, centered = _centered_moments(x, axes, mask, count)
         inv = torch.rsqrt(variance + epsilon)
         scale = per_channel(gamma, x, channel_axes) * inv
-        # y = γ·x̂ + β with x̂ = ((x − K) − Δμ)·inv: x − K is exact far out, Δμ joins β.
+        # y = γ·x̂ + β with x̂ = ((x − K) − Δμ)·inv: x − K is exact far out, Δμ joins β. One
+        # pass over x − K (the moments' own, kept): addcmul is bias + (x − K)·scale in one
+        # kernel (a fused multiply-add on the CPU: one rounding where two ops round twice).
         bias = per_channel(beta, x, channel_axes) - offset * scale
-        y = (x - shift) * scale + bias
+        y = torch.addcmul(bias, centered, scale)
         mean = torch.reshape(shift + offset, gamma.shape)
         variance = torch.reshape(variance, gamma.shape)
         counted = None if isinstance(count, int) else count
-        ctx.save_for_backward(x, scale, shift, offset, inv, mask, counted)
+        # x − K rather than x: the backward reads it as it is, not recomputing it.
+        ctx.save_for_backward(centered, scale, offset, inv, mask, counted)
         ctx.channel_axes, ctx.count = channel_axes, count if counted is None else None
         ctx.mark_non_differentiable(mean, variance)
         return y, mean, variance
@@ -216,20 +221,23 @@ class _Normalize(torch.autograd.Function):
                                               c = a·(Δμ·inv·Σg·x̂ − Σg)/m,
 
         which is γ·inv·(g − w·(Σg + x̂·Σg·x̂)/m) regrouped per channel, so that ∂l/∂x is one
-        elementwise pass (the JAX backend's `_normalize_backward`)."""
+        elementwise pass (the JAX backend's `_normalize_backward`): here two addcmul kernels,
+        each a product and a sum in one pass (fused multiply-adds on the CPU)."""
         del d_mean, d_variance  # non-differentiable outputs
-        x, scale, shift, offset, inv, mask, counted = ctx.saved_tensors
+        centered, scale, offset, inv, mask, counted = ctx.saved_tensors
         count = ctx.count if counted is None else counted
-        axes = _reduction_axes(x.ndim, ctx.channel_axes)
+        axes = _reduction_axes(centered.ndim, ctx.channel_axes)
         sum_dy = torch.sum(dy, axes, keepdim=True)
-        centered = x - shift
         sum_dy_x_hat = inv * (torch.sum(dy * centered, axes, keepdim=True) - offset * sum_dy)
         m = count if mask is None else torch.clamp(count, min=1.0)
         slope = -scale * inv * sum_dy_x_hat / m
         intercept = scale * (offset * inv * sum_dy_x_hat - sum_dy) / m
-        correction = slope * centered + intercept
-        dx = scale * dy + (correction if mask is None else mask * correction)
-        param_shape = [x.shape[i] for i in ctx.channel_axes]
+        correction = torch.addcmul(intercept, slope, centered)
+        if mask is None:
+            dx = torch.addcmul(correction, scale, dy)
+        else:
+            dx = scale * dy + mask * correction
+        param_shape = [centered.shape[i] for i in ctx.channel_axes]
         return (
             dx,
             torch.reshape(sum_dy_x_hat, param_shape),
