@@ -87,6 +87,42 @@ def test_bench_layer_jax_smoke(tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_layer_torch_smoke(tmp_path):
+    """--backend torch: the PyTorch table (eager train step and inference of each layer and of
+    F.batch_norm, float32 and autocast float16/bfloat16), the whole-model row, and the JSON."""
+    pytest.importorskip("torch")
+    path = tmp_path / "layer_torch.json"
+    out = _run("bench_layer.py", "--backend", "torch", "--json", str(path))
+    assert out.startswith("machine: ") and "PyTorch " in out
+    table, targets = out.split("| target |")
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "ms" not in line]
+    assert len(rows) == 24  # 4 shapes x 3 policies x (train, inference)
+    assert all(len(row.split("|")) == 10 and "n/a" not in row for row in rows)
+    verdicts = [
+        line.split("|")[-2].strip() for line in targets.splitlines()[2:] if line.startswith("| ")
+    ]
+    assert len(verdicts) == 1 and verdicts[0] in {"yes", "MISSED"}
+    assert "whole model, train_on_batch, ResNet 8x8x3, batch 8" in out
+    record = json.loads(path.read_text())
+    assert record["command"].endswith(f"bench_layer.py --smoke --backend torch --json {path}")
+    assert record["device"] == "cpu" and record["torch_threads"] >= 1 and not record["not_run"]
+    assert {r["policy"] for r in record["rows"]} == {
+        "float32",
+        "autocast float16",
+        "autocast bfloat16",
+    }
+    for row, line in zip(record["rows"], rows, strict=True):
+        cells = [c.strip() for c in line.split("|")[1:-1]]
+        assert cells[:3] == [row["shape"], row["policy"], row["step"]]
+        assert float(cells[3]) == pytest.approx(row["keras_bn_ms"], abs=0.006)
+        assert float(cells[6]) == pytest.approx(row["ratio"], abs=0.006)
+        assert row["keras_bn_ms"] > 0 and row["keras_ms"] > 0 and row["floor_ms"] > 0
+    assert [t["met"] for t in record["targets"]] == [verdicts[0] == "yes"]
+    assert record["model"]["keras_bn_ms"] > 0 and record["model"]["keras_ms"] > 0
+    assert [p.name for p in tmp_path.iterdir()] == ["layer_torch.json"]  # no temporary left
+
+
+@pytest.mark.slow
 def test_bench_model_smoke():
     out = _run("bench_model.py")
     assert out.startswith("machine: ")
