@@ -1,11 +1,53 @@
 """What gpu_fake_quant.py (JAX) and gpu_fake_quant_torch.py (PyTorch) share: the QAT weights'
 and bias's inputs, the bit-for-bit comparison of two devices' outputs, and the JSON record."""
 
+import argparse
 import datetime
 import json
+import pathlib
+import sys
 import time
 
 import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def put_tests_on_path(suite):
+    """`suite` (tests_jax, tests_torch) for its sweep, and tests/ for the helpers the sweep's
+    module imports, first on sys.path, as pyproject's pytest pythonpath gives them."""
+    sys.path[:0] = [str(ROOT / suite), str(ROOT / "tests")]
+
+
+def parser(description, device, against):
+    """The scripts' options: --device, --against (their defaults given), --json, --every."""
+    found = argparse.ArgumentParser(description=description)
+    found.add_argument("--device", default=device, help=f"the device checked ({device})")
+    found.add_argument("--against", default=against, help=f"the device it must equal ({against})")
+    found.add_argument("--json", metavar="PATH", help="write the result as JSON to PATH")
+    found.add_argument(
+        "--every", type=int, default=1, metavar="N", help="every Nth case only (a dry run's)"
+    )
+    return found
+
+
+def fake_quant_op(backend_ops, per_channel, bits, narrow):
+    """The backend's FakeQuant op (its fake_quant module), per tensor or per channel, as a
+    function of (x, min, max)."""
+    op = (
+        backend_ops.fake_quant_with_min_max_vars_per_channel
+        if per_channel
+        else backend_ops.fake_quant_with_min_max_vars
+    )
+    return lambda x, lo, hi: op(x, lo, hi, bits, narrow)
+
+
+def weights_grid(quantize_ops, bits, per_channel):
+    """keras_bn.quantize.fake_quant's weight grid as a function of the kernel."""
+    return lambda kernel: quantize_ops.fake_quant_weights(
+        kernel, quantize_ops.weight_max_abs(kernel, per_channel), bits
+    )
+
 
 # (kernel shape, bit widths): a conv kernel and a Dense one.
 WEIGHT_SHAPES = (((3, 3, 8, 16), (2, 4, 8)), ((64, 32), (8,)))

@@ -21,28 +21,23 @@ gpu_check.py's dry run compares the CPU with itself (--device cpu), on every 8th
 JSON lists the first ones), 2 no such device.
 """
 
-import argparse
 import functools
 import os
-import pathlib
 import re
-import sys
 import time
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
-# tests_jax/ for the sweep, tests/ for the helpers it imports (tensorflow_side, shared with
-# tests_torch/), as pyproject's pytest pythonpath gives them to the suites.
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests_jax"))
 
 import _fake_quant_check as check
 import jax
 import jax.numpy as jnp
 import numpy as np
-from test_jax_quantize import _sweep  # the bit-for-bit sweep of the tests
 
 from keras_bn.backend.jax import fake_quant as jfq
 from keras_bn.quantize import fake_quant as fq
+
+check.put_tests_on_path("tests_jax")
+from test_jax_quantize import _sweep  # noqa: E402  the bit-for-bit sweep of the tests
 
 
 @functools.cache
@@ -60,12 +55,7 @@ def _gradient(function, argnums):
 # One function object per kind and static arguments, so that jit compiles once per input shape.
 @functools.cache
 def _fake_quant(per_channel, bits, narrow):
-    op = (
-        jfq.fake_quant_with_min_max_vars_per_channel
-        if per_channel
-        else jfq.fake_quant_with_min_max_vars
-    )
-    return lambda x, lo, hi: op(x, lo, hi, bits, narrow)
+    return check.fake_quant_op(jfq, per_channel, bits, narrow)
 
 
 @functools.cache
@@ -80,9 +70,7 @@ def _activation_step(bits):
 
 @functools.cache
 def _weights(bits, per_channel):
-    return lambda kernel: fq.fake_quant_weights(
-        kernel, fq.weight_max_abs(kernel, per_channel), bits
-    )
+    return check.weights_grid(fq, bits, per_channel)
 
 
 @functools.cache
@@ -159,13 +147,7 @@ def compare(device, against, every=1):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="gpu", help="the JAX platform checked (gpu)")
-    parser.add_argument("--against", default="cpu", help="the JAX platform it must equal (cpu)")
-    parser.add_argument("--json", metavar="PATH", help="write the result as JSON to PATH")
-    parser.add_argument(
-        "--every", type=int, default=1, metavar="N", help="every Nth case only (a dry run's)"
-    )
+    parser = check.parser(__doc__.splitlines()[0], "gpu", "cpu")
     args = parser.parse_args(argv)
     started = time.monotonic()
     try:

@@ -15,35 +15,26 @@ the CPU, on the same inputs, and every output and gradient must have the same bi
 - round_bias, and the steps (weight_step, activation_step).
 
 PyTorch runs eagerly (as Keras's PyTorch backend does, `fit` included): each case runs once per
-device, op by op.
+device, op by op. Options, dry run and exit codes as gpu_fake_quant.py's, the devices being
+torch's:
 
-    KERAS_BACKEND=torch python benchmarks/gpu_fake_quant_torch.py [--device cuda]
-        [--against cpu] [--json PATH] [--every N]
-
-gpu_check.py's dry run compares the CPU with itself (--device cpu), on every 8th case
-(--every 8): the script's check, not the GPU's. Exit code 0 equal, 1 some value differs (the
-JSON lists the first ones), 2 no such device.
+    KERAS_BACKEND=torch python benchmarks/gpu_fake_quant_torch.py [--device cuda] [--against cpu]
 """
 
-import argparse
 import os
-import pathlib
-import sys
 import time
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
-# tests_torch/ for the sweep, tests/ for the helpers it imports, as pyproject's pytest
-# pythonpath gives them to the suites.
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests_torch"))
 
 import _fake_quant_check as check
 import numpy as np
 import torch
-from test_torch_quantize import _sweep  # the bit-for-bit sweep of the tests
 
 from keras_bn.backend.torch import fake_quant as tfq
 from keras_bn.quantize import fake_quant as fq
+
+check.put_tests_on_path("tests_torch")
+from test_torch_quantize import _sweep  # noqa: E402  the bit-for-bit sweep of the tests
 
 
 def _gradient(function, argnums):
@@ -58,28 +49,14 @@ def _gradient(function, argnums):
     return gradient
 
 
-def _fake_quant(per_channel, bits, narrow):
-    op = (
-        tfq.fake_quant_with_min_max_vars_per_channel
-        if per_channel
-        else tfq.fake_quant_with_min_max_vars
-    )
-    return lambda x, lo, hi: op(x, lo, hi, bits, narrow)
-
-
-def _weights(bits, per_channel):
-    return lambda kernel: fq.fake_quant_weights(
-        kernel, fq.weight_max_abs(kernel, per_channel), bits
-    )
-
-
 def cases():
     """(name, function, args): every call compared; `function` takes the args as tensors."""
     found = []
     for i, (bits, narrow, low, high, x) in enumerate(_sweep()):
         scalars = (x, np.float32(low), np.float32(high))
         column = (x[:, None], np.array([low]), np.array([high]))
-        per_tensor, per_channel = _fake_quant(False, bits, narrow), _fake_quant(True, bits, narrow)
+        per_tensor = check.fake_quant_op(tfq, False, bits, narrow)
+        per_channel = check.fake_quant_op(tfq, True, bits, narrow)
         activations = (lambda b: lambda x, lo, hi: fq.fake_quant_activations(x, lo, hi, b))(bits)
         found += [
             (f"range{i}/per_tensor", per_tensor, scalars),
@@ -97,7 +74,7 @@ def cases():
     rng = np.random.default_rng(3)
     for shape, bits, kernel in check.weight_kernels(rng):
         for per_channel in (True, False):
-            weights = _weights(bits, per_channel)
+            weights = check.weights_grid(fq, bits, per_channel)
             step = (lambda b, c: lambda k: fq.weight_step(fq.weight_max_abs(k, c), b))(
                 bits, per_channel
             )
@@ -125,13 +102,7 @@ def run(function, args, device, compiled):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda", help="the torch device checked (cuda)")
-    parser.add_argument("--against", default="cpu", help="the torch device it must equal (cpu)")
-    parser.add_argument("--json", metavar="PATH", help="write the result as JSON to PATH")
-    parser.add_argument(
-        "--every", type=int, default=1, metavar="N", help="every Nth case only (a dry run's)"
-    )
+    parser = check.parser(__doc__.splitlines()[0], "cuda", "cpu")
     args = parser.parse_args(argv)
     started = time.monotonic()
     try:

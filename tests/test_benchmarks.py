@@ -59,19 +59,25 @@ def test_bench_layer_smoke(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["layer.json"]  # no temporary left
 
 
+def _rows_and_verdicts(out):
+    """A layer table's rows, and the verdicts of the targets' table after it."""
+    table, targets = out.split("| target |")
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "ms" not in line]
+    verdicts = [
+        line.split("|")[-2].strip() for line in targets.splitlines()[2:] if line.startswith("| ")
+    ]
+    return rows, verdicts
+
+
 @pytest.mark.slow
 def test_bench_layer_jax_smoke(tmp_path):
     """--backend jax: the JAX table (jitted stateless_call of each layer) and its JSON."""
     path = tmp_path / "layer_jax.json"
     out = _run("bench_layer.py", "--backend", "jax", "--json", str(path))
     assert out.startswith("machine: ") and "JAX " in out
-    table, targets = out.split("| target |")
-    rows = [line for line in table.splitlines() if line.startswith("| ") and "ms" not in line]
+    rows, verdicts = _rows_and_verdicts(out)
     assert len(rows) == 16  # 4 shapes x 2 policies x (train, inference)
     assert all(len(row.split("|")) == 8 for row in rows)
-    verdicts = [
-        line.split("|")[-2].strip() for line in targets.splitlines()[2:] if line.startswith("| ")
-    ]
     assert len(verdicts) == 1 and verdicts[0] in {"yes", "MISSED"}
     record = json.loads(path.read_text())
     assert record["command"].endswith(f"bench_layer.py --smoke --backend jax --json {path}")
@@ -94,13 +100,9 @@ def test_bench_layer_torch_smoke(tmp_path):
     path = tmp_path / "layer_torch.json"
     out = _run("bench_layer.py", "--backend", "torch", "--json", str(path))
     assert out.startswith("machine: ") and "PyTorch " in out
-    table, targets = out.split("| target |")
-    rows = [line for line in table.splitlines() if line.startswith("| ") and "ms" not in line]
+    rows, verdicts = _rows_and_verdicts(out)
     assert len(rows) == 24  # 4 shapes x 3 policies x (train, inference)
     assert all(len(row.split("|")) == 10 and "n/a" not in row for row in rows)
-    verdicts = [
-        line.split("|")[-2].strip() for line in targets.splitlines()[2:] if line.startswith("| ")
-    ]
     assert len(verdicts) == 1 and verdicts[0] in {"yes", "MISSED"}
     assert "whole model, train_on_batch, ResNet 8x8x3, batch 8" in out
     record = json.loads(path.read_text())
