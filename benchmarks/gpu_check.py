@@ -814,10 +814,10 @@ def main(argv=None):
         codes[backend] = run_check(check, out)
     if len(backends) == 1:
         return codes[backends[0]]
-    return summarize(args.out, codes)
+    return summarize(args.out, codes, args.dry_run, argv)
 
 
-def summarize(out, codes):
+def summarize(out, codes, dry_run, argv):
     """gpu_check.json in `out` for a check of several backends: each one's status and folder;
     the exit code (0 all passed, 1 one failed, else 2: one could not run)."""
     backends = {}
@@ -831,7 +831,12 @@ def summarize(out, codes):
             "seconds": result["seconds"],
         }
     passed = all(code == 0 for code in codes.values())
-    record = {"status": "passed" if passed else "failed", "backends": backends}
+    record = {
+        "status": "passed" if passed else "failed",
+        "dry_run": dry_run,
+        "command": " ".join(["benchmarks/gpu_check.sh", *argv]),
+        "backends": backends,
+    }
     atomic.write_text(out / "gpu_check.json", json.dumps(record, indent=1) + "\n")
     names = " and ".join(BACKEND_NAMES[b] for b in codes)
     if passed:
