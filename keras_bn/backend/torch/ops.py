@@ -198,11 +198,12 @@ class _Normalize(torch.autograd.Function):
         shift, offset, variance, centered = _centered_moments(x, axes, mask, count)
         inv = torch.rsqrt(variance + epsilon)
         scale = per_channel(gamma, x, channel_axes) * inv
-        # y = γ·x̂ + β with x̂ = ((x − K) − Δμ)·inv: x − K is exact far out, Δμ joins β. One
-        # pass over x − K (the moments' own, kept): addcmul is bias + (x − K)·scale in one
-        # kernel (a fused multiply-add on the CPU: one rounding where two ops round twice).
+        # y = γ·x̂ + β with x̂ = ((x − K) − Δμ)·inv: x − K is exact far out, Δμ joins β. The
+        # moments' x − K is reused, and the sum is taken in place (one new tensor, not two).
+        # Not torch.addcmul: a fused multiply-add on the CPU, its single rounding changes the
+        # outputs, and over a training run Keras's parity tests see it (renorm's weights).
         bias = per_channel(beta, x, channel_axes) - offset * scale
-        y = torch.addcmul(bias, centered, scale)
+        y = torch.mul(centered, scale).add_(bias)
         mean = torch.reshape(shift + offset, gamma.shape)
         variance = torch.reshape(variance, gamma.shape)
         counted = None if isinstance(count, int) else count
@@ -221,8 +222,8 @@ class _Normalize(torch.autograd.Function):
                                               c = a·(Δμ·inv·Σg·x̂ − Σg)/m,
 
         which is γ·inv·(g − w·(Σg + x̂·Σg·x̂)/m) regrouped per channel, so that ∂l/∂x is one
-        elementwise pass (the JAX backend's `_normalize_backward`): here two addcmul kernels,
-        each a product and a sum in one pass (fused multiply-adds on the CPU)."""
+        elementwise pass (the JAX backend's `_normalize_backward`); the sums in place, into
+        the products' new tensors, as in the forward."""
         del d_mean, d_variance  # non-differentiable outputs
         centered, scale, offset, inv, mask, counted = ctx.saved_tensors
         count = ctx.count if counted is None else counted
@@ -232,11 +233,10 @@ class _Normalize(torch.autograd.Function):
         m = count if mask is None else torch.clamp(count, min=1.0)
         slope = -scale * inv * sum_dy_x_hat / m
         intercept = scale * (offset * inv * sum_dy_x_hat - sum_dy) / m
-        correction = torch.addcmul(intercept, slope, centered)
-        if mask is None:
-            dx = torch.addcmul(correction, scale, dy)
-        else:
-            dx = scale * dy + mask * correction
+        correction = torch.mul(slope, centered).add_(intercept)
+        if mask is not None:
+            correction.mul_(mask)
+        dx = torch.mul(scale, dy).add_(correction)
         param_shape = [centered.shape[i] for i in ctx.channel_axes]
         return (
             dx,
