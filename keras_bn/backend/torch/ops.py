@@ -272,9 +272,11 @@ def batch_norm_train(
 
 
 def batch_norm_inference(x, a, b, channel_axes):
-    """The per-channel affine y = a·x + b, in the statistics dtype."""
+    """The per-channel affine y = a·x + b, in the statistics dtype: the sum taken in place in
+    the product's new tensor (the same values; on a CPU a second new full-size tensor cost
+    more than the sum itself, its fresh memory's page faults)."""
     x = x.to(statistics_dtype(x.dtype))
-    return x * per_channel(a, x, channel_axes) + per_channel(b, x, channel_axes)
+    return torch.mul(x, per_channel(a, x, channel_axes)).add_(per_channel(b, x, channel_axes))
 
 
 def batch_norm_eval(x, mean, variance, gamma, beta, channel_axes, epsilon):
