@@ -144,6 +144,7 @@ bench: $(STAMP)
 
 # GPU readiness, in at most 8 minutes: the exactness tests and the layer benchmark on the GPU,
 # JSON results into build/gpu_check/; under TensorFlow where it is importable, else under JAX
+# and then PyTorch where both are (the GPU machine), else the one that is
 # (benchmarks/gpu_check.py). No venv prerequisite: it runs with .venv's Python if there is one,
 # else python3 (PYTHON=... picks another), and says in one line when it cannot run. Where Keras
 # is missing (the GPU machine) it installs the wheels of `make gpu-wheels` into a temporary
@@ -152,7 +153,8 @@ gpu-check:
 	benchmarks/gpu_check.sh
 
 # Keras and the dependencies it needs beyond JAX, as cp312 manylinux wheels, into
-# build/gpu_wheels (under 40 MiB): what gpu-check installs on a machine without Keras.
+# build/gpu_wheels (under 40 MiB): what gpu-check installs on a machine without Keras (under
+# JAX and under PyTorch alike).
 gpu-wheels:
 	benchmarks/gpu_wheels.sh
 

@@ -22,12 +22,12 @@ rescaled by (m − 1)/m), for keras_bn (run-time batch size) and Keras.
 import argparse
 import statistics
 import sys
-import time
 
 import _tf_env  # noqa: F401  (before TensorFlow: its environment)
 import keras
 import numpy as np
 import tensorflow as tf
+from _layer_bench import time_samples
 
 import keras_bn
 
@@ -87,17 +87,8 @@ def variance_error(layer_class, x, batch_known):
 
 
 def time_row(functions, x, reps, inner):
-    for f in functions.values():  # trace and warm up
-        for _ in range(2):
-            [t.numpy() for t in f(x)]
-    samples = {name: [] for name in functions}
-    for _ in range(reps):
-        for name, f in functions.items():
-            start = time.perf_counter()
-            for _ in range(inner):
-                out = f(x)
-            [t.numpy() for t in out]
-            samples[name].append((time.perf_counter() - start) / inner)
+    """Median seconds per call for each function, the functions interleaved rep by rep."""
+    samples = time_samples(functions, x, reps, inner, lambda out: [t.numpy() for t in out])
     return {name: statistics.median(s) for name, s in samples.items()}
 
 

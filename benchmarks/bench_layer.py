@@ -20,6 +20,7 @@ ratio to the step without it.
                                                 # device (default: TensorFlow's placement)
     python benchmarks/bench_layer.py --recentring-only   # the third table alone
     python benchmarks/bench_layer.py --backend jax      # under JAX: bench_layer_jax.py's table
+    python benchmarks/bench_layer.py --backend torch    # under PyTorch: bench_layer_torch.py's
 """
 
 import argparse
@@ -30,13 +31,19 @@ import platform
 import statistics
 import subprocess
 import sys
-import time
 
 import _tf_env  # noqa: F401  (before TensorFlow: its environment)
 import keras
 import numpy as np
 import tensorflow as tf
-from _layer_bench import POLICIES, SHAPES, SMOKE_SHAPES, cpu_description
+from _layer_bench import (
+    POLICIES,
+    cpu_description,
+    select_shapes,
+    target_summary,
+    time_samples,
+    worst_row,
+)
 
 import keras_bn
 from keras_bn.backend.tensorflow import fused
@@ -163,7 +170,9 @@ def run_recentring(shapes, reps, inner):
         for policy in POLICIES:
             compute = keras.mixed_precision.Policy(policy).compute_dtype
             x = tf.constant(np.random.default_rng(0).normal(1.0, 2.0, shape), compute)
-            samples = time_samples(recentring_contenders(shape, axis, policy), x, reps, inner)
+            samples = time_samples(
+                recentring_contenders(shape, axis, policy), x, reps, inner, _wait
+            )
             costs = {
                 name: statistics.median(
                     t / off - 1 for t, off in zip(samples[name], samples["off"])
@@ -190,25 +199,14 @@ def _format_recentring_row(row):
     )
 
 
-def time_samples(functions, x, reps, inner):
-    """{name: [seconds per call, one per rep]}, the functions interleaved rep by rep."""
-    for f in functions.values():  # trace, compile and warm up
-        for _ in range(2):
-            tf.nest.map_structure(lambda t: t.numpy(), f(x))
-    samples = {name: [] for name in functions}
-    for _ in range(reps):
-        for name, f in functions.items():
-            start = time.perf_counter()
-            for _ in range(inner):
-                out = f(x)
-            tf.nest.map_structure(lambda t: t.numpy(), out)  # wait for the result
-            samples[name].append((time.perf_counter() - start) / inner)
-    return samples
+def _wait(out):
+    """Blocks until a tf.function's outputs are computed."""
+    tf.nest.map_structure(lambda t: t.numpy(), out)
 
 
 def time_row(functions, x, reps, inner):
     """Median seconds per call for each function, the functions interleaved rep by rep."""
-    samples = time_samples(functions, x, reps, inner)
+    samples = time_samples(functions, x, reps, inner, _wait)
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
@@ -259,29 +257,8 @@ def target_results(rows, ranks):
             for label, policy, step, jit, t in rows
             if covers(ranks[label], step, jit)
         ]
-        if ratios:
-            ratio, row = max(ratios)
-            results.append(
-                {
-                    "target": name,
-                    "bound": bound,
-                    "worst_row": row,
-                    "ratio": round(ratio, 4),
-                    "met": ratio <= bound,
-                }
-            )
+        results += filter(None, [worst_row(name, bound, ratios)])
     return results
-
-
-def target_summary(rows, ranks):
-    """A table with one line per target: its worst keras_bn / Keras ratio, met or missed."""
-    lines = ["| target | bound | worst row | keras_bn / Keras | met |", "|---|---|---|---|---|"]
-    for r in target_results(rows, ranks):
-        lines.append(
-            f"| {r['target']} | ≤ {r['bound']:.2f} | {r['worst_row']} | {r['ratio']:.2f} | "
-            f"{'yes' if r['met'] else 'MISSED'} |"
-        )
-    return "\n".join(lines)
 
 
 HEADER = (
@@ -333,19 +310,26 @@ def write_json(path, rows, ranks, started, argv, device, recentring=()):
     atomic.write_text(path, json.dumps(record, indent=1) + "\n")
 
 
-def _run_jax(parser, args, argv):
-    """bench_layer_jax.py with this command's options (Keras fixes its backend at its first
-    import, which this script has done under TensorFlow); returns its exit code."""
-    if args.device or args.recentring_only:
-        parser.error("--device and --recentring-only are TensorFlow options; drop --backend jax")
+def _run_other_backend(parser, args, argv):
+    """bench_layer_jax.py or bench_layer_torch.py with this command's options (Keras fixes its
+    backend at its first import, which this script has done under TensorFlow); returns its
+    exit code. --device goes to PyTorch's (cpu or cuda); JAX takes its default device."""
+    if args.recentring_only:
+        parser.error(f"--recentring-only is TensorFlow's; drop it with --backend {args.backend}")
+    if args.device and args.backend == "jax":
+        parser.error("--device is a TensorFlow and PyTorch option; drop it with --backend jax")
     forwarded = ["--reps", str(args.reps), "--inner", str(args.inner)]
     forwarded += ["--smoke"] if args.smoke else []
     forwarded += ["--json", args.json] if args.json else []
     forwarded += ["--max-shapes", str(args.max_shapes)] if args.max_shapes is not None else []
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_layer_jax.py")
+    forwarded += ["--device", args.device] if args.device else []
+    script = os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), f"bench_layer_{args.backend}.py"
+    )
     command = ["--command", "python benchmarks/bench_layer.py " + " ".join(argv)]
     return subprocess.run(
-        [sys.executable, script, *forwarded, *command], env={**os.environ, "KERAS_BACKEND": "jax"}
+        [sys.executable, script, *forwarded, *command],
+        env={**os.environ, "KERAS_BACKEND": args.backend},
     ).returncode
 
 
@@ -356,7 +340,9 @@ def main(argv=None):
     parser.add_argument("--inner", type=int, default=3, help="calls per sample")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
     parser.add_argument(
-        "--device", help="run on this device, e.g. /GPU:0 (default: TensorFlow's placement)"
+        "--device",
+        help="run on this device, e.g. /GPU:0 (default: TensorFlow's placement); with "
+        "--backend torch: cpu or cuda",
     )
     parser.add_argument(
         "--max-shapes", type=int, metavar="N", help="only the first N shapes (of 4)"
@@ -364,21 +350,18 @@ def main(argv=None):
     parser.add_argument("--recentring-only", action="store_true", help="only the re-centring table")
     parser.add_argument(
         "--backend",
-        choices=("tensorflow", "jax"),
+        choices=("tensorflow", "jax", "torch"),
         default="tensorflow",
-        help="jax: bench_layer_jax.py's table, in a Python of its own under KERAS_BACKEND=jax",
+        help="jax, torch: bench_layer_jax.py's or bench_layer_torch.py's table, in a Python of "
+        "its own under that KERAS_BACKEND",
     )
     args = parser.parse_args(argv)
-    if args.backend == "jax":
-        return _run_jax(parser, args, argv if argv is not None else sys.argv[1:])
+    if args.backend != "tensorflow":
+        return _run_other_backend(parser, args, argv if argv is not None else sys.argv[1:])
     if args.recentring_only and args.json:
         parser.error("--json writes every table's rows; run it without --recentring-only")
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes")
-    shapes, reps, inner = (SMOKE_SHAPES, 1, 1) if args.smoke else (SHAPES, args.reps, args.inner)
-    if args.max_shapes is not None:
-        if args.max_shapes < 1:
-            parser.error(f"--max-shapes must be at least 1; received {args.max_shapes}")
-        shapes = shapes[: args.max_shapes]
+    shapes, reps, inner = select_shapes(parser, args)
     with tf.device(args.device):  # None: TensorFlow's own placement
         device = tf.identity(0.0).device
     print(f"machine: {machine_description()}")
@@ -389,7 +372,7 @@ def main(argv=None):
             print("raw = FusedBatchNormV3 + its gradient (train), x*a+b (inference); medians\n")
             print(HEADER, flush=True)
             rows = run(shapes, reps, inner)
-            print("\n" + target_summary(rows, ranks))
+            print("\n" + target_summary(target_results(rows, ranks)))
         print(
             "\nThe fused path's re-centring (keras_bn/backend/tensorflow/fused.py), train step, "
             "graph; costs are medians of per-rep ratios to 'off'\n"

@@ -14,13 +14,10 @@ leaves alone. A second table checks the target (TARGETS) on those ratios.
 """
 
 import argparse
-import datetime
-import json
 import os
 import platform
 import statistics
 import sys
-import time
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -29,10 +26,21 @@ import jax
 import jax.numpy as jnp
 import keras
 import numpy as np
-from _layer_bench import POLICIES, SHAPES, SMOKE_SHAPES, cpu_description
+from _layer_bench import (
+    POLICIES,
+    add_arguments,
+    cpu_description,
+    per_rep_ratio,
+    row_record,
+    select_shapes,
+    target_results,
+    target_summary,
+    time_samples,
+    utc_now,
+    write_record,
+)
 
 import keras_bn
-from keras_bn.export import atomic
 
 CONTENDERS = ("keras_bn", "keras")
 # keras_bn / Keras bounds on the per-row ratios: (target, which steps, bound).
@@ -81,22 +89,6 @@ def contenders(shape, axis, policy, mode):
     return functions
 
 
-def time_samples(functions, x, reps, inner):
-    """{name: [seconds per call, one per rep]}, the functions interleaved rep by rep."""
-    for f in functions.values():  # trace, compile and warm up
-        for _ in range(2):
-            jax.block_until_ready(f(x))
-    samples = {name: [] for name in functions}
-    for _ in range(reps):
-        for name, f in functions.items():
-            start = time.perf_counter()
-            for _ in range(inner):
-                out = f(x)
-            jax.block_until_ready(out)
-            samples[name].append((time.perf_counter() - start) / inner)
-    return samples
-
-
 def run(shapes, reps, inner):
     """[(label, policy, step, medians, ratio)]: every row, printed as it is measured."""
     rows = []
@@ -105,11 +97,9 @@ def run(shapes, reps, inner):
             compute = keras.mixed_precision.Policy(policy).compute_dtype
             x = jnp.asarray(np.random.default_rng(0).normal(1.0, 2.0, shape), compute)
             for mode in ("train", "inference"):
-                samples = time_samples(contenders(shape, axis, policy, mode), x, reps, inner)
-                ratio = statistics.median(
-                    ours / theirs
-                    for ours, theirs in zip(samples["keras_bn"], samples["keras"], strict=True)
-                )
+                functions = contenders(shape, axis, policy, mode)
+                samples = time_samples(functions, x, reps, inner, jax.block_until_ready)
+                ratio = per_rep_ratio(samples)
                 medians = {name: statistics.median(s) for name, s in samples.items()}
                 rows.append((label, policy, mode, medians, ratio))
                 print(_format_row(rows[-1]), flush=True)
@@ -130,70 +120,19 @@ def _format_row(row):
     )
 
 
-def target_results(rows):
-    """One dict per target: its bound, its worst row and keras_bn / Keras ratio, and met."""
-    results = []
-    for name, step, bound in TARGETS:
-        ratios = [(ratio, f"{label} {policy}") for label, policy, s, _, ratio in rows if s == step]
-        if ratios:
-            ratio, row = max(ratios)
-            results.append(
-                {
-                    "target": name,
-                    "bound": bound,
-                    "worst_row": row,
-                    "ratio": round(ratio, 4),
-                    "met": ratio <= bound,
-                }
-            )
-    return results
-
-
-def target_summary(rows):
-    """A table with one line per target: its worst keras_bn / Keras ratio, met or missed."""
-    lines = ["| target | bound | worst row | keras_bn / Keras | met |", "|---|---|---|---|---|"]
-    for r in target_results(rows):
-        lines.append(
-            f"| {r['target']} | ≤ {r['bound']:.2f} | {r['worst_row']} | {r['ratio']:.2f} | "
-            f"{'yes' if r['met'] else 'MISSED'} |"
-        )
-    return "\n".join(lines)
-
-
 def write_json(path, rows, started, command):
     """The run's rows (medians in ms, ratios), machine, command and UTC times as JSON at
-    `path`, written atomically, so that an interrupted run leaves the old file."""
+    `path`, written atomically."""
     record = {
         "command": command,
         "machine": machine_description(),
         "device": str(jax.devices()[0]),
         "started_utc": started,
-        "finished_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
-        "rows": [
-            {
-                "shape": label,
-                "policy": policy,
-                "step": mode,
-                **{f"{name}_ms": round(t[name] * 1e3, 4) for name in t},
-                "ratio": round(ratio, 4),
-            }
-            for label, policy, mode, t, ratio in rows
-        ],
-        "targets": target_results(rows),
+        "finished_utc": utc_now(),
+        "rows": [row_record(row) for row in rows],
+        "targets": target_results(rows, TARGETS),
     }
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    atomic.write_text(path, json.dumps(record, indent=1) + "\n")
-
-
-def add_arguments(parser):
-    """The options this script shares with bench_layer.py."""
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes, one repetition")
-    parser.add_argument("--reps", type=int, default=15, help="timed samples per contender")
-    parser.add_argument("--inner", type=int, default=3, help="calls per sample")
-    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
-    parser.add_argument(
-        "--max-shapes", type=int, metavar="N", help="only the first N shapes (of 4)"
-    )
+    write_record(path, record)
 
 
 def main(argv=None):
@@ -203,18 +142,14 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if keras.backend.backend() != "jax":
         parser.error(f"needs KERAS_BACKEND=jax; Keras is using {keras.backend.backend()!r}")
-    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes")
-    shapes, reps, inner = (SMOKE_SHAPES, 1, 1) if args.smoke else (SHAPES, args.reps, args.inner)
-    if args.max_shapes is not None:
-        if args.max_shapes < 1:
-            parser.error(f"--max-shapes must be at least 1; received {args.max_shapes}")
-        shapes = shapes[: args.max_shapes]
+    started = utc_now()
+    shapes, reps, inner = select_shapes(parser, args)
     print(f"machine: {machine_description()}")
     print(f"device: {jax.devices()[0]}")
     print("jitted stateless_call; train = forward + jax.grad + new moving statistics; medians\n")
     print(HEADER, flush=True)
     rows = run(shapes, reps, inner)
-    print("\n" + target_summary(rows))
+    print("\n" + target_summary(target_results(rows, TARGETS)))
     if args.json:
         argv = argv if argv is not None else sys.argv[1:]
         command = args.command or "python benchmarks/bench_layer_jax.py " + " ".join(argv)

@@ -21,32 +21,11 @@ import sys
 import time
 
 import _tf_env  # noqa: F401  (its environment, inherited by the workers)
+from _layer_bench import build_resnet
 
 # "none" is the same network with every BN replaced by an identity: the floor that shows how much
 # of a step BN takes at all, and so the best ratio any BN could reach.
 VARIANTS = ("keras_bn", "keras", "none")
-
-
-def build_resnet(norm, image=32, width=32, classes=10):
-    import keras
-
-    def conv_bn_relu(x, filters, strides=1, relu=True):
-        x = keras.layers.Conv2D(filters, 3, strides=strides, padding="same", use_bias=False)(x)
-        x = norm()(x)
-        return keras.layers.ReLU()(x) if relu else x
-
-    inputs = keras.Input((image, image, 3))
-    x = conv_bn_relu(inputs, width)
-    for stage, filters in enumerate((width, width, 2 * width, 2 * width)):
-        strides = 2 if stage == 2 else 1
-        shortcut = x
-        y = conv_bn_relu(x, filters, strides)
-        y = conv_bn_relu(y, filters, relu=False)
-        if strides != 1 or shortcut.shape[-1] != filters:
-            shortcut = keras.layers.Conv2D(filters, 1, strides=strides, use_bias=False)(shortcut)
-        x = keras.layers.ReLU()(keras.layers.Add()([y, shortcut]))
-    x = keras.layers.GlobalAveragePooling2D()(x)
-    return keras.Model(inputs, keras.layers.Dense(classes)(x))
 
 
 def worker(variant, jit, image, batch, steps):

@@ -1,9 +1,11 @@
 """GPU readiness: the exactness tests and the layer benchmark on a GPU, results as JSON.
 
 Run it through benchmarks/gpu_check.sh (`make gpu-check`), which picks the Python. It runs
-under TensorFlow where TensorFlow is importable, else under JAX (--backend picks one). Each step
-runs in its own process of this Python, under a deadline, so the whole check takes at most 8
-minutes.
+under TensorFlow where TensorFlow is importable, else under JAX and then under PyTorch where
+both are importable (the GPU machine: --backend jax+torch), else under the one that is
+(--backend picks one, or both). Each step runs in its own process of this Python, under a
+deadline, so the whole check takes at most 8 minutes: with both JAX and PyTorch, each backend's
+steps get SHARED_DEADLINES, half the time they get alone.
 
 Under TensorFlow:
 
@@ -35,21 +37,41 @@ Under JAX (the GPU machine: JAX with its CUDA plugin, no TensorFlow, no Keras, n
 4. fake_quant: benchmarks/gpu_fake_quant.py: QAT's fake quantization on the GPU equals the
    CPU's bit for bit (outputs and gradients, eager and jit).
 
-    benchmarks/gpu_check.sh [--dry-run] [--backend auto|tensorflow|jax] [OUT]
+Under PyTorch (the same machine), the same steps:
+
+0. setup: as under JAX (Keras needs nothing more under PyTorch than the same wheels);
+1. probe: torch imports and sees a GPU (torch.cuda.is_available(), its device names), Keras
+   and keras_bn import under KERAS_BACKEND=torch, and Keras's default device, where a new
+   tensor goes, is cuda;
+2. tests: TORCH_TEST_FILES less their `tensorflow_side` tests, on the GPU: gpu_check_plugin
+   stops them before the first test unless Keras puts a new tensor on cuda (its default
+   device under PyTorch where torch sees a GPU), and turns TF32 off
+   (torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32 False, as
+   tests_torch/conftest.py does before each test);
+3. bench: benchmarks/bench_layer_torch.py (`bench_layer.py --backend torch`) on cuda: the
+   eager train step and inference, float32 and autocast float16/bfloat16, keras_bn against
+   Keras BN with F.batch_norm as the floor, and the small ResNet's train_on_batch;
+4. fake_quant: benchmarks/gpu_fake_quant_torch.py: QAT's fake quantization on cuda equals the
+   CPU's bit for bit (outputs and autograd gradients).
+
+    benchmarks/gpu_check.sh [--dry-run] [--backend auto|tensorflow|jax|torch|jax+torch] [OUT]
 
 OUT (default build/gpu_check/) gets gpu_check.json (rewritten after each step, so it is there
-whatever happens), tests.json, bench_layer.json, under JAX fake_quant.json, and each step's
-log. --dry-run runs the same steps on the CPU (CUDA_VISIBLE_DEVICES="", and JAX_PLATFORMS=cpu),
-at the benchmark's smoke sizes and one test per file, so that CI can check this script in a
-minute or so (tests_jax/test_gpu_check.py runs it under JAX without TensorFlow).
+whatever happens), tests.json, bench_layer.json, under JAX and PyTorch fake_quant.json, and
+each step's log; with two backends, those go to OUT/jax/ and OUT/torch/, and OUT/gpu_check.json
+sums them up (each backend's status, reason and exit code). --dry-run runs the same steps on
+the CPU (CUDA_VISIBLE_DEVICES="", and JAX_PLATFORMS=cpu), at the benchmark's smoke sizes and
+one test per file, so that CI can check this script in a minute or so
+(tests_jax/test_gpu_check.py and tests_torch/test_gpu_check.py run it under JAX and under
+PyTorch without TensorFlow).
 
 Exit codes: 0 every step passed; 1 a test failed, or a step failed or ran out of time;
-2 the check cannot run here (neither TensorFlow nor JAX importable, no GPU, the tests' ops not
-on the GPU, no Keras and no wheels, bad usage). A failure also prints one line, on stderr,
-saying why.
+2 the check cannot run here (none of TensorFlow, JAX, PyTorch importable, no GPU, the tests'
+ops not on the GPU, no Keras and no wheels, bad usage). With two backends: 0 both passed, 1
+one failed, else 2. A failure also prints one line, on stderr, saying why.
 
 Only the standard library is imported here: the check must also say, clearly, that the Python
-it was given has no TensorFlow (or JAX).
+it was given has no TensorFlow (or JAX, or PyTorch).
 """
 
 import argparse
@@ -89,7 +111,17 @@ JAX_TEST_FILES = [
     "tests_jax/test_jax_fold.py",
     "tests_jax/test_jax_quantize.py",
 ]
-JAX_TEST_MARKERS = "not tensorflow_side"
+# tests_torch's files that check keras_bn against independent references (torch.nn.BatchNorm,
+# numpy float64, numpy replays), less their tests marked tensorflow_side. Left out:
+# test_torch_training.py (every test of it compares with a TensorFlow process),
+# test_keras_parity_torch.py (Keras's own test files) and test_no_tensorflow.py.
+TORCH_TEST_FILES = [
+    "tests_torch/test_torch_layer.py",
+    "tests_torch/test_torch_tools.py",
+    "tests_torch/test_torch_quantize.py",
+]
+# Both keep out the tests that run a TensorFlow Python beside them.
+JAX_TEST_MARKERS = TORCH_TEST_MARKERS = "not tensorflow_side"
 WHEELS = ROOT / "build" / "gpu_wheels"
 # Seconds per step: with nvidia-smi's (NVIDIA_SMI_DEADLINE), 465 s at most, under 8 minutes.
 # The tests took 125 s on 2 CPU cores (273 tests, 2026-11-26); XLA compiles more slowly for a GPU.
@@ -98,6 +130,15 @@ DRY_RUN_DEADLINES = {"probe": 60, "tests": 120, "bench": 120}
 # Under JAX, 460 s at most with nvidia-smi's.
 JAX_DEADLINES = {"setup": 30, "probe": 45, "tests": 200, "bench": 120, "fake_quant": 50}
 JAX_DRY_RUN_DEADLINES = {"setup": 30, "probe": 60, "tests": 120, "bench": 120, "fake_quant": 60}
+# Under PyTorch alone, the same.
+TORCH_DEADLINES, TORCH_DRY_RUN_DEADLINES = JAX_DEADLINES, JAX_DRY_RUN_DEADLINES
+# Each backend's, where JAX and PyTorch run one after the other (the GPU machine has both):
+# 225 s each, 480 s at most with nvidia-smi's twice, the 8 minutes.
+SHARED_DEADLINES = {"setup": 20, "probe": 30, "tests": 90, "bench": 60, "fake_quant": 25}
+# The backends whose check installs Keras where it is missing, and compares fake quantization.
+KERAS_ONLY_BACKENDS = ("jax", "torch")
+BACKEND_NAMES = {"tensorflow": "TensorFlow", "jax": "JAX", "torch": "PyTorch"}
+BOTH = "jax+torch"
 NVIDIA_SMI_DEADLINE = 15
 CANNOT_RUN, FAILED = 2, 1
 
@@ -176,15 +217,10 @@ def jax_devices():
     }
 
 
-def probe_jax():
-    """Print one line, PROBE_MARK and JSON: JAX's version and devices, Keras's and keras_bn's,
-    or why one does not import. The probe step runs it in a process of its own."""
-    try:
-        import jax
-    except Exception as error:  # noqa: BLE001  any failure to import is the answer
-        print(PROBE_MARK + json.dumps({"import_error": f"{type(error).__name__}: {error}"}))
-        return
-    record = {"version": jax.__version__, **jax_devices()}
+def _keras_imports():
+    """Keras's and keras_bn's versions and files, or why each does not import, and Keras's
+    backend: part of the probes of JAX and PyTorch."""
+    record = {}
     for name in ("keras", "keras_bn"):
         try:
             module = __import__(name)
@@ -194,18 +230,73 @@ def probe_jax():
     record["keras_backend"] = (
         sys.modules["keras"].backend.backend() if "keras" in sys.modules else None
     )
+    return record
+
+
+def probe_jax():
+    """Print one line, PROBE_MARK and JSON: JAX's version and devices, Keras's and keras_bn's,
+    or why one does not import. The probe step runs it in a process of its own."""
+    try:
+        import jax
+    except Exception as error:  # noqa: BLE001  any failure to import is the answer
+        print(PROBE_MARK + json.dumps({"import_error": f"{type(error).__name__}: {error}"}))
+        return
+    record = {"version": jax.__version__, **jax_devices(), **_keras_imports()}
     print(PROBE_MARK + json.dumps(record))
 
 
-def resolve_backend(requested):
-    """`requested`, or for "auto" TensorFlow where it is importable, else JAX where it is, else
-    TensorFlow (whose probe then says what is missing)."""
+def torch_devices():
+    """PyTorch's GPUs, and the device Keras puts a new tensor on under PyTorch (its default:
+    cuda where torch sees one; `kind`: GPU or CPU). It imports torch and Keras (under
+    KERAS_BACKEND=torch): the probe and gpu_check_plugin call it."""
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    record = {
+        "gpus": [
+            {"name": f"cuda:{i}", "device_name": torch.cuda.get_device_name(i)}
+            for i in range(count)
+        ],
+        "cuda_available": torch.cuda.is_available(),
+    }
+    import keras
+
+    (default,) = {keras.ops.zeros(4).device}
+    record["default_device"] = str(default)
+    record["kind"] = "GPU" if default.type == "cuda" else default.type.upper()
+    return record
+
+
+def probe_torch():
+    """Print one line, PROBE_MARK and JSON: PyTorch's version, CUDA build and devices, Keras's
+    and keras_bn's, or why one does not import. The probe step runs it in a process of its
+    own."""
+    try:
+        import torch
+    except Exception as error:  # noqa: BLE001  any failure to import is the answer
+        print(PROBE_MARK + json.dumps({"import_error": f"{type(error).__name__}: {error}"}))
+        return
+    record = {"version": torch.__version__, "cuda_version": torch.version.cuda}
+    record.update(_keras_imports())
+    if "keras" in sys.modules:
+        record.update(torch_devices())
+    else:
+        record.update(gpus=[], kind=None, default_device=None)
+    print(PROBE_MARK + json.dumps(record))
+
+
+def resolve_backends(requested):
+    """The backends to check, in order: `requested` ("jax+torch": both), or for "auto"
+    TensorFlow where it is importable, else JAX and PyTorch where they are (both on the GPU
+    machine), else TensorFlow (whose probe then says what is missing)."""
+    if requested == BOTH:
+        return list(KERAS_ONLY_BACKENDS)
     if requested != "auto":
-        return requested
-    for name in ("tensorflow", "jax"):
-        if importlib.util.find_spec(name) is not None:
-            return name
-    return "tensorflow"
+        return [requested]
+    if importlib.util.find_spec("tensorflow") is not None:
+        return ["tensorflow"]
+    found = [name for name in KERAS_ONLY_BACKENDS if importlib.util.find_spec(name) is not None]
+    return found or ["tensorflow"]
 
 
 def _distribution_of(wheel):
@@ -267,14 +358,21 @@ def tail(path, lines=5):
 
 
 class Check:
-    def __init__(self, out, dry_run, argv, backend, wheels):
+    def __init__(self, out, dry_run, argv, backend, wheels, shared=False):
+        """`shared`: another backend's check runs in the same 8 minutes (SHARED_DEADLINES)."""
         self.out = out
         self.dry_run = dry_run
         self.backend = backend
         self.wheels = wheels
         self.jax = backend == "jax"
-        if self.jax:
+        self.torch = backend == "torch"
+        self.keras_only = backend in KERAS_ONLY_BACKENDS  # setup and fake_quant steps too
+        if shared and not dry_run:
+            self.deadlines = SHARED_DEADLINES
+        elif self.jax:
             self.deadlines = JAX_DRY_RUN_DEADLINES if dry_run else JAX_DEADLINES
+        elif self.torch:
+            self.deadlines = TORCH_DRY_RUN_DEADLINES if dry_run else TORCH_DEADLINES
         else:
             self.deadlines = DRY_RUN_DEADLINES if dry_run else DEADLINES
         self.started = time.monotonic()
@@ -302,10 +400,11 @@ class Check:
             ),
             "device": None,
             "nvidia_smi": None,
-            **({"setup": None, "jax": None} if self.jax else {"tensorflow": None}),
+            **({"setup": None} if self.keras_only else {}),
+            backend: None,
             "tests": None,
             "bench": None,
-            **({"fake_quant": None} if self.jax else {}),
+            **({"fake_quant": None} if self.keras_only else {}),
         }
 
     def save(self):
@@ -314,13 +413,14 @@ class Check:
 
     def steps(self):
         """(name, method) of each step after the probe, in order."""
-        if self.jax:
+        if self.keras_only:
             return [("tests", self.tests), ("bench", self.bench), ("fake_quant", self.fake_quant)]
         return [("tests", self.tests), ("bench", self.bench)]
 
     def setup(self):
-        """Under JAX: Keras from the wheels and keras_bn from the checkout where this Python
-        cannot import them, in a temporary folder put on PYTHONPATH for every step."""
+        """Under JAX and PyTorch: Keras from the wheels and keras_bn from the checkout where
+        this Python cannot import them, in a temporary folder put on PYTHONPATH for every
+        step."""
         record = {"keras": "importable", "keras_bn": "importable", "installed": []}
         self.result["setup"] = record
         paths = []
@@ -396,10 +496,9 @@ class Check:
         if isinstance(smi, list) and smi:
             self.result["device"] = smi[0]["name"]
         self.save()
-        if self.jax:
-            self.probe_jax(smi)
-        else:
-            self.probe_tensorflow(smi)
+        {"jax": self.probe_jax, "torch": self.probe_torch}.get(self.backend, self.probe_tensorflow)(
+            smi
+        )
         if self.dry_run:
             self.result["device"] = "CPU (dry run)"
         self.save()
@@ -420,58 +519,80 @@ class Check:
         probe = self._probe("probe_tensorflow", "TensorFlow")
         if "import_error" in probe:
             reason = f"TensorFlow is not importable by {sys.executable}: {probe['import_error']}"
-            if importlib.util.find_spec("jax") is None:
-                reason += " (nor is JAX: the check runs under either)"
+            if not any(importlib.util.find_spec(name) for name in KERAS_ONLY_BACKENDS):
+                reason += " (nor is JAX or PyTorch: the check runs under any of them)"
             raise CheckFailed(reason, CANNOT_RUN)
         self.result["tensorflow"] = probe
         gpus = probe["gpus"]
         if gpus:
             self.result["device"] = gpus[0].get("device_name", gpus[0]["name"])
         if not gpus and not self.dry_run:
-            smi_names = [g["name"] for g in smi] if isinstance(smi, list) else smi or "not found"
-            raise CheckFailed(
-                f"TensorFlow {probe['version']} sees no GPU (built with CUDA: "
-                f"{probe['built_with_cuda']}; nvidia-smi: {smi_names})",
-                CANNOT_RUN,
-            )
+            raise self._no_gpu(smi, f"built with CUDA: {probe['built_with_cuda']}")
 
-    def probe_jax(self, smi):
-        probe = self._probe("probe_jax", "JAX")
+    def _probe_keras_backend(self, function):
+        """The probe of JAX or PyTorch, Keras and keras_bn: its record, or CheckFailed saying
+        what does not import."""
+        name = BACKEND_NAMES[self.backend]
+        probe = self._probe(function, name)
         if "import_error" in probe:
             raise CheckFailed(
-                f"JAX is not importable by {sys.executable}: {probe['import_error']}", CANNOT_RUN
-            )
-        self.result["jax"] = probe
-        for name in ("keras", "keras_bn"):
-            if "import_error" in probe[name]:
-                raise CheckFailed(
-                    f"{name} does not import under JAX in {sys.executable}: "
-                    f"{probe[name]['import_error']}",
-                    CANNOT_RUN,
-                )
-        gpus = probe["gpus"]
-        if gpus:
-            self.result["device"] = gpus[0]["device_kind"]
-        if not self.dry_run and (not gpus or probe["kind"] != "GPU"):
-            smi_names = [g["name"] for g in smi] if isinstance(smi, list) else smi or "not found"
-            raise CheckFailed(
-                f"JAX {probe['version']} sees no GPU (default backend {probe['default_backend']}"
-                f", devices {probe['devices']}; nvidia-smi: {smi_names})",
+                f"{name} is not importable by {sys.executable}: {probe['import_error']}",
                 CANNOT_RUN,
             )
+        self.result[self.backend] = probe
+        for module in ("keras", "keras_bn"):
+            if "import_error" in probe[module]:
+                raise CheckFailed(
+                    f"{module} does not import under {name} in {sys.executable}: "
+                    f"{probe[module]['import_error']}",
+                    CANNOT_RUN,
+                )
+        return probe
+
+    def _no_gpu(self, smi, seen):
+        """CheckFailed: the backend sees no GPU (`seen`: what it sees), with nvidia-smi's."""
+        smi_names = [g["name"] for g in smi] if isinstance(smi, list) else smi or "not found"
+        return CheckFailed(
+            f"{BACKEND_NAMES[self.backend]} {self.result[self.backend]['version']} sees no GPU "
+            f"({seen}; nvidia-smi: {smi_names})",
+            CANNOT_RUN,
+        )
+
+    def _expect_gpu(self, smi, probe, name_key, seen):
+        """The device's name from the probe's first GPU (its `name_key`); CheckFailed unless
+        there is one and the default device is on it (but in a dry run)."""
+        gpus = probe["gpus"]
+        if gpus:
+            self.result["device"] = gpus[0][name_key]
+        if not self.dry_run and (not gpus or probe["kind"] != "GPU"):
+            raise self._no_gpu(smi, seen)
+
+    def probe_jax(self, smi):
+        probe = self._probe_keras_backend("probe_jax")
+        seen = f"default backend {probe['default_backend']}, devices {probe['devices']}"
+        self._expect_gpu(smi, probe, "device_kind", seen)
+
+    def probe_torch(self, smi):
+        probe = self._probe_keras_backend("probe_torch")
+        seen = (
+            f"CUDA build {probe['cuda_version']}, cuda available {probe['cuda_available']}, "
+            f"Keras's default device {probe['default_device']}"
+        )
+        self._expect_gpu(smi, probe, "device_name", seen)
 
     def tests(self):
         report = self.out / "tests.json"
         report.unlink(missing_ok=True)
-        files = JAX_TEST_FILES if self.jax else TEST_FILES
+        files = {"jax": JAX_TEST_FILES, "torch": TORCH_TEST_FILES}.get(self.backend, TEST_FILES)
         command = [sys.executable, "-m", "pytest", *files, "-q"]
         env = dict(self.env)
-        if self.jax:
+        if self.keras_only:
             # xdist may be missing there; -m leaves out what needs a TensorFlow process.
             command += ["-p", "no:xdist", "-m", JAX_TEST_MARKERS]
-            env["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"  # no TF32
         else:
             command += ["-n", "0"]  # one process: the GPU is not shared between workers
+        if self.jax:
+            env["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"  # no TF32 (torch's: the plugin)
         command += [
             "-p",
             "no:cacheprovider",
@@ -495,7 +616,7 @@ class Check:
         record = json.loads(report.read_text()) if report.exists() else {}
         self.result["tests"] = {
             "files": files,
-            **({"markers": JAX_TEST_MARKERS} if self.jax else {}),
+            **({"markers": JAX_TEST_MARKERS} if self.keras_only else {}),
             "exit_code": code,
             "timed_out": code is None,
             "seconds": seconds,
@@ -519,14 +640,14 @@ class Check:
     def bench(self):
         bench_json = self.out / "bench_layer.json"
         bench_json.unlink(missing_ok=True)
-        script = "bench_layer_jax.py" if self.jax else "bench_layer.py"
+        script = {"jax": "bench_layer_jax.py", "torch": "bench_layer_torch.py"}.get(
+            self.backend, "bench_layer.py"
+        )
         command = [sys.executable, str(BENCHMARKS / script), "--json", str(bench_json)]
-        if self.dry_run:
-            command += ["--smoke", "--max-shapes", "1"]
-            command += [] if self.jax else ["--device", "/CPU:0"]
-        else:
-            command += ["--reps", "10"]
-            command += [] if self.jax else ["--device", "/GPU:0"]
+        devices = {"tensorflow": ("/CPU:0", "/GPU:0"), "torch": ("cpu", "cuda")}
+        if self.backend in devices:  # JAX: its default device, the GPU unless a dry run
+            command += ["--device", devices[self.backend][0 if self.dry_run else 1]]
+        command += ["--smoke", "--max-shapes", "1"] if self.dry_run else ["--reps", "10"]
         log = self.out / "bench_layer.log"
         code, seconds = run_step(command, log, self.deadlines["bench"], self.env)
         bench = {
@@ -546,7 +667,7 @@ class Check:
                 targets=record["targets"],
             )
         else:  # stopped early: the rows it printed
-            row = r"(?:train|inference)" if self.jax else r"(?:graph|XLA)"
+            row = r"(?:train|inference)" if self.keras_only else r"(?:graph|XLA)"
             bench["rows_printed"] = re.findall(
                 rf"^\| .* \| {row} \| .*\|$",
                 log.read_text(encoding="utf-8", errors="replace"),
@@ -560,12 +681,13 @@ class Check:
         return None
 
     def fake_quant(self):
-        """Under JAX: QAT's fake quantization on the GPU against the CPU, bit for bit (in the
-        dry run, the CPU against itself)."""
+        """Under JAX and PyTorch: QAT's fake quantization on the GPU against the CPU, bit for
+        bit (in the dry run, the CPU against itself)."""
         found = self.out / "fake_quant.json"
         found.unlink(missing_ok=True)
-        device = "cpu" if self.dry_run else "gpu"
-        script = str(BENCHMARKS / "gpu_fake_quant.py")
+        device = "cpu" if self.dry_run else "cuda" if self.torch else "gpu"
+        name = "gpu_fake_quant_torch.py" if self.torch else "gpu_fake_quant.py"
+        script = str(BENCHMARKS / name)
         command = [sys.executable, script, "--device", device, "--against", "cpu"]
         command += ["--json", str(found), *(["--every", "8"] if self.dry_run else [])]
         log = self.out / "fake_quant.log"
@@ -593,9 +715,12 @@ class Check:
     def summary(self):
         """The line printed when every step passed."""
         tests, bench = self.result["tests"], self.result["bench"]
-        if self.jax:
-            probe = self.result["jax"]
-            versions = f"JAX {probe['version']}, Keras {probe['keras']['version']}"
+        if self.keras_only:
+            probe = self.result[self.backend]
+            versions = (
+                f"{BACKEND_NAMES[self.backend]} {probe['version']}, "
+                f"Keras {probe['keras']['version']}"
+            )
             extra = (
                 f", fake quantization equal bit for bit to the CPU's "
                 f"({self.result['fake_quant']['values_compared']} values)"
@@ -609,6 +734,35 @@ class Check:
         )
 
 
+def run_check(check, out):
+    """Every step of one backend's check; its exit code, the result saved in `out`."""
+    name = BACKEND_NAMES[check.backend]
+    try:
+        if check.keras_only:
+            print(f"gpu_check: setup (Keras, keras_bn under {name}) ...", flush=True)
+            check.setup()
+        print(f"gpu_check: probe ({name}, its GPUs) ...", flush=True)
+        check.probe()
+        # A failing test does not stop the benchmark: the check reports both.
+        failures = []
+        for step, run in check.steps():
+            print(f"gpu_check: {step} ({name}) ...", flush=True)
+            failures.append(run())
+        if any(failures):
+            raise CheckFailed("; ".join(filter(None, failures)))
+    except CheckFailed as failure:
+        check.result.update(status="failed", reason=str(failure))
+        check.save()
+        print(f"gpu_check: FAILED: {failure} [{out / 'gpu_check.json'}]", file=sys.stderr)
+        return failure.code
+    finally:
+        check.cleanup()
+    check.result["status"] = "passed"
+    check.save()
+    print(check.summary())
+    return 0
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(
@@ -619,15 +773,17 @@ def main(argv=None):
     )
     parser.add_argument(
         "--backend",
-        choices=("auto", "tensorflow", "jax"),
+        choices=("auto", "tensorflow", "jax", "torch", BOTH),
         default="auto",
-        help="auto (default): TensorFlow where it is importable, else JAX",
+        help="auto (default): TensorFlow where it is importable, else JAX and PyTorch, one "
+        f"after the other, where both are ({BOTH}), else the one that is",
     )
     parser.add_argument(
         "--wheels",
         type=pathlib.Path,
         default=WHEELS,
-        help="under JAX without Keras, the wheels to install (default: build/gpu_wheels/)",
+        help="under JAX or PyTorch without Keras, the wheels to install "
+        "(default: build/gpu_wheels/)",
     )
     parser.add_argument(
         "out",
@@ -637,37 +793,58 @@ def main(argv=None):
         help="folder for the results (default: build/gpu_check/)",
     )
     args = parser.parse_args(argv)
+    backends = resolve_backends(args.backend)
+    # One backend's results in OUT; with two, each in OUT/<backend>/ and a summary in OUT.
+    outs = {b: args.out / b if len(backends) > 1 else args.out for b in backends}
     try:
-        args.out.mkdir(parents=True, exist_ok=True)
+        for out in outs.values():
+            out.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         parser.error(f"cannot create the output folder {args.out}: {error}")
-    backend = resolve_backend(args.backend)
-    check = Check(args.out.resolve(), args.dry_run, argv, backend, args.wheels.resolve())
-    name = "TensorFlow" if backend == "tensorflow" else "JAX"
-    try:
-        if check.jax:
-            print("gpu_check: setup (Keras, keras_bn) ...", flush=True)
-            check.setup()
-        print(f"gpu_check: probe ({name}, its GPUs) ...", flush=True)
-        check.probe()
-        # A failing test does not stop the benchmark: the check reports both.
-        failures = []
-        for step, run in check.steps():
-            print(f"gpu_check: {step} ...", flush=True)
-            failures.append(run())
-        if any(failures):
-            raise CheckFailed("; ".join(filter(None, failures)))
-    except CheckFailed as failure:
-        check.result.update(status="failed", reason=str(failure))
-        check.save()
-        print(f"gpu_check: FAILED: {failure} [{args.out / 'gpu_check.json'}]", file=sys.stderr)
-        return failure.code
-    finally:
-        check.cleanup()
-    check.result["status"] = "passed"
-    check.save()
-    print(check.summary())
-    return 0
+    codes = {}
+    for backend, out in outs.items():
+        check = Check(
+            out.resolve(),
+            args.dry_run,
+            argv,
+            backend,
+            args.wheels.resolve(),
+            shared=len(backends) > 1,
+        )
+        codes[backend] = run_check(check, out)
+    if len(backends) == 1:
+        return codes[backends[0]]
+    return summarize(args.out, codes, args.dry_run, argv)
+
+
+def summarize(out, codes, dry_run, argv):
+    """gpu_check.json in `out` for a check of several backends: each one's status and folder;
+    the exit code (0 all passed, 1 one failed, else 2: one could not run)."""
+    backends = {}
+    for backend, code in codes.items():
+        result = json.loads((out / backend / "gpu_check.json").read_text())
+        backends[backend] = {
+            "status": result["status"],
+            "reason": result["reason"],
+            "exit_code": code,
+            "results": f"{backend}/gpu_check.json",
+            "seconds": result["seconds"],
+        }
+    passed = all(code == 0 for code in codes.values())
+    record = {
+        "status": "passed" if passed else "failed",
+        "dry_run": dry_run,
+        "command": " ".join(["benchmarks/gpu_check.sh", *argv]),
+        "backends": backends,
+    }
+    atomic.write_text(out / "gpu_check.json", json.dumps(record, indent=1) + "\n")
+    names = " and ".join(BACKEND_NAMES[b] for b in codes)
+    if passed:
+        print(f"gpu_check: passed under {names} [{out / 'gpu_check.json'}]")
+        return 0
+    failed = [BACKEND_NAMES[b] for b, code in codes.items() if code]
+    print(f"gpu_check: FAILED under {', '.join(failed)} of {names}", file=sys.stderr)
+    return FAILED if FAILED in codes.values() else CANNOT_RUN
 
 
 if __name__ == "__main__":

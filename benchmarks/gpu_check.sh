@@ -2,10 +2,11 @@
 # GPU readiness (`make gpu-check`): the exactness tests and the layer benchmark on a GPU, in at
 # most 8 minutes, with JSON results; benchmarks/gpu_check.py says what it runs and writes.
 #
-#   benchmarks/gpu_check.sh [--dry-run] [OUT]    # OUT defaults to build/gpu_check/
+#   benchmarks/gpu_check.sh [--dry-run] [--backend auto|tensorflow|jax|torch|jax+torch] [OUT]
+#                                                # OUT defaults to build/gpu_check/
 #
 # PYTHON picks the interpreter: default .venv/bin/python if it exists, else python3.
-# Exit codes: 0 passed; 1 a check failed; 2 it cannot run here (no Python, no TensorFlow, no GPU).
+# Exit codes: 0 passed; 1 a check failed; 2 it cannot run here (no Python, no backend, no GPU).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 if [[ -z "${PYTHON:-}" ]]; then

@@ -6,22 +6,26 @@ Options (gpu_check.py passes them, with `-p gpu_check_plugin` and benchmarks/ on
                               the backend sees and the device an op without a device scope
                               runs on; rewritten after every test, so a run stopped at its
                               deadline still leaves its counts.
-    --gpu-check-backend NAME  tensorflow (default) or jax: whose devices the report holds.
+    --gpu-check-backend NAME  tensorflow (default), jax or torch: whose devices the report
+                              holds (under torch, the device Keras puts a new tensor on).
     --gpu-check-expect KIND   GPU or CPU: before the first test, stop the session (exit code 3)
                               unless an op without a device scope runs on a device of that kind.
     --gpu-check-one-per-file  keep only the first test of each file (gpu_check's dry run).
     --gpu-check-tf32-off      turn TensorFloat-32 off before the first test (the report says
                               whether it is on); under JAX, float32 matmuls at "highest"
-                              precision (gpu_check also sets JAX_DEFAULT_MATMUL_PRECISION).
+                              precision (gpu_check also sets JAX_DEFAULT_MATMUL_PRECISION);
+                              under PyTorch, torch.backends.cuda.matmul.allow_tf32 and
+                              torch.backends.cudnn.allow_tf32 False (tests_torch/conftest.py
+                              sets them again before each test).
 
-TensorFlow and JAX are imported in the hooks, never at import: tests/conftest.py and
-tests_jax/conftest.py set their environment and devices first.
+TensorFlow, JAX and PyTorch are imported in the hooks, never at import: tests/conftest.py,
+tests_jax/conftest.py and tests_torch/conftest.py set their environment and devices first.
 """
 
 import json
 
 import pytest
-from gpu_check import atomic, jax_devices, tensorflow_devices
+from gpu_check import BACKEND_NAMES, atomic, jax_devices, tensorflow_devices, torch_devices
 
 PLACEMENT_EXIT_CODE = 3
 
@@ -38,7 +42,7 @@ def pytest_addoption(parser):
     group.addoption("--gpu-check-tf32-off", action="store_true", help="turn TF32 off")
     group.addoption(
         "--gpu-check-backend",
-        choices=("tensorflow", "jax"),
+        choices=("tensorflow", "jax", "torch"),
         default="tensorflow",
         help="whose devices to check and report",
     )
@@ -103,16 +107,29 @@ class _Recorder:
         placement = jax_devices()
         return placement, placement["kind"]
 
+    def _torch_placement(self):
+        """PyTorch's GPUs, TF32 off if asked; the kind of Keras's default device."""
+        import torch
+
+        if self.tf32_off:
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
+        self.record["tf32"] = bool(
+            torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32
+        )
+        placement = torch_devices()
+        return placement, placement["kind"]
+
     def pytest_collection_finish(self, session):
-        if self.backend == "jax":
-            placement, kind = self._jax_placement()
-        else:
-            placement, kind = self._tensorflow_placement()
+        placement, kind = {
+            "jax": self._jax_placement,
+            "torch": self._torch_placement,
+        }.get(self.backend, self._tensorflow_placement)()
         self.record["placement"] = placement
         self.record["collected"] = len(session.items)
         self._write()
         if self.expect and kind != self.expect:
-            name = "JAX" if self.backend == "jax" else "TensorFlow"
+            name = BACKEND_NAMES[self.backend]
             self.record["stopped"] = (
                 f"the tests' ops would run on {placement['default_device']}, not a "
                 f"{self.expect} ({name} sees GPUs: {[g['name'] for g in placement['gpus']]})"

@@ -21,30 +21,23 @@ gpu_check.py's dry run compares the CPU with itself (--device cpu), on every 8th
 JSON lists the first ones), 2 no such device.
 """
 
-import argparse
-import datetime
 import functools
-import json
 import os
-import pathlib
 import re
-import sys
 import time
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
-# tests_jax/ for the sweep, tests/ for the helpers it imports (tensorflow_side, shared with
-# tests_torch/), as pyproject's pytest pythonpath gives them to the suites.
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests_jax"))
 
+import _fake_quant_check as check
 import jax
 import jax.numpy as jnp
 import numpy as np
-from fake_quant_cases import sweep  # the bit-for-bit sweep of the tests
 
 from keras_bn.backend.jax import fake_quant as jfq
-from keras_bn.export import atomic
 from keras_bn.quantize import fake_quant as fq
+
+check.put_tests_on_path("tests_jax")
+from fake_quant_cases import sweep  # noqa: E402  the bit-for-bit sweep of the tests
 
 
 @functools.cache
@@ -62,12 +55,7 @@ def _gradient(function, argnums):
 # One function object per kind and static arguments, so that jit compiles once per input shape.
 @functools.cache
 def _fake_quant(per_channel, bits, narrow):
-    op = (
-        jfq.fake_quant_with_min_max_vars_per_channel
-        if per_channel
-        else jfq.fake_quant_with_min_max_vars
-    )
-    return lambda x, lo, hi: op(x, lo, hi, bits, narrow)
+    return check.fake_quant_op(jfq, per_channel, bits, narrow)
 
 
 @functools.cache
@@ -82,9 +70,7 @@ def _activation_step(bits):
 
 @functools.cache
 def _weights(bits, per_channel):
-    return lambda kernel: fq.fake_quant_weights(
-        kernel, fq.weight_max_abs(kernel, per_channel), bits
-    )
+    return check.weights_grid(fq, bits, per_channel)
 
 
 @functools.cache
@@ -109,31 +95,18 @@ def cases():
             (f"range{i}/activation_step", _activation_step(bits), scalars[1:]),
         ]
     rng = np.random.default_rng(3)
-    for shape, all_bits in (((3, 3, 8, 16), (2, 4, 8)), ((64, 32), (8,))):
-        for bits in all_bits:
-            q_max = 2 ** (bits - 1) - 1
-            # Weights on the half steps of the grid of ±1 (the largest weight of each channel
-            # is 1), and a third of them anywhere in [-1, 1].
-            q = rng.integers(-q_max, q_max, shape)
-            kernel = np.where(
-                rng.random(shape) < 0.3, rng.uniform(-1.0, 1.0, shape), (q + 0.5) / q_max
-            ).astype(np.float32)
-            kernel.reshape(-1, shape[-1])[0] = 1.0
-            for per_channel in (True, False):
-                weights = _weights(bits, per_channel)
-                name = f"weights{'x'.join(map(str, shape))}/{bits}bit/" + (
-                    "per_channel" if per_channel else "per_tensor"
-                )
-                found += [
-                    (name, weights, (kernel,)),
-                    (name + "/gradient", _gradient(weights, 0), (kernel,)),
-                    (name + "/step", _weight_step(bits, per_channel), (kernel,)),
-                ]
-    bias = rng.normal(0, 0.1, 64).astype(np.float32)
-    step = np.float32(2.0**-9) * rng.uniform(0.5, 2.0, 64).astype(np.float32)
-    halves = ((np.round(bias / step) + 0.5) * step).astype(np.float32)  # ties of the rounding
-    found.append(("round_bias", fq.round_bias, (np.concatenate([bias, halves]), np.tile(step, 2))))
-    found.append(("round_bias/gradient", _gradient(fq.round_bias, 0), (bias, step)))
+    for shape, bits, kernel in check.weight_kernels(rng):
+        for per_channel in (True, False):
+            weights = _weights(bits, per_channel)
+            name = check.weight_case_name(shape, bits, per_channel)
+            found += [
+                (name, weights, (kernel,)),
+                (name + "/gradient", _gradient(weights, 0), (kernel,)),
+                (name + "/step", _weight_step(bits, per_channel), (kernel,)),
+            ]
+    ties, plain = check.bias_inputs(rng)
+    found.append(("round_bias", fq.round_bias, ties))
+    found.append(("round_bias/gradient", _gradient(fq.round_bias, 0), plain))
     return found
 
 
@@ -164,39 +137,17 @@ def compare(device, against, every=1):
     """Every case under jit, and eagerly too but for the gradients (which `fit` always takes
     under jit) and for three ranges in four (op by op, the slowest part), on both devices:
     (values compared, mismatches)."""
-    compared, mismatches = 0, []
-    for name, function, args in cases()[::every]:
-        for compiled in (False, True) if _eager(name) else (True,):
-            mine = run(function, args, device, compiled)
-            theirs = run(function, args, against, compiled)
-            for index, (a, b) in enumerate(zip(mine, theirs, strict=True)):
-                if a.shape != b.shape:
-                    mismatches.append({"case": name, "jit": compiled, "output": index})
-                    continue
-                a, b = np.ravel(a).astype(np.float32), np.ravel(b).astype(np.float32)
-                compared += a.size
-                (differ,) = np.nonzero(a.view(np.int32) != b.view(np.int32))
-                if differ.size:
-                    mismatches.append(
-                        {
-                            "case": name,
-                            "jit": compiled,
-                            "output": index,
-                            "count": int(differ.size),
-                            "first": [[float(a[i]), float(b[i])] for i in differ[:3]],
-                        }
-                    )
-    return compared, mismatches
+    return check.compare(
+        cases()[::every],
+        run,
+        device,
+        against,
+        lambda name: (False, True) if _eager(name) else (True,),
+    )
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="gpu", help="the JAX platform checked (gpu)")
-    parser.add_argument("--against", default="cpu", help="the JAX platform it must equal (cpu)")
-    parser.add_argument("--json", metavar="PATH", help="write the result as JSON to PATH")
-    parser.add_argument(
-        "--every", type=int, default=1, metavar="N", help="every Nth case only (a dry run's)"
-    )
+    parser = check.parser(__doc__.splitlines()[0], "gpu", "cpu")
     args = parser.parse_args(argv)
     started = time.monotonic()
     try:
@@ -206,26 +157,13 @@ def main(argv=None):
         return 2
     print(f"gpu_fake_quant: {device} ({device.device_kind}) against {against}", flush=True)
     compared, mismatches = compare(device, against, args.every)
-    record = {
+    header = {
         "device": f"{device} ({device.device_kind})",
         "against": f"{against} ({against.device_kind})",
         "jax": jax.__version__,
-        "cases": len(cases()[:: args.every]),
-        "values_compared": compared,
-        "mismatches": mismatches[:20],
-        "mismatched_cases": len(mismatches),
-        "bit_for_bit": not mismatches,
-        "seconds": round(time.monotonic() - started, 1),
-        "finished_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    if args.json:
-        atomic.write_text(args.json, json.dumps(record, indent=1) + "\n")
-    verdict = "equal bit for bit" if not mismatches else f"{len(mismatches)} outputs DIFFER"
-    print(
-        f"gpu_fake_quant: {record['cases']} cases, jit and eager, {compared} values: {verdict} "
-        f"({record['seconds']} s)"
-    )
-    return 0 if not mismatches else 1
+    count = len(cases()[:: args.every])
+    return check.report(args.json, header, count, compared, mismatches, started, "jit and eager")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 # JAX brings, as wheels for the GPU machine (CPython 3.12, manylinux x86_64), into an ignored
 # folder that travels with the repository (at most 64 MiB may): benchmarks/gpu_check.py installs
 # them into a temporary folder where Keras is not importable (that machine has JAX, its CUDA
-# plugin, numpy and pytest, and no Keras, no TensorFlow and no network).
+# plugin, PyTorch with CUDA, numpy and pytest, and no Keras, no TensorFlow and no network).
+# Keras under PyTorch needs no more than under JAX: its requirements are the same wheels (its
+# torch backend imports torch, numpy and ml_dtypes, which is among them).
 #
 #   benchmarks/gpu_wheels.sh [DIR]    # DIR defaults to build/gpu_wheels/
 #

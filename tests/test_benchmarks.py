@@ -59,19 +59,25 @@ def test_bench_layer_smoke(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["layer.json"]  # no temporary left
 
 
+def _rows_and_verdicts(out):
+    """A layer table's rows, and the verdicts of the targets' table after it."""
+    table, targets = out.split("| target |")
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "ms" not in line]
+    verdicts = [
+        line.split("|")[-2].strip() for line in targets.splitlines()[2:] if line.startswith("| ")
+    ]
+    return rows, verdicts
+
+
 @pytest.mark.slow
 def test_bench_layer_jax_smoke(tmp_path):
     """--backend jax: the JAX table (jitted stateless_call of each layer) and its JSON."""
     path = tmp_path / "layer_jax.json"
     out = _run("bench_layer.py", "--backend", "jax", "--json", str(path))
     assert out.startswith("machine: ") and "JAX " in out
-    table, targets = out.split("| target |")
-    rows = [line for line in table.splitlines() if line.startswith("| ") and "ms" not in line]
+    rows, verdicts = _rows_and_verdicts(out)
     assert len(rows) == 16  # 4 shapes x 2 policies x (train, inference)
     assert all(len(row.split("|")) == 8 for row in rows)
-    verdicts = [
-        line.split("|")[-2].strip() for line in targets.splitlines()[2:] if line.startswith("| ")
-    ]
     assert len(verdicts) == 1 and verdicts[0] in {"yes", "MISSED"}
     record = json.loads(path.read_text())
     assert record["command"].endswith(f"bench_layer.py --smoke --backend jax --json {path}")
@@ -84,6 +90,38 @@ def test_bench_layer_jax_smoke(tmp_path):
         assert row["keras_bn_ms"] > 0 and row["keras_ms"] > 0
     assert [t["met"] for t in record["targets"]] == [verdicts[0] == "yes"]
     assert [p.name for p in tmp_path.iterdir()] == ["layer_jax.json"]  # no temporary left
+
+
+@pytest.mark.slow
+def test_bench_layer_torch_smoke(tmp_path):
+    """--backend torch: the PyTorch table (eager train step and inference of each layer and of
+    F.batch_norm, float32 and autocast float16/bfloat16), the whole-model row, and the JSON."""
+    pytest.importorskip("torch")
+    path = tmp_path / "layer_torch.json"
+    out = _run("bench_layer.py", "--backend", "torch", "--json", str(path))
+    assert out.startswith("machine: ") and "PyTorch " in out
+    rows, verdicts = _rows_and_verdicts(out)
+    assert len(rows) == 24  # 4 shapes x 3 policies x (train, inference)
+    assert all(len(row.split("|")) == 10 and "n/a" not in row for row in rows)
+    assert len(verdicts) == 1 and verdicts[0] in {"yes", "MISSED"}
+    assert "whole model, train_on_batch, ResNet 8x8x3, batch 8" in out
+    record = json.loads(path.read_text())
+    assert record["command"].endswith(f"bench_layer.py --smoke --backend torch --json {path}")
+    assert record["device"] == "cpu" and record["torch_threads"] >= 1 and not record["not_run"]
+    assert {r["policy"] for r in record["rows"]} == {
+        "float32",
+        "autocast float16",
+        "autocast bfloat16",
+    }
+    for row, line in zip(record["rows"], rows, strict=True):
+        cells = [c.strip() for c in line.split("|")[1:-1]]
+        assert cells[:3] == [row["shape"], row["policy"], row["step"]]
+        assert float(cells[3]) == pytest.approx(row["keras_bn_ms"], abs=0.006)
+        assert float(cells[6]) == pytest.approx(row["ratio"], abs=0.006)
+        assert row["keras_bn_ms"] > 0 and row["keras_ms"] > 0 and row["floor_ms"] > 0
+    assert [t["met"] for t in record["targets"]] == [verdicts[0] == "yes"]
+    assert record["model"]["keras_bn_ms"] > 0 and record["model"]["keras_ms"] > 0
+    assert [p.name for p in tmp_path.iterdir()] == ["layer_torch.json"]  # no temporary left
 
 
 @pytest.mark.slow

@@ -54,7 +54,7 @@ from keras_bn.quantize import (
 L = keras.layers
 BN = keras_bn.BatchNormalization
 STEPS = 40
-CONFIGS = [(8, True), (8, False), (4, True), (4, False), (3, True), (3, False), (2, True), (2, False)]
+CONFIGS = [(bits, per_channel) for bits in (8, 4, 3, 2) for per_channel in (True, False)]
 CONFIG_IDS = [f"w{bits}a8_{'per_channel' if pc else 'per_tensor'}" for bits, pc in CONFIGS]
 # The TFLite ops a full-integer file of the CNN may hold.
 INTEGER_OPS = {
