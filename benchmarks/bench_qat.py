@@ -48,6 +48,7 @@ import tensorflow as tf
 from bench_layer import machine_description
 
 import digits
+import keras_bn
 from keras_bn.export import atomic, export_onnx, export_tflite, fold_batch_norms
 from keras_bn.export import onnx as onnx_export
 from keras_bn.export import tflite as tflite_export
@@ -81,7 +82,9 @@ def only_output(outputs):
 
 
 def fine_tune(model, bits, per_channel, seed, recipe, data):
-    """`quantize_model(model)` fine-tuned with FreezeBatchNorm per `recipe`."""
+    """`quantize_model(model)` fine-tuned with FreezeBatchNorm per `recipe`; with
+    `recipe["plain"]` a plain `fit` (no callback), with `recipe["reestimate"]` the freeze
+    re-estimates the statistics from the training images first."""
     x_train, y_train, _, _ = data
     keras.utils.set_random_seed(seed + 1000)
     qat = quantize_model(model, bits, 8, per_channel)
@@ -95,14 +98,78 @@ def fine_tune(model, bits, per_channel, seed, recipe, data):
         epochs=recipe["epochs"],
         shuffle=False,  # the stream is shuffled already
         verbose=0,
-        callbacks=[
+        callbacks=[]
+        if recipe.get("plain")
+        else [
             FreezeBatchNorm(
                 round(recipe["freeze_batch_norm"] * total),
                 freeze_ranges_after_steps=max(1, round(recipe["freeze_ranges"] * total)),
+                data=x_train if recipe.get("reestimate") else None,
+                batch_size=BATCH,
             )
         ],
     )
     return qat
+
+
+# --reestimation: the low-bit configurations and how their QAT models were trained.
+LOW_BIT_CONFIGS = [(3, True), (3, False), (2, True), (2, False)]
+REESTIMATION_VARIANTS = {
+    "plain fit": {"plain": True},
+    "plain fit + recalibrate": {"plain": True, "recalibrate": True},
+    "recipe": {},
+    "recipe, re-estimated at the freeze": {"reestimate": True},
+}
+
+
+def reestimation_seed(seed, recipe, float_epochs, data):
+    """One seed of --reestimation: the float model's accuracy, and per low-bit configuration
+    its rounding's and each variant's QAT model's (Keras, `training=False`: what the files
+    compute, within their LSB bounds)."""
+    x_train, _, x_test, y_test = data
+    model, _ = digits.train_separable(float_epochs, seed=seed)
+    result = {"seed": seed, "float_keras": accuracy(model.predict(x_test, verbose=0), y_test)}
+    folded, _ = fold_batch_norms(model, x_test)
+    base = folded.get_weights()
+    configs = {}
+    for bits, per_channel in LOW_BIT_CONFIGS:
+        folded.set_weights(base)
+        digits.round_weights(folded, bits, per_channel)
+        row = {"rounding": accuracy(folded.predict(x_test, verbose=0), y_test)}
+        for name, variant in REESTIMATION_VARIANTS.items():
+            qat = fine_tune(model, bits, per_channel, seed, {**recipe, **variant}, data)
+            if variant.get("recalibrate"):
+                keras_bn.recalibrate(qat, x_train, batch_size=BATCH, progress=False)
+            row[name] = accuracy(qat.predict(x_test, verbose=0), y_test)
+        configs[config_key(bits, per_channel)] = row
+        print(
+            f"#   seed {seed} {config_key(bits, per_channel)}: {row}", file=sys.stderr, flush=True
+        )
+    result["configs"] = configs
+    return result
+
+
+def reestimation_table(results):
+    """Markdown rows: per configuration, float, rounding and each variant, median [min–max]
+    over the seeds, and each variant's median paired drop from float."""
+    lines = [
+        "| weights | float | rounding | "
+        + " | ".join(f"{name} (drop)" for name in REESTIMATION_VARIANTS)
+        + " |",
+        "|---" * (3 + len(REESTIMATION_VARIANTS)) + "|",
+    ]
+    for bits, per_channel in LOW_BIT_CONFIGS:
+        key = config_key(bits, per_channel)
+        cells = [cell(summary([s["float_keras"] for s in results]))]
+        cells.append(cell(summary([s["configs"][key]["rounding"] for s in results])))
+        for name in REESTIMATION_VARIANTS:
+            drop = paired(
+                results, key, lambda s, _: s["float_keras"], lambda _, r, name=name: r[name]
+            )
+            got = summary([s["configs"][key][name] for s in results])
+            cells.append(f"{cell(got)} ({drop:.1f})")
+        lines.append(f"| {key} | " + " | ".join(cells) + " |")
+    return lines
 
 
 # Format → (exporter, what runs its file).
@@ -392,6 +459,12 @@ def main(argv=None):
         help="the weight bits whose QAT models are also exported to ONNX (comma-separated)",
     )
     parser.add_argument("--rounds", type=int, default=21, help="timed samples per model")
+    parser.add_argument(
+        "--reestimation",
+        action="store_true",
+        help="only the low-bit table: plain fit with and without recalibrate, the recipe "
+        "with and without re-estimation at the freeze",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = parser.parse_args(argv)
     argv = argv if argv is not None else sys.argv[1:]
@@ -410,6 +483,8 @@ def main(argv=None):
     rounds, warmup, inner = (2, 1, 1) if args.smoke else (args.rounds, 5, 10)
     onnx_bits = {int(b) for b in args.onnx_bits.split(",") if b}
     data = digits.load()
+    if args.reestimation:
+        return reestimation_main(args, argv, started, seeds, float_epochs, recipe, data)
     with tempfile.TemporaryDirectory() as folder:
         results = [
             run_seed(seed, recipe, float_epochs, onnx_bits, data, folder) for seed in range(seeds)
@@ -474,6 +549,39 @@ def main(argv=None):
         }
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         atomic.write_text(args.json, json.dumps(record, indent=1) + "\n")
+    return 0
+
+
+def reestimation_main(args, argv, started, seeds, float_epochs, recipe, data):
+    """--reestimation: its table, and its JSON, rewritten after each seed (a run cut short
+    keeps the seeds it finished)."""
+    command = " ".join(["python benchmarks/bench_qat.py", *argv])
+    results = []
+    for seed in range(seeds):
+        results.append(reestimation_seed(seed, recipe, float_epochs, data))
+        if args.json:
+            record = {
+                "command": command,
+                "machine": machine(),
+                "started_utc": started.isoformat(timespec="minutes"),
+                "finished_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                    timespec="minutes"
+                ),
+                "seeds": len(results),
+                "float_epochs": float_epochs,
+                "qat_recipe": recipe,
+                "variants": REESTIMATION_VARIANTS,
+                "table": reestimation_table(results),
+                "per_seed": results,
+            }
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            atomic.write_text(args.json, json.dumps(record, indent=1) + "\n")
+    print(f"# machine: {machine()}")
+    print(f"# command: {command}")
+    print(f"# {started:%Y-%m-%d %H:%M} UTC; {seeds} seed(s), float {float_epochs} epochs")
+    print(f"# QAT recipe: {recipe}")
+    print("test accuracy (%), median [min-max] over seeds; (drop): median paired drop from float")
+    print("\n".join(reestimation_table(results)))
     return 0
 
 
