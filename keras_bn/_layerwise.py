@@ -10,7 +10,6 @@ into), where the forward function is that layer's call on its inputs.
 """
 
 import dataclasses
-import itertools
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -45,11 +44,12 @@ class LayerChange:
         passes: the passes over the data this layer took: 1 for a BN; for a layer that folds
             its BN into rounded weights (QAT), one per fixed-point iteration (`settle`).
         unsettled_weights: for such a layer, how many of its kernel's weights round, with
-            the statistics kept, to other integers than those they were measured with (0: a
-            fixed point, whose statistics are those of the integers it rounds to); 0 for a BN.
+            the statistics kept, to other integers than those they were measured with; 0 for
+            a BN.
         settling_error: for such a layer, how far the statistics kept are from those of the
-            integers they round to: the largest change of the mean or of σ, in units of σ,
-            that measuring with those integers gives (0 at a fixed point; see `settle`).
+            weights they give: the largest change of the mean or of σ, in units of σ, that
+            measuring with those weights gives (0 for per-channel weight ranges; inf where a
+            single pass could not tell; see `settle`).
     """
 
     name: str
@@ -234,6 +234,8 @@ def _refuse_non_finite(
 
 # The most passes `settle` makes for one layer that folds its BN.
 MAX_SETTLING_PASSES = 10
+# A settling error (in units of σ) within float32 rounding of the statistics: settled.
+SETTLED = 1e-5
 
 
 def settle(
@@ -242,20 +244,22 @@ def settle(
     another_pass: Callable[[], None] = lambda: None,
 ) -> LayerChange:
     """`assign(layer, pooled())`, and for a layer that folds its BN into rounded weights
-    (QAT), again until its kernel rounds to the integers the statistics were measured with.
+    (QAT), again until the statistics are those of the weights they give.
 
-    Such a layer scales its kernel by γ/σ before rounding it, σ from the moving variance, so
-    new statistics can move some weights to another integer, which changes what the BN
-    normalizes. Each pass measures with the integers the last one left, until a pass moves
-    none (a fixed point: the statistics are exactly those of the integers the layer rounds
-    to), for at most `MAX_SETTLING_PASSES`, or until the integers return to an earlier state
-    (a cycle, which more passes would repeat). Per-channel weight ranges settle at once (each
-    channel's scale cancels in its own grid); with a per-tensor range each channel's σ moves
-    the other channels' integers, and a few weights may keep crossing a rounding boundary.
-    Then the layer keeps the statistics of the pass k closest to its own integers: pass k + 1
-    measured with exactly the integers pass k's statistics round to, so their difference
-    (`LayerChange.settling_error`) is how far pass k is from a fixed point. A
-    `KerasBNWarning` names such a layer.
+    Such a layer rounds W·s' with s' = γ/σ (σ from the moving variance) and normalizes
+    z/s' = host(x, q·Δ)/s', q the integers and Δ the weight step. With one weight range per
+    output channel, Δ_c/s'_c = max|W_c|/q_max whatever σ is: a pass that moves no integer is
+    a fixed point, and every layer with per-channel ranges settles in one pass. With one range
+    per tensor, Δ = max_j|W_j·s'_j|/q_max, so Δ/s'_c depends on σ_c against the largest
+    channel's even where no integer moves, and new statistics also move integers. Each pass
+    then measures with the weights the last one left: pass k + 1 measures exactly the
+    weights pass k's statistics give, so their distance (`_distance`: the largest change of
+    the mean or of σ, in units of σ) is how far pass k is from a fixed point. The passes stop
+    once one is within `SETTLED`, or after `MAX_SETTLING_PASSES`, and the layer keeps the
+    closest pass; `LayerChange.settling_error` is its distance (0 for per-channel ranges). A
+    per-tensor range at 2–4 bits need not settle: a channel's σ that grows shrinks its
+    integers and so its variance, and the passes can oscillate about a rounding boundary. A
+    `KerasBNWarning` names a layer kept further than `SETTLED` from its fixed point.
 
     Args:
         layer: a BN layer, or a layer that folds one.
@@ -265,45 +269,45 @@ def settle(
 
     Returns:
         The `LayerChange` from the statistics before the first pass to those kept, with the
-        passes made, the integers that the next pass measured differently and the
-        settling error (both 0 at a fixed point).
+        passes made, the integers that the kept statistics round differently from those they
+        were measured with, and the settling error.
     """
     rounded = _rounded_weights(layer)
     if rounded is None:  # a BN, or float weights: nothing rounds
         return assign(layer, pooled())
-    history = [rounded]
+    epsilon = _bn_layers.statistics_of(layer).epsilon
     passes: list[tuple[PooledMoments, LayerChange, int]] = []  # (moments, change, moved)
+    errors: list[float] = []  # errors[k]: pass k's distance from its own weights
     while True:
         sums = pooled()
         change = assign(layer, sums)
-        rounded = _rounded_weights(layer)
+        measured_with, rounded = rounded, _rounded_weights(layer)
         assert rounded is not None  # the layer still rounds its kernel
-        moved = int(np.count_nonzero(rounded != history[-1]))
+        moved = int(np.count_nonzero(rounded != measured_with))
+        if passes:
+            errors.append(_distance(passes[-1][1], change, epsilon))
         passes.append((sums, change, moved))
-        if not moved:
+        if layer.per_channel and not moved:  # σ cancels in each channel's grid: exact
             kept, error = change, 0.0
             break
-        if len(passes) == MAX_SETTLING_PASSES or any(np.array_equal(rounded, h) for h in history):
-            errors = [
-                _distance(earlier, later, _bn_layers.statistics_of(layer).epsilon)
-                for (_, earlier, _), (_, later, _) in itertools.pairwise(passes)
-            ]
+        if (errors and min(errors) <= SETTLED) or len(passes) == MAX_SETTLING_PASSES:
             closest = int(np.argmin(errors)) if errors else 0
             error = errors[closest] if errors else float("inf")
             kept, moved = passes[closest][1], passes[closest][2]
             if closest < len(passes) - 1:
                 kept = assign(layer, passes[closest][0])
-            warnings.warn(
-                f"recalibrate: layer '{layer.name}' did not settle in {len(passes)} passes: "
-                f"each pass's σ moved some of its kernel's weights to another integer. It "
-                f"keeps pass {closest + 1}'s statistics, the closest to those of the integers "
-                f"they round to: within {error:.3g}·σ of them ({moved} weight(s) round "
-                f"differently from the integers they were measured with).",
-                KerasBNWarning,
-                stacklevel=3,
-            )
+            if error > SETTLED:
+                warnings.warn(
+                    f"recalibrate: layer '{layer.name}' did not settle in {len(passes)} "
+                    f"passes: its weight range is shared by its channels, and each pass's σ "
+                    f"changed the weights the next one measured. It keeps pass "
+                    f"{closest + 1}'s statistics, the closest: within {error:.3g}·σ of those "
+                    f"of the weights they give ({moved} weight(s) round to other integers "
+                    f"than those they were measured with).",
+                    KerasBNWarning,
+                    stacklevel=3,
+                )
             break
-        history.append(rounded)
         another_pass()
     return dataclasses.replace(
         kept,

@@ -72,9 +72,10 @@ class RecalibrationReport:
             layer: a subclassed model).
         passes: the work in forward passes over the data: the layer (node) evaluations over
             all the batches divided by those of one inference pass of the model. "per_layer"
-            makes one pass per BN layer; "one_pass" evaluates each node that leads to a BN
-            once per batch (at most 1: the head after the last BN does not run), plus, for each
-            BN recalibrated inside a custom layer, one evaluation of that layer per batch. None
+            makes one pass per BN layer (per settling pass, for a QAT layer); "one_pass"
+            evaluates each node that leads to a BN once per batch (at most 1: the head after
+            the last BN does not run), plus, for each BN recalibrated inside a custom layer and
+            each settling pass of a QAT layer, one evaluation of that layer per batch. None
             where unknown.
         peak_frontier_bytes: the most bytes the one pass kept in memory at once (the tensors
             later layers still read, for every batch); 0 for "per_layer".
@@ -160,11 +161,12 @@ def recalibrate(
     A quantization-aware layer that folds its BN (`keras_bn.quantize`'s
     QuantizedHostBatchNorm) gets the statistics of what its BN normalizes in training: the
     host's output with the kernel rounded as the layer rounds it (z/s', with the host bias in
-    the mean). That kernel is scaled by γ/σ before rounding, so the new σ can move weights to
-    other integers: the layer takes passes until its kernel rounds to the integers its
-    statistics were measured with (`LayerChange.passes`). Where 10 passes, or a cycle, do not
-    settle it (a per-tensor weight range at low bits), it keeps the pass closest to settled,
-    `LayerChange.settling_error` says how close, and a `KerasBNWarning` names the layer.
+    the mean). That kernel is scaled by γ/σ before rounding, so the statistics change what
+    they describe. With per-channel weight ranges σ cancels and one pass is exact; with a
+    per-tensor range (every Dense host) the layer takes passes, each measuring the weights the
+    last one gave, until one is within 1e-5·σ of the statistics of the weights it gives, for
+    at most 10 (`LayerChange.passes`); it keeps the closest pass, `LayerChange.settling_error`
+    says how close, and a `KerasBNWarning` names a layer left further off.
 
     Each layer reads a mask as its own training step does (Keras's reading, the input's
     leading axes, for both classes; see `keras_bn.BatchNormalization.call`), so these are the
@@ -320,7 +322,7 @@ def recalibrate_per_layer(
         batches=batches.count,
         not_called=tuple(layers[i].name for i in done.not_called),
         strategy="per_layer",
-        passes=float(len(done.changes)),
+        passes=float(sum(change.passes for change in done.changes)),
     )
 
 

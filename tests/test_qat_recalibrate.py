@@ -140,9 +140,37 @@ def test_per_tensor_qat_layers_settle_or_say_how_far_they_are():
         assert _distance(layer, mean, variance) <= change.settling_error + 1e-4
         moved = np.count_nonzero(layer.weight_grids()["kernel"].q != integers)
         assert moved == 0  # the reference rounds as the layer does
-        if not change.unsettled_weights:
-            assert change.settling_error == 0.0
         assert change.settling_error < 0.05  # 8 bits: a few weights, a fraction of a percent
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_settling_error_bounds_the_distance_to_the_reference(seed):
+    """Per tensor, Δ/s'_c depends on σ even where no integer moves (found by an audit: seed 6
+    was reported settled, 0.006σ off): whatever the passes end on, the statistics kept are
+    within the reported settling error of the reference's for the weights they give."""
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential(
+        [
+            keras.Input((6, 6, 3)),
+            L.Conv2D(6, 3, use_bias=False),
+            keras_bn.BatchNormalization(),
+            L.ReLU(),
+            L.Flatten(),
+            L.Dense(3),
+        ]
+    )
+    qat = quantize_model(model, weight_bits=4, per_channel=False)
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(40, 6, 6, 3)).astype("float32")
+    qat(x[:2])
+    (layer,) = _qat_layers(qat)
+    stale = _numpy(layer.batch_norm.moving_variance) * rng.uniform(0.5, 2.0, 6)
+    layer.batch_norm.moving_variance.assign(stale.astype("float32"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", keras_bn.KerasBNWarning)
+        (change,) = keras_bn.recalibrate(qat, x, batch_size=BATCH, progress=False).layers
+    mean, variance, _ = _reference_statistics(qat, layer, x, BATCH)
+    assert _distance(layer, mean, variance) <= change.settling_error + 1e-5
 
 
 def _stale_per_tensor_qat(weight_bits):

@@ -110,13 +110,13 @@ class FreezeBatchNorm(keras.callbacks.Callback):
     `steps_per_execution` > 1 the callback runs once per execution, so the freeze lands on the
     first execution boundary at or after the step.
 
-    Given `data`, it first sets the frozen layers' statistics to Algorithm 2's for the weights
-    of that step (`keras_bn.recalibrate`, which settles each layer's rounded kernel; the
-    report goes to `last_report`): the moving averages lag the weights, most where weights
-    oscillate across rounding boundaries at low bit widths (Nagel et al., "Overcoming
-    Oscillations in Quantization-Aware Training", 2022), and the steps after the freeze
-    fine-tune for the statistics the file will hold. Without `data`, or with
-    `reestimate=False`, the moving averages are frozen as they are.
+    Given `data`, it first sets the statistics of the layers it freezes (those that are
+    trainable) to Algorithm 2's for the weights of that step (`keras_bn.recalibrate`, which
+    settles each layer's rounded kernel; the report goes to `last_report`): the moving
+    averages lag the weights, most where weights oscillate across rounding boundaries at low
+    bit widths (Nagel et al., "Overcoming Oscillations in Quantization-Aware Training", 2022),
+    and the steps after the freeze fine-tune for the statistics the file will hold. Without
+    `data`, or with `reestimate=False`, the moving averages are frozen as they are.
 
     Args:
         after_steps: int ≥ 0, the optimizer step from which batch norm is frozen (0: from the
@@ -203,9 +203,13 @@ class FreezeBatchNorm(keras.callbacks.Callback):
             if self._batches is not None:
                 from keras_bn.population import recalibrate_layers
 
+                # As `Recalibrate`: a layer with trainable=False kept its statistics all along.
+                trained = [
+                    layer for layer in _find(self.model, QuantizedHostBatchNorm) if layer.trainable
+                ]
                 self.last_report = recalibrate_layers(
                     self.model,
-                    _find(self.model, QuantizedHostBatchNorm),
+                    trained,
                     self._batches.for_model(self.model).fresh(),
                     progress=False,
                 )
