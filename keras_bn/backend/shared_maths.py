@@ -202,7 +202,7 @@ def normalize_forward(x, gamma, beta, mask, channel_axes, epsilon):
     # y = γ·x̂ + β with x̂ = ((x − K) − Δμ)·inv: x − K is exact far out, Δμ joins β.
     bias = per_channel(beta, x, channel_axes) - offset * scale
     scale_m, bias_m, shift_m = xp.materialized(scale, bias, shift)
-    y = (x - shift_m) * scale_m + bias_m
+    y = xp.affine(x - shift_m, scale_m, bias_m)
     mean = xp.reshape(shift + offset, gamma.shape)
     outputs = (y, mean, xp.reshape(variance, gamma.shape))
     return outputs, (x, scale, shift, offset, inv, mask, count)
@@ -243,7 +243,7 @@ def batch_norm_inference(x, a, b, channel_axes):
     """The per-channel affine y = a·x + b, in the statistics dtype."""
     xp = arrays_of(x)
     x = xp.astype(x, xp.statistics_dtype(x.dtype))
-    return x * per_channel(a, x, channel_axes) + per_channel(b, x, channel_axes)
+    return xp.affine(x, per_channel(a, x, channel_axes), per_channel(b, x, channel_axes))
 
 
 def batch_norm_eval(x, mean, variance, gamma, beta, channel_axes, epsilon):
