@@ -74,8 +74,10 @@ TORCH_TESTS := KERAS_BACKEND=torch KERAS_BN_NO_TENSORFLOW=1 KERAS_BN_TF_PYTHON=$
 	$(PY_TORCH) -m pytest tests_torch $(PYTEST_ARGS)
 # All of tests_torch again with TensorFlow installed beside PyTorch ($(PY) has both): the layer,
 # the tools, fit, fake quantization and Keras's parity tests, with TensorFlow importable under
-# KERAS_BACKEND=torch (test_no_tensorflow.py skips there). 2 min 53 s on 2 busy cores.
-TORCH_WITH_TF_TESTS := KERAS_BACKEND=torch $(PY) -m pytest tests_torch $(PYTEST_ARGS) -q
+# KERAS_BACKEND=torch (test_no_tensorflow.py skips there); not gpu-check's dry run, which is
+# for the GPU machine, where there is no TensorFlow.
+TORCH_WITH_TF_TESTS := KERAS_BACKEND=torch $(PY) -m pytest tests_torch $(PYTEST_ARGS) -q \
+	--ignore=tests_torch/test_gpu_check.py
 
 test-torch: $(STAMP) $(STAMP_TORCH)
 	$(TORCH_TESTS)
