@@ -122,27 +122,29 @@ def zero_unless_enough(gamma, count):
     return xp.where(xp.reshape(count, gamma.shape) > 1, gamma, 0.0)
 
 
-def centered_moments(x, axes, mask, count):
+def centered_moments(x, axes, mask, count, with_difference=False):
     """(shift K, offset Δμ, variance), kept broadcastable to x, over the unmasked values: the
     shifted sums of `_shifted_moments`. Without a mask K is `_shift_estimate`'s, and the sums
     are redone about K + Δμ where K was too far from the mean (the TensorFlow backend's xla.py);
     with one K is the masked mean, which makes them the corrected two-pass algorithm of
-    `statistics.centered_moments`."""
+    `statistics.centered_moments`. `with_difference` adds x − K (over every value) for the
+    caller to reuse."""
     xp = arrays_of(x)
+    kept = slice(None) if with_difference else slice(3)
     if mask is not None:
         divisor = xp.at_least(count, 1.0)  # a fully masked channel: 0, not NaN
         keep = mask > 0  # selected, not multiplied by 0: padding may hold NaN
         shift = xp.sum(xp.where(keep, x, 0.0), axes, keepdims=True) / divisor
-        return _shifted_moments(xp, x, xp.constant_for_the_shift(shift), axes, keep, divisor)
-    shift, offset, variance = _shifted_moments(
-        xp, x, _shift_estimate(xp, x, axes), axes, None, count
-    )
+        found = _shifted_moments(xp, x, xp.constant_for_the_shift(shift), axes, keep, divisor)
+        return found[kept]
+    found = _shifted_moments(xp, x, _shift_estimate(xp, x, axes), axes, None, count)
+    shift, offset, variance, _ = found
     return xp.cond(
         xp.any((xp.square(offset) > SHIFT_REDO_RATIO * variance) | ~xp.isfinite(variance)),
         lambda: _shifted_moments(
             xp, x, xp.constant_for_the_shift(shift + offset), axes, None, count
-        ),
-        lambda: (shift, offset, variance),
+        )[kept],
+        lambda: found[kept],
     )
 
 
@@ -160,15 +162,14 @@ def _shift_estimate(xp, x, axes):
 
 
 def _shifted_moments(xp, x, shift, axes, keep, divisor):
-    """(K, Δμ, σ²) with t = x − K over the kept values: Δμ = Σt/m, σ² = Σt²/m − Δμ² (Chan,
-    Golub & LeVeque 1983), which loses about a factor 1 + Δμ²/σ² of rounding: the caller
-    keeps |Δμ| ≤ 3σ, or K is the mean and this the corrected two-pass algorithm."""
-    centered = x - shift
-    if keep is not None:
-        centered = xp.where(keep, centered, 0.0)
+    """(K, Δμ, σ², x − K) with t = x − K over the kept values: Δμ = Σt/m, σ² = Σt²/m − Δμ²
+    (Chan, Golub & LeVeque 1983), which loses about a factor 1 + Δμ²/σ² of rounding: the
+    caller keeps |Δμ| ≤ 3σ, or K is the mean and this the corrected two-pass algorithm."""
+    difference = x - shift
+    centered = difference if keep is None else xp.where(keep, difference, 0.0)
     offset = xp.sum(centered, axes, keepdims=True) / divisor
     variance = xp.sum(xp.square(centered), axes, keepdims=True) / divisor - xp.square(offset)
-    return shift, offset, xp.at_least(variance, 0.0)
+    return shift, offset, xp.at_least(variance, 0.0), difference
 
 
 def moments(x, channel_axes, mask=None, replica_context=None):
@@ -196,16 +197,21 @@ def normalize_forward(x, gamma, beta, mask, channel_axes, epsilon):
     `normalize_backward` needs: (x, scale, shift, offset, inv, mask, count)."""
     xp = arrays_of(x)
     count = element_count(x, channel_axes, mask)
-    shift, offset, variance = centered_moments(x, reduction_axes(x.ndim, channel_axes), mask, count)
+    axes = reduction_axes(x.ndim, channel_axes)
+    # XLA recomputes x − K inside each loop that reads it; eager torch keeps the moments' one
+    # for y and for the backward (saved in x's place: one full-size tensor fewer each way).
+    reuse = not xp.FUSES_ELEMENTWISE
+    shift, offset, variance, *difference = centered_moments(x, axes, mask, count, reuse)
     inv = xp.rsqrt(variance + epsilon)
     scale = per_channel(gamma, x, channel_axes) * inv
     # y = γ·x̂ + β with x̂ = ((x − K) − Δμ)·inv: x − K is exact far out, Δμ joins β.
     bias = per_channel(beta, x, channel_axes) - offset * scale
     scale_m, bias_m, shift_m = xp.materialized(scale, bias, shift)
-    y = xp.affine(x - shift_m, scale_m, bias_m)
+    source = difference[0] if reuse else x
+    y = xp.affine(source if reuse else x - shift_m, scale_m, bias_m)
     mean = xp.reshape(shift + offset, gamma.shape)
     outputs = (y, mean, xp.reshape(variance, gamma.shape))
-    return outputs, (x, scale, shift, offset, inv, mask, count)
+    return outputs, (source, scale, shift, offset, inv, mask, count)
 
 
 def normalize_backward(dy, saved, channel_axes):
@@ -217,25 +223,26 @@ def normalize_backward(dy, saved, channel_axes):
                                           c = a·(Δμ·inv·Σg·x̂ − Σg)/m,
 
     which is γ·inv·(g − w·(Σg + x̂·Σg·x̂)/m) regrouped per channel, so that ∂l/∂x is one
-    elementwise pass."""
-    x, scale, shift, offset, inv, mask, count = saved
-    xp = arrays_of(x)
-    axes = reduction_axes(x.ndim, channel_axes)
+    elementwise pass. `saved` holds x, or x − K itself where the forward kept it (torch)."""
+    source, scale, shift, offset, inv, mask, count = saved
+    xp = arrays_of(source)
+    reuse = not xp.FUSES_ELEMENTWISE
+    axes = reduction_axes(source.ndim, channel_axes)
     sum_dy = xp.sum(dy, axes, keepdims=True)
-    centered = x - xp.materialized(shift)
+    centered = source if reuse else source - xp.materialized(shift)
     sum_dy_x_hat = inv * (xp.sum(dy * centered, axes, keepdims=True) - offset * sum_dy)
     m = count if mask is None else xp.at_least(count, 1.0)
     slope = -scale * inv * sum_dy_x_hat / m
     intercept = scale * (offset * inv * sum_dy_x_hat - sum_dy) / m
     scale_m, slope_m, intercept_m, shift_m = xp.materialized(scale, slope, intercept, shift)
-    if xp.FUSES_ELEMENTWISE:
+    if not reuse:
         # XLA recomputes x − K inside dx's loop for free; reusing `centered` would write it
         # out in full and read it back (the float32 train step measured 1.9-2.1x Keras BN's
         # that way instead of 0.89-0.93x, bench_layer.py --backend jax, 2026-11-27).
-        centered = x - shift_m
-    correction = slope_m * centered + intercept_m
-    dx = scale_m * dy + (correction if mask is None else mask * correction)
-    param_shape = [x.shape[i] for i in channel_axes]
+        centered = source - shift_m
+    correction = xp.affine(centered, slope_m, intercept_m)
+    dx = xp.affine(dy, scale_m, correction if mask is None else mask * correction)
+    param_shape = [source.shape[i] for i in channel_axes]
     return dx, xp.reshape(sum_dy_x_hat, param_shape), xp.reshape(sum_dy, param_shape)
 
 
