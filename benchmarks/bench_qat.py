@@ -530,26 +530,37 @@ def main(argv=None):
             f"{t['ratio']:.2f} | {t['median_round_ratio']:.2f} |"
         )
     if args.json:
-        record = {
-            "command": command,
-            "machine": machine(),
-            "started_utc": started.isoformat(timespec="minutes"),
-            "finished_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
-                timespec="minutes"
-            ),
-            "seeds": seeds,
-            "float_epochs": float_epochs,
-            "qat_recipe": recipe,
-            "float_keras": floats[0],
-            "float_tflite": floats[1],
-            "rows": rows,
-            "targets": found,
-            "step_times": timings,
-            "per_seed": results,
-        }
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        atomic.write_text(args.json, json.dumps(record, indent=1) + "\n")
+        write_record(
+            args.json,
+            command,
+            started,
+            float_epochs,
+            recipe,
+            results,
+            float_keras=floats[0],
+            float_tflite=floats[1],
+            rows=rows,
+            targets=found,
+            step_times=timings,
+        )
     return 0
+
+
+def write_record(path, command, started, float_epochs, recipe, results, **found):
+    """The run's JSON at `path`: what ran, where and when, what it `found`, every seed."""
+    record = {
+        "command": command,
+        "machine": machine(),
+        "started_utc": started.isoformat(timespec="minutes"),
+        "finished_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
+        "seeds": len(results),
+        "float_epochs": float_epochs,
+        "qat_recipe": recipe,
+        **found,
+        "per_seed": results,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    atomic.write_text(path, json.dumps(record, indent=1) + "\n")
 
 
 def reestimation_main(args, argv, started, seeds, float_epochs, recipe, data):
@@ -560,22 +571,16 @@ def reestimation_main(args, argv, started, seeds, float_epochs, recipe, data):
     for seed in range(seeds):
         results.append(reestimation_seed(seed, recipe, float_epochs, data))
         if args.json:
-            record = {
-                "command": command,
-                "machine": machine(),
-                "started_utc": started.isoformat(timespec="minutes"),
-                "finished_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
-                    timespec="minutes"
-                ),
-                "seeds": len(results),
-                "float_epochs": float_epochs,
-                "qat_recipe": recipe,
-                "variants": REESTIMATION_VARIANTS,
-                "table": reestimation_table(results),
-                "per_seed": results,
-            }
-            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-            atomic.write_text(args.json, json.dumps(record, indent=1) + "\n")
+            write_record(
+                args.json,
+                command,
+                started,
+                float_epochs,
+                recipe,
+                results,
+                variants=REESTIMATION_VARIANTS,
+                table=reestimation_table(results),
+            )
     print(f"# machine: {machine()}")
     print(f"# command: {command}")
     print(f"# {started:%Y-%m-%d %H:%M} UTC; {seeds} seed(s), float {float_epochs} epochs")
