@@ -499,10 +499,7 @@ def main(argv=None):
     found = targets(results, timings)
 
     command = " ".join(["python benchmarks/bench_qat.py", *argv])
-    print(f"# machine: {machine()}")
-    print(f"# command: {command}")
-    print(f"# {started:%Y-%m-%d %H:%M} UTC; {seeds} seed(s), float {float_epochs} epochs")
-    print(f"# QAT recipe: {recipe}")
+    print_header(command, started, seeds, float_epochs, recipe)
     floats = [summary([s[name] for s in results]) for name in ("float_keras", "float_tflite")]
     ptq_passed = sum(s["ptq_int8_passed"] for s in results)
     print(
@@ -546,6 +543,14 @@ def main(argv=None):
     return 0
 
 
+def print_header(command, started, seeds, float_epochs, recipe):
+    """What ran, where and when, as the table's first lines."""
+    print(f"# machine: {machine()}")
+    print(f"# command: {command}")
+    print(f"# {started:%Y-%m-%d %H:%M} UTC; {seeds} seed(s), float {float_epochs} epochs")
+    print(f"# QAT recipe: {recipe}")
+
+
 def write_record(path, command, started, float_epochs, recipe, results, **found):
     """The run's JSON at `path`: what ran, where and when, what it `found`, every seed."""
     record = {
@@ -581,10 +586,7 @@ def reestimation_main(args, argv, started, seeds, float_epochs, recipe, data):
                 variants=REESTIMATION_VARIANTS,
                 table=reestimation_table(results),
             )
-    print(f"# machine: {machine()}")
-    print(f"# command: {command}")
-    print(f"# {started:%Y-%m-%d %H:%M} UTC; {seeds} seed(s), float {float_epochs} epochs")
-    print(f"# QAT recipe: {recipe}")
+    print_header(command, started, seeds, float_epochs, recipe)
     print("test accuracy (%), median [min-max] over seeds; (drop): median paired drop from float")
     print("\n".join(reestimation_table(results)))
     return 0
