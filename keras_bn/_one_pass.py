@@ -14,12 +14,16 @@ frontier (the tensors that later nodes still read, for every batch) is kept in a
 `_frontier.Frontier`, in memory up to a budget and on disk past it. Nodes that lead to no BN
 (the head) are not run.
 
-A layer whose `call` hides BN layers from the graph (a custom layer, a subclassed model inside
-the graph) is a segment boundary too: its BNs are recalibrated by the per-layer method applied
-to that layer alone, over its inputs in the frontier, one pass of that layer per BN. So is a
-QAT layer that folds its BN (`keras_bn.quantize`): its statistics decide how its kernel
-rounds, so it takes a pass of that layer alone per fixed-point iteration
-(`_layerwise.settle`), over its inputs kept in the frontier.
+A QAT layer that folds its BN (`keras_bn.quantize`) ends a segment as a BN does, its first
+pass recorded inside the compiled segment. Its statistics decide how its kernel rounds, so it
+may take more passes to reach a fixed point (`_layerwise.settle`: at most one more with
+per-channel weight ranges, up to 10 in all with a per-tensor range): its inputs stay in the
+frontier after its segment, and each further pass runs that layer alone over them, as one
+compiled function per such layer kept with the segments' (a second recalibration traces
+nothing again). A layer whose `call` hides BN layers (or QAT layers) from the graph (a custom
+layer, a subclassed model inside the graph) is a segment boundary too, a "fallback": its BNs
+are recalibrated by the per-layer method applied to that layer alone, over its inputs in the
+frontier, one pass of that layer per BN (per settling pass, for a QAT layer).
 
 Keras has no public API for running a graph's nodes one by one; this reads the internals that
 `_run_through_graph` itself reads (`_nodes_by_depth`, each node's arguments), as
@@ -32,7 +36,7 @@ the previous one just assigned.
 
 import dataclasses
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import keras
@@ -60,8 +64,9 @@ class _Step:
     """One thing a forward pass does, in the walk's order.
 
     kind: "enter" (a model's call up to its graph: its inputs standardized, as Keras does),
-    "call" (a node's operation), "record" (a BN's input moments) or "fallback" (the per-layer
-    method on a layer that hides BNs). `reads` and `writes` are the tensors' canonical ids.
+    "call" (a node's operation), "record" (a BN's or a QAT layer's input moments) or
+    "fallback" (the per-layer method on a layer that hides BNs). `reads` and `writes` are the
+    tensors' canonical ids.
     """
 
     kind: str
@@ -71,6 +76,9 @@ class _Step:
     writes: list[int]
     graph: Any = None  # "enter": the Functional whose inputs it writes
     layers: tuple[int, ...] = ()  # "record": (its BN's index); "fallback": the BNs inside
+    # "record" of a layer that folds its BN (QAT): its inputs stay in the frontier after its
+    # segment, for the settling passes of that layer alone (`_layerwise.settle`).
+    settles: bool = False
 
 
 @dataclasses.dataclass
@@ -169,9 +177,12 @@ class Plan:
         operation = node.operation
         inside = self._inside(operation)
         reads = [self._id(t) for t in node.input_tensors]
-        if id(operation) in self._index and not _bn_layers.folds_batch_norm(operation):
+        if id(operation) in self._index:
             self._record(inside)
-            self._steps.append(_Step("record", operation, node, reads, [], layers=(inside[0],)))
+            settles = _bn_layers.folds_batch_norm(operation)
+            self._steps.append(
+                _Step("record", operation, node, reads, [], layers=(inside[0],), settles=settles)
+            )
         elif inside and walkable(operation):
             self._walk(operation, node, f"{prefix}{operation.name}/")
             inner_graph = _models.layer_graph(operation, "recalibrate")
@@ -210,8 +221,8 @@ def _needed(steps: list[_Step]) -> list[_Step]:
 
 def _segments(steps: list[_Step]) -> tuple[list[_Segment], dict[int, float]]:
     """`steps` cut after each boundary, with what each segment reads from the frontier and
-    keeps in it; and for each tensor the last segment that reads it (+0.5 for a fallback,
-    which reads after its segment)."""
+    keeps in it; and for each tensor the last segment that reads it (+0.5 for a fallback, or
+    a QAT layer's record, which read after their segment)."""
     segments: list[_Segment] = []
     current: list[_Step] = []
     for step in steps:
@@ -233,7 +244,7 @@ def _segments(steps: list[_Step]) -> tuple[list[_Segment], dict[int, float]]:
                 last_read[tensor] = number
             for tensor in step.writes:
                 produced[tensor] = number
-        if segment.boundary.kind == "fallback":
+        if segment.boundary.kind == "fallback" or segment.boundary.settles:
             for tensor in segment.boundary.reads:
                 last_read[tensor] = max(last_read.get(tensor, 0), number + 0.5)
     for tensor, number in produced.items():
@@ -311,7 +322,7 @@ def run(
             if boundary.kind == "record":
                 layer = layers[boundary.layers[0]]
                 bar.set_description(layer.name)
-                sums = _layerwise.PooledMoments.for_layer(layer)
+                sums = _layerwise.PooledMoments.for_layer(_bn_layers.statistics_of(layer))
             for batch, outputs, moments in compiled.segment(number, batches, kept, count):
                 for tensor in segment.inputs:
                     if plan.last_read[tensor] <= number:
@@ -326,21 +337,34 @@ def run(
                 if not count:
                     batches.first()  # raises: `data` gave no batch
                 batches.check_count(count)
-            if boundary.kind == "record":
+            if boundary.kind == "record" and not boundary.settles:
                 changes.append(_layerwise.assign(layers[boundary.layers[0]], sums))
-                continue
-            done = _layerwise.in_call_order(
-                [layers[i] for i in boundary.layers],
-                functools.partial(_call_bound, compiled, boundary),
-                _FrontierInputs(kept, boundary.reads, count),
-                next(iter(_FrontierInputs(kept, boundary.reads, 1))),
-                count,
-                bar,
-                root=boundary.operation,
-            )
-            changes += done.changes
-            not_called += [boundary.layers[i] for i in done.not_called]
-            evaluations += sum(change.passes for change in done.changes)  # one per pass
+            elif boundary.kind == "record":
+                change = _layerwise.settle(
+                    layers[boundary.layers[0]],
+                    _settling_passes(compiled, number, sums, kept, count, bar),
+                    functools.partial(bar.add_total, count),
+                )
+                changes.append(change)
+                evaluations += change.passes - 1  # the layer alone, once per batch per pass
+            else:
+                done = _layerwise.in_call_order(
+                    [layers[i] for i in boundary.layers],
+                    functools.partial(_call_bound, compiled, boundary),
+                    _FrontierInputs(kept, boundary.reads, count),
+                    next(iter(_FrontierInputs(kept, boundary.reads, 1))),
+                    count,
+                    bar,
+                    root=boundary.operation,
+                )
+                changes += done.changes
+                not_called += [boundary.layers[i] for i in done.not_called]
+                evaluations += sum(change.passes for change in done.changes)  # one per pass
+            # The boundary's inputs that no later segment reads.
+            for tensor in set(boundary.reads):
+                if plan.last_read[tensor] == number + 0.5:
+                    for batch in range(count):
+                        kept.drop(tensor, batch)
     reached = {index for segment in plan.segments for index in segment.boundary.layers}
     return Result(
         changes=tuple(changes),
@@ -352,6 +376,33 @@ def run(
         spilled_bytes=kept.spilled_bytes,
         fallbacks=tuple(plan.fallbacks),
     )
+
+
+def _settling_passes(
+    compiled: "_Compiled",
+    number: int,
+    first: _layerwise.PooledMoments,
+    frontier: Frontier,
+    count: int,
+    bar: _layerwise.ProgressBar,
+) -> Callable[[], _layerwise.PooledMoments]:
+    """`settle`'s passes for the QAT layer at the boundary of segment `number`: the moments
+    its segment recorded (`first`), then, for each later pass, those of that layer alone run
+    over its inputs kept in the frontier."""
+    passes = iter([first])
+    layer = compiled.plan.layers[compiled.plan.segments[number].boundary.layers[0]]
+
+    def pooled() -> _layerwise.PooledMoments:
+        recorded = next(passes, None)
+        if recorded is not None:
+            return recorded
+        sums = _layerwise.PooledMoments.for_layer(_bn_layers.statistics_of(layer))
+        for moments in compiled.settling_pass(number, frontier, count):
+            sums.add(*[np.asarray(moment) for moment in moments])
+            bar.update(1)
+        return sums
+
+    return pooled
 
 
 class _FrontierInputs:
@@ -424,6 +475,12 @@ class _Compiled:
             backend.get().compiled(self._body(segment, first=number == 0), autograph=False)
             for number, segment in enumerate(self.plan.segments)
         ]
+        # A QAT layer's settling passes after its segment's: the layer alone, on its inputs.
+        self._settling = {
+            number: backend.get().compiled(self._settling_body(segment.boundary), autograph=False)
+            for number, segment in enumerate(self.plan.segments)
+            if segment.boundary.settles
+        }
 
     def segment(
         self, number: int, batches: Batches, frontier: Frontier, count: int
@@ -444,6 +501,17 @@ class _Compiled:
         for batch in range(count):
             outputs = function(tuple(frontier.get(tensor, batch) for tensor in inputs))
             yield (batch, *outputs)
+
+    def settling_pass(self, number: int, frontier: Frontier, count: int) -> Iterator[Any]:
+        """Run the QAT layer at segment `number`'s boundary alone on its inputs' frontier
+        entries for each of the `count` batches. Yields its input moments, batch by batch."""
+        reads = self.plan.segments[number].boundary.reads
+        function = backend.get().specialized(
+            self._settling[number],
+            [[frontier.signature(t, batch) for batch in range(count)] for t in reads],
+        )
+        for batch in range(count):
+            yield function(tuple(frontier.get(tensor, batch) for tensor in reads))
 
     def bound(self, tensors: Sequence[int], entries: Sequence[Any]) -> dict[int, Any]:
         """{tensor id: value} for every id of `tensors`' values, their masks attached."""
@@ -479,6 +547,17 @@ class _Compiled:
                     moments = recorded[self._position[step.layers[0]]]
             outputs = tuple((values[t], get_keras_mask(values[t])) for t in segment.outputs)
             return outputs, moments
+
+        return body
+
+    def _settling_body(self, step: _Step) -> Any:
+        """A "record" step alone, as a function of its inputs' frontier entries: its layer's
+        input moments."""
+        position = self._position[step.layers[0]]
+
+        def body(entries: Any) -> Any:
+            values = self.bound(step.reads, entries)
+            return self.statistics.record(functools.partial(_call, step, values))[position]
 
         return body
 

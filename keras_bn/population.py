@@ -26,9 +26,10 @@ is what they are used for. Dropout and the other training-only layers are off.
 
 Two methods give the same statistics:
 - one pass (keras_bn/_one_pass.py), for Sequential and Functional models: the graph runs node
-  by node over all the batches, cut into compiled segments at the BN layers; each BN is set
-  once every batch has reached it, before anything downstream of it runs. The cost is about
-  one inference pass. The tensors later nodes still read are kept per batch within
+  by node over all the batches, cut into compiled segments at the BN layers (and the QAT
+  layers, whose further settling passes run that layer alone); each BN is set once every
+  batch has reached it, before anything downstream of it runs. The cost is about one
+  inference pass. The tensors later nodes still read are kept per batch within
   `max_memory`, on disk past it.
 - per layer (keras_bn/_layerwise.py), for subclassed models and inside custom layers that hide
   BNs from the graph: one pass over the data per BN layer (one compiled forward function
@@ -75,8 +76,8 @@ class RecalibrationReport:
             makes one pass per BN layer (per settling pass, for a QAT layer); "one_pass"
             evaluates each node that leads to a BN once per batch (at most 1: the head after
             the last BN does not run), plus, for each BN recalibrated inside a custom layer and
-            each settling pass of a QAT layer, one evaluation of that layer per batch. None
-            where unknown.
+            each settling pass of a QAT layer after its first, one evaluation of that layer per
+            batch. None where unknown.
         peak_frontier_bytes: the most bytes the one pass kept in memory at once (the tensors
             later layers still read, for every batch); 0 for "per_layer".
         spilled_bytes: the bytes the one pass wrote to disk (0 unless "one_pass_spilled").
@@ -183,10 +184,12 @@ def recalibrate(
     and each BN is set once every batch has reached it: about one inference pass over `data`
     in all (strategy "one_pass"). Meanwhile the tensors that later layers still read are kept
     for every batch, within `max_memory` bytes, and written to a temporary folder past it
-    (strategy "one_pass_spilled"; the folder is removed afterwards). A BN inside a custom
-    layer, whose `call` the graph does not expose, is recalibrated by one pass of that layer
-    alone per such BN (`RecalibrationReport.fallbacks` names them). A subclassed model has no
-    graph to walk: it costs one pass over `data` per BN layer (strategy "per_layer").
+    (strategy "one_pass_spilled"; the folder is removed afterwards). A QAT layer's first pass
+    runs in its compiled stretch, as a BN's does; its further passes, if any, run that layer
+    alone over its inputs, kept meanwhile. A BN inside a custom layer, whose `call` the graph
+    does not expose, is recalibrated by one pass of that layer alone per such BN
+    (`RecalibrationReport.fallbacks` names them). A subclassed model has no graph to walk: it
+    costs one pass over `data` per BN layer (strategy "per_layer").
     Only `moving_mean` and `moving_variance` change (and the bookkeeping that follows them:
     `moving_stddev` = √(moving_variance + ε) for renorm layers, the batch counter for
     `momentum=None`); trainable weights are untouched. A batch that gives a layer's channel at

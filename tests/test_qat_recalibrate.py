@@ -12,7 +12,7 @@ import pytest
 import quantize_reference as ref
 
 import keras_bn
-from keras_bn import _layerwise
+from keras_bn import _layerwise, population
 from keras_bn.quantize import FreezeBatchNorm, QuantizedHostBatchNorm, quantize_model
 
 L = keras.layers
@@ -271,3 +271,74 @@ def test_freeze_batch_norm_checks_its_new_arguments():
         FreezeBatchNorm(2, data=np.zeros((4, 3)), reestimate="yes")
     with pytest.raises(ValueError, match="batch_size"):
         FreezeBatchNorm(2, data=np.zeros((4, 3)), batch_size=0)
+
+
+def _deep_qat(per_channel, seed=0):
+    """input → 4 × (conv → BN → ReLU) → pooling → dense, QAT (8 bits), with stale statistics
+    (the moving variance scaled by U(0.5, 2) per channel)."""
+    keras.utils.set_random_seed(seed)
+    layers = [keras.Input((8, 8, 3))]
+    for _ in range(4):
+        layers += [L.Conv2D(4, 3, padding="same"), keras_bn.BatchNormalization(), L.ReLU()]
+    model = keras.Sequential(layers + [L.GlobalAveragePooling2D(), L.Dense(2)])
+    qat = quantize_model(model, per_channel=per_channel)
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(40, 8, 8, 3)).astype("float32")
+    qat(x[:2])
+    for layer in _qat_layers(qat):
+        variance = _numpy(layer.batch_norm.moving_variance)
+        layer.batch_norm.moving_variance.assign(variance * rng.uniform(0.5, 2.0, variance.shape))
+    return qat, x
+
+
+def test_the_one_pass_records_each_qat_layers_first_pass_in_its_segment():
+    """Each QAT layer ends a compiled segment as a BN does, its first pass recorded there:
+    every node up to the last QAT layer runs once per batch, and the work is below one forward
+    pass (0.5 here; running each QAT layer alone for its first pass, as a fallback after its
+    segment, made it 1.0). The statistics are the reference's."""
+    qat, x = _deep_qat(per_channel=True)
+    report = keras_bn.recalibrate(qat, x, batch_size=BATCH, progress=False)
+    (compiled,) = qat.__dict__["_keras_bn_recalibration"].plans
+    assert [s.boundary.kind for s in compiled.plan.segments] == ["record"] * 4
+    assert [c.passes for c in report.layers] == [1] * 4
+    calls = sum(step.kind == "call" for step in compiled.plan.steps)
+    assert report.passes == calls / compiled.plan.nodes < 1
+    for layer in _qat_layers(qat):
+        mean, variance, integers = _reference_statistics(qat, layer, x, BATCH)
+        np.testing.assert_allclose(layer.batch_norm.moving_mean, mean, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(layer.batch_norm.moving_variance, variance, rtol=1e-4)
+        np.testing.assert_array_equal(layer.weight_grids()["kernel"].q, integers)
+
+
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="counts tf.function traces")
+def test_a_qat_layers_settling_passes_run_it_alone_and_trace_once(monkeypatch):
+    """Per tensor every layer takes further passes, each running that layer alone over its
+    inputs kept after its segment: one compiled function per layer, kept on the model with the
+    segments, so that a second recalibration traces nothing again. Each further pass counts
+    one evaluation per batch in `passes`, and the progress bar's total counts every pass."""
+    qat, x = _deep_qat(per_channel=False)
+    bars = []
+
+    class Counted(_layerwise.ProgressBar):
+        done = 0
+
+        def update(self, steps):
+            self.done += steps
+            super().update(steps)
+
+    monkeypatch.setattr(
+        population, "ProgressBar", lambda enabled: bars.append(Counted(enabled)) or bars[-1]
+    )
+    traces = []
+    for _ in range(2):
+        with pytest.warns(keras_bn.KerasBNWarning, match="did not settle"):
+            report = keras_bn.recalibrate(qat, x, batch_size=BATCH, progress=False)
+        (compiled,) = qat.__dict__["_keras_bn_recalibration"].plans
+        functions = [*compiled._functions, *compiled._settling.values()]
+        traces.append([f.experimental_get_tracing_count() for f in functions])
+    assert traces == [[1] * 8] * 2
+    passes = [change.passes for change in report.layers]
+    assert min(passes) > 1
+    calls = sum(step.kind == "call" for step in compiled.plan.steps)
+    assert report.passes == (calls + sum(passes) - len(passes)) / compiled.plan.nodes
+    assert bars[-1].done == bars[-1]._total == sum(passes) * report.batches
