@@ -163,11 +163,13 @@ def recalibrate(
     QuantizedHostBatchNorm) gets the statistics of what its BN normalizes in training: the
     host's output with the kernel rounded as the layer rounds it (z/s', with the host bias in
     the mean). That kernel is scaled by γ/σ before rounding, so the statistics change what
-    they describe. With per-channel weight ranges σ cancels and one pass is exact; with a
-    per-tensor range (every Dense host) the layer takes passes, each measuring the weights the
-    last one gave, until one is within 1e-5·σ of the statistics of the weights it gives, for
-    at most 10 (`LayerChange.passes`); it keeps the closest pass, `LayerChange.settling_error`
-    says how close, and a `KerasBNWarning` names a layer left further off.
+    they describe. With per-channel weight ranges σ cancels: one pass is exact, or a second
+    measures the weights the first gives where some weight at a float32 rounding tie flipped
+    (`LayerChange.settling_error` says how far those moved the statistics). With a per-tensor
+    range (every Dense host) the layer takes passes, each measuring the weights the last one
+    gave, until one is within 1e-5·σ of the statistics of the weights it gives, for at most
+    10 (`LayerChange.passes`); it keeps the closest pass, `LayerChange.settling_error` says
+    how close, and a `KerasBNWarning` names a layer left further off.
 
     Each layer reads a mask as its own training step does (Keras's reading, the input's
     leading axes, for both classes; see `keras_bn.BatchNormalization.call`), so these are the

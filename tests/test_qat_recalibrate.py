@@ -4,6 +4,7 @@ the host bias in the mean), settled so that the kernel rounds to the integers th
 measured with; checked against a float64 numpy reference (tests/quantize_reference.py), not
 against keras_bn's own ops."""
 
+import types
 import warnings
 
 import keras
@@ -342,3 +343,47 @@ def test_a_qat_layers_settling_passes_run_it_alone_and_trace_once(monkeypatch):
     calls = sum(step.kind == "call" for step in compiled.plan.steps)
     assert report.passes == (calls + sum(passes) - len(passes)) / compiled.plan.nodes
     assert bars[-1].done == bars[-1]._total == sum(passes) * report.batches
+
+
+class _Ties:
+    """A stand-in for a per-channel QAT layer in which every pass flips a weight (as weights at
+    float32 rounding ties flip): its kernel's integers alternate."""
+
+    folds_batch_norm = True
+    per_channel = True
+    weight_bits = 8
+    name = "ties"
+
+    def __init__(self):
+        self.batch_norm = keras_bn.BatchNormalization()
+        self.batch_norm.build((None, 3))
+        self.grids = 0
+
+    def weight_grids(self):
+        self.grids += 1
+        return {"kernel": types.SimpleNamespace(q=np.array([self.grids % 2, 0, 1]))}
+
+
+@pytest.mark.parametrize("shift", [1e-3, 0.02])
+def test_per_channel_passes_stop_after_the_second(shift):
+    """Per channel, σ cancels in each channel's grid: what a pass moves are ties, which a third
+    pass would only flip again. The second pass is kept; its settling error is its distance
+    from the first; a warning only where that is above one weight step (1/127 σ at 8 bits)."""
+    layer = _Ties()
+    means = iter([[0.0, 0.0, 0.0], [0.0, shift, 0.0], [0.0, 9.0, 0.0]])
+
+    def pooled():
+        sums = _layerwise.PooledMoments()
+        sums.add(next(means), [1.0, 1.0, 1.0], 20)
+        return sums
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        change = _layerwise.settle(layer, pooled)
+    sigma = np.sqrt(20 / 19 + layer.batch_norm.epsilon)  # the unbiased variance's σ
+    assert (change.passes, change.unsettled_weights) == (2, 1)
+    np.testing.assert_allclose(change.settling_error, shift / sigma, rtol=1e-5)
+    np.testing.assert_allclose(layer.batch_norm.moving_mean, [0.0, shift, 0.0])
+    warned = [str(w.message) for w in caught if w.category is keras_bn.KerasBNWarning]
+    assert len(warned) == (shift > 1 / 127)
+    assert all("'ties' has per-channel weight ranges" in message for message in warned)
