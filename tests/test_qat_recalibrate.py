@@ -231,6 +231,35 @@ def test_the_one_pass_and_the_per_layer_method_agree_on_a_qat_model():
         )
 
 
+def test_qat_layers_hidden_in_a_custom_layer_are_named_and_match_the_walk():
+    """QAT layers inside a custom layer, whose call the walk cannot see into, are recalibrated
+    by the per-layer method on that layer alone (a fallback), named in `report.fallbacks`,
+    with the statistics that walking the model itself gives."""
+
+    class Hiding(L.Layer):
+        def __init__(self, model):
+            super().__init__()
+            self.inner = model
+
+        def call(self, inputs):
+            return self.inner(inputs, training=False)
+
+    walked, x = _deep_qat(per_channel=True)
+    hidden, _ = _deep_qat(per_channel=True)
+    inputs = keras.Input((8, 8, 3))
+    model = keras.Model(inputs, L.Dense(1)(Hiding(hidden)(inputs)))
+    keras_bn.recalibrate(walked, x, batch_size=BATCH, progress=False)
+    report = keras_bn.recalibrate(model, x, batch_size=BATCH, progress=False)
+    names = [layer.name for layer in _qat_layers(hidden)]
+    prefix = f"hiding/{hidden.name}/"
+    assert [f.split(":")[0] for f in report.fallbacks] == [prefix + name for name in names]
+    for a, b in zip(_qat_layers(walked), _qat_layers(hidden)):
+        np.testing.assert_allclose(a.batch_norm.moving_mean, b.batch_norm.moving_mean, atol=1e-6)
+        np.testing.assert_allclose(
+            a.batch_norm.moving_variance, b.batch_norm.moving_variance, rtol=1e-5
+        )
+
+
 def test_the_recalibrate_callback_takes_a_qat_model():
     qat, x = _trained_qat(4, per_channel=True)
     _, y = _data()
