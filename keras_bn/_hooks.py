@@ -53,6 +53,7 @@ class BatchNormCalls:
         self._layers = layers
         self._training = training
         self._recorded: dict[int, Moments] | None = None
+        self._outputs = True  # inside `record`: whether the BNs compute their outputs
         self._shadowed: list[Callable[..., Any] | None] = []  # each layer's own `call` attribute
         self.order: list[int] = []  # the layers' indices in the order the last `record` called them
         index = {id(layer): i for i, layer in enumerate(layers)}
@@ -93,6 +94,8 @@ class BatchNormCalls:
                     if index in self._recorded:
                         raise shared_error(layer)
                     self._recorded[index] = layer_moments(layer, inputs, kwargs.get("mask"))
+                    if not self._outputs:
+                        return inputs  # what nothing reads need not be computed (nor traced)
                 # Inference even where the caller's code passes training=True to this layer.
                 kwargs["training"] = False
             elif self._training is not None:
@@ -123,26 +126,30 @@ class BatchNormCalls:
 
         return shadowed_call
 
-    def record(self, run_model: Callable[[], object]) -> dict[int, Moments]:
+    def record(self, run_model: Callable[[], object], outputs: bool = True) -> dict[int, Moments]:
         """Runs `run_model()` (a forward pass of the model) with every BN inferring.
 
         Records the call order in `order` (a topological order of the layers) as it traces.
 
         Args:
             run_model: a function of no argument that calls the model.
+            outputs: False where nothing reads the BNs' outputs (a call of one BN for its
+                moments): each BN returns its input once its moments are recorded, its own
+                computation neither run nor traced (a TimeDistributed one still computes its
+                output).
 
         Returns:
             dict: {layer index: (mean, variance, count)} for each BN the pass called, the
             biased variance, shaped as the layer's moving statistics; count is m_c, the values
             in each channel (equal unless a mask leaves the channels different counts).
         """
-        self._recorded = {}
+        self._recorded, self._outputs = {}, outputs
         try:
             run_model()
             self.order = list(self._recorded)
             return dict(self._recorded)
         finally:
-            self._recorded = None
+            self._recorded, self._outputs = None, True
 
 
 def _merge_time(tensor: Any) -> Any:

@@ -560,7 +560,10 @@ class _Compiled:
                     for tensor, value in zip(step.writes, outputs):
                         self._bind(values, tensor, value)
                 else:
-                    recorded = self.statistics.record(functools.partial(_call, step, values))
+                    # Its moments only: nothing reads the layer's output here.
+                    recorded = self.statistics.record(
+                        functools.partial(_call, step, values), outputs=False
+                    )
                     moments = recorded[self._position[step.layers[0]]]
             outputs = tuple((values[t], get_keras_mask(values[t])) for t in segment.outputs)
             return outputs, moments
@@ -574,7 +577,8 @@ class _Compiled:
 
         def body(entries: Any) -> Any:
             values = self.bound(step.reads, entries)
-            return self.statistics.record(functools.partial(_call, step, values))[position]
+            call = functools.partial(_call, step, values)
+            return self.statistics.record(call, outputs=False)[position]
 
         return body
 
