@@ -60,8 +60,8 @@ import numpy as np
 from keras import ops
 
 from keras_bn import _hooks, _models, backend
-from keras_bn.backend.constants import MIN_RANGE
 from keras_bn._bn_layers import KERAS_BN, KERAS_BN_BN
+from keras_bn.backend.constants import MIN_RANGE
 from keras_bn.quantize import fake_quant, grids, hosts
 from keras_bn.quantize.activation import ActivationQuantizer, scalar_state, validate_momentum
 
