@@ -203,8 +203,9 @@ def mse_weight_range(kernel: np.ndarray, bits: int, per_channel: bool) -> np.nda
     """The symmetric range m whose `bits`-bit grid rounds `kernel` with the least squared error
     (per output channel, or for the whole tensor): where a learned range starts.
 
-    A search over m = f·max|w| for f in 0.05, 0.06, ..., 1 (the error is not convex in m:
-    each step a weight crosses a rounding boundary at is a kink), numpy float64.
+    A search over m = f·max|w|, f = 0.01, 0.02, ..., 1, then around the best f in steps of
+    0.0005 (the error is not convex in m: each m at which a weight crosses a rounding boundary
+    is a kink), in numpy float64.
 
     Args:
         kernel: array whose last axis is the output channel.
@@ -219,14 +220,20 @@ def mse_weight_range(kernel: np.ndarray, bits: int, per_channel: bool) -> np.nda
     flat = kernel.reshape(-1, kernel.shape[-1]) if per_channel else kernel.reshape(-1, 1)
     largest = np.abs(flat).max(axis=0)
     top = q_max(bits)
-    best, least = largest.copy(), np.full(largest.shape, np.inf)
-    for fraction in np.linspace(0.05, 1.0, 96):
-        m = np.maximum(largest * fraction, MIN_RANGE)
-        step = m / top
-        error = ((np.clip(np.round(flat / step), -top, top) * step - flat) ** 2).sum(axis=0)
-        better = error < least
-        best, least = np.where(better, m, best), np.where(better, error, least)
-    best = np.where(largest > 0, np.maximum(best, MIN_RANGE), ZERO_WEIGHT_RANGE)
+
+    def least(fractions: np.ndarray) -> np.ndarray:
+        """The fraction of each channel's max|w| (a row of `fractions`) with the least error."""
+        errors = []
+        for fraction in fractions.T:
+            step = np.maximum(largest * fraction, MIN_RANGE) / top
+            rounded = np.clip(np.round(flat / step), -top, top) * step
+            errors.append(((rounded - flat) ** 2).sum(axis=0))
+        best: np.ndarray = fractions[np.arange(len(largest)), np.argmin(errors, axis=0)]
+        return best
+
+    coarse = least(np.tile(np.linspace(0.01, 1.0, 100), (len(largest), 1)))
+    fine = least(np.clip(coarse[:, None] + np.linspace(-0.01, 0.01, 41), 0.001, 1.0))
+    best = np.where(largest > 0, np.maximum(largest * fine, MIN_RANGE), ZERO_WEIGHT_RANGE)
     return (best if per_channel else best.reshape(())).astype(np.float32)
 
 
