@@ -294,3 +294,14 @@ def qat_forward(
     elif activation == "relu6":
         y = np.clip(y, 0.0, 6.0)
     return y, batch_mean, batch_var
+
+
+def learned_range_case(bits, per_channel):
+    """(kernel, range, upstream) float32 for the learned-range gradient tests of every backend:
+    the range is 0.6 of max|w| (per channel or per tensor), so that some weights are clipped."""
+    rng = np.random.default_rng(bits)
+    kernel = (rng.normal(size=(3, 3, 4, 6)) * rng.uniform(0.2, 2.0, 6)).astype(np.float32)
+    magnitude = np.abs(kernel).reshape(-1, 6)
+    top = magnitude.max(axis=0) if per_channel else magnitude.max()
+    upstream = rng.normal(size=kernel.shape).astype(np.float32)
+    return kernel, np.asarray(0.6 * top, np.float32), upstream

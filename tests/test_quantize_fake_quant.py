@@ -326,13 +326,8 @@ def test_learned_fake_quant_is_fake_quant_with_lsqs_gradients(bits, per_channel)
     bit; the gradients LSQ's (Esser et al. 2020) from the numpy reference, to the kernel
     (0 for clipped weights) and to the range (scaled by 1/√(N·q_max)). The range is 0.6 of
     max|w|, so that some weights are clipped."""
-    rng = np.random.default_rng(bits)
-    kernel = (rng.normal(size=(3, 3, 4, 6)) * rng.uniform(0.2, 2.0, 6)).astype(np.float32)
-    magnitude = np.abs(kernel).reshape(-1, 6)
-    top = magnitude.max(axis=0) if per_channel else magnitude.max()
-    max_abs = tf.Variable((0.6 * top).astype(np.float32))
-    upstream = rng.normal(size=kernel.shape).astype(np.float32)
-    kernel = tf.Variable(kernel)
+    kernel, max_abs, upstream = ref.learned_range_case(bits, per_channel)
+    kernel, max_abs = tf.Variable(kernel), tf.Variable(max_abs)
     with tf.GradientTape() as tape:
         fake = fake_quant.fake_quant_weights_learned(kernel, max_abs, bits)
         loss = tf.reduce_sum(fake * upstream)

@@ -560,6 +560,7 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
         per_channel: bool = True,
         range_momentum: float = 0.99,
         quantize_output: bool = True,
+        weight_range: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(
@@ -570,6 +571,7 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
             per_channel,
             range_momentum,
             quantize_output,
+            weight_range,
             **kwargs,
         )
         self.batch_norm = _keras_bn_copy(batch_norm, hosts.channel_axis(self.host))
