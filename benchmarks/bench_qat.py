@@ -87,7 +87,7 @@ def fine_tune(model, bits, per_channel, seed, recipe, data):
     re-estimates the statistics from the training images first."""
     x_train, y_train, _, _ = data
     keras.utils.set_random_seed(seed + 1000)
-    qat = quantize_model(model, bits, 8, per_channel)
+    qat = quantize_model(model, bits, 8, per_channel, weight_range=recipe.get("weight_range"))
     steps_per_epoch = len(x_train) // BATCH
     total = recipe["epochs"] * steps_per_epoch
     schedule = keras.optimizers.schedules.CosineDecay(recipe["learning_rate"], total)
@@ -259,13 +259,15 @@ def timed_models(data, smoke):
     }
 
 
-def step_times(jit_compile, rounds, warmup, inner, model_name, factory, x, y):
-    """Median seconds per train step of a float model and of its QAT copy (w8a8 per channel),
-    timed interleaved on the same batch, and the median of the per-round ratios."""
+def step_times(jit_compile, rounds, warmup, inner, model_name, factory, x, y, config=(8, True)):
+    """Median seconds per train step of a float model and of its QAT copy (`config`: weight
+    bits and per channel, activations 8 bits, the default weight range of those bits), timed
+    interleaved on the same batch, and the median of the per-round ratios."""
     keras.utils.set_random_seed(0)
     model = factory()
     steps = {"float": train_step(model, jit_compile)}
-    steps["qat"] = train_step(quantize_model(model), jit_compile)
+    qat = quantize_model(model, config[0], 8, config[1])
+    steps["qat"] = train_step(qat, jit_compile)
     x, y = tf.constant(x), tf.constant(y)
     for step in steps.values():
         for _ in range(warmup):
@@ -279,8 +281,10 @@ def step_times(jit_compile, rounds, warmup, inner, model_name, factory, x, y):
             loss.numpy()
             samples[name].append((time.perf_counter() - start) / inner)
     ratios = [q / f for q, f in zip(samples["qat"], samples["float"])]
+    (weight_range,) = {layer.weight_range for layer in qat.layers if hasattr(layer, "weight_range")}
     return {
         "model": model_name,
+        "qat": f"{config_key(*config)}, {weight_range} weight ranges",
         "mode": "XLA" if jit_compile else "graph",
         "float_ms": 1e3 * statistics.median(samples["float"]),
         "qat_ms": 1e3 * statistics.median(samples["qat"]),
@@ -465,6 +469,17 @@ def main(argv=None):
         help="only the low-bit table: plain fit with and without recalibrate, the recipe "
         "with and without re-estimation at the freeze",
     )
+    parser.add_argument(
+        "--weight-range",
+        choices=["max", "learned"],
+        help="the QAT models' weight ranges (default: quantize_model's for the bits)",
+    )
+    parser.add_argument(
+        "--step-cost",
+        action="store_true",
+        help="only the train step's cost, QAT against float, at w8a8 per channel (max|w| "
+        "ranges) and w3a8 per channel and per tensor (learned ranges)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = parser.parse_args(argv)
     argv = argv if argv is not None else sys.argv[1:]
@@ -479,22 +494,26 @@ def main(argv=None):
         "freeze_ranges": args.freeze_ranges,
         "optimizer": "Adam, cosine decay to 0",
         "batch_size": BATCH,
+        "weight_range": args.weight_range,
     }
     rounds, warmup, inner = (2, 1, 1) if args.smoke else (args.rounds, 5, 10)
     onnx_bits = {int(b) for b in args.onnx_bits.split(",") if b}
     data = digits.load()
     if args.reestimation:
         return reestimation_main(args, argv, started, seeds, float_epochs, recipe, data)
+    if args.step_cost:
+        command = " ".join(["python benchmarks/bench_qat.py", *argv])
+        timings = timed_steps(data, args.smoke, (rounds, warmup, inner), STEP_COST_CONFIGS)
+        print(f"# machine: {machine()}\n# command: {command}\n# {started:%Y-%m-%d %H:%M} UTC")
+        print_timings(timings)
+        if args.json:
+            write_record(args.json, command, started, None, None, [], step_times=timings)
+        return 0
     with tempfile.TemporaryDirectory() as folder:
         results = [
             run_seed(seed, recipe, float_epochs, onnx_bits, data, folder) for seed in range(seeds)
         ]
-    timings = []
-    for name, model in timed_models(data, args.smoke).items():
-        # MobileNetV2's steps take ~0.2–3 s on 2 cores: fewer, single-call rounds.
-        small = name.startswith("digits")
-        shape = (rounds, warmup, inner) if small else (max(3, rounds // 3), min(warmup, 2), 1)
-        timings += [step_times(jit, *shape, name, *model) for jit in (False, True)]
+    timings = timed_steps(data, args.smoke, (rounds, warmup, inner), [(8, True)])
     rows = aggregate(results)
     found = targets(results, timings)
 
@@ -519,13 +538,7 @@ def main(argv=None):
             f"{verdict(target['met'])} |"
         )
     print()
-    print("| model | train step | float ms | QAT ms | QAT / float | median of per-round ratios |")
-    print("|---|---|---|---|---|---|")
-    for t in timings:
-        print(
-            f"| {t['model']} | {t['mode']} | {t['float_ms']:.2f} | {t['qat_ms']:.2f} | "
-            f"{t['ratio']:.2f} | {t['median_round_ratio']:.2f} |"
-        )
+    print_timings(timings)
     if args.json:
         write_record(
             args.json,
@@ -541,6 +554,35 @@ def main(argv=None):
             step_times=timings,
         )
     return 0
+
+
+# --step-cost: the QAT configurations timed (weight bits, per channel), each with the default
+# weight range of its bits.
+STEP_COST_CONFIGS = [(8, True), (3, True), (3, False)]
+
+
+def timed_steps(data, smoke, shape, configs):
+    """`step_times` of each timed model, QAT configuration and mode (graph, XLA)."""
+    rounds, warmup, inner = shape
+    timings = []
+    for name, model in timed_models(data, smoke).items():
+        # MobileNetV2's steps take ~0.2–3 s on 2 cores: fewer, single-call rounds.
+        small = name.startswith("digits")
+        shape = (rounds, warmup, inner) if small else (max(3, rounds // 3), min(warmup, 2), 1)
+        for config in configs:
+            timings += [step_times(jit, *shape, name, *model, config) for jit in (False, True)]
+    return timings
+
+
+def print_timings(timings):
+    """The train-step table."""
+    print("| model | QAT | train step | float ms | QAT ms | QAT / float | median round ratio |")
+    print("|---|---|---|---|---|---|---|")
+    for t in timings:
+        print(
+            f"| {t['model']} | {t['qat']} | {t['mode']} | {t['float_ms']:.2f} | "
+            f"{t['qat_ms']:.2f} | {t['ratio']:.2f} | {t['median_round_ratio']:.2f} |"
+        )
 
 
 def print_header(command, started, seeds, float_epochs, recipe):

@@ -42,6 +42,33 @@ def fake_quant_weights(kernel, bits, per_channel, scale=None):
     return q * scale
 
 
+def lsq_gradients(kernel, max_abs, bits, upstream):
+    """Learned step size quantization's gradients (Esser et al. 2020) of Σ upstream·FQ(w; m)
+    for symmetric weights with Δ = m/q_max, from its definition, in float64: to w, upstream
+    where |w| < m and 0 where clipped; to m, Σ upstream·((q − w/Δ)/q_max inside, sign(w)
+    clipped) over each range's weights, times 1/√(N·q_max), N the weights per range.
+
+    Args:
+        kernel: channels-last kernel.
+        max_abs: m, per channel (a vector of the last axis) or a scalar.
+        bits: 2..8.
+        upstream: the gradient of the output, the kernel's shape.
+
+    Returns:
+        (gradient to the kernel, gradient to m).
+    """
+    kernel = np.asarray(kernel, np.float64)
+    m = np.asarray(max_abs, np.float64)
+    step = m / q_max(bits)
+    q = np.clip(np.floor(kernel / step + 0.5), -q_max(bits), q_max(bits))
+    inside = np.abs(kernel) < m
+    local = np.where(inside, (q - kernel / step) / q_max(bits), np.sign(kernel))
+    flat = (upstream * local).reshape(-1, kernel.shape[-1])
+    per_range = flat.shape[0] if m.ndim else flat.size
+    to_range = flat.sum(axis=0) if m.ndim else flat.sum()
+    return upstream * inside, to_range / np.sqrt(per_range * q_max(bits))
+
+
 def activation_grid(lo, hi, bits):
     """(Δ, zero point) of the asymmetric grid of [lo, hi] ∋ 0, the zero point an integer."""
     levels = 2**bits - 1
@@ -193,6 +220,7 @@ def qat_forward(
     activation=None,
     between=None,
     input_step=None,
+    ranges=None,
 ):
     """The folded-BN QAT layer's output before its output quantizer, in float64.
 
@@ -210,6 +238,9 @@ def qat_forward(
         input_step: the step of the grid the pointwise/host kernel's input lies on (a
             separable host's intermediate one), or None; with `bits`, the folded bias is then
             `bias_on_grid` of it and the kernel's weight step.
+        ranges: None (Δ = max|w|/q_max), or learned ranges {"kernel": r, and for a separable
+            host "depthwise_kernel": r}: Δ = r·|s|/q_max per channel (r in the host kernel's
+            units), r/q_max per tensor (r in W·s's).
 
     Returns:
         (y, batch mean of the host output with bias, biased batch variance); the batch
@@ -222,14 +253,20 @@ def qat_forward(
     sigma = np.sqrt(var + epsilon)
     s = gamma / sigma
     view = channels_last_view(w["kernel"], kind) * s
-    weight_step = None
+    weight_step = depthwise_step = None
     if bits is not None:
         weight_step = weight_scale(view, bits, per_channel)
-        view = fake_quant_weights(view, bits, per_channel)
+        if ranges is not None:
+            learned = np.abs(np.asarray(ranges["kernel"], np.float64))
+            weight_step = learned * (np.abs(s) if per_channel else 1.0) / q_max(bits)
+        view = fake_quant_weights(view, bits, per_channel, weight_step)
     kernel = view.reshape(w["kernel"].shape)
     dw = w.get("depthwise_kernel")
     if dw is not None and bits is not None:
-        dw = fake_quant_weights(channels_last_view(dw, "depthwise"), bits, per_channel)
+        dw_view = channels_last_view(dw, "depthwise")
+        if ranges is not None:
+            depthwise_step = np.abs(np.asarray(ranges["depthwise_kernel"])) / q_max(bits)
+        dw = fake_quant_weights(dw_view, bits, per_channel, depthwise_step)
         dw = dw.reshape(w["depthwise_kernel"].shape)
     z = host_output(spec, x, kernel, dw, between)
     batch_mean = batch_var = None
@@ -257,3 +294,14 @@ def qat_forward(
     elif activation == "relu6":
         y = np.clip(y, 0.0, 6.0)
     return y, batch_mean, batch_var
+
+
+def learned_range_case(bits, per_channel):
+    """(kernel, range, upstream) float32 for the learned-range gradient tests of every backend:
+    the range is 0.6 of max|w| (per channel or per tensor), so that some weights are clipped."""
+    rng = np.random.default_rng(bits)
+    kernel = (rng.normal(size=(3, 3, 4, 6)) * rng.uniform(0.2, 2.0, 6)).astype(np.float32)
+    magnitude = np.abs(kernel).reshape(-1, 6)
+    top = magnitude.max(axis=0) if per_channel else magnitude.max()
+    upstream = rng.normal(size=kernel.shape).astype(np.float32)
+    return kernel, np.asarray(0.6 * top, np.float32), upstream

@@ -26,7 +26,7 @@ def _data(samples=70, seed=0):
     return x, rng.integers(0, 4, samples)
 
 
-def _trained_qat(weight_bits, per_channel, steps=6, seed=0):
+def _trained_qat(weight_bits, per_channel, steps=6, seed=0, weight_range=None):
     """conv → BN → ReLU → conv → BN → head, QAT, trained a few steps (the moving averages lag
     the weights), in training mode throughout."""
     keras.utils.set_random_seed(seed)
@@ -43,7 +43,9 @@ def _trained_qat(weight_bits, per_channel, steps=6, seed=0):
             L.Dense(4),
         ]
     )
-    qat = quantize_model(model, weight_bits=weight_bits, per_channel=per_channel)
+    qat = quantize_model(
+        model, weight_bits=weight_bits, per_channel=per_channel, weight_range=weight_range
+    )
     qat.compile(keras.optimizers.SGD(0.2), keras.losses.SparseCategoricalCrossentropy(True))
     x, y = _data()
     qat.fit(x, y, batch_size=BATCH, epochs=steps // 4 + 1, steps_per_epoch=4, verbose=0)
@@ -57,15 +59,22 @@ def _qat_layers(model):
 def _reference_statistics(model, layer, x, batch_size):
     """Algorithm 2 (count-weighted, unbiased) of z/s + b over the batches, in float64, with the
     kernel rounded from the layer's statistics now: numpy FakeQuant (Δ = max|W·s|/q_max,
-    per channel or per tensor), a numpy convolution, the layer's input from the model."""
+    per channel or per tensor; with a learned range r, Δ = r·|s|/q_max per channel, r/q_max
+    per tensor), a numpy convolution, the layer's input from the model."""
     inputs = _numpy(keras.Model(model.inputs[0], layer.input)(x))
     bn = layer.batch_norm
     gamma = _numpy(bn.gamma)
     sigma = np.sqrt(_numpy(bn.moving_variance) + bn.epsilon)
     scale = gamma / sigma
     kernel = _numpy(layer.host.kernel) * scale
-    quantized = ref.fake_quant_weights(kernel, layer.weight_bits, layer.per_channel)
-    integers = np.round(quantized / ref.weight_scale(kernel, layer.weight_bits, layer.per_channel))
+    step = ref.weight_scale(kernel, layer.weight_bits, layer.per_channel)
+    if layer.weight_range == "learned":
+        learned = np.abs(_numpy(layer.learned_ranges["kernel"]))
+        step = (
+            learned * (np.abs(scale) if layer.per_channel else 1.0) / ref.q_max(layer.weight_bits)
+        )
+    quantized = ref.fake_quant_weights(kernel, layer.weight_bits, layer.per_channel, step)
+    integers = np.round(quantized / step)
     spec = {"kind": "conv", "strides": (1, 1), "padding": layer.host.padding, "dilation": (1, 1)}
     bias = 0.0 if layer.host.bias is None else _numpy(layer.host.bias)
     count = total = squares = 0.0
@@ -95,11 +104,12 @@ def _distance(layer, mean, variance):
     )
 
 
-@pytest.mark.parametrize("weight_bits", [8, 4, 2])
-def test_per_channel_qat_layers_get_algorithm_2_of_their_rounded_kernels(weight_bits):
-    """Per-channel ranges: each channel's scale cancels in its own grid, so one pass is a fixed
-    point, and the statistics are the numpy reference's (a short last batch included)."""
-    qat, x = _trained_qat(weight_bits, per_channel=True)
+@pytest.mark.parametrize("weight_bits, weight_range", [(8, None), (4, None), (2, "max"), (2, None)])
+def test_per_channel_qat_layers_get_algorithm_2_of_their_rounded_kernels(weight_bits, weight_range):
+    """Per-channel ranges, max|W·s| or learned (2 bits' default): each channel's scale cancels
+    in its own grid, so one pass is a fixed point, and the statistics are the numpy
+    reference's (a short last batch included)."""
+    qat, x = _trained_qat(weight_bits, per_channel=True, weight_range=weight_range)
     before = [_numpy(layer.batch_norm.moving_variance) for layer in _qat_layers(qat)]
     report = keras_bn.recalibrate(qat, x, batch_size=BATCH, progress=False)
     assert [change.name for change in report.layers] == [layer.name for layer in _qat_layers(qat)]
@@ -142,6 +152,21 @@ def test_per_tensor_qat_layers_settle_or_say_how_far_they_are():
         moved = np.count_nonzero(layer.weight_grids()["kernel"].q != integers)
         assert moved == 0  # the reference rounds as the layer does
         assert change.settling_error < 0.05  # 8 bits: a few weights, a fraction of a percent
+
+
+def test_a_learned_per_tensor_range_settles_within_its_reported_error():
+    """3 bits per tensor, whose default range is learned: fixed, so new statistics move
+    integers; whatever the passes end on, the reference for the weights the statistics kept
+    give is within the reported settling error, and the kernel rounds as the reference does."""
+    qat, x = _stale_per_tensor_qat(3)
+    assert {layer.weight_range for layer in _qat_layers(qat)} == {"learned"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", keras_bn.KerasBNWarning)
+        report = keras_bn.recalibrate(qat, x, batch_size=BATCH, progress=False)
+    for layer, change in zip(_qat_layers(qat), report.layers):
+        mean, variance, integers = _reference_statistics(qat, layer, x, BATCH)
+        assert _distance(layer, mean, variance) <= change.settling_error + 1e-4
+        np.testing.assert_array_equal(layer.weight_grids()["kernel"].q, integers)
 
 
 @pytest.mark.parametrize("seed", range(8))

@@ -3,7 +3,9 @@ originals untouched, the fused activations), every argument check naming the bad
 the public names' Google-style docstrings (the checks of tests/test_docstrings.py)."""
 
 import inspect
+import os
 import re
+import tempfile
 
 import keras
 import numpy as np
@@ -177,6 +179,7 @@ def test_a_batch_norm_off_the_hosts_channel_axis_is_refused_at_build():
         ({"range_momentum": -0.1}, "range_momentum=-0.1"),
         ({"activation": "sigmoid"}, "activation='sigmoid'"),
         ({"batch_norm": "bn"}, "str"),
+        ({"weight_range": "minmax"}, "weight_range='minmax'"),
     ],
 )
 def test_bad_arguments_raise_value_error_naming_the_value(kwargs, shown):
@@ -276,3 +279,34 @@ def test_check_batchnorm_refuses_a_qat_model_by_layer():
         if isinstance(layer, keras_bn.quantize.QuantizedHostBatchNorm)
     ]
     assert folded and all(name in str(raised.value) for name in folded)
+
+
+@pytest.mark.parametrize(
+    "bits, given, expected",
+    [(8, None, "max"), (4, None, "max"), (3, None, "learned"), (2, None, "learned")]
+    + [(8, "learned", "learned"), (2, "max", "max")],
+)
+def test_weight_range_defaults_to_learned_below_4_bits_and_round_trips(bits, given, expected):
+    """The default follows the bits (8-bit QAT keeps max|w|); the config, `.keras` files and
+    the learned values round-trip."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6, 6, 3))
+    x = keras_bn.BatchNormalization()(L.Conv2D(4, 3, use_bias=False)(inputs))
+    model = keras.Model(inputs, L.Dense(2)(L.Flatten()(L.ReLU()(x))))
+    qat = keras_bn.quantize.quantize_model(model, bits, weight_range=given)
+    layers = [layer for layer in qat.layers if hasattr(layer, "weight_range")]
+    assert {layer.weight_range for layer in layers} == {expected}
+    for layer in layers:
+        assert type(layer).from_config(layer.get_config()).weight_range == expected
+        assert set(layer.learned_ranges) == ({"kernel"} if expected == "learned" else set())
+    if expected == "learned":
+        for layer in layers:
+            for variable in layer.learned_ranges.values():
+                variable.assign(np.asarray(variable) * 0.75)  # not where a reset puts them
+    x = np.random.default_rng(0).normal(size=(4, 6, 6, 3)).astype("float32")
+    path = os.path.join(tempfile.mkdtemp(), "qat.keras")
+    qat.save(path)
+    loaded = keras.saving.load_model(path)
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), qat.predict(x, verbose=0))
+    for a, b in zip(qat.weights, loaded.weights):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -163,7 +163,9 @@ def _hosts(model):
 
 def _expected_kernels(model):
     """{(host name, kernel): (its layout kind, the channels-last view of its folded weights,
-    whether it is per channel (never for Dense), fake_quant.weight_grid of that view)}."""
+    whether it is per channel (never for Dense), (q, scale) of that view, its step m/q_max in
+    float64)}: the grid of m = max|view| (`fake_quant.weight_grid`), or of the layer's learned
+    range (its variable, per channel times batch norm's |γ/σ|)."""
     expected = {}
     for layer in _hosts(model):
         kernel, _ = layer.folded_weights()
@@ -173,7 +175,18 @@ def _expected_kernels(model):
         for name, (kind, view) in views.items():
             view = ref.channels_last_view(view, kind)
             grid = fake_quant.weight_grid(view, layer.weight_bits, layer.per_channel)
-            expected[layer.name, name] = (kind, view, layer.per_channel, grid)
+            step = ref.weight_scale(view, layer.weight_bits, layer.per_channel)  # max|w|/q_max
+            if layer.weight_range == "learned":
+                m = np.abs(np.asarray(layer.learned_ranges[name], np.float32))
+                bn = getattr(layer, "batch_norm", None)
+                if name == "kernel" and layer.per_channel and bn is not None:
+                    m = m * np.abs(
+                        np.asarray(bn.gamma) / np.sqrt(np.asarray(bn.moving_variance) + bn.epsilon)
+                    )
+                q, scale, _ = fake_quant.quantize(view, -m, m, layer.weight_bits, narrow_range=True)
+                grid = (q.astype(np.int8), scale)
+                step = m.astype(np.float64) / ref.q_max(layer.weight_bits)
+            expected[layer.name, name] = (kind, view, layer.per_channel, grid, step)
     return expected
 
 
@@ -227,7 +240,7 @@ def test_tflite_is_full_integer_and_within_two_lsb(
     expected = _expected_kernels(model)
     assert len(kernels) == len(expected) == 6
     limit = ref.q_max(weight_bits)
-    for (host, name), (kind, view, channels, (q, _)) in expected.items():
+    for (host, name), (kind, view, channels, (q, _), step) in expected.items():
         want = q.transpose(TFLITE_LAYOUT[kind])
         matches = [w for _, w in kernels if np.array_equal(plain.get_tensor(w["index"]), want)]
         assert len(matches) == 1, (host, name)
@@ -235,7 +248,6 @@ def test_tflite_is_full_integer_and_within_two_lsb(
         assert stored.shape == want.shape and np.abs(stored).max() == limit  # k bits, all used
         assert set(np.unique(stored)) <= set(range(-limit, limit + 1))
         scales = matches[0]["quantization_parameters"]["scales"]
-        step = ref.weight_scale(view, weight_bits, channels)  # max|w| / q_max
         np.testing.assert_allclose(scales, np.broadcast_to(step, scales.shape), rtol=1e-6)
     checks = {(w.host, w.kernel): w for w in result.weights}
     assert set(checks) == set(expected)
@@ -320,7 +332,7 @@ def test_onnx_is_qdq_with_int8_weights_within_two_lsb(
     limit = ref.q_max(weight_bits)
     weighted = [n for n in graph.node if n.op_type in ("Conv", "MatMul", "Gemm")]
     assert len(weighted) == len(expected) == 6
-    for (host, name), (kind, view, channels, (q, scale)) in expected.items():
+    for (host, name), (kind, view, channels, (q, scale), step) in expected.items():
         dequantize = producers[f"{host}/{name}"]
         assert dequantize.op_type == "DequantizeLinear"
         assert [n for n in weighted if n.input[1] == dequantize.output[0]]
@@ -329,7 +341,7 @@ def test_onnx_is_qdq_with_int8_weights_within_two_lsb(
         np.testing.assert_array_equal(stored, q.transpose(ONNX_LAYOUT[kind]))
         assert np.abs(stored).max() == limit
         np.testing.assert_array_equal(scales, scale)
-        np.testing.assert_allclose(scales, ref.weight_scale(view, weight_bits, channels), rtol=1e-6)
+        np.testing.assert_allclose(scales, step, rtol=1e-6)
         assert channels == (per_channel and kind != "dense")
         if channels:
             axis = {a.name: a.i for a in dequantize.attribute}["axis"]

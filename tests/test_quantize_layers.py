@@ -124,6 +124,7 @@ def _make(host_name, bits, per_channel, activation="relu", activation_bits=None,
     factory, shape = HOSTS[host_name]
     rng = np.random.default_rng(zlib.crc32(f"{host_name} {bits} {per_channel}".encode()))
     zero_gamma = options.pop("zero_gamma", False)
+    options.setdefault("weight_range", "max")  # the weights are drawn off max|W·s|'s ties
     host = factory()
     host.build(shape)
     layer = QuantizedHostBatchNorm(
@@ -416,7 +417,9 @@ def test_quantized_host_matches_numpy():
     rng = np.random.default_rng(11)
     host = L.Conv2D(3, 3, padding="same")
     host.build((2, 5, 5, 2))
-    layer = QuantizedHost(host, activation="relu", weight_bits=3, activation_bits=None)
+    layer = QuantizedHost(
+        host, activation="relu", weight_bits=3, activation_bits=None, weight_range="max"
+    )
     layer.build((2, 5, 5, 2))
     kernel = ref.away_from_ties(rng.normal(size=(3, 3, 2, 3)), "conv", 1.0, 3, True)
     bias = rng.normal(size=3)
@@ -558,7 +561,11 @@ def test_a_weight_on_a_rounding_boundary_rounds_in_weight_grids_as_in_call():
     −0.2520198 is half a step of ±1.5121183's 3-bit grid (2.4999998 steps above its low
     end): TensorFlow's per-channel FakeQuant op rounds it to 0, the numpy grid to −1 step."""
     layer = QuantizedHost(
-        L.Dense(1, use_bias=False), weight_bits=3, activation_bits=None, per_channel=True
+        L.Dense(1, use_bias=False),
+        weight_bits=3,
+        activation_bits=None,
+        per_channel=True,
+        weight_range="max",
     )
     layer.build((None, 2))
     layer.host.kernel.assign(np.float32([[1.5121183], [-0.2520198]]))
@@ -581,7 +588,9 @@ def test_a_host_in_a_model_adds_its_bias_on_the_files_int32_grid(host_name):
     else:
         host, shape = L.SeparableConv2D(4, 3, padding="same"), (5, 5, 2)
         spec = {"kind": "separable", "strides": (1, 1), "padding": "same", "dilation": (1, 1)}
-    layer = QuantizedHost(host, weight_bits=3, activation_bits=8, per_channel=True)
+    layer = QuantizedHost(
+        host, weight_bits=3, activation_bits=8, per_channel=True, weight_range="max"
+    )
     inputs = keras.Input(shape)
     quantizer = ActivationQuantizer(8, name="input_quantizer")
     model = keras.Model(inputs, layer(quantizer(inputs)))
@@ -642,7 +651,9 @@ def test_a_host_after_a_fixed_step_activation_adds_its_bias_on_that_grid(activat
     keras.utils.set_random_seed(0)
     inputs = keras.Input((6,))
     hidden = L.Dense(5, activation=activation, name="hidden")(inputs)
-    model = quantize_model(keras.Model(inputs, L.Dense(4, name="head")(hidden)), 3)
+    model = quantize_model(
+        keras.Model(inputs, L.Dense(4, name="head")(hidden)), 3, weight_range="max"
+    )
     head = model.get_layer("head_qat")
     bias = np.random.default_rng(0).normal(0, 0.3, 4).astype("float32")
     head.host.bias.assign(bias)
@@ -683,3 +694,67 @@ def test_a_run_time_batch_of_one_outputs_beta_with_no_gradient_to_the_kernel_or_
         if name in ("kernel", "gamma"):
             np.testing.assert_array_equal(gradient.numpy(), 0.0)
     np.testing.assert_array_equal(d_weights[names.index("beta")].numpy(), np.arange(1.0, 5.0))
+
+
+@pytest.mark.parametrize("bits", [3, 2])
+@pytest.mark.parametrize("per_channel", [True, False], ids=["per_channel", "per_tensor"])
+@pytest.mark.parametrize("host_name", ["conv2d", "depthwise_m2_no_bias", "separable", "dense"])
+def test_learned_ranges_forward_matches_numpy(host_name, per_channel, bits):
+    """weight_range="learned" (the default below 4 bits): the kernel rounds on the grid of the
+    learned range (per channel in the host kernel's units, times |s|; per tensor in W·s's),
+    weights past it clipped to ±q_max, in inference and before the freeze. The ranges are set
+    to 0.6 of max|w| so that some weights are clipped, after `reset_weight_ranges` put them
+    where the rounding error is least (never above max|w|)."""
+    layer, host, weights, x = _make(host_name, bits, per_channel, weight_range="learned")
+    ranges = {}
+    layer.reset_weight_ranges()
+    for name, variable in layer.learned_ranges.items():
+        view = keras.ops.convert_to_numpy(layer._range_view(name))
+        top = np.abs(view).reshape(-1, view.shape[-1]).max(0) if per_channel else np.abs(view).max()
+        assert (np.asarray(variable) <= top * (1 + 1e-6)).all()
+        ranges[name] = (0.6 * top).astype("float32")
+        variable.assign(ranges[name])
+    assert set(ranges) == (
+        {"kernel", "depthwise_kernel"} if host_name == "separable" else {"kernel"}
+    )
+    grid = layer.weight_grids()["kernel"]
+    s = np.abs(weights["gamma"]) / np.sqrt(weights["variance"] + EPSILON)
+    expected_scale = ranges["kernel"] * (s if per_channel else 1.0) / ref.q_max(bits)
+    np.testing.assert_allclose(grid.scale, expected_scale, rtol=1e-6)
+    for training in (False, True):  # inference first: training moves the statistics
+        expected, _, _ = ref.qat_forward(
+            _spec(host),
+            _to_last(x, host),
+            weights,
+            bits,
+            per_channel,
+            training,
+            EPSILON,
+            "relu",
+            ranges=ranges,
+        )
+        assert_close(np.asarray(layer(x, training=training)), _to_host_layout(expected, host), 1e-5)
+
+
+def test_learned_ranges_get_lsq_gradients_in_a_layer():
+    """The kernel range is a trainable weight, and its gradient is LSQ's (the numpy
+    reference's) of the loss's gradient to the rounded kernel, times |s| (the per-channel
+    range is r·|s|)."""
+    layer, host, weights, x = _make("conv2d", 2, True, activation=None, weight_range="learned")
+    (variable,) = layer.learned_ranges.values()
+    assert any(w is variable for w in layer.trainable_weights)
+    shape = tuple(layer(x, training=False).shape)
+    weighting = np.linspace(-1.0, 1.0, int(np.prod(shape))).reshape(shape).astype("float32")
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(layer(x, training=False) * weighting)
+    (to_range,) = tape.gradient(loss, [variable])
+    s = np.abs(weights["gamma"] / np.sqrt(weights["variance"] + EPSILON))
+    folded = ref.channels_last_view(weights["kernel"], "conv") * (s * np.sign(weights["gamma"]))
+    m = np.abs(np.asarray(variable, np.float64)) * s
+    quantized = tf.constant(ref.fake_quant_weights(folded, 2, True, m / ref.q_max(2)), "float32")
+    with tf.GradientTape() as tape:
+        tape.watch(quantized)
+        loss = tf.reduce_sum(host.convolution_op(x, quantized) * weighting)
+    upstream = tape.gradient(loss, quantized).numpy().astype(np.float64)
+    _, expected = ref.lsq_gradients(folded, m, 2, upstream)
+    np.testing.assert_allclose(to_range, expected * s, rtol=1e-3, atol=1e-5)

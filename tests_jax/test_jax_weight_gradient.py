@@ -27,3 +27,24 @@ def test_weight_gradient_is_one_for_every_weight_as_torch_ao_gives(bits, per_cha
         reference = ref.straight_through_weight_mask(kernel, bits, per_channel) * upstream
         assert reference.all()
         np.testing.assert_array_equal(np.asarray(gradient), reference.astype(np.float32))
+
+
+@pytest.mark.parametrize("per_channel", [True, False])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_learned_ranges_get_lsqs_gradients(bits, per_channel):
+    """fake_quant_weights_learned under JAX (eager and jitted): fake_quant_weights' values, and
+    LSQ's gradients to the kernel and the range (tests/quantize_reference.py)."""
+    kernel, max_abs, upstream = ref.learned_range_case(bits, per_channel)
+
+    def loss(weights, learned):
+        return jnp.sum(fake_quant.fake_quant_weights_learned(weights, learned, bits) * upstream)
+
+    expected_kernel, expected_range = ref.lsq_gradients(kernel, max_abs, bits, upstream)
+    for gradient in (jax.grad(loss, (0, 1)), jax.jit(jax.grad(loss, (0, 1)))):
+        to_kernel, to_range = gradient(jnp.asarray(kernel), jnp.asarray(max_abs))
+        np.testing.assert_array_equal(np.asarray(to_kernel), expected_kernel)
+        np.testing.assert_allclose(np.asarray(to_range), expected_range, rtol=1e-4, atol=1e-6)
+    np.testing.assert_array_equal(
+        np.asarray(fake_quant.fake_quant_weights_learned(kernel, max_abs, bits)),
+        np.asarray(fake_quant.fake_quant_weights(kernel, max_abs, bits)),
+    )

@@ -210,3 +210,20 @@ def test_torch_trained_qat_model_loads_and_exports_under_tensorflow(tmp_path):
         passed, quantization, max_lsb = found[name]
         assert passed and quantization == "int8", found[name]
         assert max_lsb <= 1.0, found[name]
+
+
+@pytest.mark.parametrize("per_channel", [True, False])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_learned_ranges_get_lsqs_gradients(bits, per_channel):
+    """fake_quant_weights_learned under PyTorch: fake_quant_weights' values, and LSQ's
+    gradients to the kernel and the range (tests/quantize_reference.py)."""
+    kernel, max_abs, upstream = ref.learned_range_case(bits, per_channel)
+    weights = torch.tensor(kernel, requires_grad=True)
+    learned = torch.tensor(max_abs, requires_grad=True)
+    fake = fake_quant.fake_quant_weights_learned(weights, learned, bits)
+    torch.sum(fake * torch.as_tensor(upstream)).backward()
+    expected_kernel, expected_range = ref.lsq_gradients(kernel, max_abs, bits, upstream)
+    np.testing.assert_array_equal(array(weights.grad), expected_kernel)
+    np.testing.assert_allclose(array(learned.grad), expected_range, rtol=1e-4, atol=1e-6)
+    plain = fake_quant.fake_quant_weights(torch.tensor(kernel), torch.tensor(max_abs), bits)
+    np.testing.assert_array_equal(array(fake), array(plain))

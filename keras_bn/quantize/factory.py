@@ -30,6 +30,7 @@ def from_layers(
     per_channel: bool = True,
     range_momentum: float = 0.99,
     quantize_output: bool = True,
+    weight_range: str | None = None,
     name: str | None = None,
 ) -> "QuantizedHost | QuantizedHostBatchNorm":
     """A built QAT layer computing activation(batch_norm(host(x))), with the layers' weights.
@@ -51,6 +52,8 @@ def from_layers(
         range_momentum: the activation ranges' EMA momentum, in [0, 1).
         quantize_output: whether the QAT layer fake-quantizes its output (see
             `QuantizedHost`).
+        weight_range: "max", "learned" or None (see `QuantizedHost`); a learned range starts
+            from the copied weights (`reset_weight_ranges`).
         name: the QAT layer's name; by default the host's name with "_qat".
 
     Returns:
@@ -74,6 +77,7 @@ def from_layers(
         per_channel=per_channel,
         range_momentum=range_momentum,
         quantize_output=quantize_output,
+        weight_range=weight_range,
         name=name or f"{host.name}_qat",
     )
     input_shape = host.get_build_config()["input_shape"]
@@ -100,6 +104,7 @@ def from_layers(
         layer.build(input_shape)
         _copy(batch_norm, layer.batch_norm, ("gamma", "beta", "moving_mean", "moving_variance"))
     layer.host.set_weights([np.array(weight) for weight in host.get_weights()])
+    layer.reset_weight_ranges()  # from the copied weights (and statistics)
     return layer
 
 

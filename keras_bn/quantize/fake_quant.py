@@ -28,6 +28,13 @@ QAT layer's own ops (`QuantizedHost.weight_grids`), not from `weight_grid`. `Wei
 An integer file adds a layer's bias as int32 on the grid of its input's step times its
 weights' (`round_bias`, which the QAT layers apply to their float bias).
 
+The weight range m is max|w| ("max", the observers' choice: nothing is clipped, and at 8 bits
+nothing is lost) or learned ("learned": Esser et al., "Learned Step Size Quantization", ICLR
+2020). Below 4 bits max|w| wastes the few levels on the largest weight: at 2 bits the grid is
+{−m, 0, m}, and every weight under m/2 rounds to 0. A learned range starts where the squared
+rounding error is least (`mse_weight_range`) and trains with the weights
+(`fake_quant_weights_learned`: LSQ's gradient, with its scale 1/√(N·q_max)).
+
 Converters take 8-bit FakeQuant ops only (the TFLite converter refuses a k-bit activation
 tensor and re-rounds 3- and 5..7-bit weights onto its own storage grid; tf2onnx converts only
 8-bit ones). A k-bit grid is the int8 grid with the same step, restricted to 2^k of its
@@ -38,12 +45,18 @@ and `WeightGrid.values` state the k-bit grids that way.
 import typing
 
 import numpy as np
+from keras import ops
 
 from keras_bn import backend
 from keras_bn.backend.constants import MIN_RANGE, ZERO_WEIGHT_RANGE
 
 MIN_BITS = 2
 MAX_BITS = 8
+#: How a weight range is set: max|w| each step, or learned (see the module docstring).
+WEIGHT_RANGES = ("max", "learned")
+#: The most bits at which `weight_range=None` means "learned" (measured in
+#: benchmarks/bench_qat.py: below 4 bits max|w| loses points that learned ranges keep).
+LEARNED_UP_TO_BITS = 3
 
 
 @typing.overload
@@ -78,6 +91,31 @@ def validate_bits(bits: object, name: str, allow_none: bool = False) -> int | No
     if not MIN_BITS <= bits <= MAX_BITS:
         raise ValueError(f"{name} must be from {MIN_BITS} to {MAX_BITS}; received {name}={bits!r}.")
     return int(bits)
+
+
+def validate_weight_range(weight_range: object, weight_bits: int | None) -> str:
+    """The weight range mode: "max" or "learned"; None picks "learned" at `LEARNED_UP_TO_BITS`
+    bits or fewer, else "max" (float weights: "max", which nothing reads).
+
+    Args:
+        weight_range: None, "max" or "learned".
+        weight_bits: the weights' bits (None for float weights).
+
+    Returns:
+        "max" or "learned".
+
+    Raises:
+        ValueError: anything else; the message names it.
+    """
+    if weight_range is None:
+        learned = weight_bits is not None and weight_bits <= LEARNED_UP_TO_BITS
+        return "learned" if learned else "max"
+    if weight_range not in WEIGHT_RANGES:
+        raise ValueError(
+            f"weight_range must be None, 'max' or 'learned'; received "
+            f"weight_range={weight_range!r}."
+        )
+    return typing.cast(str, weight_range)
 
 
 def q_max(bits: int) -> int:
@@ -125,6 +163,78 @@ def fake_quant_weights(kernel: typing.Any, max_abs: typing.Any, bits: int) -> ty
         it (7% of channels at 3 bits).
     """
     return backend.get().fake_quant_weights(kernel, max_abs, bits)
+
+
+def fake_quant_weights_learned(kernel: typing.Any, max_abs: typing.Any, bits: int) -> typing.Any:
+    """FQ_w on a learned range: `fake_quant_weights`' values, with LSQ's gradients.
+
+    With Δ = m/q_max and q = clamp(round(w/Δ), −q_max, q_max) (Esser et al. 2020):
+
+        ∂FQ/∂w = 1 where |w| < m, 0 where the weight is clipped;
+        ∂FQ/∂m = (q − w/Δ)/q_max where |w| < m, sign(w) where clipped;
+
+    and the gradient to m is scaled by g = 1/√(N·q_max), N the weights per range, so that its
+    updates keep pace with the weights' under SGD (Adam is invariant to it). The values are
+    those of `fake_quant_weights(kernel, m, bits)` bit for bit: the gradient terms are added as
+    t − stop_gradient(t), which is exactly 0.
+
+    Args:
+        kernel: float32 tensor whose last axis is the output channel.
+        max_abs: the range m > 0, a float32 vector (per channel) or scalar, with its gradient.
+        bits: 2..8.
+
+    Returns:
+        The fake-quantized kernel, same shape.
+    """
+    top = q_max(bits)
+    size = int(np.prod(kernel.shape))
+    per_range = size // int(max_abs.shape[0]) if len(max_abs.shape) else size
+    scaled = ops.stop_gradient(max_abs) + (max_abs - ops.stop_gradient(max_abs)) / float(
+        np.sqrt(per_range * top)
+    )
+    clipped = ops.minimum(ops.maximum(kernel, -scaled), scaled)  # ∂/∂m = ±1 where clipped
+    rounded = fake_quant_weights(clipped, ops.stop_gradient(max_abs), bits)
+    inside = ops.cast(ops.abs(kernel) < max_abs, "float32")
+    error = ops.stop_gradient((rounded - kernel) / max_abs * inside)  # (q − w/Δ)/q_max
+    return rounded + (scaled * error - ops.stop_gradient(scaled * error))
+
+
+def mse_weight_range(kernel: np.ndarray, bits: int, per_channel: bool) -> np.ndarray:
+    """The symmetric range m whose `bits`-bit grid rounds `kernel` with the least squared error
+    (per output channel, or for the whole tensor): where a learned range starts.
+
+    A search over m = f·max|w|, f = 0.01, 0.02, ..., 1, then around the best f in steps of
+    0.0005 (the error is not convex in m: each m at which a weight crosses a rounding boundary
+    is a kink), in numpy float64.
+
+    Args:
+        kernel: array whose last axis is the output channel.
+        bits: 2..8.
+        per_channel: one range per output channel rather than one.
+
+    Returns:
+        float32: a vector of the last axis's size, or a 0-d array; ZERO_WEIGHT_RANGE where
+        every weight is 0.
+    """
+    kernel = np.asarray(kernel, np.float64)
+    flat = kernel.reshape(-1, kernel.shape[-1]) if per_channel else kernel.reshape(-1, 1)
+    largest = np.abs(flat).max(axis=0)
+    top = q_max(bits)
+
+    def least(fractions: np.ndarray) -> np.ndarray:
+        """The fraction of each channel's max|w| (a row of `fractions`) with the least error."""
+        errors = []
+        for fraction in fractions.T:
+            step = np.maximum(largest * fraction, MIN_RANGE) / top
+            rounded = np.clip(np.round(flat / step), -top, top) * step
+            errors.append(((rounded - flat) ** 2).sum(axis=0))
+        best: np.ndarray = fractions[np.arange(len(largest)), np.argmin(errors, axis=0)]
+        return best
+
+    coarse = least(np.tile(np.linspace(0.01, 1.0, 100), (len(largest), 1)))
+    fine = least(np.clip(coarse[:, None] + np.linspace(-0.01, 0.01, 41), 0.001, 1.0))
+    best = np.where(largest > 0, np.maximum(largest * fine, MIN_RANGE), ZERO_WEIGHT_RANGE)
+    return (best if per_channel else best.reshape(())).astype(np.float32)
 
 
 def fake_quant_activations(

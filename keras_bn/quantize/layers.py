@@ -39,6 +39,11 @@ output with its bias, so that the folded form's b − μ is BN's.
 A batch that gives m = 1 at run time (`fit`'s last batch of one) outputs β before the freeze,
 with no gradient to x, γ or the kernel, as keras_bn.BatchNormalization does.
 
+The weight range m of FQ_w is max|W·s| per channel or per tensor, or, below 4 bits by default,
+learned (`weight_range`; Esser et al., "Learned Step Size Quantization", ICLR 2020): per
+channel m_c = r_c·|s'_c| with r_c trained in the host kernel's units, so that s' still cancels
+in each channel's grid; per tensor one trained m for W·s'.
+
 γ = 0 makes s = 0, so z/s would divide 0 by 0. Such a channel's output is β whatever its
 kernel, but its γ still needs the gradient Σg·x̂. So the kernel is scaled by
 s' = γ'/σ with γ' = 1 where γ = 0 (s' = s elsewhere), z/s' normalizes, and z is multiplied by
@@ -56,6 +61,7 @@ from keras import ops
 
 from keras_bn import _hooks, _models, backend
 from keras_bn._bn_layers import KERAS_BN, KERAS_BN_BN
+from keras_bn.backend.constants import MIN_RANGE
 from keras_bn.quantize import fake_quant, grids, hosts
 from keras_bn.quantize.activation import ActivationQuantizer, scalar_state, validate_momentum
 
@@ -78,6 +84,7 @@ class _QuantizedHostLayer(keras.layers.Layer):
         per_channel: bool = True,
         range_momentum: float = 0.99,
         quantize_output: bool = True,
+        weight_range: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -100,6 +107,10 @@ class _QuantizedHostLayer(keras.layers.Layer):
                 f"quantize_output={quantize_output!r}."
             )
         self.quantize_output = quantize_output
+        self.weight_range = fake_quant.validate_weight_range(weight_range, self.weight_bits)
+        # The learned ranges, by kernel name ("kernel", and a separable host's
+        # "depthwise_kernel"), created by build.
+        self.learned_ranges: dict[str, Any] = {}
         self.output_quantizer = self.intermediate_quantizer = None
         bits = self.activation_bits
         if bits is not None:
@@ -122,6 +133,53 @@ class _QuantizedHostLayer(keras.layers.Layer):
         for quantizer in (self.output_quantizer, self.intermediate_quantizer):
             if quantizer is not None:
                 quantizer.build(())
+        if self.weight_range == "learned" and self.weight_bits is not None:
+            names = ["kernel"] + (["depthwise_kernel"] if self.kind == hosts.SEPARABLE else [])
+            for name in names:
+                channels = int(ops.shape(self._channels_last(name))[-1])
+                self.learned_ranges[name] = self.add_weight(
+                    name=f"{name}_range",
+                    shape=(channels,) if self.per_channel else (),
+                    initializer="ones",
+                    trainable=True,
+                )
+
+    def _channels_last(self, name: str) -> Any:
+        """The host's kernel `name` ("kernel": the folded one, or "depthwise_kernel") viewed
+        with its output channels last (float32)."""
+        if name == "depthwise_kernel":
+            return hosts.channels_last(
+                ops.cast(self.host.depthwise_kernel, "float32"), hosts.DEPTHWISE
+            )
+        return self._kernel_view()
+
+    def _range_view(self, name: str) -> Any:
+        """The channels-last kernel in the units of the learned range `name`."""
+        return self._channels_last(name)
+
+    def reset_weight_ranges(self) -> None:
+        """Start each learned weight range where the squared rounding error of the weights
+        as they are now is least (`fake_quant.mse_weight_range`); nothing for "max" ranges.
+
+        `from_layers` and `quantize_model` call it once they have copied the weights; call it
+        after setting a kernel, or the batch norm's statistics, yourself.
+        """
+        assert self.weight_bits is not None or not self.learned_ranges
+        for name, variable in self.learned_ranges.items():
+            view = ops.convert_to_numpy(self._range_view(name))
+            variable.assign(fake_quant.mse_weight_range(view, self.weight_bits, self.per_channel))
+
+    def _weight_range(self, name: str, view: Any, scale: Any = None) -> Any:
+        """The range m of the kernel `name`'s grid, `view` the channels-last kernel `call`
+        rounds: max|view| ("max", no gradient), or the learned range (with its gradient), per
+        channel in the host kernel's units times |scale| (batch norm's, no gradient)."""
+        variable = self.learned_ranges.get(name)
+        if variable is None:
+            return fake_quant.weight_max_abs(view, self.per_channel)
+        learned = ops.maximum(ops.abs(ops.convert_to_tensor(variable)), MIN_RANGE)
+        if scale is not None and self.per_channel:
+            learned = learned * ops.stop_gradient(ops.abs(scale))
+        return learned
 
     def compute_output_shape(self, input_shape: tuple[int | None, ...]) -> tuple[int | None, ...]:
         """The host's output shape.
@@ -146,13 +204,15 @@ class _QuantizedHostLayer(keras.layers.Layer):
         """FQ_w of a channels-last kernel view (unchanged with weight_bits=None)."""
         if self.weight_bits is None:
             return view
+        if self.weight_range == "learned":
+            return fake_quant.fake_quant_weights_learned(view, max_abs, self.weight_bits)
         return fake_quant.fake_quant_weights(view, max_abs, self.weight_bits)
 
     def _quantized_depthwise(self) -> tuple[Any, Any]:
         """A separable host's depthwise kernel viewed channels last and fake-quantized, and its
         weight range."""
-        view = hosts.channels_last(ops.cast(self.host.depthwise_kernel, "float32"), hosts.DEPTHWISE)
-        max_abs = fake_quant.weight_max_abs(view, self.per_channel)
+        view = self._channels_last("depthwise_kernel")
+        max_abs = self._weight_range("depthwise_kernel", view)
         return self._fake_quant(view, max_abs), max_abs
 
     def _quantized_kernel(self) -> tuple[Any, Any, Any | None]:
@@ -357,6 +417,7 @@ class _QuantizedHostLayer(keras.layers.Layer):
             "per_channel": self.per_channel,
             "range_momentum": self.range_momentum,
             "quantize_output": self.quantize_output,
+            "weight_range": self.weight_range,
         }
 
 
@@ -377,6 +438,12 @@ class QuantizedHost(_QuantizedHostLayer):
         activation_bits: 2..8, or None for no activation fake quantization.
         per_channel: one weight range per output channel (True) or one per tensor.
         range_momentum: the activation ranges' EMA momentum, in [0, 1).
+        weight_range: "max" (m = max|w| at every step, no gradient), "learned" (m a trainable
+            weight, `kernel_range`, and a separable host's `depthwise_kernel_range`, trained
+            with LSQ's gradient, `fake_quant.fake_quant_weights_learned`; started by
+            `reset_weight_ranges` where the rounding error is least), or None: "learned" at
+            weight_bits ≤ 3, else "max". A per-channel learned range is in the units of the
+            host's kernel, so batch norm's scale cancels in each channel's grid as with "max".
         quantize_output: whether the layer fake-quantizes its output (with activation_bits);
             False where another layer quantizes it instead, on a scale shared with other
             tensors (`quantize_model` does this for a layer feeding only a Concatenate, whose
@@ -405,9 +472,18 @@ class QuantizedHost(_QuantizedHostLayer):
         outputs = outputs + backend.get().per_channel(bias, outputs, self._channel_axes(outputs))
         return self._finish(outputs, training)
 
+    def build(self, input_shape: tuple[int | None, ...]) -> None:
+        """Build the host and the quantizers, and start any learned weight range.
+
+        Args:
+            input_shape: the input's shape.
+        """
+        super().build(input_shape)
+        self.reset_weight_ranges()
+
     def _quantized_kernel(self) -> tuple[Any, Any, Any | None]:
         view = self._kernel_view()
-        max_abs = fake_quant.weight_max_abs(view, self.per_channel)
+        max_abs = self._weight_range("kernel", view)
         return self._fake_quant(view, max_abs), max_abs, None
 
     def folded_weights(self) -> tuple[np.ndarray, np.ndarray]:
@@ -451,6 +527,12 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
         activation_bits: 2..8, or None for no activation fake quantization.
         per_channel: one weight range per output channel (True) or one per tensor.
         range_momentum: the activation ranges' EMA momentum, in [0, 1).
+        weight_range: "max" (m = max|w| at every step, no gradient), "learned" (m a trainable
+            weight, `kernel_range`, and a separable host's `depthwise_kernel_range`, trained
+            with LSQ's gradient, `fake_quant.fake_quant_weights_learned`; started by
+            `reset_weight_ranges` where the rounding error is least), or None: "learned" at
+            weight_bits ≤ 3, else "max". A per-channel learned range is in the units of the
+            host's kernel, so batch norm's scale cancels in each channel's grid as with "max".
         quantize_output: whether the layer fake-quantizes its output (with activation_bits);
             False where another layer quantizes it instead, on a scale shared with other
             tensors (`quantize_model` does this for a layer feeding only a Concatenate, whose
@@ -478,6 +560,7 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
         per_channel: bool = True,
         range_momentum: float = 0.99,
         quantize_output: bool = True,
+        weight_range: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(
@@ -488,6 +571,7 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
             per_channel,
             range_momentum,
             quantize_output,
+            weight_range,
             **kwargs,
         )
         self.batch_norm = _keras_bn_copy(batch_norm, hosts.channel_axis(self.host))
@@ -513,6 +597,7 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
                 f"output (shape {tuple(output_shape)}): the fold needs them to agree."
             )
         self.batch_norm_frozen = scalar_state(self, "batch_norm_frozen", "bool")
+        self.reset_weight_ranges()
 
     def _bn_parameters(self) -> tuple[Any, Any, Any, Any, Any]:
         """γ, β, μ, v and the host bias as float32 vectors (γ = 1, β = 0 when absent)."""
@@ -522,11 +607,24 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
         beta = ops.zeros_like(mean) if bn.beta is None else backend.get().read(bn.beta)
         return gamma, beta, mean, backend.get().read(bn.moving_variance), self._host_bias()
 
+    def _range_view(self, name: str) -> Any:
+        """The channels-last kernel in the units of the learned range `name`: per channel the
+        host's own (s' cancels in each channel's grid), per tensor the folded W·s that `call`
+        rounds."""
+        view = self._channels_last(name)
+        if name != "kernel" or self.per_channel:
+            return view
+        gamma, _, _, variance, _ = self._bn_parameters()
+        return view * (gamma / ops.sqrt(variance + self.batch_norm.epsilon))
+
     def _scaled_kernel(self, gamma: Any, sigma: Any) -> tuple[Any, Any, Any, Any]:
         """(s, s', the kernel view scaled by s', its weight range); see the module docstring."""
         scale = gamma / sigma
         safe_scale = ops.where(gamma == 0.0, 1.0 / sigma, scale)
         view = self._kernel_view()
+        if self.learned_ranges:
+            max_abs = self._weight_range("kernel", view, safe_scale)
+            return scale, safe_scale, view * safe_scale, max_abs
         # Per channel, a γ = 0 channel's own range (from s') is the one its rounding needs;
         # per tensor, the range is W·s's, which that channel (0 there) does not widen.
         ranged = view * safe_scale if self.per_channel else view * scale

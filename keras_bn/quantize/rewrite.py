@@ -57,6 +57,7 @@ def quantize_model(
     per_channel: bool = True,
     *,
     range_momentum: float = 0.99,
+    weight_range: str | None = None,
     return_report: bool = False,
 ) -> "keras.Model | tuple[keras.Model, QuantizationReport]":
     """A copy of `model` for quantization-aware training, with batch norm folded into the QAT
@@ -113,6 +114,10 @@ def quantize_model(
         per_channel: one weight range per output channel of a convolution (True) or one per
             tensor.
         range_momentum: the activation ranges' EMA momentum, in [0, 1).
+        weight_range: how each weight range is set: "max" (max|w| at every step), "learned"
+            (a trainable range, Esser et al. 2020's LSQ, starting where the rounding error of
+            the copied weights is least), or None: "learned" at 3 bits or fewer, where max|w|
+            leaves most weights on 0 or one level, else "max".
         return_report: also return the `QuantizationReport`.
 
     Returns:
@@ -121,8 +126,9 @@ def quantize_model(
     Raises:
         TypeError: `model` is not a keras.Model (the message names it).
         ValueError: `weight_bits` or `activation_bits` is not an int from 2 to 8 (bools
-            included), `per_channel` or `return_report` is not a bool, or `range_momentum` is
-            not in [0, 1) (the message names the value); `model` holds QAT layers already; or
+            included), `per_channel` or `return_report` is not a bool, `range_momentum` is
+            not in [0, 1), or `weight_range` is not None, "max" or "learned" (the message
+            names the value); `model` holds QAT layers already; or
             a layer computes or keeps weights in a float type other than float32 (a
             mixed_float16 or mixed_bfloat16 policy, float64), named with its policy.
         UnsupportedModelError: the model, or a nested one holding a host or BN, is subclassed
@@ -154,6 +160,7 @@ def quantize_model(
         fake_quant.validate_bits(activation_bits, "activation_bits"),
         per_channel,
         validate_momentum(range_momentum, "range_momentum"),
+        fake_quant.validate_weight_range(weight_range, weight_bits),
     )
     findings = _Findings()
     new_model, _ = _ModelRewrite(settings, findings, model, prefix="").run(None)
@@ -198,6 +205,7 @@ class _Settings:
     activation_bits: int
     per_channel: bool
     range_momentum: float
+    weight_range: str
 
 
 @dataclasses.dataclass
@@ -357,6 +365,7 @@ class _ModelRewrite:
                 per_channel=self.settings.per_channel and type(host) is not L.Dense,
                 range_momentum=self.settings.range_momentum,
                 quantize_output=quantize_output and not pooled,
+                weight_range=self.settings.weight_range,
                 name=self._unique(f"{host.name}_qat"),
             )
             if bn is not None and not bn.trainable and isinstance(layer, QuantizedHostBatchNorm):

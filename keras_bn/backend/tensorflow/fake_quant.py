@@ -27,6 +27,7 @@ def fake_quant_weights(kernel, max_abs, bits):
     """The TensorFlow kernel of keras_bn.quantize.fake_quant.fake_quant_weights: the op's
     values, with gradient 1 to every weight (the op would stop it at the weight that sets the
     range, which float32 puts just past the op's nudged maximum)."""
+    max_abs = tf.convert_to_tensor(max_abs)  # a variable closed over needs grad_fn(variables)
 
     @tf.custom_gradient
     def on_grid(kernel):
