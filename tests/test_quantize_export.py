@@ -240,7 +240,7 @@ def test_tflite_is_full_integer_and_within_two_lsb(
     expected = _expected_kernels(model)
     assert len(kernels) == len(expected) == 6
     limit = ref.q_max(weight_bits)
-    for (host, name), (kind, view, channels, (q, _), step) in expected.items():
+    for (host, name), (kind, _view, _channels, (q, _), step) in expected.items():
         want = q.transpose(TFLITE_LAYOUT[kind])
         matches = [w for _, w in kernels if np.array_equal(plain.get_tensor(w["index"]), want)]
         assert len(matches) == 1, (host, name)
@@ -332,7 +332,7 @@ def test_onnx_is_qdq_with_int8_weights_within_two_lsb(
     limit = ref.q_max(weight_bits)
     weighted = [n for n in graph.node if n.op_type in ("Conv", "MatMul", "Gemm")]
     assert len(weighted) == len(expected) == 6
-    for (host, name), (kind, view, channels, (q, scale), step) in expected.items():
+    for (host, name), (kind, _view, channels, (q, scale), step) in expected.items():
         dequantize = producers[f"{host}/{name}"]
         assert dequantize.op_type == "DequantizeLinear"
         assert [n for n in weighted if n.input[1] == dequantize.output[0]]

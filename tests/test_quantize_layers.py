@@ -155,6 +155,7 @@ def _reference(
     activation="relu",
     between=None,
     input_step=None,
+    ranges=None,
 ):
     y, mean, var = ref.qat_forward(
         _spec(host),
@@ -167,6 +168,7 @@ def _reference(
         activation,
         between,
         input_step,
+        ranges,
     )
     return _to_host_layout(y, host), mean, var
 
@@ -722,18 +724,8 @@ def test_learned_ranges_forward_matches_numpy(host_name, per_channel, bits):
     expected_scale = ranges["kernel"] * (s if per_channel else 1.0) / ref.q_max(bits)
     np.testing.assert_allclose(grid.scale, expected_scale, rtol=1e-6)
     for training in (False, True):  # inference first: training moves the statistics
-        expected, _, _ = ref.qat_forward(
-            _spec(host),
-            _to_last(x, host),
-            weights,
-            bits,
-            per_channel,
-            training,
-            EPSILON,
-            "relu",
-            ranges=ranges,
-        )
-        assert_close(np.asarray(layer(x, training=training)), _to_host_layout(expected, host), 1e-5)
+        expected, _, _ = _reference(host, x, weights, bits, per_channel, training, ranges=ranges)
+        assert_close(np.asarray(layer(x, training=training)), expected, 1e-5)
 
 
 def test_learned_ranges_get_lsq_gradients_in_a_layer():

@@ -115,7 +115,7 @@ def validate_weight_range(weight_range: object, weight_bits: int | None) -> str:
             f"weight_range must be None, 'max' or 'learned'; received "
             f"weight_range={weight_range!r}."
         )
-    return typing.cast(str, weight_range)
+    return weight_range
 
 
 def q_max(bits: int) -> int:

@@ -164,10 +164,11 @@ class _QuantizedHostLayer(keras.layers.Layer):
         `from_layers` and `quantize_model` call it once they have copied the weights; call it
         after setting a kernel, or the batch norm's statistics, yourself.
         """
-        assert self.weight_bits is not None or not self.learned_ranges
+        bits = self.weight_bits
         for name, variable in self.learned_ranges.items():
+            assert bits is not None  # build makes learned ranges only for rounded weights
             view = ops.convert_to_numpy(self._range_view(name))
-            variable.assign(fake_quant.mse_weight_range(view, self.weight_bits, self.per_channel))
+            variable.assign(fake_quant.mse_weight_range(view, bits, self.per_channel))
 
     def _weight_range(self, name: str, view: Any, scale: Any = None) -> Any:
         """The range m of the kernel `name`'s grid, `view` the channels-last kernel `call`
