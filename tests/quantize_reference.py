@@ -44,9 +44,11 @@ def fake_quant_weights(kernel, bits, per_channel, scale=None):
 
 def lsq_gradients(kernel, max_abs, bits, upstream):
     """Learned step size quantization's gradients (Esser et al. 2020) of Σ upstream·FQ(w; m)
-    for symmetric weights with Δ = m/q_max, from its definition, in float64: to w, upstream
-    where |w| < m and 0 where clipped; to m, Σ upstream·((q − w/Δ)/q_max inside, sign(w)
-    clipped) over each range's weights, times 1/√(N·q_max), N the weights per range.
+    for symmetric weights with the step s = m/q_max, from its definition, in float64: to w,
+    upstream where |w| < m and 0 where clipped (|w| ≥ m); to s, Σ upstream·(q − w/s inside,
+    ±q_max clipped) over each range's weights, times 1/√(N·q_max), N the weights per range;
+    to m = q_max·s, the gradient an SGD step on m needs to move it as LSQ's moves s: q_max
+    times s's (∂s/∂m = 1/q_max, and an SGD step on s moves m = q_max·s by q_max times it).
 
     Args:
         kernel: channels-last kernel.
@@ -59,14 +61,15 @@ def lsq_gradients(kernel, max_abs, bits, upstream):
     """
     kernel = np.asarray(kernel, np.float64)
     m = np.asarray(max_abs, np.float64)
-    step = m / q_max(bits)
-    q = np.clip(np.floor(kernel / step + 0.5), -q_max(bits), q_max(bits))
+    top = q_max(bits)
+    step = m / top
+    q = np.clip(np.floor(kernel / step + 0.5), -top, top)
     inside = np.abs(kernel) < m
-    local = np.where(inside, (q - kernel / step) / q_max(bits), np.sign(kernel))
+    local = np.where(inside, q - kernel / step, np.sign(kernel) * top)  # ∂FQ/∂s
     flat = (upstream * local).reshape(-1, kernel.shape[-1])
     per_range = flat.shape[0] if m.ndim else flat.size
-    to_range = flat.sum(axis=0) if m.ndim else flat.sum()
-    return upstream * inside, to_range / np.sqrt(per_range * q_max(bits))
+    to_step = (flat.sum(axis=0) if m.ndim else flat.sum()) / np.sqrt(per_range * top)
+    return upstream * inside, to_step * top
 
 
 def activation_grid(lo, hi, bits):
@@ -298,10 +301,14 @@ def qat_forward(
 
 def learned_range_case(bits, per_channel):
     """(kernel, range, upstream) float32 for the learned-range gradient tests of every backend:
-    the range is 0.6 of max|w| (per channel or per tensor), so that some weights are clipped."""
+    the range is 0.6 of max|w| (per channel or per tensor), so that some weights are clipped,
+    and two weights per channel lie exactly at ±m (a tie the backends' min and max would
+    split)."""
     rng = np.random.default_rng(bits)
     kernel = (rng.normal(size=(3, 3, 4, 6)) * rng.uniform(0.2, 2.0, 6)).astype(np.float32)
     magnitude = np.abs(kernel).reshape(-1, 6)
     top = magnitude.max(axis=0) if per_channel else magnitude.max()
+    max_abs = np.asarray(0.6 * top, np.float32)
+    kernel[0, 0, 0], kernel[0, 0, 1] = max_abs, -max_abs  # ties |w| = m: clipped
     upstream = rng.normal(size=kernel.shape).astype(np.float32)
-    return kernel, np.asarray(0.6 * top, np.float32), upstream
+    return kernel, max_abs, upstream

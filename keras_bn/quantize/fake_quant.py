@@ -168,15 +168,18 @@ def fake_quant_weights(kernel: typing.Any, max_abs: typing.Any, bits: int) -> ty
 def fake_quant_weights_learned(kernel: typing.Any, max_abs: typing.Any, bits: int) -> typing.Any:
     """FQ_w on a learned range: `fake_quant_weights`' values, with LSQ's gradients.
 
-    With Δ = m/q_max and q = clamp(round(w/Δ), −q_max, q_max) (Esser et al. 2020):
+    With the step s = m/q_max and q = clamp(round(w/s), −q_max, q_max), Esser et al. (2020)
+    train s with
 
-        ∂FQ/∂w = 1 where |w| < m, 0 where the weight is clipped;
-        ∂FQ/∂m = (q − w/Δ)/q_max where |w| < m, sign(w) where clipped;
+        ∂FQ/∂w = 1 where |w| < m, 0 where the weight is clipped (|w| ≥ m);
+        ∂FQ/∂s = q − w/s where |w| < m, ±q_max where clipped;
 
-    and the gradient to m is scaled by g = 1/√(N·q_max), N the weights per range, so that its
-    updates keep pace with the weights' under SGD (Adam is invariant to it). The values are
-    those of `fake_quant_weights(kernel, m, bits)` bit for bit: the gradient terms are added as
-    t − stop_gradient(t), which is exactly 0.
+    and s's gradient scaled by g = 1/√(N·q_max), N the weights per range. The parameter here is
+    m = q_max·s, so ∂FQ/∂m = ∂FQ/∂s / q_max, and its gradient is scaled by q_max²·g: an SGD
+    step then moves m = q_max·s exactly as LSQ's moves s (Adam is invariant to the scale). A
+    weight at |w| = m (where `mse_weight_range` may put m) takes the clipped branch, whatever
+    the backend. The values are those of `fake_quant_weights(kernel, m, bits)` bit for bit:
+    the gradient terms are added as t − stop_gradient(t), which is exactly 0.
 
     Args:
         kernel: float32 tensor whose last axis is the output channel.
@@ -189,13 +192,13 @@ def fake_quant_weights_learned(kernel: typing.Any, max_abs: typing.Any, bits: in
     top = q_max(bits)
     size = int(np.prod(kernel.shape))
     per_range = size // int(max_abs.shape[0]) if len(max_abs.shape) else size
-    scaled = ops.stop_gradient(max_abs) + (max_abs - ops.stop_gradient(max_abs)) / float(
-        np.sqrt(per_range * top)
-    )
-    clipped = ops.minimum(ops.maximum(kernel, -scaled), scaled)  # ∂/∂m = ±1 where clipped
-    rounded = fake_quant_weights(clipped, ops.stop_gradient(max_abs), bits)
-    inside = ops.cast(ops.abs(kernel) < max_abs, "float32")
-    error = ops.stop_gradient((rounded - kernel) / max_abs * inside)  # (q − w/Δ)/q_max
+    fixed = ops.stop_gradient(max_abs)
+    scaled = fixed + (max_abs - fixed) * float(top * top / np.sqrt(per_range * top))
+    inside = ops.abs(kernel) < fixed
+    # A select, not min/max: its gradient takes one branch, where min/max split it at a tie.
+    clipped = ops.where(inside, kernel, ops.sign(kernel) * scaled)  # ∂/∂m = sign(w) outside
+    rounded = fake_quant_weights(clipped, fixed, bits)
+    error = ops.stop_gradient(ops.where(inside, (rounded - kernel) / fixed, 0.0))  # (q − w/s)/q_max
     return rounded + (scaled * error - ops.stop_gradient(scaled * error))
 
 

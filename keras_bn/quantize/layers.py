@@ -157,6 +157,13 @@ class _QuantizedHostLayer(keras.layers.Layer):
         """The channels-last kernel in the units of the learned range `name`."""
         return self._channels_last(name)
 
+    def _start_weight_ranges(self) -> None:
+        """Learned ranges at max|w| of the kernel as built (cheap: `from_layers` resets them
+        from the weights it copies, `reset_weight_ranges`)."""
+        for name, variable in self.learned_ranges.items():
+            view = self._range_view(name)
+            variable.assign(fake_quant.weight_max_abs(view, self.per_channel))
+
     def reset_weight_ranges(self) -> None:
         """Start each learned weight range where the squared rounding error of the weights
         as they are now is least (`fake_quant.mse_weight_range`); nothing for "max" ranges.
@@ -441,8 +448,9 @@ class QuantizedHost(_QuantizedHostLayer):
         range_momentum: the activation ranges' EMA momentum, in [0, 1).
         weight_range: "max" (m = max|w| at every step, no gradient), "learned" (m a trainable
             weight, `kernel_range`, and a separable host's `depthwise_kernel_range`, trained
-            with LSQ's gradient, `fake_quant.fake_quant_weights_learned`; started by
-            `reset_weight_ranges` where the rounding error is least), or None: "learned" at
+            with LSQ's gradient, `fake_quant.fake_quant_weights_learned`; built at max|w|,
+            and started where the rounding error is least by `reset_weight_ranges`, which
+            `from_layers` and `quantize_model` call), or None: "learned" at
             weight_bits ≤ 3, else "max". A per-channel learned range is in the units of the
             host's kernel, so batch norm's scale cancels in each channel's grid as with "max".
         quantize_output: whether the layer fake-quantizes its output (with activation_bits);
@@ -480,7 +488,7 @@ class QuantizedHost(_QuantizedHostLayer):
             input_shape: the input's shape.
         """
         super().build(input_shape)
-        self.reset_weight_ranges()
+        self._start_weight_ranges()
 
     def _quantized_kernel(self) -> tuple[Any, Any, Any | None]:
         view = self._kernel_view()
@@ -530,8 +538,9 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
         range_momentum: the activation ranges' EMA momentum, in [0, 1).
         weight_range: "max" (m = max|w| at every step, no gradient), "learned" (m a trainable
             weight, `kernel_range`, and a separable host's `depthwise_kernel_range`, trained
-            with LSQ's gradient, `fake_quant.fake_quant_weights_learned`; started by
-            `reset_weight_ranges` where the rounding error is least), or None: "learned" at
+            with LSQ's gradient, `fake_quant.fake_quant_weights_learned`; built at max|w|,
+            and started where the rounding error is least by `reset_weight_ranges`, which
+            `from_layers` and `quantize_model` call), or None: "learned" at
             weight_bits ≤ 3, else "max". A per-channel learned range is in the units of the
             host's kernel, so batch norm's scale cancels in each channel's grid as with "max".
         quantize_output: whether the layer fake-quantizes its output (with activation_bits);
@@ -598,7 +607,7 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
                 f"output (shape {tuple(output_shape)}): the fold needs them to agree."
             )
         self.batch_norm_frozen = scalar_state(self, "batch_norm_frozen", "bool")
-        self.reset_weight_ranges()
+        self._start_weight_ranges()
 
     def _bn_parameters(self) -> tuple[Any, Any, Any, Any, Any]:
         """γ, β, μ, v and the host bias as float32 vectors (γ = 1, β = 0 when absent)."""
