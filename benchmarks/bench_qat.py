@@ -27,6 +27,18 @@ of `--rounds` samples after warm-up, in graph mode and under XLA.
 
     python benchmarks/bench_qat.py --json benchmarks/results/bench_qat.json   # docs/guide/qat.md
     python benchmarks/bench_qat.py --smoke    # one seed, tiny epochs: CI checks it runs
+
+Low bit widths (the QAT page's low-bit tables): 3 and 2 bits, per channel and per tensor, plain
+`fit` with and without `recalibrate`, the recipe with and without re-estimation at the freeze,
+with the weight ranges `quantize_model` picks (learned below 4 bits) or `--weight-range max`:
+
+    python benchmarks/bench_qat.py --reestimation --qat-epochs 15 --qat-learning-rate 1e-3 \
+        --json benchmarks/results/bench_qat_lowbit.json
+
+The QAT train step's cost against the float step's, at 8 bits (max|w| ranges) and 3 bits
+(learned ranges), on the digits CNN and MobileNetV2:
+
+    python benchmarks/bench_qat.py --step-cost --json benchmarks/results/bench_qat_step_cost.json
 """
 
 import argparse
