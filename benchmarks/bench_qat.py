@@ -514,7 +514,7 @@ def main(argv=None):
     if args.reestimation:
         return reestimation_main(args, argv, started, seeds, float_epochs, recipe, data)
     if args.step_cost:
-        command = " ".join(["python benchmarks/bench_qat.py", *argv])
+        command = command_line(argv)
         timings = timed_steps(data, args.smoke, (rounds, warmup, inner), STEP_COST_CONFIGS)
         print(f"# machine: {machine()}\n# command: {command}\n# {started:%Y-%m-%d %H:%M} UTC")
         print_timings(timings)
@@ -529,7 +529,7 @@ def main(argv=None):
     rows = aggregate(results)
     found = targets(results, timings)
 
-    command = " ".join(["python benchmarks/bench_qat.py", *argv])
+    command = command_line(argv)
     print_header(command, started, seeds, float_epochs, recipe)
     floats = [summary([s[name] for s in results]) for name in ("float_keras", "float_tflite")]
     ptq_passed = sum(s["ptq_int8_passed"] for s in results)
@@ -597,6 +597,11 @@ def print_timings(timings):
         )
 
 
+def command_line(argv):
+    """The command that ran, as the tables and the JSON record it."""
+    return " ".join(["python benchmarks/bench_qat.py", *argv])
+
+
 def print_header(command, started, seeds, float_epochs, recipe):
     """What ran, where and when, as the table's first lines."""
     print(f"# machine: {machine()}")
@@ -625,7 +630,7 @@ def write_record(path, command, started, float_epochs, recipe, results, **found)
 def reestimation_main(args, argv, started, seeds, float_epochs, recipe, data):
     """--reestimation: its table, and its JSON, rewritten after each seed (a run cut short
     keeps the seeds it finished)."""
-    command = " ".join(["python benchmarks/bench_qat.py", *argv])
+    command = command_line(argv)
     results = []
     for seed in range(seeds):
         results.append(reestimation_seed(seed, recipe, float_epochs, data))
