@@ -1,14 +1,14 @@
 """`keras_bn.recalibrate`'s cost as a multiple of one inference pass (`model.predict`) over the
-same data: the one pass (keras_bn/_one_pass.py) and the per-layer method it replaced (one pass
-per BN layer), on keras.applications.ResNet50(weights=None) at 64×64 and on a small residual
-net with 16 BN layers, 256 images in batches of 64.
+same data: the one pass (keras_bn/_recalibration/one_pass.py) and the per-layer method it
+replaced (one pass per BN layer), on keras.applications.ResNet50(weights=None) at 64×64 and on a
+small residual net with 16 BN layers, 256 images in batches of 64.
 
 Each warm time is the median of `--reps` interleaved rounds (predict, then the one pass, the
 order alternating), and its ratio the median of the per-round ratios; "fastest ÷ fastest" is
 the ratio of the fastest warm rounds, a check on the median where slow spells of the machine
 hit one contender more. "cold" is the first call on a fresh model: it traces its functions, as
 a first `predict` does, and compiles the BN inputs' moments with XLA once per input shape
-(keras_bn/_hooks.py), a fixed cost whatever the data's size; "warm" is a later call
+(keras_bn/_recalibration/hooks.py), a fixed cost whatever the data's size; "warm" is a later call
 (`recalibrate` keeps its compiled segments on the model, as Keras keeps `predict_function`;
 the per-layer method traces again each call). Ratios are to the predict pass of the same
 temperature. The per-layer method is timed once (`--per-layer-reps`): it costs tens of
@@ -32,8 +32,9 @@ import numpy as np
 import tensorflow as tf
 from bench_layer import machine_description
 
-from keras_bn import _bn_layers, population
-from keras_bn._batches import Batches
+from keras_bn import population
+from keras_bn._graph import bn_layers
+from keras_bn._recalibration.batches import Batches
 from keras_bn.export import atomic
 
 
@@ -86,7 +87,7 @@ def measure(name, build, image, images, batch, reps, per_layer_reps, seed=0):
     keras.utils.set_random_seed(seed)
     model = build()
     x = np.random.default_rng(seed).normal(size=(images, image, image, 3)).astype("float32")
-    bns = len(_bn_layers.in_model(model))
+    bns = len(bn_layers.in_model(model))
 
     def predict():
         return model.predict(x, batch_size=batch, verbose=0)
@@ -94,13 +95,13 @@ def measure(name, build, image, images, batch, reps, per_layer_reps, seed=0):
     def statistics_now():
         return [
             (layer.moving_mean.numpy(), layer.moving_variance.numpy())
-            for layer in _bn_layers.in_model(model)
+            for layer in bn_layers.in_model(model)
         ]
 
     start_statistics = statistics_now()
 
     def restore():
-        for layer, (mean, variance) in zip(_bn_layers.in_model(model), start_statistics):
+        for layer, (mean, variance) in zip(bn_layers.in_model(model), start_statistics):
             layer.moving_mean.assign(mean)
             layer.moving_variance.assign(variance)
 
@@ -110,7 +111,7 @@ def measure(name, build, image, images, batch, reps, per_layer_reps, seed=0):
 
     def per_layer():
         restore()
-        layers = _bn_layers.in_model(model)
+        layers = bn_layers.in_model(model)
         return population.recalibrate_per_layer(model, layers, Batches(x, None, batch), False)
 
     predict_cold, _ = _timed(predict)

@@ -29,7 +29,7 @@ from keras_bn import _lazy
 from keras_bn._errors import UnsupportedModelError
 
 if typing.TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
-    from keras_bn.export.affine import ChannelBias, InferenceAffine
+    from keras_bn._graph.affine import ChannelBias, InferenceAffine
     from keras_bn.export.graph import FoldedBN, KeptBN, fold_batch_norms
     from keras_bn.export.onnx import export_onnx
     from keras_bn.export.report import (
@@ -64,8 +64,8 @@ __all__ = [
 __getattr__, __dir__ = _lazy.attach(
     globals(),
     {
-        "ChannelBias": ("keras_bn.export.affine", "ChannelBias"),
-        "InferenceAffine": ("keras_bn.export.affine", "InferenceAffine"),
+        "ChannelBias": ("keras_bn._graph.affine", "ChannelBias"),
+        "InferenceAffine": ("keras_bn._graph.affine", "InferenceAffine"),
         "FoldedBN": ("keras_bn.export.graph", "FoldedBN"),
         "KeptBN": ("keras_bn.export.graph", "KeptBN"),
         "fold_batch_norms": ("keras_bn.export.graph", "fold_batch_norms"),

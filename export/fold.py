@@ -1,8 +1,8 @@
 """Batch-norm folding maths: pure numpy, one function per host kind, no Keras graph code.
 
 Inference BN is a per-channel affine map y = scale·x + shift, with scale = γ/√(Var + ε) and
-shift = β − scale·E[x] (`keras_bn._bn_layers.inference_affine`). Folding it into a linear neighbour
-("host") is therefore exact.
+shift = β − scale·E[x] (`keras_bn._graph.bn_layers.inference_affine`). Folding it into a
+linear neighbour ("host") is therefore exact.
 
 Backward fold (host → BN): BN(host(x)) = scale·(W∗x + b) + shift, so every output channel o of
 the kernel is multiplied by scale[o] and the new bias is scale·b + shift. Only where the output

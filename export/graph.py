@@ -12,7 +12,7 @@ so every BN of the model is in the report. The input model is only read: every l
 result is a copy.
 
 The graph walking, the decisions it shares with keras_bn.quantize's rewrite and the rebuilding
-live in keras_bn/_rewrite.py.
+live in keras_bn/_graph/rebuild.py.
 """
 
 import dataclasses
@@ -22,13 +22,13 @@ import keras
 import numpy as np
 from keras.src.ops.node import Node
 
-from keras_bn import _bn_layers, _models, _rewrite
+from keras_bn._graph import bn_layers, models, rebuild
+from keras_bn._graph.affine import ChannelBias, InferenceAffine
 from keras_bn.export import defaults, fold, readiness, report, trace
-from keras_bn.export.affine import ChannelBias, InferenceAffine
 from keras_bn.export.report import ChannelSpread, FoldReport
 
 L = keras.layers
-BN_TYPES = _bn_layers.BN_TYPES  # exact types: a subclass is copied as it is, and kept
+BN_TYPES = bn_layers.BN_TYPES  # exact types: a subclass is copied as it is, and kept
 # A host's kernels (a separable conv's depthwise, then pointwise) and bias (None without one);
 # and the folded ones of every host, by id(original host) (a fold always gives a bias).
 _HostWeights: TypeAlias = tuple[list[np.ndarray], np.ndarray | None]
@@ -183,7 +183,7 @@ def fold_decisions(model: keras.Model) -> tuple[list[FoldedBN], list[KeptBN]]:
 
 def _contains_bn(model: keras.Model) -> bool:
     return any(
-        _bn_layers.is_batch_norm(layer) for layer in model._flatten_layers(include_self=False)
+        bn_layers.is_batch_norm(layer) for layer in model._flatten_layers(include_self=False)
     )
 
 
@@ -192,8 +192,8 @@ def _fold_model(
 ) -> tuple[keras.Model, list[FoldedBN], list[KeptBN], list[readiness.Host]]:
     """(new model, folded list, kept list, readiness.Host list) for one Sequential/Functional
     model."""
-    graph = _models.layer_graph(model, "fold batch norms in")
-    info = _rewrite.Graph(graph)
+    graph = models.layer_graph(model, "fold batch norms in")
+    info = rebuild.Graph(graph)
     folded: list[FoldedBN] = []
     kept: list[KeptBN] = []
     weights: _Weights = {}  # folded (kernels, bias) of each host, by id(original host)
@@ -202,15 +202,15 @@ def _fold_model(
     hosts: dict[int, keras.layers.Layer] = {}
     forward_hosts: set[int] = set()
 
-    pending: list[tuple[Node, _rewrite.Refusal]] = []
+    pending: list[tuple[Node, rebuild.Refusal]] = []
     for node in info.nodes:  # backward folds first: they need the hosts' original kernels
         bn = node.operation
         if type(bn) not in BN_TYPES:
             continue
-        refusal = _rewrite.refuse_bn(bn, node, info)
+        refusal = rebuild.refuse_bn(bn, node, info)
         if refusal is None:
             host = info.producer(node)
-            refusal = _rewrite.refuse_backward(bn, node, host, info, BACKWARD_FOLDS)
+            refusal = rebuild.refuse_backward(bn, node, host, info, BACKWARD_FOLDS)
             if refusal is None:
                 _fold_backward(bn, host, weights)
                 hosts[id(host)] = host
@@ -222,7 +222,7 @@ def _fold_model(
     for node, backward_refusal in pending:
         bn = node.operation
         target = _forward_target(bn, node, info, backward_refusal)
-        if isinstance(target, _rewrite.Refusal):
+        if isinstance(target, rebuild.Refusal):
             if all(k.bn != prefix + bn.name for k in kept):  # a shared BN is reported once
                 kept.append(KeptBN(prefix + bn.name, target.message, target.kind))
             continue
@@ -242,7 +242,7 @@ def _fold_model(
         if id(layer) in copies or id(layer) in dropped:
             continue
         if isinstance(layer, keras.Model) and (
-            _models.has_layer_graph(layer) or _contains_bn(layer)
+            models.has_layer_graph(layer) or _contains_bn(layer)
         ):
             inner, inner_folded, inner_kept, inner_hosts = _fold_model(
                 layer, prefix + layer.name + "/"
@@ -256,24 +256,24 @@ def _fold_model(
             copies[id(layer)] = _affine_copy(layer, node)
         elif not isinstance(layer, L.Layer):  # a stateless op such as `x * 2.0`: reusable
             copies[id(layer)] = layer
-        elif id(layer) in weights and _rewrite.channels_first(layer):
-            copies[id(layer)] = _rewrite.copy_layer(layer, use_bias=False)
+        elif id(layer) in weights and rebuild.channels_first(layer):
+            copies[id(layer)] = rebuild.copy_layer(layer, use_bias=False)
             biases[id(layer)] = ChannelBias(
                 1,
                 len(weights[id(layer)][1]),
-                name=_models.unique_name(
+                name=models.unique_name(
                     f"{layer.name}_bias", {other.name for other in model.layers}
                 ),
                 dtype=layer.dtype_policy,
             )
         else:
-            kept.extend(KeptBN(*entry) for entry in _rewrite.unseen_batch_norms(layer, prefix))
-            copies[id(layer)] = _rewrite.copy_layer(
+            kept.extend(KeptBN(*entry) for entry in rebuild.unseen_batch_norms(layer, prefix))
+            copies[id(layer)] = rebuild.copy_layer(
                 layer, use_bias=True if id(layer) in weights else None
             )
 
     after = {key: [[bias]] for key, bias in biases.items()}
-    new_model = _rewrite.rebuild(model, graph, copies, dropped, after)
+    new_model = rebuild.rebuild(model, graph, copies, dropped, after)
     _copy_weights(info.nodes, copies, biases, weights, refolded)
     measured = [
         _host(prefix, hosts[key], copies[key], weights[key], key in forward_hosts)
@@ -283,8 +283,8 @@ def _fold_model(
 
 
 def _forward_target(
-    bn: keras.layers.Layer, node: Node, info: _rewrite.Graph, backward_refusal: _rewrite.Refusal
-) -> keras.layers.Layer | _rewrite.Refusal:
+    bn: keras.layers.Layer, node: Node, info: rebuild.Graph, backward_refusal: rebuild.Refusal
+) -> keras.layers.Layer | rebuild.Refusal:
     """The consumer when the BN folds into the one layer it feeds, else the refusal.
 
     The refusal's message keeps the backward reason first: it is the fold one would expect.
@@ -304,21 +304,21 @@ def _forward_target(
     else:
         consumer = consumers[0].operation
         rank = len(output.shape)
-        refusal = _rewrite.refuse_host(consumer, info)
+        refusal = rebuild.refuse_host(consumer, info)
         why = refusal.message if refusal else None
         if why is None and getattr(consumer, "padding", "valid") != "valid":
             why = (
                 f"the next layer '{consumer.name}' pads its input (padding="
                 f"'{consumer.padding}'), so a forward fold would not be exact"
             )
-        if why is None and _rewrite.bn_axes(bn, node) != [_rewrite.channel_axis(consumer, rank)]:
+        if why is None and rebuild.bn_axes(bn, node) != [rebuild.channel_axis(consumer, rank)]:
             why = (
-                f"BN axis {_rewrite.bn_axes(bn, node)} is not the input channel axis of "
+                f"BN axis {rebuild.bn_axes(bn, node)} is not the input channel axis of "
                 f"'{consumer.name}'"
             )
         if why is None:
             return consumer
-    return _rewrite.Refusal(backward_refusal.kind, f"{backward_refusal.message}; forward: {why}")
+    return rebuild.Refusal(backward_refusal.kind, f"{backward_refusal.message}; forward: {why}")
 
 
 def _host_weights(host: keras.layers.Layer, weights: _Weights) -> _HostWeights:
@@ -333,7 +333,7 @@ def _host_weights(host: keras.layers.Layer, weights: _Weights) -> _HostWeights:
 
 def _fold_backward(bn: keras.layers.Layer, host: keras.layers.Layer, weights: _Weights) -> None:
     kernels, bias = _host_weights(host, weights)
-    kernel, bias = BACKWARD_FOLDS[type(host)](kernels[-1], bias, *_bn_layers.inference_affine(bn))
+    kernel, bias = BACKWARD_FOLDS[type(host)](kernels[-1], bias, *bn_layers.inference_affine(bn))
     weights[id(host)] = (kernels[:-1] + [kernel], bias)
 
 
@@ -341,7 +341,7 @@ def _fold_forward(
     bn: keras.layers.Layer, node: Node, consumer: keras.layers.Layer, weights: _Weights
 ) -> None:
     kernels, bias = _host_weights(consumer, weights)
-    scale, shift = _bn_layers.inference_affine(bn)
+    scale, shift = bn_layers.inference_affine(bn)
     kernel, bias = fold.fold_forward(
         kernels[-1], bias, scale, shift, groups=getattr(consumer, "groups", 1)
     )
@@ -372,7 +372,7 @@ def _host(
 
 
 def _affine_copy(bn: keras.layers.Layer, node: Node) -> InferenceAffine:
-    axes = _rewrite.bn_axes(bn, node)
+    axes = rebuild.bn_axes(bn, node)
     return InferenceAffine(axes, bn.moving_mean.shape, name=bn.name, dtype=bn.dtype_policy)
 
 
@@ -394,7 +394,7 @@ def _copy_weights(
         done.add(id(layer))
         copy = copies[id(layer)]
         if isinstance(copy, InferenceAffine):
-            copy.set_affine(*_bn_layers.inference_affine(layer))
+            copy.set_affine(*bn_layers.inference_affine(layer))
         elif id(layer) in biases:
             kernels, bias = weights[id(layer)]
             copy.set_weights(kernels)

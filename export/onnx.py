@@ -21,18 +21,18 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_bn import _backend
+from keras_bn.backend import guard
 
 # The writer converts TensorFlow functions: a file from another backend is loaded under
 # TensorFlow. Checked before the converters' imports, so that their absence is named.
-_backend.require_writers("keras_bn.export.export_onnx")
+guard.require_writers("keras_bn.export.export_onnx")
 
 import onnx  # noqa: E402
 import onnxruntime as ort  # noqa: E402
 from onnx import numpy_helper  # noqa: E402
 
-from keras_bn import _models  # noqa: E402
 from keras_bn._errors import UnsupportedModelError, one_line  # noqa: E402
+from keras_bn._graph import models  # noqa: E402
 from keras_bn.export import pipeline, qat, qdq, report, trace  # noqa: E402
 from keras_bn.quantize import hosts  # noqa: E402
 
@@ -170,7 +170,7 @@ class _ONNX(pipeline.Format):
                 )
 
     def convert(self, model: keras.Model, sig: trace.Signature) -> bytes:
-        import tf2onnx  # imports TensorFlow: the writer's own (keras_bn._backend.require_writers)
+        import tf2onnx  # imports TensorFlow: the writer's own (backend.guard.require_writers)
 
         function = trace.inference_function(plain_convolutions(model), sig)
         proto, _ = tf2onnx.convert.from_function(
@@ -216,7 +216,7 @@ class _QuantizedONNX(pipeline.QuantizedFormat, _ONNX):
         """The export form traced with each kernel an input named by its tag (tf2onnx keeps
         input names, not constants'), then the kernels made int8 (export/qdq.py)."""
         self.take_weights(model, sig)
-        import tensorflow as tf  # the writer's own (keras_bn._backend.require_writers)
+        import tensorflow as tf  # the writer's own (keras_bn.backend.guard.require_writers)
         import tf2onnx
 
         kernels: dict[str, Any] = {}  # tag → the traced function's input, while traced
@@ -316,7 +316,7 @@ def _plain_convolution(layer: keras.layers.Layer, inputs: Any, kernel: Any) -> A
 
     TensorFlow cannot run a grouped one on a CPU: it is only traced, for tf2onnx.
     """
-    import tensorflow as tf  # the writer's own (keras_bn._backend.require_writers)
+    import tensorflow as tf  # the writer's own (keras_bn.backend.guard.require_writers)
 
     spatial = "DHW"[-layer.rank :]  # NWC, NHWC, NDHWC; NCW, NCHW, NCDHW
     first = layer.data_format == "channels_first"
@@ -384,7 +384,7 @@ def plain_convolutions(model: keras.Model) -> keras.Model:
             return None
         return PLAIN_CONVOLUTIONS[type(layer)].from_config(layer.get_config())
 
-    return _models.clone_replacing(model, plain)
+    return models.clone_replacing(model, plain)
 
 
 def check(path: str | os.PathLike[str], name: str | os.PathLike[str] | None = None) -> None:

@@ -26,8 +26,9 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_bn import _models, _quiet
+from keras_bn import _quiet
 from keras_bn._errors import UnsupportedModelError
+from keras_bn._graph import models
 from keras_bn.export import atomic, defaults, qat, report, trace
 from keras_bn.export.graph import fold_batch_norms
 from keras_bn.quantize import hosts
@@ -119,7 +120,7 @@ class QuantizedFormat(Format):
         """The float format's refusals, then for each QAT host the refusal every format
         shares (`hosts.int8_file_refusal`) and its own `host_refusal`."""
         super().check_model(model)
-        for layer in _models.layers_within(model, qat.QAT_HOSTS):
+        for layer in models.layers_within(model, qat.QAT_HOSTS):
             shared = hosts.int8_file_refusal(layer.host, _input_rank(layer))
             if shared:
                 raise UnsupportedModelError(

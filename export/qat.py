@@ -22,8 +22,8 @@ from typing import Any
 
 import keras
 
-from keras_bn import _models, _rewrite
 from keras_bn._errors import UnsupportedModelError
+from keras_bn._graph import models, rebuild
 from keras_bn.export import trace
 from keras_bn.quantize import fake_quant, grids, hosts, spec
 from keras_bn.quantize.activation import ActivationQuantizer
@@ -73,7 +73,7 @@ def is_quantized(model: keras.Model) -> bool:
     Returns:
         bool.
     """
-    return bool(_models.layers_within(model, QAT_LAYERS))
+    return bool(models.layers_within(model, QAT_LAYERS))
 
 
 def _layers(model: keras.Model, prefix: str = "") -> Iterator[tuple[str, keras.layers.Layer]]:
@@ -81,7 +81,7 @@ def _layers(model: keras.Model, prefix: str = "") -> Iterator[tuple[str, keras.l
     instead of the nested models (a subclassed nested model is a layer)."""
     for layer in model.layers:
         path = prefix + layer.name
-        if isinstance(layer, keras.Model) and _models.has_layer_graph(layer):
+        if isinstance(layer, keras.Model) and models.has_layer_graph(layer):
             yield from _layers(layer, path + "/")
         else:
             yield path, layer
@@ -90,11 +90,11 @@ def _layers(model: keras.Model, prefix: str = "") -> Iterator[tuple[str, keras.l
 def _shared_hosts(model: keras.Model, prefix: str = "", calls: int = 1) -> list[tuple[str, int]]:
     """(path, calls) of every QAT host called more than once in all, counting the calls of the
     nested models around it."""
-    graph = _rewrite.Graph(_models.layer_graph(model, "export"))
+    graph = rebuild.Graph(models.layer_graph(model, "export"))
     found = []
     for layer in model.layers:
         total = calls * graph.calls.get(id(layer), 1)
-        if isinstance(layer, keras.Model) and _models.has_layer_graph(layer):
+        if isinstance(layer, keras.Model) and models.has_layer_graph(layer):
             found += _shared_hosts(layer, f"{prefix}{layer.name}/", total)
         elif isinstance(layer, QAT_HOSTS) and total > 1:
             found.append((prefix + layer.name, total))
@@ -147,7 +147,7 @@ def check_exportable(model: keras.Model, format_name: str) -> None:
             if floats:
                 unquantized.append(f"'{path}' ({', '.join(floats)})")
         if isinstance(layer, QAT_LAYERS):
-            for quantizer in _models.layers_within(layer, ActivationQuantizer, include_self=True):
+            for quantizer in models.layers_within(layer, ActivationQuantizer, include_self=True):
                 if not (quantizer.built and bool(quantizer.range_initialized.numpy())):
                     inner = "" if quantizer is layer else f"/{quantizer.name}"
                     unset.append(f"'{path}{inner}'")
@@ -183,7 +183,7 @@ def host_weights(model: keras.Model, taken: Iterable[str] = ()) -> list[HostWeig
             continue
         seen.add(id(layer))
         for kernel, grid in layer.weight_grids().items():
-            tag = _models.unique_name(f"qat_weight_{len(found)}", names)
+            tag = models.unique_name(f"qat_weight_{len(found)}", names)
             names.add(tag)
             found.append(HostWeight(path, kernel, layer.kind, grid, tag))
     return found

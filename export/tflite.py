@@ -23,11 +23,11 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_bn import _backend
+from keras_bn.backend import guard
 
 # The writer converts TensorFlow functions: a file from another backend is loaded under
 # TensorFlow. Checked before the runtime's import, so that its absence is named.
-_backend.require_writers("keras_bn.export.export_tflite")
+guard.require_writers("keras_bn.export.export_tflite")
 
 from ai_edge_litert.interpreter import Interpreter, OpResolverType  # noqa: E402
 
@@ -256,7 +256,7 @@ class _TFLite(pipeline.Format):
                 )
 
     def convert(self, model: keras.Model, sig: trace.Signature) -> bytes:
-        import tensorflow as tf  # the writer's own (keras_bn._backend.require_writers)
+        import tensorflow as tf  # the writer's own (keras_bn.backend.guard.require_writers)
 
         function = trace.inference_function(model, sig)
         archive = keras.export.ExportArchive()
@@ -276,7 +276,7 @@ class _TFLite(pipeline.Format):
             return converter.convert()
 
     def _configure(self, converter: Any, sig: trace.Signature) -> None:
-        import tensorflow as tf  # the writer's own (keras_bn._backend.require_writers)
+        import tensorflow as tf  # the writer's own (keras_bn.backend.guard.require_writers)
 
         # Builtins only: a folded model needs no Flex (Keras's own export turns SELECT_TF_OPS on).
         converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS]
@@ -341,7 +341,7 @@ class _QuantizedTFLite(pipeline.QuantizedFormat, _TFLite):
         return super().convert(qat.export_model(model, weights, _on_int8_grid), sig)
 
     def _configure(self, converter: Any, sig: trace.Signature) -> None:
-        import tensorflow as tf  # the writer's own (keras_bn._backend.require_writers)
+        import tensorflow as tf  # the writer's own (keras_bn.backend.guard.require_writers)
 
         # The ranges are in the graph (FakeQuant ops): quantize, calibrate nothing. Builtins
         # only; an op the converter left in float shows in `float_ops`.
@@ -379,7 +379,7 @@ def _on_int8_grid(weight: qat.HostWeight) -> Any:
     """A kernel for the converter: its grid's values under an 8-bit narrow-range FakeQuant
     whose range is ±127 steps, so that the file holds the k-bit integers themselves as int8;
     named by the kernel's tag, to be found in the file."""
-    import tensorflow as tf  # the writer's own (keras_bn._backend.require_writers)
+    import tensorflow as tf  # the writer's own (keras_bn.backend.guard.require_writers)
 
     grid = weight.grid
     wide = np.asarray(grid.scale * np.float32(127), np.float32)

@@ -37,8 +37,8 @@ from typing import Any, TypeAlias
 import keras
 import numpy as np
 
-from keras_bn import _models
 from keras_bn._errors import UnsupportedModelError
+from keras_bn._graph import models
 from keras_bn.export import defaults
 
 # What `model.predict` takes: one array, or the model's own (nested) structure of arrays, a
@@ -119,7 +119,7 @@ def signature(model: keras.Model, rules: NameRules = ANY_NAMES) -> Signature:
             called), an unbuilt Sequential one, or a user-chosen name `rules` cannot hold
             (named, with the characters allowed).
     """
-    _models.layer_graph(model, "export")
+    models.layer_graph(model, "export")
     inputs = getattr(model, "_inputs_struct", None)
     if inputs is None:  # Sequential
         inputs = model.inputs[0] if len(model.inputs) == 1 else list(model.inputs)
@@ -223,7 +223,7 @@ def _names(
             names[index] = base
             taken.add(base)
     for index, base in later:
-        names[index] = _models.unique_name(base, taken)
+        names[index] = models.unique_name(base, taken)
         taken.add(names[index])
     return tuple(names[index] for index in range(len(leaves)))
 
@@ -449,7 +449,7 @@ def outputs(model: keras.Model, sig: Signature, inputs: Feed) -> dict[str, np.nd
 
 def tensor_specs(sig: Signature) -> list[Any]:
     """The inputs' tf.TensorSpecs, named as the inputs (the writers' traced signatures)."""
-    import tensorflow as tf  # the writers' (keras_bn._backend.require_writers)
+    import tensorflow as tf  # the writers' (keras_bn.backend.guard.require_writers)
 
     return [tf.TensorSpec(s.shape, s.dtype, name=s.name) for s in sig.input_specs]
 
@@ -459,7 +459,7 @@ def inference_function(model: keras.Model, sig: Signature) -> Any:
 
     Its positional arguments follow `sig.input_names`, each with its TensorSpec.
     """
-    import tensorflow as tf  # the writers' (keras_bn._backend.require_writers)
+    import tensorflow as tf  # the writers' (keras_bn.backend.guard.require_writers)
 
     def infer(*tensors: Any) -> dict[str, Any]:
         results = model(sig.pack(dict(zip(sig.input_names, tensors))), training=False)

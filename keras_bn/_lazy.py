@@ -4,13 +4,13 @@
 must not load TensorFlow, Keras, tf2onnx or LiteRT: `keras-bn-export --help` would take
 seconds, and the command could not set its environment (TF_CPP_MIN_LOG_LEVEL,
 KERAS_BACKEND) before TensorFlow reads it. Each package lists where its names live; the
-first use of one runs the backend guard (keras_bn/_backend.py: the layer under TensorFlow or
+first use of one runs the backend guard (keras_bn/backend/guard.py: the layer under TensorFlow or
 JAX, the rest under TensorFlow only), imports its module and keeps the value.
 """
 
 import importlib
 
-from keras_bn import _backend
+from keras_bn.backend import guard
 
 
 def attach(namespace, names):
@@ -27,7 +27,7 @@ def attach(namespace, names):
     def __getattr__(name):
         if name not in names:
             raise AttributeError(f"module {namespace['__name__']!r} has no attribute {name!r}")
-        _backend.require(f"{namespace['__name__']}.{name}")
+        guard.require(f"{namespace['__name__']}.{name}")
         module_name, attribute = names[name]
         value = importlib.import_module(module_name)
         if attribute is not None:

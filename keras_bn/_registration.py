@@ -30,7 +30,7 @@ from keras_bn import backend
 # The modules whose import registers keras_bn's classes with Keras.
 REGISTERING_MODULES = (
     "keras_bn.layers",
-    "keras_bn.export.affine",
+    "keras_bn._graph.affine",
     "keras_bn.quantize.activation",
     "keras_bn.quantize.layers",
 )

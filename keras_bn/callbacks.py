@@ -12,9 +12,10 @@ from typing import Any
 
 import keras
 
-from keras_bn import _bn_layers, _hooks
-from keras_bn._batches import Batches, Data
 from keras_bn._errors import KerasBNWarning
+from keras_bn._graph import bn_layers
+from keras_bn._recalibration import hooks
+from keras_bn._recalibration.batches import Batches, Data
 from keras_bn.population import RecalibrationReport, check_max_memory, recalibrate_layers
 
 __all__ = ["Recalibrate"]
@@ -113,7 +114,7 @@ class Recalibrate(keras.callbacks.Callback):
         self.before_validation = before_validation
         self.progress = progress
         self.last_report: RecalibrationReport | None = None
-        self._training_statistics: _hooks.Snapshot | None = None
+        self._training_statistics: hooks.Snapshot | None = None
         self._validation_runs = 0
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
@@ -158,7 +159,7 @@ class Recalibrate(keras.callbacks.Callback):
         """
         self._validation_runs += 1
         if self.before_validation:
-            self._training_statistics = _hooks.bn_statistics(self.model)
+            self._training_statistics = hooks.bn_statistics(self.model)
             self._recalibrate()
 
     def on_test_end(self, logs: dict[str, Any] | None = None) -> None:
@@ -175,7 +176,7 @@ class Recalibrate(keras.callbacks.Callback):
     def _recalibrate(self) -> None:
         # Only the BNs that train: a frozen one (trainable=False) normalized with its moving
         # statistics all through fit, and the layers after it were trained for them.
-        layers = [layer for layer in _bn_layers.in_model(self.model) if layer.trainable]
+        layers = [layer for layer in bn_layers.in_model(self.model) if layer.trainable]
         if layers:
             self.last_report = recalibrate_layers(
                 self.model,

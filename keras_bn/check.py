@@ -13,9 +13,12 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_bn import _augmentation, _bn_layers, _hooks, backend
-from keras_bn._batches import Batches, Data, input_count
+from keras_bn import backend
 from keras_bn._errors import UnsupportedModelError
+from keras_bn._graph import augmentation as _augmentation
+from keras_bn._graph import bn_layers
+from keras_bn._recalibration import hooks
+from keras_bn._recalibration.batches import Batches, Data, input_count
 from keras_bn.population import PooledMoments
 
 #: stale_statistics: the largest |moving mean − input mean|, in input standard deviations.
@@ -155,8 +158,8 @@ def check_batchnorm(
         UnsupportedModelError: the model holds quantization-aware layers with folded batch
             norms (`keras_bn.quantize`); check the float model before quantizing it.
     """
-    _bn_layers.refuse_folded(model, "check_batchnorm")
-    layers = _bn_layers.in_model(model)
+    bn_layers.refuse_folded(model, "check_batchnorm")
+    layers = bn_layers.in_model(model)
     if not layers:
         raise ValueError(f"Model '{model.name}' has no BatchNormalization layer to check.")
     unbuilt = [layer.name for layer in layers if not layer.built]
@@ -211,7 +214,7 @@ _FROZEN = (
 def _bn_paths(model: keras.Model) -> dict[int, str]:
     """{id(BN layer): "outer/inner/name"}, the naming of the fold's report."""
     paths: dict[int, str] = {}
-    for path, layer in _bn_layers.batch_norms_inside(model):
+    for path, layer in bn_layers.batch_norms_inside(model):
         paths.setdefault(id(layer), path)
     return paths
 
@@ -242,13 +245,13 @@ def _data_findings(
     sums = [PooledMoments.for_layer(layer) for layer in layers]
     counts: list[list[float]] = [[] for _ in layers]  # each batch's median m_c
     difference = spread = 0.0
-    training_statistics = _hooks.bn_statistics(model)
+    training_statistics = hooks.bn_statistics(model)
     # One shadowing of the BN calls for both passes: `record` makes the BNs infer and records
     # their inputs; outside it they are forced into training mode (batch statistics) while
     # every other layer, Dropout included, infers.
-    with _hooks.BatchNormCalls(layers, training=True, root=model) as statistics:
+    with hooks.BatchNormCalls(layers, training=True, root=model) as statistics:
 
-        def infer_and_record(x: Any) -> tuple[dict[int, _hooks.Moments], Any]:
+        def infer_and_record(x: Any) -> tuple[dict[int, hooks.Moments], Any]:
             outputs = []
             recorded = statistics.record(lambda: outputs.append(model(x, training=False)))
             return recorded, outputs[0]
@@ -302,7 +305,7 @@ def _data_findings(
             continue
         # Only the channels some batch gave 2 values: the others have no statistics to compare.
         seen = sums[index].seen
-        mean, variance = sums[index].population(_bn_layers.unbiased_variance(layer))
+        mean, variance = sums[index].population(bn_layers.unbiased_variance(layer))
         if not (np.all(np.isfinite(mean[seen])) and np.all(np.isfinite(variance[seen]))):
             findings.append(
                 Finding(
@@ -494,4 +497,4 @@ def _unfoldable(
 def _finite_affine(layer: keras.layers.Layer) -> bool:
     """The BN's inference map y = scale·x + shift is finite in every channel: the fold's own
     condition for folding it (`keras_bn.export.fold` refuses the others)."""
-    return all(np.all(np.isfinite(part)) for part in _bn_layers.inference_affine(layer))
+    return all(np.all(np.isfinite(part)) for part in bn_layers.inference_affine(layer))

@@ -21,10 +21,10 @@ from typing import Any
 
 import keras
 
-from keras_bn import _models
-from keras_bn._bn_layers import KERAS_BN as _KERAS_BN
-from keras_bn._bn_layers import KERAS_BN_BN as BatchNormalization
 from keras_bn._errors import UnsupportedModelError
+from keras_bn._graph import models
+from keras_bn._graph.bn_layers import KERAS_BN as _KERAS_BN
+from keras_bn._graph.bn_layers import KERAS_BN_BN as BatchNormalization
 
 __all__ = ["from_keras", "to_keras"]
 
@@ -77,7 +77,7 @@ def to_keras(model: keras.Model) -> keras.Model:
 
 
 def _check_keras_can_take(config: dict[str, Any]) -> None:
-    """keras_bn arguments with no Keras form; `_models.translate_config` checks the others."""
+    """keras_bn arguments with no Keras form; `models.translate_config` checks the others."""
     name = config["name"]
     if config["momentum"] is None:
         raise UnsupportedModelError(
@@ -93,28 +93,28 @@ def _check_keras_can_take(config: dict[str, Any]) -> None:
 def _swap(
     model: keras.Model, source: type[keras.layers.Layer], target: type[keras.layers.Layer]
 ) -> keras.Model:
-    _models.layer_graph(model, "convert the batch norms of")
+    models.layer_graph(model, "convert the batch norms of")
 
     def copy_layer(layer: keras.layers.Layer) -> keras.layers.Layer:
         if type(layer) is source:
-            config = _models.config_of(layer)
+            config = models.config_of(layer)
             if target is _KERAS_BN:
                 _check_keras_can_take(config)
-            return _models.from_config(
-                layer, _models.translate_config(config, source, target), cls=target
+            return models.from_config(
+                layer, models.translate_config(config, source, target), cls=target
             )
         if isinstance(layer, source):
             raise UnsupportedModelError(
                 f"Layer '{layer.name}' is a subclass of {source.__name__} "
                 f"({type(layer).__name__}); only the class itself is converted."
             )
-        hidden = [sub.name for sub in _models.layers_within(layer, source)]
+        hidden = [sub.name for sub in models.layers_within(layer, source)]
         if hidden:
             raise UnsupportedModelError(
                 f"Layer '{layer.name}' ({type(layer).__name__}) holds BatchNormalization "
                 f"layer(s) {hidden} inside its own code; only Sequential and Functional "
                 f"models can be converted through."
             )
-        return _models.from_config(layer, _models.config_of(layer))
+        return models.from_config(layer, models.config_of(layer))
 
-    return _models.clone_replacing(model, copy_layer)
+    return models.clone_replacing(model, copy_layer)

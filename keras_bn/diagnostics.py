@@ -24,7 +24,8 @@ import keras
 import numpy as np
 import numpy.typing as npt
 
-from keras_bn import _backend, _hooks
+from keras_bn._recalibration import hooks
+from keras_bn.backend import guard
 from keras_bn.check import (
     GAP_THRESHOLD,
     KINDS,
@@ -91,9 +92,9 @@ def gradient_norms_by_layer(
             norms = keras_bn.diagnostics.gradient_norms_by_layer(model, x, y, "mse")
             rate = keras_bn.diagnostics.explosion_rate(norms, first=1, last=-1)
     """
-    _backend.require_tensorflow("keras_bn.diagnostics.gradient_norms_by_layer")
+    guard.require_tensorflow("keras_bn.diagnostics.gradient_norms_by_layer")
     layers = _kernel_layers(model)
-    with _hooks.model_state(model):
+    with hooks.model_state(model):
         _, grads = _loss_and_gradients(
             model, x, y, loss, [layer.kernel for layer in layers], training
         )
@@ -172,10 +173,10 @@ def landscape_along_gradient(
         ValueError: the loss does not depend on some trainable variable.
         ImportError: Keras runs on another backend than TensorFlow.
     """
-    _backend.require_tensorflow("keras_bn.diagnostics.landscape_along_gradient")
+    guard.require_tensorflow("keras_bn.diagnostics.landscape_along_gradient")
     etas = np.asarray(step_sizes, dtype=np.float64)
     variables = model.trainable_variables
-    with _hooks.model_state(model):
+    with hooks.model_state(model):
         start_loss, grads = _loss_and_gradients(model, x, y, loss, variables, training)
         origin = [v.numpy() for v in variables]
         grad_norm = _global_norm(grads)
@@ -234,12 +235,12 @@ def internal_covariate_shift(
             some trainable variable.
         ImportError: Keras runs on another backend than TensorFlow.
     """
-    _backend.require_tensorflow("keras_bn.diagnostics.internal_covariate_shift")
+    guard.require_tensorflow("keras_bn.diagnostics.internal_covariate_shift")
     layers = _kernel_layers(model)
     variables = model.trainable_variables
     if not optimizer.built:
         optimizer.build(variables)
-    with _hooks.model_state(model, optimizer):
+    with hooks.model_state(model, optimizer):
         _, grads = _loss_and_gradients(model, x, y, loss, variables, training)
         before = [v.numpy() for v in variables]
         optimizer.apply_gradients(zip(grads, variables))

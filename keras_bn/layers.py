@@ -8,9 +8,11 @@ from typing import Any, TypeAlias
 import keras
 from keras import constraints, initializers, regularizers
 
-from keras_bn import _axes, backend, ghost
+from keras_bn import backend
 from keras_bn import renorm as renormalization
 from keras_bn._shapes import ShapePreserving
+from keras_bn.backend import axes as _axes
+from keras_bn.backend import ghost
 
 # Before any keras_bn layer can be built under a backend it does not run on.
 backend.get("keras_bn.BatchNormalization")

@@ -25,15 +25,15 @@ recalibrated: each layer's statistics describe exactly the input it gets at infe
 is what they are used for. Dropout and the other training-only layers are off.
 
 Two methods give the same statistics:
-- one pass (keras_bn/_one_pass.py), for Sequential and Functional models: the graph runs node
-  by node over all the batches, cut into compiled segments at the BN layers (and the QAT
-  layers, whose further settling passes run that layer alone); each BN is set once every
-  batch has reached it, before anything downstream of it runs. The cost is about one
-  inference pass. The tensors later nodes still read are kept per batch within
-  `max_memory`, on disk past it.
-- per layer (keras_bn/_layerwise.py), for subclassed models and inside custom layers that hide
-  BNs from the graph: one pass over the data per BN layer (one compiled forward function
-  serves every pass). It is also the reference the one pass is tested against.
+- one pass (keras_bn/_recalibration/one_pass.py), for Sequential and Functional models: the
+  graph runs node by node over all the batches, cut into compiled segments at the BN layers (and
+  the QAT layers, whose further settling passes run that layer alone); each BN is set once every
+  batch has reached it, before anything downstream of it runs. The cost is about one inference
+  pass. The tensors later nodes still read are kept per batch within `max_memory`, on disk past
+  it.
+- per layer (keras_bn/_recalibration/layerwise.py), for subclassed models and inside custom
+  layers that hide BNs from the graph: one pass over the data per BN layer (one compiled forward
+  function serves every pass). It is also the reference the one pass is tested against.
 """
 
 import contextlib
@@ -43,10 +43,11 @@ from collections.abc import Iterator, Sequence
 import keras
 import numpy as np
 
-from keras_bn import _bn_layers, _frontier, _one_pass
-from keras_bn._batches import Batches, Data, input_count
-from keras_bn._hooks import Snapshot
-from keras_bn._layerwise import LayerChange, PooledMoments, ProgressBar, in_call_order
+from keras_bn._graph import bn_layers
+from keras_bn._recalibration import frontier, one_pass
+from keras_bn._recalibration.batches import Batches, Data, input_count
+from keras_bn._recalibration.hooks import Snapshot
+from keras_bn._recalibration.layerwise import LayerChange, PooledMoments, ProgressBar, in_call_order
 
 __all__ = ["LayerChange", "PooledMoments", "RecalibrationReport", "recalibrate"]
 
@@ -244,13 +245,13 @@ def recalibrate(
             report = keras_bn.recalibrate(model, x_train, batch_size=64)
             print(report)   # per layer: max |Δmean|, max |Δvar|
     """
-    layers = _bn_layers.in_model(model)
+    layers = bn_layers.in_model(model)
     if not layers:
         raise ValueError(f"Model '{model.name}' has no BatchNormalization layer to recalibrate.")
     budget = check_max_memory(max_memory)
     # The one pass reads `data` once: a generator is streamed, not held in memory.
     batches = Batches(
-        data, steps, batch_size, keep=not _one_pass.walkable(model), inputs=input_count(model)
+        data, steps, batch_size, keep=not one_pass.walkable(model), inputs=input_count(model)
     )
     return recalibrate_layers(model, layers, batches, progress, budget)
 
@@ -259,7 +260,7 @@ def check_max_memory(max_memory: int | None) -> int:
     """The frontier budget in bytes: `max_memory` checked, or the default for None.
 
     Args:
-        max_memory: bytes (an int ≥ 0), or None for `_frontier.default_max_memory()`.
+        max_memory: bytes (an int ≥ 0), or None for `frontier.default_max_memory()`.
 
     Returns:
         The budget in bytes.
@@ -268,7 +269,7 @@ def check_max_memory(max_memory: int | None) -> int:
         ValueError: `max_memory` is not an int ≥ 0 (a bool, a float, a string, negative).
     """
     if max_memory is None:
-        return _frontier.default_max_memory()
+        return frontier.default_max_memory()
     if isinstance(max_memory, bool) or not isinstance(max_memory, int) or max_memory < 0:
         raise ValueError(
             f"max_memory must be a number of bytes (an int ≥ 0) or None; received "
@@ -289,10 +290,10 @@ def recalibrate_layers(
     pass for a Sequential or Functional model, per layer for a subclassed one. On failure
     `layers` keep their statistics."""
     _refuse_stateful_layers(model)
-    if not _one_pass.walkable(model):
+    if not one_pass.walkable(model):
         return recalibrate_per_layer(model, layers, batches, progress)
     with _kept_on_failure(model, layers), ProgressBar(progress) as bar:
-        result = _one_pass.run(model, layers, batches, bar, check_max_memory(max_memory))
+        result = one_pass.run(model, layers, batches, bar, check_max_memory(max_memory))
     return RecalibrationReport(
         layers=result.changes,
         batches=result.batches,

@@ -25,7 +25,7 @@ PACKAGES = {"keras_bn": ROOT / "keras_bn", "keras_bn.export": ROOT / "export"}
 TF = "keras_bn.backend.tensorflow"
 # The backend-neutral shape rules, the shared constants, and where the traced graph runs: they
 # import no project module.
-LEAVES = {"keras_bn._axes", "keras_bn.backend.constants", f"{TF}.placement"}
+LEAVES = {"keras_bn.backend.axes", "keras_bn.backend.constants", f"{TF}.placement"}
 # The TensorFlow backend's statistics helpers: on the leaves only.
 STATISTICS = f"{TF}.statistics"
 # The three train paths: siblings that import only the leaves and the statistics, never each
@@ -40,7 +40,7 @@ LAZY_FRAMEWORK_USERS = {
     "keras_bn._quiet",
     "keras_bn.export.cli",
     "keras_bn.diagnostics",
-    "keras_bn._batches",
+    "keras_bn._recalibration.batches",
     "keras_bn.export.tflite",
     "keras_bn.export.onnx",
     "keras_bn.export.trace",

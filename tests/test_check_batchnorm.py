@@ -12,8 +12,8 @@ import tensorflow as tf
 import digits
 import keras_bn
 from helpers import docs_page, randomise_batch_norms
-from keras_bn import _augmentation
 from keras_bn._errors import UnsupportedModelError
+from keras_bn._graph import augmentation
 from keras_bn.diagnostics import Finding, Findings, check_batchnorm
 from keras_bn.export import fold_batch_norms, graph
 
@@ -544,7 +544,7 @@ def test_augmentation_is_named_only_for_the_bns_after_it():
 
 def test_upstream_augmentation_follows_the_graph_and_the_layer_order():
     model = _branches()
-    found = _augmentation.upstream_augmentation(model)
+    found = augmentation.upstream_augmentation(model)
     assert found[id(model.get_layer("after"))] == ["augment/random_flip", "augment/gaussian_noise"]
     assert found[id(model.get_layer("beside"))] == []
     # Sequential, nested: the BN inside "block" sees the noise before the block, and the
@@ -567,12 +567,12 @@ def test_upstream_augmentation_follows_the_graph_and_the_layer_order():
             keras.layers.RandomContrast(0.1, name="not_before_any_bn"),
         ]
     )
-    found = _augmentation.upstream_augmentation(model)
+    found = augmentation.upstream_augmentation(model)
     assert found[id(model.get_layer("first"))] == []
     assert found[id(block.get_layer("bn"))] == ["noise", "block/inside_before"]
-    assert _augmentation.is_augmentation(model.get_layer("not_before_any_bn"))
+    assert augmentation.is_augmentation(model.get_layer("not_before_any_bn"))
     for deterministic in (keras.layers.Resizing(4, 4), keras.layers.CenterCrop(2, 2)):
-        assert not _augmentation.is_augmentation(deterministic)
+        assert not augmentation.is_augmentation(deterministic)
 
 
 def test_data_of_one_sample_or_constant_gives_the_fold_findings_without_a_probe():

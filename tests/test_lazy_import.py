@@ -113,7 +113,7 @@ def test_a_plain_import_lets_keras_load_keras_bn_layers(saved, imports):
     found = python_json(LOAD.format(imports=imports, folder=str(saved)))
     assert found == [
         "keras_bn.layers.BatchNormalization",
-        "keras_bn.export.affine.InferenceAffine",
+        "keras_bn._graph.affine.InferenceAffine",
     ]
 
 

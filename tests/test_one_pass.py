@@ -1,6 +1,6 @@
-"""recalibrate's one pass (keras_bn/_one_pass.py) against the per-layer method it replaces, which
-stays as its reference: the same statistics to 1e-5 on every kind of model, with the frontier
-in memory and spilled to disk, and the work and memory it reports."""
+"""recalibrate's one pass (keras_bn/_recalibration/one_pass.py) against the per-layer method it
+replaces, which stays as its reference: the same statistics to 1e-5 on every kind of model, with
+the frontier in memory and spilled to disk, and the work and memory it reports."""
 
 import os
 import tempfile
@@ -13,8 +13,10 @@ import tensorflow as tf
 
 import keras_bn
 from helpers import assert_close
-from keras_bn import _bn_layers, _hooks, population
-from keras_bn._batches import Batches
+from keras_bn import population
+from keras_bn._graph import bn_layers
+from keras_bn._recalibration import hooks
+from keras_bn._recalibration.batches import Batches
 from keras_bn.callbacks import Recalibrate
 from keras_bn.diagnostics import check_batchnorm
 
@@ -44,7 +46,7 @@ def _randomize_statistics(model, seed=0):
     """Moving statistics far from the data's, so that recalibrating a BN changes what every
     layer downstream of it sees (an upstream BN left stale would show)."""
     rng = np.random.default_rng(seed)
-    for layer in _bn_layers.in_model(model):
+    for layer in bn_layers.in_model(model):
         shape = layer.moving_mean.shape
         layer.moving_mean.assign(rng.normal(0.0, 2.0, shape).astype("float32"))
         layer.moving_variance.assign(rng.uniform(0.2, 3.0, shape).astype("float32"))
@@ -59,9 +61,9 @@ def _compare(model, data, layers=None, batch_size=16, steps=None, max_memory=Non
     """Recalibrate `layers` (default: every BN) by the per-layer method, then, from the same
     starting statistics, by the one pass; assert the same statistics and reports; return the
     one pass's report. `data` may be a function that makes it (a generator, read once)."""
-    layers = _bn_layers.in_model(model) if layers is None else layers
+    layers = bn_layers.in_model(model) if layers is None else layers
     make = data if callable(data) else lambda: data
-    with _hooks.model_state(model):
+    with hooks.model_state(model):
         reference = population.recalibrate_per_layer(
             model, layers, Batches(make(), steps, batch_size), progress=False
         )
@@ -159,7 +161,7 @@ def test_residual_net_with_both_classes_renorm_and_cumulative_layers():
     model(_data((4, 8, 8, 3)), training=True)  # renorm and momentum=None bookkeeping moves
     report = _compare(_randomize_statistics(model), _data((40, 8, 8, 3)))
     assert len(report.layers) == 8
-    for layer in _bn_layers.in_model(model):
+    for layer in bn_layers.in_model(model):
         if getattr(layer, "moving_stddev", None) is not None:  # renorm, both classes
             assert_close(layer.moving_stddev, np.sqrt(layer.moving_variance + layer.epsilon), 1e-6)
         if getattr(layer, "num_batches_tracked", None) is not None:
@@ -327,10 +329,10 @@ def test_frozen_layers_are_recalibrated_by_recalibrate_and_kept_by_the_callback(
     model = _randomize_statistics(keras.Model(inputs, keras.layers.Dense(1)(h)))
     x = _data((48, 6))
     frozen = backbone.layers[-1]
-    with _hooks.model_state(model):
+    with hooks.model_state(model):
         report = _compare(model, x)
         assert report.layers[0].name == frozen.name
-    trainable = [layer for layer in _bn_layers.in_model(model) if layer.trainable]
+    trainable = [layer for layer in bn_layers.in_model(model) if layer.trainable]
     before = frozen.moving_variance.numpy()
     report = _compare(model, x, layers=trainable)
     np.testing.assert_array_equal(frozen.moving_variance.numpy(), before)
@@ -376,11 +378,11 @@ def test_subclassed_models_keep_the_per_layer_method():
     # (they do not depend on the starting ones).
     batches = [_data((16, 3), seed=i) for i in range(2)]
     keras_bn.recalibrate(model, batches, progress=False)
-    from_list = _statistics(_bn_layers.in_model(model))
+    from_list = _statistics(bn_layers.in_model(model))
     _randomize_statistics(model, seed=1)
     report = keras_bn.recalibrate(model, (b for b in batches), progress=False)
     assert report.strategy == "per_layer" and report.batches == 2
-    for want, got in zip(from_list, _statistics(_bn_layers.in_model(model))):
+    for want, got in zip(from_list, _statistics(bn_layers.in_model(model))):
         for w, g in zip(want, got):
             np.testing.assert_array_equal(g, w)
 
@@ -407,15 +409,15 @@ def test_a_generator_is_streamed_by_the_one_pass_not_held():
         + [keras.layers.Dense(5), keras.layers.BatchNormalization()]
     )
     _randomize_statistics(model)
-    with _hooks.model_state(model):
+    with hooks.model_state(model):
         population.recalibrate_per_layer(
-            model, _bn_layers.in_model(model), Batches(batches, None, 16), False
+            model, bn_layers.in_model(model), Batches(batches, None, 16), False
         )
-        expected = _statistics(_bn_layers.in_model(model))
+        expected = _statistics(bn_layers.in_model(model))
     report = keras_bn.recalibrate(model, produce(), progress=False)
     assert report.strategy == "one_pass" and report.batches == 6
     assert len(alive) == 6 and max(alive) <= 2, alive
-    for want, got in zip(expected, _statistics(_bn_layers.in_model(model))):
+    for want, got in zip(expected, _statistics(bn_layers.in_model(model))):
         for w, g in zip(want, got):
             assert_close(g, w, RTOL)
 
@@ -548,7 +550,7 @@ def test_a_failure_part_way_leaves_every_statistic_as_it_was(method, tmp_path, m
     h = keras.layers.Lambda(failing, output_shape=(5,))(h)
     h = keras.layers.BatchNormalization(renorm=True, name="second")(keras.layers.Dense(4)(h))
     model = _randomize_statistics(keras.Model(inputs, h))
-    layers = _bn_layers.in_model(model)
+    layers = bn_layers.in_model(model)
     before = _statistics(layers)
     with pytest.raises(Exception, match=r"call [36]"):
         if method == "per_layer":
@@ -576,7 +578,7 @@ def test_non_finite_inputs_raise_and_change_nothing(bad):
         [keras.Input((6,)), keras_bn.BatchNormalization(name="first")]
         + [keras.layers.Dense(4), keras.layers.BatchNormalization(name="second")]
     )
-    layers = _bn_layers.in_model(_randomize_statistics(model))
+    layers = bn_layers.in_model(_randomize_statistics(model))
     x = _data((48, 6))
     x[20, 2] = bad  # batch 1, channel 2 of the first BN
     before = _statistics(layers)

@@ -21,7 +21,7 @@ from test_docstrings import (
 
 import keras_bn
 from helpers import assert_close
-from keras_bn import _bn_layers
+from keras_bn._graph import bn_layers
 from keras_bn.export import fold
 from keras_bn.quantize import (
     QuantizedHost,
@@ -74,7 +74,7 @@ def test_from_layers_copies_weights_and_keeps_the_float_inference(bn_class):
 
     quantized = from_layers(host, bn, "relu", weight_bits=4)
     kernel, bias = quantized.folded_weights()
-    scale, shift = _bn_layers.inference_affine(bn)
+    scale, shift = bn_layers.inference_affine(bn)
     want_kernel, want_bias = fold.fold_conv(
         np.asarray(host.kernel), np.asarray(host.bias), scale, shift
     )
@@ -263,7 +263,7 @@ def test_public_callables_are_annotated(name):
 
 def test_check_batchnorm_refuses_a_qat_model_by_layer():
     """A folded BN has no input of its own to check: refused up front, naming the layer
-    (`folds_batch_norm`, read by keras_bn._bn_layers.refuse_folded), nested models too."""
+    (`folds_batch_norm`, read by keras_bn._graph.bn_layers.refuse_folded), nested models too."""
     inner = keras.Sequential(
         [keras.Input((6,)), L.Dense(4, use_bias=False), keras_bn.BatchNormalization()]
     )

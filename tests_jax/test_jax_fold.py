@@ -26,7 +26,7 @@ def _dense(bn):
 
 def _conv(bn, data_format):
     # channels_first with a last spatial dim equal to the channel count (4): where a guessed
-    # bias axis would go wrong (export/affine.py's ChannelBias).
+    # bias axis would go wrong (keras_bn/_graph/affine.py's ChannelBias).
     x = keras.Input((5, 5, 3) if data_format == "channels_last" else (3, 5, 5))
     h = L.Conv2D(4, 2, data_format=data_format, name="host")(x)
     h = bn(axis=-1 if data_format == "channels_last" else 1, name="bn")(h)

@@ -10,8 +10,9 @@ import pytest
 import tensorflow_side
 
 import keras_bn
-from keras_bn import _bn_layers, population
-from keras_bn._batches import Batches
+from keras_bn import population
+from keras_bn._graph import bn_layers
+from keras_bn._recalibration.batches import Batches
 
 # --------------------------------------------------------------------------- numpy reference
 
@@ -31,7 +32,7 @@ def _dense(h, layer):
 def _normalize(h, layer, mean, variance, axes):
     """Inference BN of h with these statistics, float64, over `axes` (the channel axes)."""
     shape = [h.shape[i] if i in axes else 1 for i in range(h.ndim)]
-    gamma, beta = _bn_layers.gamma_beta(layer)
+    gamma, beta = bn_layers.gamma_beta(layer)
     scale = gamma.reshape(shape) / np.sqrt(np.reshape(variance, shape) + layer.epsilon)
     return (h - np.reshape(mean, shape)) * scale + beta.reshape(shape)
 
@@ -72,8 +73,8 @@ def _reference(model, forward, order, batches):
             except _Reached as reached:
                 inputs.append((reached.h, reached.keep))
         layer = _layer(model, target)
-        axes = _bn_layers.channel_axes(layer, inputs[0][0].ndim)
-        statistics[target] = _pool(inputs, axes, _bn_layers.unbiased_variance(layer))
+        axes = bn_layers.channel_axes(layer, inputs[0][0].ndim)
+        statistics[target] = _pool(inputs, axes, bn_layers.unbiased_variance(layer))
     return statistics
 
 
@@ -97,7 +98,7 @@ def _assert_statistics(model, expected, rtol=1e-5):
 def _randomise(model, seed=0):
     """Random γ, β and moving statistics, so that stale upstream statistics would show."""
     rng = np.random.default_rng(seed)
-    for layer in _bn_layers.in_model(model):
+    for layer in bn_layers.in_model(model):
         shape = layer.moving_mean.shape
         layer.moving_mean.assign(rng.normal(0.0, 2.0, shape).astype("float32"))
         layer.moving_variance.assign(rng.uniform(0.2, 5.0, shape).astype("float32"))
@@ -233,10 +234,10 @@ def test_functional_nested_and_custom_layer_match_float64_and_the_per_layer_meth
     # The per-layer method (the reference the one pass is tested against on TensorFlow).
     other = _functional()
     done = population.recalibrate_per_layer(
-        other, _bn_layers.in_model(other), Batches(x, None, 16), False
+        other, bn_layers.in_model(other), Batches(x, None, 16), False
     )
     assert done.strategy == "per_layer"
-    for layer in _bn_layers.in_model(model):
+    for layer in bn_layers.in_model(model):
         twin = _layer(other, layer.name)
         np.testing.assert_allclose(twin.moving_mean.numpy(), layer.moving_mean.numpy(), atol=1e-5)
         np.testing.assert_allclose(
@@ -248,12 +249,12 @@ def test_a_tiny_max_memory_spills_the_frontier_and_changes_nothing():
     model = _functional()
     x = _data((40, 5, 3), 3)
     keras_bn.recalibrate(model, x, batch_size=16, progress=False)
-    held = [v.numpy().copy() for layer in _bn_layers.in_model(model) for v in layer.weights]
+    held = [v.numpy().copy() for layer in bn_layers.in_model(model) for v in layer.weights]
     _randomise(model)
     report = keras_bn.recalibrate(model, x, batch_size=16, progress=False, max_memory=64)
     assert report.strategy == "one_pass_spilled" and report.spilled_bytes > 0
     assert report.peak_frontier_bytes <= 64
-    spilled = [v.numpy() for layer in _bn_layers.in_model(model) for v in layer.weights]
+    spilled = [v.numpy() for layer in bn_layers.in_model(model) for v in layer.weights]
     for a, b in zip(held, spilled):
         np.testing.assert_array_equal(a, b)  # the disk round trip is exact
 
@@ -308,7 +309,7 @@ class _Statistics(keras.callbacks.Callback):
         self.at = {"test_begin": [], "test_end": []}
 
     def _record(self, when):
-        layers = _bn_layers.in_model(self.model)
+        layers = bn_layers.in_model(self.model)
         self.at[when].append([v.numpy().copy() for layer in layers for v in layer.weights[2:4]])
 
     def on_test_begin(self, logs=None):
@@ -354,7 +355,7 @@ import json, sys
 import numpy as np
 import keras
 import keras_bn
-from keras_bn import _bn_layers
+from keras_bn._graph import bn_layers
 
 assert keras.backend.backend() == "tensorflow"
 folder = sys.argv[1]
@@ -364,7 +365,7 @@ findings = keras_bn.diagnostics.check_batchnorm(model, x, batch_size=4)
 keras_bn.recalibrate(model, x, batch_size=8, progress=False)
 statistics = {
     layer.name: [np.asarray(layer.moving_mean).tolist(), np.asarray(layer.moving_variance).tolist()]
-    for layer in _bn_layers.in_model(model)
+    for layer in bn_layers.in_model(model)
 }
 print(json.dumps({
     "findings": [[f.layer, f.kind, f.message] for f in findings],
@@ -424,7 +425,7 @@ def test_check_batchnorm_and_recalibrate_match_tensorflow(tmp_path):
     keras_bn.recalibrate(model, x, batch_size=8, progress=False)
     tensorflow = tensorflow_side.run(_TENSORFLOW_SIDE, tmp_path, backend="tensorflow")
     assert [[f.layer, f.kind, f.message] for f in findings] == tensorflow["findings"]
-    for layer in _bn_layers.in_model(model):
+    for layer in bn_layers.in_model(model):
         mean, variance = tensorflow["statistics"][layer.name]
         np.testing.assert_allclose(layer.moving_mean.numpy(), mean, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(layer.moving_variance.numpy(), variance, rtol=1e-5)

@@ -31,8 +31,8 @@ import math
 
 import keras
 
-from keras_bn import _axes, ghost
-from keras_bn.backend import INTERFACE
+from keras_bn.backend import INTERFACE, ghost
+from keras_bn.backend import axes as _axes
 from keras_bn.backend.constants import SHIFT_REDO_RATIO, SHIFT_SAMPLES
 
 _FRAMEWORKS = ("jax", "torch")
@@ -77,7 +77,7 @@ def add(x, y):
 
 
 def expand_mask(mask, x, channel_axes, channel_reading=True):
-    """A mask as 0/1 of x's rank and statistics dtype, read by `keras_bn._axes.mask_axes`'s
+    """A mask as 0/1 of x's rank and statistics dtype, read by `keras_bn.backend.axes.mask_axes`'s
     rules (ValueError when it fits no reading); `channel_reading` False for Keras's reading
     only (keras.layers.BatchNormalization's)."""
     xp = arrays_of(x)

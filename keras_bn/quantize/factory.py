@@ -2,7 +2,7 @@
 each (host, batch norm, activation) it finds.
 
 The variance convention: keras.layers.BatchNormalization stores the biased E_B[σ²_B], keras_bn
-the unbiased m/(m−1)·E_B[σ²_B] (keras_bn/_bn_layers.py). The QAT layer's batch norm is a
+the unbiased m/(m−1)·E_B[σ²_B] (keras_bn/_graph/bn_layers.py). The QAT layer's batch norm is a
 keras_bn one, and the moving variance is copied as it is, as `keras_bn.convert.from_keras`
 does: the folded inference output is then exactly the original model's, and QAT's own updates
 continue the average in keras_bn's unbiased convention (for the m = batch × spatial values of a
@@ -16,7 +16,7 @@ import keras
 import numpy as np
 
 from keras_bn import backend
-from keras_bn._bn_layers import BN_TYPES
+from keras_bn._graph.bn_layers import BN_TYPES
 from keras_bn.quantize.layers import QuantizedHost, QuantizedHostBatchNorm
 
 

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import keras
 
-from keras_bn import _models
-from keras_bn._batches import Batches, Data
+from keras_bn._graph import models
+from keras_bn._recalibration.batches import Batches, Data
 from keras_bn.quantize.activation import ActivationQuantizer
 from keras_bn.quantize.layers import QuantizedHostBatchNorm
 
@@ -84,7 +84,7 @@ def _find(model: keras.layers.Layer, cls: type[_Frozen]) -> list[_Frozen]:
 
 def _holding(model: keras.layers.Layer, cls: type[_Frozen]) -> list[_Frozen]:
     """Every `cls` layer inside `model` (itself included); a ValueError if none."""
-    layers = _models.layers_within(model, cls, include_self=True)
+    layers = models.layers_within(model, cls, include_self=True)
     if not layers:
         raise ValueError(f"'{model.name}' holds no {cls.__name__} layer: nothing to freeze.")
     return layers

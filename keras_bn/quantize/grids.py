@@ -14,7 +14,7 @@ from typing import Any
 
 import keras
 
-from keras_bn import _models
+from keras_bn._graph import models
 from keras_bn.quantize import spec
 
 
@@ -34,7 +34,7 @@ def grid_source(tensor: keras.KerasTensor) -> tuple[keras.Operation, Any]:
     quantizer_of = getattr(operation, "grid_quantizer", None)
     if quantizer_of is not None:
         return operation, quantizer_of()
-    if isinstance(operation, keras.Model) and _models.has_layer_graph(operation):
+    if isinstance(operation, keras.Model) and models.has_layer_graph(operation):
         return grid_source(operation.outputs[tensor_index])
     node = operation._inbound_nodes[node_index]
     if (

@@ -59,8 +59,10 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_bn import _hooks, _models, backend
-from keras_bn._bn_layers import KERAS_BN, KERAS_BN_BN
+from keras_bn import backend
+from keras_bn._graph import models
+from keras_bn._graph.bn_layers import KERAS_BN, KERAS_BN_BN
+from keras_bn._recalibration import hooks
 from keras_bn.backend.constants import MIN_RANGE
 from keras_bn.quantize import fake_quant, grids, hosts
 from keras_bn.quantize.activation import ActivationQuantizer, scalar_state, validate_momentum
@@ -515,7 +517,7 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
 
     Its class attribute `folds_batch_norm` tells the tools that measure every BN's input
     (`recalibrate`, `check_batchnorm`) that it holds a BN they cannot measure
-    (`keras_bn._bn_layers.refuse_folded`).
+    (`keras_bn._graph.bn_layers.refuse_folded`).
 
     The batch norm's weights (γ, β, moving mean and variance) live in `batch_norm`, a
     keras_bn.BatchNormalization that is never called: its config gives momentum, epsilon,
@@ -740,7 +742,7 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
         _, safe_scale, view, max_abs = self._scaled_kernel(gamma, sigma)
         z = self._linear(ops.cast(inputs, "float32"), self._fake_quant(view, max_abs), False)
         normalized = z * backend.get().per_channel(1.0 / safe_scale, z, self._channel_axes(z))
-        mean, variance, count = _hooks.batch_moments(self.batch_norm, normalized, None)
+        mean, variance, count = hooks.batch_moments(self.batch_norm, normalized, None)
         return mean + ops.reshape(bias, ops.shape(mean)), variance, count
 
     def _quantized_kernel(self) -> tuple[Any, Any, Any | None]:
@@ -839,7 +841,7 @@ def _keras_bn_copy(
         )
     config = batch_norm.get_config()
     if type(batch_norm) is KERAS_BN:
-        config = _models.translate_config(config, KERAS_BN, KERAS_BN_BN)
+        config = models.translate_config(config, KERAS_BN, KERAS_BN_BN)
     copy = KERAS_BN_BN.from_config(config)
     refusal = batch_norm_refusal(copy)
     if refusal:

@@ -2,7 +2,7 @@
 
 Each Dense/convolution host followed by a batch norm (and optionally ReLU/ReLU6) becomes one
 `QuantizedHostBatchNorm`, where export's fold would fold the BN backward: the same decisions,
-from keras_bn/_rewrite.py. A host without such a BN becomes a `QuantizedHost` (with its own
+from keras_bn/_graph/rebuild.py. A host without such a BN becomes a `QuantizedHost` (with its own
 ReLU/ReLU6, or a following ReLU/ReLU6 layer, fused; any other activation of its own follows it
 as a float Activation layer). Activation quantizers go where the TFLite int8 spec gives a
 tensor a scale of its own (`keras_bn.quantize.spec`): the model's float inputs, the QAT layers'
@@ -28,9 +28,10 @@ from typing import Any
 import keras
 from keras.src.ops.node import Node
 
-from keras_bn import _bn_layers, _models, _rewrite, backend
+from keras_bn import backend
 from keras_bn._errors import KerasBNWarning
-from keras_bn.export.affine import ChannelBias
+from keras_bn._graph import bn_layers, models, rebuild
+from keras_bn._graph.affine import ChannelBias
 from keras_bn.quantize import fake_quant, hosts, spec
 from keras_bn.quantize.activation import ActivationQuantizer, validate_momentum
 from keras_bn.quantize.factory import from_layers, fusable_activation
@@ -148,7 +149,7 @@ def quantize_model(
     for name, value in (("per_channel", per_channel), ("return_report", return_report)):
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be True or False; received {name}={value!r}.")
-    quantized = [layer.name for layer in _models.layers_within(model, _QAT_LAYERS)]
+    quantized = [layer.name for layer in models.layers_within(model, _QAT_LAYERS)]
     if quantized:
         raise ValueError(
             f"'{model.name}' is quantization-aware already (layers {quantized}); "
@@ -237,8 +238,8 @@ class _ModelRewrite:
         # Why every host and BN here is shared, when this nested model (or one around it) is
         # called more than once: they stay float, as a shared host does.
         self.shared_in = shared_in
-        self.graph = _models.layer_graph(model, "quantize")
-        self.info = _rewrite.Graph(self.graph)
+        self.graph = models.layer_graph(model, "quantize")
+        self.info = rebuild.Graph(self.graph)
         self.names = {operation.name for operation in self.graph.operations}
         # id(operation) → what computes it in the new model
         self.copies: dict[int, keras.Operation] = {}
@@ -272,7 +273,7 @@ class _ModelRewrite:
         input_layers = self._place_input_quantizers(inputs_on_grid)
         for node in self.info.nodes:
             self._visit(node)
-        new_model = _rewrite.rebuild(
+        new_model = rebuild.rebuild(
             self.model, self.graph, self.copies, self.dropped, self.after, input_layers
         )
         for layer, copy, bias in self.float_copies.values():
@@ -292,7 +293,7 @@ class _ModelRewrite:
         pairs: dict[int, Node] = {}
         for node in self.info.nodes:
             bn = node.operation
-            if type(bn) not in _bn_layers.BN_TYPES:
+            if type(bn) not in bn_layers.BN_TYPES:
                 continue
             host = self.info.producer(node)
             if self.shared_in is not None:
@@ -300,12 +301,12 @@ class _ModelRewrite:
                     bn, f"BN layer '{bn.name}' {self.shared_in}; it stays a float BN", "shared_bn"
                 )
                 continue
-            refusal = _rewrite.refuse_bn(bn, node, self.info) or _rewrite.refuse_backward(
+            refusal = rebuild.refuse_bn(bn, node, self.info) or rebuild.refuse_backward(
                 bn, node, host, self.info, hosts.KINDS, _HOSTS_TAKEN
             )
             config_refusal = batch_norm_refusal(bn)
             if refusal is None and config_refusal:
-                refusal = _rewrite.Refusal("batch_norm_config", config_refusal)
+                refusal = rebuild.Refusal("batch_norm_config", config_refusal)
             if refusal is None:
                 refusal = _activity_refusal(bn, "BN layer") or _activity_refusal(host, "its host")
             if refusal is None:
@@ -320,12 +321,12 @@ class _ModelRewrite:
             host = node.operation
             if type(host) not in hosts.KINDS or id(host) in self.qat or id(host) in self.kept_ids:
                 continue
-            refusal = _rewrite.refuse_host(host, self.info) or _activity_refusal(host, "host")
+            refusal = rebuild.refuse_host(host, self.info) or _activity_refusal(host, "host")
             no_file = hosts.int8_file_refusal(host, len(node.input_tensors[0].shape))
             if refusal is None and no_file:
-                refusal = _rewrite.Refusal("no_int8_file", no_file)
+                refusal = rebuild.Refusal("no_int8_file", no_file)
             if self.shared_in is not None:
-                refusal = _rewrite.Refusal("shared_host", f"host '{host.name}' {self.shared_in}")
+                refusal = rebuild.Refusal("shared_host", f"host '{host.name}' {self.shared_in}")
             bn_node = pairs.get(id(host))
             if refusal:
                 self._keep(host, f"{refusal.message}; it stays float", refusal.kind)
@@ -339,7 +340,7 @@ class _ModelRewrite:
                 continue
             bn = bn_node.operation if bn_node else None
             tail = bn_node or node  # the node whose output the QAT layer's output replaces
-            own = _rewrite.activation_name(host)
+            own = rebuild.activation_name(host)
             activation = split = None
             if own == "linear":  # (a host paired with a BN always is)
                 activation_node = self._fusable_consumer(tail)
@@ -517,7 +518,7 @@ class _ModelRewrite:
         if not (
             backend.name() == "tensorflow"
             and type(operation) in _BIAS_ADDING
-            and _rewrite.channels_first(operation)
+            and rebuild.channels_first(operation)
             and operation.use_bias
         ):
             return
@@ -551,7 +552,7 @@ class _ModelRewrite:
             source = self.grid_source.get(id(tensor)) if self.on_grid.get(id(tensor)) else None
             functional = not isinstance(self.model, keras.Sequential)
             if source is not None and functional and not self.info.shared(pool):
-                self.copies[id(pool)] = _rewrite.copy_layer(pool)
+                self.copies[id(pool)] = rebuild.copy_layer(pool)
                 # The quantizer called again (`__call__` spelt out for mypy's partial, which
                 # cannot see a Keras layer's).
                 self.after[id(pool)] = [
@@ -628,7 +629,7 @@ class _ModelRewrite:
         if not isinstance(operation, L.Layer):  # a stateless op such as `x * 2.0`: reusable
             self.copies[id(operation)] = operation
             return None
-        if isinstance(operation, keras.Model) and _models.has_layer_graph(operation):
+        if isinstance(operation, keras.Model) and models.has_layer_graph(operation):
             shared_in = self.shared_in
             if shared_in is None and self.info.shared(operation):
                 shared_in = (
@@ -646,15 +647,15 @@ class _ModelRewrite:
             self.copies[id(operation)], outputs_on_grid = inner.run(inputs_on_grid)
             return outputs_on_grid
         if isinstance(operation, keras.Model) and _holds_hosts(operation):
-            _models.layer_graph(operation, "quantize")  # subclassed: raises, naming it
+            models.layer_graph(operation, "quantize")  # subclassed: raises, naming it
         self._keep_float(operation)
         bias = None
         if (
             type(operation) in _BIAS_ADDING
-            and _rewrite.channels_first(operation)
+            and rebuild.channels_first(operation)
             and operation.use_bias
         ):
-            copy = _rewrite.copy_layer(operation, use_bias=False)
+            copy = rebuild.copy_layer(operation, use_bias=False)
             bias = ChannelBias(
                 1,
                 int(operation.bias.shape[0]),
@@ -663,14 +664,14 @@ class _ModelRewrite:
                 dtype=operation.dtype_policy,
             )
         else:
-            copy = _rewrite.copy_layer(operation)
+            copy = rebuild.copy_layer(operation)
         self.copies[id(operation)] = copy
         self.float_copies[id(operation)] = (operation, copy, bias)
         return None
 
     def _keep_float(self, layer: keras.layers.Layer) -> None:
         """Report a float copy's weights, and the BNs it computes out of sight."""
-        unseen = _rewrite.unseen_batch_norms(layer, self.prefix, reader="quantize_model")
+        unseen = rebuild.unseen_batch_norms(layer, self.prefix, reader="quantize_model")
         for path, reason, kind in unseen:
             itself = path == self.prefix + layer.name  # a BN subclass
             self._keep_path(id(layer) if itself else None, path, reason, kind)
@@ -695,18 +696,18 @@ class _ModelRewrite:
         self.findings.kept.append(KeptLayer(path, reason, kind))
 
     def _unique(self, name: str) -> str:
-        name = _models.unique_name(name, self.names)
+        name = models.unique_name(name, self.names)
         self.names.add(name)
         return name
 
 
-def _activity_refusal(layer: keras.layers.Layer, role: str) -> _rewrite.Refusal | None:
+def _activity_refusal(layer: keras.layers.Layer, role: str) -> rebuild.Refusal | None:
     """Why a QAT layer cannot compute `layer` (a host or a BN): it has an activity regularizer,
     whose loss term only the layer's own call adds (a QAT layer computes the host's linear map
     and the BN itself); None without one. `role` names the layer in the message ("host")."""
     if layer.activity_regularizer is None:
         return None
-    return _rewrite.Refusal(
+    return rebuild.Refusal(
         "activity_regularizer",
         f"{role} '{layer.name}' has an activity_regularizer, whose loss term (in model.losses) "
         f"a QAT layer would drop",
@@ -746,9 +747,9 @@ def _refuse_float_dtypes(model: keras.Model) -> None:
 
 def _linear_copy(host: keras.layers.Layer) -> keras.layers.Layer:
     """A built copy of `host` with a linear activation, its weights copied."""
-    config = _models.config_of(host)
+    config = models.config_of(host)
     config["activation"] = "linear"
-    copy = _models.from_config(host, config)
+    copy = models.from_config(host, config)
     copy.build(host.get_build_config()["input_shape"])
     copy.set_weights(host.get_weights())
     return copy
@@ -757,7 +758,7 @@ def _linear_copy(host: keras.layers.Layer) -> keras.layers.Layer:
 def _holds_hosts(layer: keras.layers.Layer) -> bool:
     """Whether a layer computes a host or a BN inside its own code."""
     return any(
-        type(inner) in hosts.KINDS or _bn_layers.is_batch_norm(inner)
+        type(inner) in hosts.KINDS or bn_layers.is_batch_norm(inner)
         for inner in layer._flatten_layers(include_self=False)
     )
 

@@ -11,8 +11,7 @@ import math
 
 import tensorflow as tf
 
-from keras_bn import ghost
-from keras_bn.backend import INTERFACE
+from keras_bn.backend import INTERFACE, ghost
 from keras_bn.backend.tensorflow import fused, statistics, xla
 from keras_bn.backend.tensorflow.fake_quant import *  # noqa: F403
 from keras_bn.backend.tensorflow.ops import batch_norm_eval, batch_norm_inference, batch_norm_train

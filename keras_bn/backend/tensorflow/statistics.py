@@ -24,7 +24,7 @@ float32 rounding does not grow with the count.
 import tensorflow as tf
 from tensorflow.compiler.tf2xla.python import xla as tf2xla
 
-from keras_bn._axes import mask_axes, reduction_axes
+from keras_bn.backend.axes import mask_axes, reduction_axes
 from keras_bn.backend.constants import SHIFT_SAMPLES
 from keras_bn.backend.tensorflow import placement
 
@@ -52,7 +52,7 @@ def per_channel(t, x, channel_axes):
 def expand_mask(mask, x, channel_axes, channel_reading=True):
     """A mask as a 0/1 tensor of x's rank and statistics dtype, broadcastable to x.
 
-    A mask covers some axes of x, in order (`keras_bn._axes.mask_axes` says which), and
+    A mask covers some axes of x, in order (`keras_bn.backend.axes.mask_axes` says which), and
     broadcasts over the others. Non-zero values count as True, as in Keras. The result has the
     statistics dtype (float16 cannot count past 2048 exactly).
 

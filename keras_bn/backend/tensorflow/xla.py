@@ -32,7 +32,7 @@ runs). This module imports only the leaf statistics.py of this backend.
 
 import tensorflow as tf
 
-from keras_bn._axes import reduction_axes
+from keras_bn.backend.axes import reduction_axes
 from keras_bn.backend.constants import SHIFT_REDO_RATIO
 from keras_bn.backend.tensorflow.statistics import (
     blocked_sum,
@@ -103,7 +103,7 @@ def moments(x, channel_axes):
     """Per-channel mean and biased variance of x (kept broadcastable), arranged for XLA:CPU:
     one fused read of x for the shifted sums, a second only where `SHIFT_REDO_RATIO` asks.
 
-    recalibrate's recording (keras_bn/_hooks.py) runs it as its own XLA cluster: the
+    recalibrate's recording (keras_bn/_recalibration/hooks.py) runs it as its own XLA cluster: the
     statistics at about a third of the cost of `statistics.moments`' unfused passes.
 
     Args:

@@ -1,13 +1,13 @@
 """`recalibrate`'s one pass: the model's graph run layer by layer over all the batches, each BN
 layer recalibrated the moment the walk reaches it.
 
-The per-layer method (`_layerwise.in_call_order`) runs the whole model once per BN layer. Here
+The per-layer method (`layerwise.in_call_order`) runs the whole model once per BN layer. Here
 the nodes of a Sequential or Functional graph (nested ones walked through) run in the order
 Keras's own `Functional._run_through_graph` runs them, cut into segments at the BN layers: a
 segment runs, as one compiled tf.function, every node after one BN up to the next BN's input,
 and records that input's moments as the per-layer method does (`_hooks.BatchNormCalls`, masks
 read as the layer reads them). Once every batch has gone through a segment, its BN's Algorithm 2
-statistics are set (`_layerwise.assign`), and the next segment starts with that BN: every
+statistics are set (`layerwise.assign`), and the next segment starts with that BN: every
 tensor a segment computes comes from nodes upstream of it, which already use their new
 statistics, so each BN's statistics are exactly the per-layer method's. Between segments the
 frontier (the tensors that later nodes still read, for every batch) is kept in a
@@ -16,7 +16,7 @@ frontier (the tensors that later nodes still read, for every batch) is kept in a
 
 A QAT layer that folds its BN (`keras_bn.quantize`) ends a segment as a BN does, its first
 pass recorded inside the compiled segment. Its statistics decide how its kernel rounds, so it
-may take more passes to reach a fixed point (`_layerwise.settle`: at most one more with
+may take more passes to reach a fixed point (`layerwise.settle`: at most one more with
 per-channel weight ranges, up to 10 in all with a per-tensor range): its inputs stay in the
 frontier after its segment, and each further pass runs that layer alone over them, as one
 compiled function per such layer kept with the segments' (a second recalibration traces
@@ -27,7 +27,7 @@ frontier, one pass of that layer per BN (per settling pass, for a QAT layer).
 
 Keras has no public API for running a graph's nodes one by one; this reads the internals that
 `_run_through_graph` itself reads (`_nodes_by_depth`, each node's arguments), as
-keras_bn/_rewrite.py does.
+keras_bn/_graph/rebuild.py does.
 
 Under JAX the segments run eagerly, op by op: a jax.jit of a segment would bake the values of
 the Keras variables it closes over in as constants, and each segment must read the statistics
@@ -44,11 +44,13 @@ import numpy as np
 from keras.src.backend import get_keras_mask, set_keras_mask
 from keras.src.models.functional import Functional, operation_fn
 
-from keras_bn import _bn_layers, _layerwise, _models, backend
-from keras_bn._batches import Batches
+from keras_bn import backend
 from keras_bn._errors import UnsupportedModelError
-from keras_bn._frontier import Frontier
-from keras_bn._hooks import BatchNormCalls, shared_error
+from keras_bn._graph import bn_layers, models
+from keras_bn._recalibration import layerwise
+from keras_bn._recalibration.batches import Batches
+from keras_bn._recalibration.frontier import Frontier
+from keras_bn._recalibration.hooks import BatchNormCalls, shared_error
 
 
 def walkable(model: Any) -> bool:
@@ -77,7 +79,7 @@ class _Step:
     graph: Any = None  # "enter": the Functional whose inputs it writes
     layers: tuple[int, ...] = ()  # "record": (its BN's index); "fallback": the BNs inside
     # "record" of a layer that folds its BN (QAT): its inputs stay in the frontier after its
-    # segment, for the settling passes of that layer alone (`_layerwise.settle`).
+    # segment, for the settling passes of that layer alone (`layerwise.settle`).
     settles: bool = False
 
 
@@ -127,7 +129,7 @@ class Plan:
         emptied by `pop` has none)."""
         try:
             return all(
-                _models.layer_graph(model, "recalibrate") is graph for model, graph in self.graphs
+                models.layer_graph(model, "recalibrate") is graph for model, graph in self.graphs
             )
         except UnsupportedModelError:
             return False
@@ -148,7 +150,7 @@ class Plan:
             return []
         return [
             self._index[id(layer)]
-            for layer in _bn_layers.in_model(operation)
+            for layer in bn_layers.in_model(operation)
             if id(layer) in self._index
         ]
 
@@ -159,7 +161,7 @@ class Plan:
             self._recorded.add(index)
 
     def _walk(self, model: keras.Model, node: Any, prefix: str) -> None:
-        graph = _models.layer_graph(model, "recalibrate")
+        graph = models.layer_graph(model, "recalibrate")
         self.graphs.append((model, graph))
         reads = [] if node is None else [self._id(t) for t in node.input_tensors]
         writes = [self._new(t) for t in graph.inputs]
@@ -179,13 +181,13 @@ class Plan:
         reads = [self._id(t) for t in node.input_tensors]
         if id(operation) in self._index:
             self._record(inside)
-            settles = _bn_layers.folds_batch_norm(operation)
+            settles = bn_layers.folds_batch_norm(operation)
             self._steps.append(
                 _Step("record", operation, node, reads, [], layers=(inside[0],), settles=settles)
             )
         elif inside and walkable(operation):
             self._walk(operation, node, f"{prefix}{operation.name}/")
-            inner_graph = _models.layer_graph(operation, "recalibrate")
+            inner_graph = models.layer_graph(operation, "recalibrate")
             for outer, inner in zip(node.outputs, inner_graph.outputs):
                 if id(inner) in self._canonical:  # the same value under the outer node's id
                     canonical = self._id(inner)
@@ -211,12 +213,12 @@ class Plan:
 def _set_inside(layer: keras.layers.Layer) -> list[tuple[str, keras.layers.Layer]]:
     """[(path, layer)] for every layer inside `layer` whose statistics `recalibrate` sets: the
     BN layers, and the QAT layers that fold one (not the BN they hold), paths as
-    `_bn_layers.batch_norms_inside` gives them."""
+    `bn_layers.batch_norms_inside` gives them."""
     found = []
 
     def walk(parent: keras.layers.Layer, prefix: str) -> None:
         for child in parent._flatten_layers(include_self=False, recursive=False):
-            if _bn_layers.is_batch_norm(child) or _bn_layers.folds_batch_norm(child):
+            if bn_layers.is_batch_norm(child) or bn_layers.folds_batch_norm(child):
                 found.append((prefix + child.name, child))
             else:
                 walk(child, prefix + child.name + "/")
@@ -288,7 +290,7 @@ class Result:
             hides it, its path and why.
     """
 
-    changes: tuple[_layerwise.LayerChange, ...]
+    changes: tuple[layerwise.LayerChange, ...]
     not_called: tuple[int, ...]
     batches: int | None
     strategy: str
@@ -302,7 +304,7 @@ def run(
     model: keras.Model,
     layers: Sequence[keras.layers.Layer],
     batches: Batches,
-    bar: _layerwise.ProgressBar,
+    bar: layerwise.ProgressBar,
     max_memory: int,
 ) -> Result:
     """Recalibrate `layers` of a walkable `model` in one pass over `batches`.
@@ -328,18 +330,18 @@ def run(
         return Result((), tuple(range(len(layers))), batches.count, "one_pass", 0.0, 0, 0, ())
     recorded = sum(segment.boundary.kind == "record" for segment in plan.segments)
     bar.add_total(recorded * batches.count if batches.count is not None else None)
-    changes: list[_layerwise.LayerChange] = []
+    changes: list[layerwise.LayerChange] = []
     not_called: list[int] = []
     evaluations = sum(step.kind == "call" for step in plan.steps)  # per batch
     with compiled.statistics, Frontier(max_memory) as kept:
         count = 0
         for number, segment in enumerate(plan.segments):
             boundary = segment.boundary
-            sums = _layerwise.PooledMoments()
+            sums = layerwise.PooledMoments()
             if boundary.kind == "record":
                 layer = layers[boundary.layers[0]]
                 bar.set_description(layer.name)
-                sums = _layerwise.PooledMoments.for_layer(_bn_layers.statistics_of(layer))
+                sums = layerwise.PooledMoments.for_layer(bn_layers.statistics_of(layer))
             for batch, outputs, moments in compiled.segment(number, batches, kept, count):
                 for tensor in segment.inputs:
                     if plan.last_read[tensor] <= number:
@@ -355,9 +357,9 @@ def run(
                     batches.first()  # raises: `data` gave no batch
                 batches.check_count(count)
             if boundary.kind == "record" and not boundary.settles:
-                changes.append(_layerwise.assign(layers[boundary.layers[0]], sums))
+                changes.append(layerwise.assign(layers[boundary.layers[0]], sums))
             elif boundary.kind == "record":
-                change = _layerwise.settle(
+                change = layerwise.settle(
                     layers[boundary.layers[0]],
                     _settling_passes(compiled, number, sums, kept, count, bar),
                     functools.partial(bar.add_total, count),
@@ -365,7 +367,7 @@ def run(
                 changes.append(change)
                 evaluations += change.passes - 1  # the layer alone, once per batch per pass
             else:
-                done = _layerwise.in_call_order(
+                done = layerwise.in_call_order(
                     [layers[i] for i in boundary.layers],
                     functools.partial(_call_bound, compiled, boundary),
                     _FrontierInputs(kept, boundary.reads, count),
@@ -398,22 +400,22 @@ def run(
 def _settling_passes(
     compiled: "_Compiled",
     number: int,
-    first: _layerwise.PooledMoments,
+    first: layerwise.PooledMoments,
     frontier: Frontier,
     count: int,
-    bar: _layerwise.ProgressBar,
-) -> Callable[[], _layerwise.PooledMoments]:
+    bar: layerwise.ProgressBar,
+) -> Callable[[], layerwise.PooledMoments]:
     """`settle`'s passes for the QAT layer at the boundary of segment `number`: the moments
     its segment recorded (`first`), then, for each later pass, those of that layer alone run
     over its inputs kept in the frontier."""
     passes = iter([first])
     layer = compiled.plan.layers[compiled.plan.segments[number].boundary.layers[0]]
 
-    def pooled() -> _layerwise.PooledMoments:
+    def pooled() -> layerwise.PooledMoments:
         recorded = next(passes, None)
         if recorded is not None:
             return recorded
-        sums = _layerwise.PooledMoments.for_layer(_bn_layers.statistics_of(layer))
+        sums = layerwise.PooledMoments.for_layer(bn_layers.statistics_of(layer))
         for moments in compiled.settling_pass(number, frontier, count):
             sums.add(*[np.asarray(moment) for moment in moments])
             bar.update(1)

@@ -17,7 +17,7 @@ from keras.src.layers.preprocessing.image_preprocessing.base_image_preprocessing
     BaseImagePreprocessingLayer,
 )
 
-from keras_bn import _bn_layers
+from keras_bn._graph import bn_layers
 
 # Identity at inference, random in training: additive or multiplicative noise, and dropout,
 # whose training-time variance shift is a known cause of BN statistics that do not match
@@ -54,7 +54,7 @@ def upstream_augmentation(model: keras.layers.Layer) -> dict[int, list[str]]:
         model: a Keras model or layer.
 
     Returns:
-        The paths ("outer/inner/name", as `_bn_layers.batch_norms_inside` names BNs), in layer
+        The paths ("outer/inner/name", as `bn_layers.batch_norms_inside` names BNs), in layer
         order, without repeats; an empty list for a BN with none upstream.
     """
     found: dict[int, list[str]] = {}
@@ -74,7 +74,7 @@ def _walk(
             for path in _augmentation_inside(sibling, prefix):
                 if path not in here:
                     here.append(path)
-        if _bn_layers.is_batch_norm(child):
+        if bn_layers.is_batch_norm(child):
             found.setdefault(id(child), here)
         else:
             _walk(child, prefix + child.name + "/", here, found)

@@ -16,9 +16,11 @@ from typing import Any, TypeAlias
 
 import keras
 
-from keras_bn import _bn_layers, backend
+from keras_bn import backend
 
 # A BN input's (mean, biased variance, count m) per channel.
+from keras_bn._graph import bn_layers
+
 Moments: TypeAlias = tuple[Any, Any, Any]
 
 
@@ -172,7 +174,7 @@ def layer_moments(layer: keras.layers.Layer, inputs: Any, mask: Any) -> Moments:
     `batch_moments`, or, for a layer that folds its BN (QAT), those of what that BN
     normalizes in training (the layer's `batch_norm_moments`; its `call` takes no mask, so
     Keras passes it none)."""
-    if _bn_layers.folds_batch_norm(layer):
+    if bn_layers.folds_batch_norm(layer):
         return layer.batch_norm_moments(inputs)
     return batch_moments(layer, inputs, mask)
 
@@ -188,10 +190,10 @@ def batch_moments(layer: keras.layers.Layer, inputs: Any, mask: Any) -> Moments:
     """
     ops = backend.get()
     x = keras.ops.cast(inputs, ops.statistics_dtype(inputs.dtype))
-    channel_axes = _bn_layers.channel_axes(layer, len(x.shape))
+    channel_axes = bn_layers.channel_axes(layer, len(x.shape))
     if mask is not None:
         mask = ops.expand_mask(
-            mask, x, channel_axes, channel_reading=_bn_layers.reads_channel_masks(layer)
+            mask, x, channel_axes, channel_reading=bn_layers.reads_channel_masks(layer)
         )
     mean, variance = ops.input_moments(x, channel_axes, mask)
     # m_c per channel: a mask may leave the channels different counts.
@@ -241,7 +243,7 @@ def bn_statistics(model: keras.Model) -> Snapshot:
     return Snapshot(
         [
             variable
-            for layer in _bn_layers.in_model(model)
+            for layer in bn_layers.in_model(model)
             for variable in layer.non_trainable_variables
         ],
         getattr(model, "distribute_strategy", None),  # TensorFlow's trainer only

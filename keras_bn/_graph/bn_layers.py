@@ -9,7 +9,7 @@ with the same meaning, except:
   (Algorithm 2), Keras's the biased E_B[σ²_B];
 - masks: both read a mask of the input's rank − 1 as Keras does (the leading axes, broadcast
   over the last); keras_bn also reads one over the non-channel axes where Keras's reading
-  does not fit (`keras_bn._axes.mask_axes`).
+  does not fit (`keras_bn.backend.axes.mask_axes`).
 
 Folding (keras_bn.export), `recalibrate` and `convert` all work from this one description,
 which holds under TensorFlow and JAX alike (the TensorFlow-only features guard themselves).

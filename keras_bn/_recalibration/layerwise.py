@@ -19,9 +19,10 @@ import keras
 import numpy as np
 import numpy.typing as npt
 
-from keras_bn import _bn_layers, backend
+from keras_bn import backend
 from keras_bn._errors import KerasBNWarning
-from keras_bn._hooks import BatchNormCalls
+from keras_bn._graph import bn_layers
+from keras_bn._recalibration.hooks import BatchNormCalls
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,8 +183,8 @@ def assign(layer: keras.layers.Layer, sums: PooledMoments) -> LayerChange:
             f"values per channel (m ≤ 1 in all {sums.skipped} batches), which "
             f"Algorithm 2 needs to estimate a batch variance. Use larger batches."
         )
-    name, layer = layer.name, _bn_layers.statistics_of(layer)
-    mean, variance = sums.population(_bn_layers.unbiased_variance(layer))
+    name, layer = layer.name, bn_layers.statistics_of(layer)
+    mean, variance = sums.population(bn_layers.unbiased_variance(layer))
     seen = sums.seen
     old_mean = layer.moving_mean.numpy().astype(np.float64)
     old_variance = layer.moving_variance.numpy().astype(np.float64)
@@ -203,7 +204,7 @@ def assign(layer: keras.layers.Layer, sums: PooledMoments) -> LayerChange:
         layer.num_batches_tracked.assign(sums.batches)
     return LayerChange(
         name=name,
-        convention=_bn_layers.variance_convention(layer),
+        convention=bn_layers.variance_convention(layer),
         old_mean=old_mean,
         new_mean=layer.moving_mean.numpy().astype(np.float64),
         old_variance=old_variance,
@@ -298,7 +299,7 @@ def settle(
     rounded = _rounded_weights(layer)
     if rounded is None:  # a BN, or float weights: nothing rounds
         return assign(layer, pooled())
-    epsilon = _bn_layers.statistics_of(layer).epsilon
+    epsilon = bn_layers.statistics_of(layer).epsilon
     passes: list[tuple[PooledMoments, LayerChange, int]] = []  # (moments, change, moved)
     errors: list[float] = []  # errors[k]: pass k's distance from its own weights
     while True:
@@ -369,7 +370,7 @@ def _distance(earlier: LayerChange, later: LayerChange, epsilon: float) -> float
 def _rounded_weights(layer: keras.layers.Layer) -> np.ndarray | None:
     """The integers a folding layer's kernel rounds to now (they depend on its statistics);
     None for a BN, or float weights."""
-    if not _bn_layers.folds_batch_norm(layer) or layer.weight_bits is None:
+    if not bn_layers.folds_batch_norm(layer) or layer.weight_bits is None:
         return None
     q: np.ndarray = layer.weight_grids()["kernel"].q
     return q
@@ -439,7 +440,7 @@ def in_call_order(
             bar.set_description(layer.name)
 
             def pooled(layer: keras.layers.Layer = layer, index: int = index) -> PooledMoments:
-                sums = PooledMoments.for_layer(_bn_layers.statistics_of(layer))
+                sums = PooledMoments.for_layer(bn_layers.statistics_of(layer))
                 for x in inputs:
                     sums.add(*[np.asarray(t) for t in traced(x)[index]])
                     bar.update(1)

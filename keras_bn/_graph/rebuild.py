@@ -20,7 +20,7 @@ import dataclasses
 import keras
 from keras.src.saving.serialization_lib import SafeModeScope
 
-from keras_bn import _bn_layers, _models
+from keras_bn._graph import bn_layers, models
 
 L = keras.layers
 
@@ -38,7 +38,7 @@ class Graph:
     """Who feeds whom in a Functional graph, for the fold decisions.
 
     Args:
-        graph: a Functional model (`_models.layer_graph` of a Sequential or Functional one).
+        graph: a Functional model (`models.layer_graph` of a Sequential or Functional one).
     """
 
     def __init__(self, graph):
@@ -157,7 +157,7 @@ def channel_axis(layer, rank):
 
 def bn_axes(bn, node):
     """The BN's channel axes for the input of `node`."""
-    return _bn_layers.channel_axes(bn, len(node.input_tensors[0].shape))
+    return bn_layers.channel_axes(bn, len(node.input_tensors[0].shape))
 
 
 def channels_first(layer):
@@ -177,8 +177,8 @@ def unseen_batch_norms(layer, prefix, reader="the fold"):
         A list: `layer` itself if it subclasses a BN class (kind "subclass"), else every BN
         inside it (kind "inside_layer"), with its path.
     """
-    if _bn_layers.is_batch_norm(layer):  # not an exact BN type (those were handled)
-        base = "keras_bn" if isinstance(layer, _bn_layers.KERAS_BN_BN) else "keras.layers"
+    if bn_layers.is_batch_norm(layer):  # not an exact BN type (those were handled)
+        base = "keras_bn" if isinstance(layer, bn_layers.KERAS_BN_BN) else "keras.layers"
         return [
             (
                 prefix + layer.name,
@@ -200,7 +200,7 @@ def unseen_batch_norms(layer, prefix, reader="the fold"):
             ),
             "inside_layer",
         )
-        for path, bn in _bn_layers.batch_norms_inside(layer)
+        for path, bn in bn_layers.batch_norms_inside(layer)
     ]
 
 
@@ -226,13 +226,13 @@ def copy_layer(layer, use_bias=None):
             name=layer.name,
             dtype=layer.dtype_policy,
         )
-    config = _models.config_of(layer)
+    config = models.config_of(layer)
     if use_bias is not None:
         config["use_bias"] = use_bias
     # The config comes from a live layer, not from a file: a Lambda's function is already
     # loaded in this process, so safe mode (which guards files) has nothing to guard here.
     with SafeModeScope(False):
-        return _models.from_config(layer, config)
+        return models.from_config(layer, config)
 
 
 def rebuild(model, graph, copies, dropped=(), after=None, input_layers=None):
@@ -240,7 +240,7 @@ def rebuild(model, graph, copies, dropped=(), after=None, input_layers=None):
 
     Args:
         model: the Sequential or Functional model.
-        graph: its Functional graph (`_models.layer_graph(model, ...)`).
+        graph: its Functional graph (`models.layer_graph(model, ...)`).
         copies: {id(operation): what computes it in the new model}, for every operation of
             the graph that is not dropped (a stateless operation may map to itself).
         dropped: ids of the operations that become the identity (their first input passes
