@@ -110,7 +110,7 @@ def measure(
     if not hosts:
         return []
     inputs = trace.spread_samples(inputs, defaults.PROBE_SAMPLES)
-    if backend.name() == "tensorflow":
+    if backend.get().traced_functions_read_weights():
         infer = trace.inference_function(folded_model, sig)
         tensors = [inputs[name] for name in sig.input_names]
 

@@ -89,10 +89,9 @@ class _Watcher:
         """
         if self.done or "keras" not in self.loaded:
             return self.done
-        found = backend.name()
-        if found not in backend.SUPPORTED:
+        if not backend.is_supported():
             self.done = True  # nothing of keras_bn's can run there
-        elif found != "tensorflow" or "tensorflow" in self.loaded:
+        elif not backend.loads_tensorflow() or "tensorflow" in self.loaded:
             self.done = True
             _register()
         return self.done

@@ -227,7 +227,7 @@ def _at_initial_values(layer: keras.layers.Layer) -> bool:
     )
     for variable, initializer in pairs:
         first, second = (
-            np.asarray(initializer(variable.shape, dtype=variable.dtype)) for _ in range(2)
+            backend.to_numpy(initializer(variable.shape, dtype=variable.dtype)) for _ in range(2)
         )
         if not np.array_equal(first, second) or not np.array_equal(variable.numpy(), first):
             return False
@@ -267,9 +267,9 @@ def _data_findings(
             recorded, inferred = infer(x)
             degenerate = False  # some BN channel gets m ≤ 1: no batch statistics, it outputs β
             for index, (mean, variance, count) in recorded.items():
-                count = np.asarray(count)
+                count = backend.to_numpy(count)
                 counts[index].append(float(np.median(count)))
-                sums[index].add(np.asarray(mean), np.asarray(variance), count)  # skips m ≤ 1
+                sums[index].add(mean, variance, count)  # skips m ≤ 1
                 degenerate = degenerate or bool(np.any(count < 2))
             if degenerate:  # no training-mode pass: its outputs would be the guard's (and a
                 continue  # static batch of one sample is an error in training mode)
@@ -356,12 +356,12 @@ def _data_findings(
 
 
 def _flat(outputs: Any) -> list[np.ndarray]:
-    return [np.asarray(t, dtype=np.float64) for t in keras.tree.flatten(outputs)]
+    return [backend.to_numpy(t, np.float64) for t in keras.tree.flatten(outputs)]
 
 
 def _check_finite(x: Any, number: int) -> None:
     for array in keras.tree.flatten(x):
-        array = np.asarray(array)
+        array = backend.to_numpy(array)
         if np.issubdtype(array.dtype, np.floating) and not np.all(np.isfinite(array)):
             where = tuple(int(i) for i in np.argwhere(~np.isfinite(array))[0])
             raise ValueError(

@@ -309,6 +309,56 @@ def _importable(backend_name):
     return importlib.util.find_spec(backend_name) is not None
 
 
+# The calls that tell which backend Keras runs: `keras_bn.backend.name()`,
+# `keras.backend.backend()` and `keras.config.backend()`.
+_NAME_CALLS = {("backend", "name"), ("keras.backend", "backend"), ("keras.config", "backend")}
+
+
+def _dotted(node):
+    """ "a.b.c" for a chain of attribute reads on a name, else None."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = _dotted(node.value)
+        return None if base is None else f"{base}.{node.attr}"
+    return None
+
+
+def backend_name_calls(path):
+    """The lines of `path` that ask for the Keras backend's name."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and (_dotted(node.func.value), node.func.attr) in _NAME_CALLS
+        ):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_no_backend_name_branch_outside_the_backends():
+    """Code outside keras_bn/backend/ asks the backend for what it can do
+    (`backend.get().takes_tf_data()`, ...), never which one it is: a new backend then needs
+    no change outside its own folder."""
+    found = {
+        module: backend_name_calls(path)
+        for module, path in project_modules(PACKAGES).items()
+        if not module.startswith("keras_bn.backend")
+    }
+    assert not {module: lines for module, lines in found.items() if lines}
+
+
+def test_the_name_call_finder_sees_each_form(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text(
+        "import keras\nfrom keras_bn import backend\n"
+        "a = backend.name() == 'jax'\nb = keras.backend.backend()\nc = keras.config.backend()\n"
+        "d = backend.get().takes_tf_data()\n"
+    )
+    assert sorted(backend_name_calls(path)) == [3, 4, 5]
+
+
 def test_each_backend_exposes_the_same_interface():
     """keras_bn/backend/{tensorflow,jax,torch} each have every function of the interface, with
     the same parameters (names and defaults): imported where this Python has the framework,

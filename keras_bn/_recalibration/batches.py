@@ -138,7 +138,7 @@ def _checked_x(x: Any) -> int:
     """The number of samples of x (an array or a list of arrays; a dict is checked by
     `split`); a ValueError naming the lengths when a list's arrays differ."""
     if isinstance(x, dict):
-        return len(np.asarray(next(iter(x.values())))) if x else 0
+        return len(backend.to_numpy(next(iter(x.values())))) if x else 0
     lengths = _samples(x) or [0]
     if len(set(lengths)) != 1:
         shown = ", ".join(f"input {i} has {n} samples" for i, n in enumerate(lengths))
@@ -205,7 +205,7 @@ class Batches:
 
     def __iter__(self) -> Iterator[Any]:
         data = self._data
-        if _cardinality(data) is not None and backend.name() != "tensorflow":
+        if _cardinality(data) is not None and not backend.get().takes_tf_data():
             data = typing.cast(Any, data).as_numpy_iterator()
         for element in take(data, self._steps):
             yield element if self._whole else keras.utils.unpack_x_y_sample_weight(element)[0]
@@ -265,7 +265,7 @@ def split(data: np.ndarray | dict[str, Any] | list[Any], batch_size: int) -> lis
             [array[i : i + batch_size] for array in data]
             for i in range(0, len(data[0]), batch_size)
         ]
-    arrays = {name: np.asarray(value) for name, value in data.items()}
+    arrays = {name: backend.to_numpy(value) for name, value in data.items()}
     lengths = {name: len(array) for name, array in arrays.items()}
     if not arrays or len(set(lengths.values())) != 1:
         raise ValueError(

@@ -16,6 +16,8 @@ from typing import Any
 import keras
 import numpy as np
 
+from keras_bn import backend
+
 # The default budget: 2 GiB, or half the memory available when the frontier opens if less.
 DEFAULT_MAX_MEMORY = 2 * 1024**3
 
@@ -75,7 +77,7 @@ class _Spilled:
     """A tensor written to a memmap file, read back as a tensor of its backend on `load`."""
 
     def __init__(self, directory: str, name: str, tensor: Any) -> None:
-        array = np.asarray(tensor)
+        array = backend.to_numpy(tensor)
         self.path = os.path.join(directory, name)
         self.shape, self.dtype = array.shape, array.dtype
         written = np.memmap(self.path, dtype=self.dtype, mode="w+", shape=self.shape)

@@ -130,15 +130,15 @@ class PooledMoments:
             variance: the batch's per-channel biased variance.
             count: m_c, per channel or one number for all.
         """
-        mean = np.asarray(mean, np.float64)
-        count = np.broadcast_to(np.asarray(count, np.float64), mean.shape)
+        mean = backend.to_numpy(mean, np.float64)
+        count = np.broadcast_to(backend.to_numpy(count, np.float64), mean.shape)
         used = count >= 2
         if self.whole_batches and not used.all():
             used = np.zeros_like(used)
         if not used.any():
             self.skipped += 1
             return
-        variance = np.asarray(variance, np.float64)
+        variance = backend.to_numpy(variance, np.float64)
         finite = np.isfinite(mean) & np.isfinite(variance)
         if self.first_non_finite is None and not finite[used].all():
             self.first_non_finite = self.batches + self.skipped
@@ -442,7 +442,7 @@ def in_call_order(
             def pooled(layer: keras.layers.Layer = layer, index: int = index) -> PooledMoments:
                 sums = PooledMoments.for_layer(bn_layers.statistics_of(layer))
                 for x in inputs:
-                    sums.add(*[np.asarray(t) for t in traced(x)[index]])
+                    sums.add(*traced(x)[index])
                     bar.update(1)
                 check_count(sums.batches + sums.skipped)
                 return sums

@@ -40,7 +40,6 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import keras
-import numpy as np
 from keras.src.backend import get_keras_mask, set_keras_mask
 from keras.src.models.functional import Functional, operation_fn
 
@@ -349,7 +348,7 @@ def run(
                 for tensor, (value, mask) in zip(segment.outputs, outputs):
                     kept.put(tensor, batch, value, mask)
                 if boundary.kind == "record":
-                    sums.add(*[np.asarray(moment) for moment in moments])
+                    sums.add(*moments)
                     bar.update(1)
                 count = max(count, batch + 1)
             if number == 0:
@@ -417,7 +416,7 @@ def _settling_passes(
             return recorded
         sums = layerwise.PooledMoments.for_layer(bn_layers.statistics_of(layer))
         for moments in compiled.settling_pass(number, frontier, count):
-            sums.add(*[np.asarray(moment) for moment in moments])
+            sums.add(*moments)
             bar.update(1)
         return sums
 

@@ -12,6 +12,9 @@ The interface is `INTERFACE`, each backend module's `__all__`.
 
 import importlib
 import types
+import typing
+
+import numpy as np
 
 # The functions every backend module exposes, with the same signatures (its `__all__`).
 INTERFACE = (
@@ -60,6 +63,10 @@ INTERFACE = (
     "activation_step",
     "round_bias",
     "halves_away_from_int8_zero",
+    # what the backend can do, which shared code asks instead of the backend's name
+    "takes_tf_data",
+    "traced_functions_read_weights",
+    "bias_add_may_miss_channels_first",
 )
 # The Keras backends keras_bn runs on, each a subpackage here.
 SUPPORTED = ("tensorflow", "jax", "torch")
@@ -76,6 +83,44 @@ def name() -> str:
     import keras
 
     return keras.backend.backend()
+
+
+def is_supported() -> bool:
+    """Whether Keras's backend is one keras_bn runs on (imports keras, not the backend).
+
+    Returns:
+        bool.
+    """
+    return name() in SUPPORTED
+
+
+def loads_tensorflow() -> bool:
+    """Whether Keras's backend is TensorFlow's, whose modules must have finished loading before
+    keras_bn's layers register (keras_bn/_registration.py); the backend module itself is not
+    imported (it would import the framework).
+
+    Returns:
+        bool.
+    """
+    return name() == "tensorflow"
+
+
+def to_numpy(x: typing.Any, dtype: typing.Any = None) -> np.ndarray:
+    """`x` (a backend tensor, a Keras variable, a numpy array or a Python number) as a numpy
+    array in host memory: the one conversion that code outside this package makes, since a
+    tensor on an accelerator refuses `np.asarray` (a CUDA torch tensor's `__array__` raises).
+
+    Args:
+        x: the value.
+        dtype: the numpy dtype wanted, or None for x's own.
+
+    Returns:
+        np.ndarray.
+    """
+    import keras
+
+    array = keras.ops.convert_to_numpy(x)
+    return np.asarray(array, dtype=dtype)
 
 
 def get(what: str = "keras_bn") -> types.ModuleType:

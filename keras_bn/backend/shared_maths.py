@@ -343,6 +343,23 @@ def specialized(function, signatures):
     return function
 
 
+def takes_tf_data():
+    """False: a tf.data dataset's elements are TensorFlow tensors, read here as numpy arrays."""
+    return False
+
+
+def traced_functions_read_weights():
+    """False: a function traced here keeps the weights it saw as constants (JAX's jit), or is
+    not traced at all (PyTorch): running the model is what sees its current weights."""
+    return False
+
+
+def bias_add_may_miss_channels_first():
+    """False: Keras adds a channels_first layer's bias on its channel axis here, as numpy
+    broadcasting does."""
+    return False
+
+
 # The interface's functions (keras_bn/backend/__init__.py) defined here, which the JAX and
 # PyTorch backend packages import with `*`.
 __all__ = [name for name in INTERFACE if name in globals()]

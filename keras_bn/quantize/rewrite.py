@@ -516,7 +516,7 @@ class _ModelRewrite:
         ChannelBias) adds it on the channel axis. Under JAX Keras's add broadcasts as numpy
         does, so the float model is right and there is nothing to note."""
         if not (
-            backend.name() == "tensorflow"
+            backend.get().bias_add_may_miss_channels_first()
             and type(operation) in _BIAS_ADDING
             and rebuild.channels_first(operation)
             and operation.use_bias

@@ -267,6 +267,23 @@ def fused_layout(x, channel_axes, epsilon):
     return fused.fused_data_format(x, channel_axes, epsilon)
 
 
+def takes_tf_data():
+    """True: a tf.data dataset's tensors feed the model as they are."""
+    return True
+
+
+def traced_functions_read_weights():
+    """True: a tf.function reads the model's variables each time it runs."""
+    return True
+
+
+def bias_add_may_miss_channels_first():
+    """True: Keras 3.15's TensorFlow backend adds the bias of a channels_first Dense or
+    convolution on the output's last axis when that axis has as many entries as there are
+    channels (or an unknown size), not on the channel axis."""
+    return True
+
+
 def cond(flag, compute, otherwise):
     """compute() where the scalar `flag` is true, else otherwise(): tf.cond, which runs one
     branch (a select would cost a pass over the tensor and one more over its gradient, for a
