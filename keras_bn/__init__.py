@@ -1,4 +1,4 @@
-"""keras-bn: batch normalization for Keras 3 (TensorFlow and JAX backends).
+"""keras-bn: batch normalization for Keras 3 (TensorFlow, JAX and PyTorch backends).
 
 - `BatchNormalization`: a drop-in for keras.layers.BatchNormalization with a hand-written
   gradient, unbiased population statistics, synchronized replicas, renorm and ghost batches.
@@ -13,12 +13,12 @@
 - `UnsupportedModelError`: a model structure the fold, the exporters or `convert` cannot take.
 - `KerasBNWarning`: what keras_bn warns with (something ran, but probably not as intended).
 
-`import keras_bn` is light: each name is imported on first use, and nothing imports TensorFlow
-or JAX but the backend Keras runs on (keras_bn/backend/). Everything runs under the TensorFlow
-and JAX Keras backends, TensorFlow optional under JAX, except the TFLite and ONNX writers and
-the diagnostics' gradient probes, which need TensorFlow (docs/guide/backends.md). Once Keras is
-imported, keras_bn's layers are registered with it, so `keras.saving.load_model` reads
-`.keras` files that hold them.
+`import keras_bn` is light: each name is imported on first use, and nothing imports TensorFlow,
+JAX or PyTorch but the backend Keras runs on (keras_bn/backend/). Everything runs under the
+TensorFlow, JAX and PyTorch Keras backends, TensorFlow optional under the other two, except the
+TFLite and ONNX writers and the diagnostics' gradient probes, which need TensorFlow
+(docs/guide/backends.md). Once Keras is imported, keras_bn's layers are registered with it, so
+`keras.saving.load_model` reads `.keras` files that hold them.
 """
 
 import typing

@@ -15,9 +15,9 @@ by `import keras_bn`:
   imports keras halfway through, and `import keras` imports tensorflow: whichever finishes
   last triggers it, so neither is half-initialized when keras_bn's modules run).
 
-Under TensorFlow and JAX every registering module is imported; under any other backend nothing
-is registered, and the first use of a keras_bn name raises the backend guard's ImportError
-(keras_bn/backend/__init__.py).
+Under TensorFlow, JAX and PyTorch every registering module is imported; under any other
+backend nothing is registered, and the first use of a keras_bn name raises the backend guard's
+ImportError (keras_bn/backend/__init__.py).
 """
 
 import importlib

@@ -13,8 +13,8 @@ For the probes, "layers" are the entries of `model.layers` that own a `kernel` v
 Conv, ...), in that order; nested models are not searched. Losses are evaluated with
 `training=True` by default, so BN layers use batch statistics, as during a training step.
 Every function leaves the model (trainable and moving statistics alike) and the optimizer
-exactly as it found them. `check_batchnorm` runs under TensorFlow and JAX; the gradient probes
-need TensorFlow (under JAX they raise ImportError).
+exactly as it found them. `check_batchnorm` runs under every backend; the gradient probes need
+TensorFlow (under JAX and PyTorch they raise ImportError).
 """
 
 from collections.abc import Callable, Iterable, Sequence

@@ -373,7 +373,8 @@ class BatchNormalization(ShapePreserving, keras.layers.Layer):
         return ops.reshape_like(y, inputs), mean, variance, count
 
     def _require_two_values(self, count: int, shape: Sequence[int | None]) -> None:
-        """Raise for a static m ≤ 1 in training (see `_zero_unless_enough`)."""
+        """Raise for a static m ≤ 1 in training (a traced one is the backend's
+        `zero_unless_enough`)."""
         if count < 2:
             raise ValueError(
                 f"BatchNormalization layer '{self.name}' in training mode needs at least "

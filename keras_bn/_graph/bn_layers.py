@@ -12,7 +12,7 @@ with the same meaning, except:
   does not fit (`keras_bn.backend.axes.mask_axes`).
 
 Folding (keras_bn.export), `recalibrate` and `convert` all work from this one description,
-which holds under TensorFlow and JAX alike (the TensorFlow-only features guard themselves).
+which holds under every backend alike (the TensorFlow-only features guard themselves).
 """
 
 import keras

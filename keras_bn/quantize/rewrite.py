@@ -135,7 +135,7 @@ def quantize_model(
         UnsupportedModelError: the model, or a nested one holding a host or BN, is subclassed
             (it has no layer graph) or an unbuilt Sequential, or a layer's config does not
             round-trip.
-        ImportError: Keras runs on another backend than TensorFlow or JAX.
+        ImportError: Keras runs on another backend than TensorFlow, JAX or PyTorch.
 
     Example::
 
