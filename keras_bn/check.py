@@ -19,7 +19,7 @@ from keras_bn._graph import augmentation as _augmentation
 from keras_bn._graph import bn_layers
 from keras_bn._recalibration import hooks
 from keras_bn._recalibration.batches import Batches, Data, input_count
-from keras_bn.population import PooledMoments
+from keras_bn._recalibration.statistics import PooledMoments
 
 #: stale_statistics: the largest |moving mean − input mean|, in input standard deviations.
 STALE_MEAN_SHIFT = 0.5

@@ -47,7 +47,9 @@ from keras_bn._graph import bn_layers
 from keras_bn._recalibration import frontier, one_pass
 from keras_bn._recalibration.batches import Batches, Data, input_count
 from keras_bn._recalibration.hooks import Snapshot
-from keras_bn._recalibration.layerwise import LayerChange, PooledMoments, ProgressBar, in_call_order
+from keras_bn._recalibration.layerwise import in_call_order
+from keras_bn._recalibration.progress import ProgressBar
+from keras_bn._recalibration.statistics import LayerChange, PooledMoments
 
 __all__ = ["LayerChange", "PooledMoments", "RecalibrationReport", "recalibrate"]
 
@@ -293,7 +295,9 @@ def recalibrate_layers(
     if not one_pass.walkable(model):
         return recalibrate_per_layer(model, layers, batches, progress)
     with _kept_on_failure(model, layers), ProgressBar(progress) as bar:
-        result = one_pass.run(model, layers, batches, bar, check_max_memory(max_memory))
+        result = one_pass.run(
+            model, layers, batches, bar, check_max_memory(max_memory), per_layer=in_call_order
+        )
     return RecalibrationReport(
         layers=result.changes,
         batches=result.batches,

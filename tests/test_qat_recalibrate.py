@@ -14,7 +14,7 @@ import quantize_reference as ref
 
 import keras_bn
 from keras_bn import population
-from keras_bn._recalibration import layerwise
+from keras_bn._recalibration import progress, statistics
 from keras_bn.quantize import FreezeBatchNorm, QuantizedHostBatchNorm, quantize_model
 
 L = keras.layers
@@ -216,10 +216,10 @@ def test_the_passes_bring_a_4_bit_per_tensor_layer_closer_to_its_own_integers():
     after one pass, 0.02σ and 0.04σ after ten under TensorFlow; 0.04σ and 0.09σ, 0.02σ and
     0.03σ under JAX)."""
     distances = {}
-    for limit in (1, layerwise.MAX_SETTLING_PASSES):
+    for limit in (1, statistics.MAX_SETTLING_PASSES):
         qat, x = _stale_per_tensor_qat(4)
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(layerwise, "MAX_SETTLING_PASSES", limit)
+            patch.setattr(statistics, "MAX_SETTLING_PASSES", limit)
             with pytest.warns(keras_bn.KerasBNWarning, match="did not settle"):
                 report = keras_bn.recalibrate(qat, x, batch_size=BATCH, progress=False)
         distances[limit] = [
@@ -228,7 +228,7 @@ def test_the_passes_bring_a_4_bit_per_tensor_layer_closer_to_its_own_integers():
         ]
         if limit == 1:  # one pass cannot know how far it is
             assert all(change.settling_error == np.inf for change in report.layers)
-    one, settled = distances[1], distances[layerwise.MAX_SETTLING_PASSES]
+    one, settled = distances[1], distances[statistics.MAX_SETTLING_PASSES]
     assert all(a > 1.5 * b for a, b in zip(one, settled)), distances
 
 
@@ -375,7 +375,7 @@ def test_a_qat_layers_settling_passes_run_it_alone_and_trace_once(monkeypatch):
     qat, x = _deep_qat(per_channel=False)
     bars = []
 
-    class Counted(layerwise.ProgressBar):
+    class Counted(progress.ProgressBar):
         done = 0
 
         def update(self, steps):
@@ -428,13 +428,13 @@ def test_per_channel_passes_stop_after_the_second(shift):
     means = iter([[0.0, 0.0, 0.0], [0.0, shift, 0.0], [0.0, 9.0, 0.0]])
 
     def pooled():
-        sums = layerwise.PooledMoments()
+        sums = statistics.PooledMoments()
         sums.add(next(means), [1.0, 1.0, 1.0], 20)
         return sums
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        change = layerwise.settle(layer, pooled)
+        change = statistics.settle(layer, pooled)
     sigma = np.sqrt(20 / 19 + layer.batch_norm.epsilon)  # the unbiased variance's σ
     assert (change.passes, change.unsettled_weights) == (2, 1)
     np.testing.assert_allclose(change.settling_error, shift / sigma, rtol=1e-5)

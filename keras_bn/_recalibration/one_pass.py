@@ -7,7 +7,7 @@ Keras's own `Functional._run_through_graph` runs them, cut into segments at the 
 segment runs, as one compiled tf.function, every node after one BN up to the next BN's input,
 and records that input's moments as the per-layer method does (`_hooks.BatchNormCalls`, masks
 read as the layer reads them). Once every batch has gone through a segment, its BN's Algorithm 2
-statistics are set (`layerwise.assign`), and the next segment starts with that BN: every
+statistics are set (`statistics.assign`), and the next segment starts with that BN: every
 tensor a segment computes comes from nodes upstream of it, which already use their new
 statistics, so each BN's statistics are exactly the per-layer method's. Between segments the
 frontier (the tensors that later nodes still read, for every batch) is kept in a
@@ -16,7 +16,7 @@ frontier (the tensors that later nodes still read, for every batch) is kept in a
 
 A QAT layer that folds its BN (`keras_bn.quantize`) ends a segment as a BN does, its first
 pass recorded inside the compiled segment. Its statistics decide how its kernel rounds, so it
-may take more passes to reach a fixed point (`layerwise.settle`: at most one more with
+may take more passes to reach a fixed point (`statistics.settle`: at most one more with
 per-channel weight ranges, up to 10 in all with a per-tensor range): its inputs stay in the
 frontier after its segment, and each further pass runs that layer alone over them, as one
 compiled function per such layer kept with the segments' (a second recalibration traces
@@ -46,10 +46,11 @@ from keras.src.models.functional import Functional, operation_fn
 from keras_bn import backend
 from keras_bn._errors import UnsupportedModelError
 from keras_bn._graph import bn_layers, models
-from keras_bn._recalibration import layerwise
+from keras_bn._recalibration import statistics
 from keras_bn._recalibration.batches import Batches
 from keras_bn._recalibration.frontier import Frontier
 from keras_bn._recalibration.hooks import BatchNormCalls, shared_error
+from keras_bn._recalibration.progress import ProgressBar
 
 
 def walkable(model: Any) -> bool:
@@ -78,7 +79,7 @@ class _Step:
     graph: Any = None  # "enter": the Functional whose inputs it writes
     layers: tuple[int, ...] = ()  # "record": (its BN's index); "fallback": the BNs inside
     # "record" of a layer that folds its BN (QAT): its inputs stay in the frontier after its
-    # segment, for the settling passes of that layer alone (`layerwise.settle`).
+    # segment, for the settling passes of that layer alone (`statistics.settle`).
     settles: bool = False
 
 
@@ -289,7 +290,7 @@ class Result:
             hides it, its path and why.
     """
 
-    changes: tuple[layerwise.LayerChange, ...]
+    changes: tuple[statistics.LayerChange, ...]
     not_called: tuple[int, ...]
     batches: int | None
     strategy: str
@@ -303,8 +304,9 @@ def run(
     model: keras.Model,
     layers: Sequence[keras.layers.Layer],
     batches: Batches,
-    bar: layerwise.ProgressBar,
+    bar: ProgressBar,
     max_memory: int,
+    per_layer: Callable[..., statistics.Recalibrated],
 ) -> Result:
     """Recalibrate `layers` of a walkable `model` in one pass over `batches`.
 
@@ -314,6 +316,8 @@ def run(
         batches: the input batches.
         bar: the progress bar.
         max_memory: the bytes the frontier may hold in memory before it spills to disk.
+        per_layer: the per-layer method (`layerwise.in_call_order`), for the BN layers a
+            custom layer hides from the walk: the one pass runs that layer as one node.
 
     Returns:
         A `Result`.
@@ -329,18 +333,18 @@ def run(
         return Result((), tuple(range(len(layers))), batches.count, "one_pass", 0.0, 0, 0, ())
     recorded = sum(segment.boundary.kind == "record" for segment in plan.segments)
     bar.add_total(recorded * batches.count if batches.count is not None else None)
-    changes: list[layerwise.LayerChange] = []
+    changes: list[statistics.LayerChange] = []
     not_called: list[int] = []
     evaluations = sum(step.kind == "call" for step in plan.steps)  # per batch
     with compiled.statistics, Frontier(max_memory) as kept:
         count = 0
         for number, segment in enumerate(plan.segments):
             boundary = segment.boundary
-            sums = layerwise.PooledMoments()
+            sums = statistics.PooledMoments()
             if boundary.kind == "record":
                 layer = layers[boundary.layers[0]]
                 bar.set_description(layer.name)
-                sums = layerwise.PooledMoments.for_layer(bn_layers.statistics_of(layer))
+                sums = statistics.PooledMoments.for_layer(bn_layers.statistics_of(layer))
             for batch, outputs, moments in compiled.segment(number, batches, kept, count):
                 for tensor in segment.inputs:
                     if plan.last_read[tensor] <= number:
@@ -356,9 +360,9 @@ def run(
                     batches.first()  # raises: `data` gave no batch
                 batches.check_count(count)
             if boundary.kind == "record" and not boundary.settles:
-                changes.append(layerwise.assign(layers[boundary.layers[0]], sums))
+                changes.append(statistics.assign(layers[boundary.layers[0]], sums))
             elif boundary.kind == "record":
-                change = layerwise.settle(
+                change = statistics.settle(
                     layers[boundary.layers[0]],
                     _settling_passes(compiled, number, sums, kept, count, bar),
                     functools.partial(bar.add_total, count),
@@ -366,7 +370,7 @@ def run(
                 changes.append(change)
                 evaluations += change.passes - 1  # the layer alone, once per batch per pass
             else:
-                done = layerwise.in_call_order(
+                done = per_layer(
                     [layers[i] for i in boundary.layers],
                     functools.partial(_call_bound, compiled, boundary),
                     _FrontierInputs(kept, boundary.reads, count),
@@ -399,22 +403,22 @@ def run(
 def _settling_passes(
     compiled: "_Compiled",
     number: int,
-    first: layerwise.PooledMoments,
+    first: statistics.PooledMoments,
     frontier: Frontier,
     count: int,
-    bar: layerwise.ProgressBar,
-) -> Callable[[], layerwise.PooledMoments]:
+    bar: ProgressBar,
+) -> Callable[[], statistics.PooledMoments]:
     """`settle`'s passes for the QAT layer at the boundary of segment `number`: the moments
     its segment recorded (`first`), then, for each later pass, those of that layer alone run
     over its inputs kept in the frontier."""
     passes = iter([first])
     layer = compiled.plan.layers[compiled.plan.segments[number].boundary.layers[0]]
 
-    def pooled() -> layerwise.PooledMoments:
+    def pooled() -> statistics.PooledMoments:
         recorded = next(passes, None)
         if recorded is not None:
             return recorded
-        sums = layerwise.PooledMoments.for_layer(bn_layers.statistics_of(layer))
+        sums = statistics.PooledMoments.for_layer(bn_layers.statistics_of(layer))
         for moments in compiled.settling_pass(number, frontier, count):
             sums.add(*moments)
             bar.update(1)
