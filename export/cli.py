@@ -41,9 +41,9 @@ import zipfile
 from collections.abc import Callable
 from typing import Any
 
-import keras_bn
 from keras_bn import _quiet
 from keras_bn._errors import one_line
+from keras_bn._version import __version__
 from keras_bn.export import defaults
 
 if typing.TYPE_CHECKING:  # imported where used, after a fast usage check
@@ -145,7 +145,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--atol", type=float, metavar="TOL", help="deprecated: the old name of --scale-tolerance"
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {keras_bn.__version__}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     return parser
 
 
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         print(
             f"keras-bn-export: internal error: {type(error).__name__}: {one_line(error)}\n"
-            f"This is a bug in keras-bn-export {keras_bn.__version__}, not in your model or "
+            f"This is a bug in keras-bn-export {__version__}, not in your model or "
             f"arguments: please report it with the traceback above and the command line.",
             file=sys.stderr,
         )
@@ -276,16 +276,11 @@ def _export(args: argparse.Namespace, stage: Callable[[str], None]) -> dict[str,
     import numpy as np
     from tensorflow.lite.python.convert import ConverterError
 
-    from keras_bn.export import (
-        VerificationError,
-        atomic,
-        export_onnx,
-        export_tflite,
-        fold_batch_norms,
-        pipeline,
-        qat,
-        trace,
-    )
+    from keras_bn.export import atomic, pipeline, qat, trace
+    from keras_bn.export.graph import fold_batch_norms
+    from keras_bn.export.onnx import export_onnx
+    from keras_bn.export.report import VerificationError
+    from keras_bn.export.tflite import export_tflite
 
     for output in (args.tflite, args.onnx, args.report):
         if output:

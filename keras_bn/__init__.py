@@ -25,6 +25,7 @@ import typing
 
 from keras_bn import _lazy, _registration
 from keras_bn._errors import KerasBNWarning, UnsupportedModelError
+from keras_bn._version import __version__ as __version__
 
 if typing.TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from keras_bn import callbacks, convert, diagnostics, quantize
@@ -43,7 +44,6 @@ __all__ = [
     "quantize",
     "recalibrate",
 ]
-__version__ = "0.1.0"
 
 __getattr__, __dir__ = _lazy.attach(
     globals(),

@@ -15,9 +15,12 @@ Folding (keras_bn.export), `recalibrate` and `convert` all work from this one de
 which holds under every backend alike (the TensorFlow-only features guard themselves).
 """
 
+from typing import Any
+
 import keras
 import numpy as np
 
+from keras_bn import backend
 from keras_bn._errors import UnsupportedModelError
 from keras_bn.layers import BatchNormalization
 
@@ -150,3 +153,25 @@ def refuse_folded(model, action):
             f"keras_bn.quantize.quantize_model; during QAT the layers keep moving averages of "
             f"their batch statistics until FreezeBatchNorm freezes them."
         )
+
+
+def batch_moments(layer: keras.layers.Layer, inputs: Any, mask: Any) -> tuple[Any, Any, Any]:
+    """(mean, biased variance, m) of a BN layer's input over its reduced axes (unmasked values
+    only), in the layer's statistics dtype and its moving statistics' shape; m per channel.
+
+    The mask is read as the layer itself reads it in training (the backend's `expand_mask`):
+    Keras's reading for both classes, keras_bn's non-channel reading only for keras_bn's
+    layer, so that the moments are those the layer's own training step computes. The moments
+    are the backend's `input_moments`.
+    """
+    ops = backend.get()
+    x = keras.ops.cast(inputs, ops.statistics_dtype(inputs.dtype))
+    axes = channel_axes(layer, len(x.shape))
+    if mask is not None:
+        mask = ops.expand_mask(mask, x, axes, channel_reading=reads_channel_masks(layer))
+    mean, variance = ops.input_moments(x, axes, mask)
+    # m_c per channel: a mask may leave the channels different counts.
+    count = keras.ops.zeros_like(mean) + keras.ops.cast(ops.element_count(x, axes, mask), x.dtype)
+    shape = tuple(layer.moving_mean.shape)
+    mean, variance, count = (keras.ops.reshape(t, shape) for t in (mean, variance, count))
+    return mean, variance, count

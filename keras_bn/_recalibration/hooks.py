@@ -176,33 +176,7 @@ def layer_moments(layer: keras.layers.Layer, inputs: Any, mask: Any) -> Moments:
     Keras passes it none)."""
     if bn_layers.folds_batch_norm(layer):
         return layer.batch_norm_moments(inputs)
-    return batch_moments(layer, inputs, mask)
-
-
-def batch_moments(layer: keras.layers.Layer, inputs: Any, mask: Any) -> Moments:
-    """(mean, biased variance, m) of a BN layer's input over its reduced axes (unmasked values
-    only), in the layer's statistics dtype and its moving statistics' shape; m per channel.
-
-    The mask is read as the layer itself reads it in training (the backend's `expand_mask`):
-    Keras's reading for both classes, keras_bn's non-channel reading only for keras_bn's
-    layer, so that the moments are those the layer's own training step computes. The moments
-    are the backend's `input_moments`.
-    """
-    ops = backend.get()
-    x = keras.ops.cast(inputs, ops.statistics_dtype(inputs.dtype))
-    channel_axes = bn_layers.channel_axes(layer, len(x.shape))
-    if mask is not None:
-        mask = ops.expand_mask(
-            mask, x, channel_axes, channel_reading=bn_layers.reads_channel_masks(layer)
-        )
-    mean, variance = ops.input_moments(x, channel_axes, mask)
-    # m_c per channel: a mask may leave the channels different counts.
-    count = keras.ops.zeros_like(mean) + keras.ops.cast(
-        ops.element_count(x, channel_axes, mask), x.dtype
-    )
-    shape = tuple(layer.moving_mean.shape)
-    mean, variance, count = (keras.ops.reshape(t, shape) for t in (mean, variance, count))
-    return mean, variance, count
+    return bn_layers.batch_moments(layer, inputs, mask)
 
 
 class Snapshot:

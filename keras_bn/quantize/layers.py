@@ -60,9 +60,8 @@ import numpy as np
 from keras import ops
 
 from keras_bn import backend
-from keras_bn._graph import models
+from keras_bn._graph import bn_layers, models
 from keras_bn._graph.bn_layers import KERAS_BN, KERAS_BN_BN
-from keras_bn._recalibration import hooks
 from keras_bn.backend.constants import MIN_RANGE
 from keras_bn.quantize import fake_quant, grids, hosts
 from keras_bn.quantize.activation import ActivationQuantizer, scalar_state, validate_momentum
@@ -742,7 +741,7 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
         _, safe_scale, view, max_abs = self._scaled_kernel(gamma, sigma)
         z = self._linear(ops.cast(inputs, "float32"), self._fake_quant(view, max_abs), False)
         normalized = z * backend.get().per_channel(1.0 / safe_scale, z, self._channel_axes(z))
-        mean, variance, count = hooks.batch_moments(self.batch_norm, normalized, None)
+        mean, variance, count = bn_layers.batch_moments(self.batch_norm, normalized, None)
         return mean + ops.reshape(bias, ops.shape(mean)), variance, count
 
     def _quantized_kernel(self) -> tuple[Any, Any, Any | None]:
