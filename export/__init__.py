@@ -30,7 +30,8 @@ from keras_bn._errors import UnsupportedModelError
 
 if typing.TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from keras_bn._graph.affine import ChannelBias, InferenceAffine
-    from keras_bn.export.graph import FoldedBN, KeptBN, fold_batch_norms
+    from keras_bn._graph.fold_plan import FoldedBN, KeptBN
+    from keras_bn.export.graph import fold_batch_norms
     from keras_bn.export.onnx import export_onnx
     from keras_bn.export.report import (
         INT8_READINESS_TOLERANCE,
@@ -66,8 +67,8 @@ __getattr__, __dir__ = _lazy.attach(
     {
         "ChannelBias": ("keras_bn._graph.affine", "ChannelBias"),
         "InferenceAffine": ("keras_bn._graph.affine", "InferenceAffine"),
-        "FoldedBN": ("keras_bn.export.graph", "FoldedBN"),
-        "KeptBN": ("keras_bn.export.graph", "KeptBN"),
+        "FoldedBN": ("keras_bn._graph.fold_plan", "FoldedBN"),
+        "KeptBN": ("keras_bn._graph.fold_plan", "KeptBN"),
         "fold_batch_norms": ("keras_bn.export.graph", "fold_batch_norms"),
         "export_onnx": ("keras_bn.export.onnx", "export_onnx"),
         "INT8_READINESS_TOLERANCE": ("keras_bn.export.report", "INT8_READINESS_TOLERANCE"),

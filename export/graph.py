@@ -1,92 +1,45 @@
-"""fold_batch_norms: find (host, BN) pairs in a Keras model and rebuild it without the BNs.
+"""fold_batch_norms: rebuild a Keras model without its BNs, folded into their neighbours.
 
-The maths lives in `keras_bn.export.fold`; this module only decides which BN folds where, and
-rebuilds the model. Sequential and Functional models are walked through their graph of nodes;
-nested models are folded on their own first and used as opaque layers of the outer graph.
-
-Each BN is folded backward into the layer that produces its input when it can be, else forward
-into the layer that consumes its output, else kept as an `InferenceAffine` layer, with the
-reason recorded. A BN the fold cannot see into (one inside a custom layer, or a subclass of a
-BN class, whose call may compute something else) is copied as it is and recorded as kept too,
-so every BN of the model is in the report. The input model is only read: every layer of the
-result is a copy.
-
-The graph walking, the decisions it shares with keras_bn.quantize's rewrite and the rebuilding
-live in keras_bn/_graph/rebuild.py.
+Which BN folds where is keras_bn/_graph/fold_plan.py's decision (each BN backward into the
+layer that produces its input when it can be, else forward into the layer that consumes its
+output, else kept, with the reason); the maths is `keras_bn.export.fold`'s; this module
+carries the plan out. Sequential and Functional models are rebuilt through their graph of
+nodes; nested models are folded on their own first and used as opaque layers of the outer
+graph. A kept BN becomes an `InferenceAffine` layer; one the fold cannot see into (inside a
+custom layer, or a subclass of a BN class) is copied as it is. The input model is only read:
+every layer of the result is a copy.
 """
 
-import dataclasses
 from typing import TypeAlias
 
 import keras
 import numpy as np
 from keras.src.ops.node import Node
 
-from keras_bn._graph import bn_layers, models, rebuild
+from keras_bn._graph import bn_layers, fold_plan, models, rebuild
 from keras_bn._graph.affine import ChannelBias, InferenceAffine
 from keras_bn.export import defaults, fold, readiness, report, trace
 from keras_bn.export.report import ChannelSpread, FoldReport
 
 L = keras.layers
 BN_TYPES = bn_layers.BN_TYPES  # exact types: a subclass is copied as it is, and kept
+FoldedBN, KeptBN = fold_plan.FoldedBN, fold_plan.KeptBN  # the report's entries
 # A host's kernels (a separable conv's depthwise, then pointwise) and bias (None without one);
 # and the folded ones of every host, by id(original host) (a fold always gives a bias).
 _HostWeights: TypeAlias = tuple[list[np.ndarray], np.ndarray | None]
 _Weights: TypeAlias = dict[int, tuple[list[np.ndarray], np.ndarray]]
 
-# Exact types, not isinstance: a subclass may change what `call` computes.
-CONV = (L.Conv1D, L.Conv2D, L.Conv3D)
-DEPTHWISE = (L.DepthwiseConv1D, L.DepthwiseConv2D)
-SEPARABLE = (L.SeparableConv1D, L.SeparableConv2D)
-TRANSPOSE = (L.Conv1DTranspose, L.Conv2DTranspose, L.Conv3DTranspose)
+CONV, DEPTHWISE = fold_plan.CONV, fold_plan.DEPTHWISE
+SEPARABLE, TRANSPOSE = fold_plan.SEPARABLE, fold_plan.TRANSPOSE
+# The maths of a backward fold into each host the plan takes (fold_plan.BACKWARD_HOSTS).
 BACKWARD_FOLDS = {L.Dense: fold.fold_dense}
 BACKWARD_FOLDS.update({t: fold.fold_conv for t in CONV})
 BACKWARD_FOLDS.update({t: fold.fold_depthwise for t in DEPTHWISE})
 BACKWARD_FOLDS.update({t: fold.fold_separable for t in SEPARABLE})
 BACKWARD_FOLDS.update({t: fold.fold_conv_transpose for t in TRANSPOSE})
-FORWARD_HOSTS = (L.Dense, *CONV)
 # Where each host's output channels lie in its (folded) kernel; the rest have them last.
 OUTPUT_LAYOUTS = {t: fold.DEPTHWISE for t in DEPTHWISE}
 OUTPUT_LAYOUTS.update({t: fold.TRANSPOSE for t in TRANSPOSE})
-
-
-@dataclasses.dataclass(frozen=True)
-class FoldedBN:
-    """A batch norm that `fold_batch_norms` folded into a neighbouring layer.
-
-    Attributes:
-        bn: the BN layer's path ("inner/bn" for a BN in the nested model "inner").
-        host: the path of the Dense/Conv layer that took it.
-        direction: "backward" (host → BN: the BN scaled the host's output channels) or
-            "forward" (BN → host: the BN scaled the next layer's input channels).
-    """
-
-    bn: str
-    host: str
-    direction: str
-
-
-@dataclasses.dataclass(frozen=True)
-class KeptBN:
-    """A batch norm that `fold_batch_norms` did not fold.
-
-    It becomes an InferenceAffine layer, except a BN inside a custom layer or a BN subclass,
-    which stays as it is.
-
-    Attributes:
-        bn: the BN layer's path ("inner/bn" for a BN in the nested model "inner"; for a BN
-            inside a custom layer, "layer/…/name").
-        reason: why neither fold applies, in words (the backward reason, then the forward
-            one).
-        kind: the backward refusal, a short code to branch on: "shared_bn", "several_inputs",
-            "several_axes", "reads_input", "not_a_host", "shared_host", "lora", "quantized",
-            "activation", "fan_out", "axis", "inside_layer" (a BN inside a custom layer) or
-            "subclass" (a subclass of a BN class, whose call may add to the normalization).
-    """
-
-    bn: str
-    reason: str
-    kind: str = ""
 
 
 def fold_batch_norms(
@@ -146,7 +99,9 @@ def fold_batch_norms(
         raise ValueError(
             f"int8_readiness must be True or False; received int8_readiness={int8_readiness!r}."
         )
-    folded_model, folded, kept, hosts = _fold_model(model, prefix="")
+    decided = fold_plan.plan(model)
+    folded_model, hosts = _fold_model(model, decided)
+    folded, kept = decided.decisions()
     sig = trace.signature(model)
     inputs = trace.random_feed(sig) if probe is None else trace.feed(sig, probe)
     expected = trace.outputs(model, sig, inputs)
@@ -163,73 +118,25 @@ def fold_batch_norms(
     return folded_model, FoldReport(folded, kept, folded_errors, scales, spreads, channels)
 
 
-def fold_decisions(model: keras.Model) -> tuple[list[FoldedBN], list[KeptBN]]:
-    """Which batch norms `fold_batch_norms` folds and which it keeps, without building a probe
-    or comparing outputs (`check_batchnorm` asks only this).
-
-    Args:
-        model: as for `fold_batch_norms`.
-
-    Returns:
-        (folded, kept): the FoldedBN and KeptBN lists a `FoldReport` would hold.
-
-    Raises:
-        UnsupportedModelError: as `fold_batch_norms`.
-        ValueError: a BN to be folded has a non-finite inference scale or shift.
-    """
-    _, folded, kept, _ = _fold_model(model, prefix="")
-    return folded, kept
-
-
-def _contains_bn(model: keras.Model) -> bool:
-    return any(
-        bn_layers.is_batch_norm(layer) for layer in model._flatten_layers(include_self=False)
-    )
-
-
 def _fold_model(
-    model: keras.Model, prefix: str
-) -> tuple[keras.Model, list[FoldedBN], list[KeptBN], list[readiness.Host]]:
-    """(new model, folded list, kept list, readiness.Host list) for one Sequential/Functional
-    model."""
-    graph = models.layer_graph(model, "fold batch norms in")
-    info = rebuild.Graph(graph)
-    folded: list[FoldedBN] = []
-    kept: list[KeptBN] = []
+    model: keras.Model, decided: fold_plan.Plan
+) -> tuple[keras.Model, list[readiness.Host]]:
+    """(new model, readiness.Host list) for one Sequential/Functional model, folded as
+    `decided` says."""
+    prefix, graph, info = decided.prefix, decided.graph, decided.info
     weights: _Weights = {}  # folded (kernels, bias) of each host, by id(original host)
     dropped: set[int] = set()  # ids of the BNs that were folded away
     # by id: every host, and those that took a forward fold
     hosts: dict[int, keras.layers.Layer] = {}
     forward_hosts: set[int] = set()
-
-    pending: list[tuple[Node, rebuild.Refusal]] = []
-    for node in info.nodes:  # backward folds first: they need the hosts' original kernels
-        bn = node.operation
-        if type(bn) not in BN_TYPES:
-            continue
-        refusal = rebuild.refuse_bn(bn, node, info)
-        if refusal is None:
-            host = info.producer(node)
-            refusal = rebuild.refuse_backward(bn, node, host, info, BACKWARD_FOLDS)
-            if refusal is None:
-                _fold_backward(bn, host, weights)
-                hosts[id(host)] = host
-                folded.append(FoldedBN(prefix + bn.name, prefix + host.name, "backward"))
-                dropped.add(id(bn))
-                continue
-        pending.append((node, refusal))
-
-    for node, backward_refusal in pending:
-        bn = node.operation
-        target = _forward_target(bn, node, info, backward_refusal)
-        if isinstance(target, rebuild.Refusal):
-            if all(k.bn != prefix + bn.name for k in kept):  # a shared BN is reported once
-                kept.append(KeptBN(prefix + bn.name, target.message, target.kind))
-            continue
-        _fold_forward(bn, node, target, weights)
-        hosts[id(target)] = target
-        forward_hosts.add(id(target))
-        folded.append(FoldedBN(prefix + bn.name, prefix + target.name, "forward"))
+    for bn, host in decided.backward:  # backward folds first: they need the original kernels
+        _fold_backward(bn, host, weights)
+        hosts[id(host)] = host
+        dropped.add(id(bn))
+    for bn, _, consumer in decided.forward:
+        _fold_forward(bn, consumer, weights)
+        hosts[id(consumer)] = consumer
+        forward_hosts.add(id(consumer))
         dropped.add(id(bn))
 
     copies: dict[int, keras.Operation] = {}
@@ -241,22 +148,15 @@ def _fold_model(
         layer = node.operation
         if id(layer) in copies or id(layer) in dropped:
             continue
-        if isinstance(layer, keras.Model) and (
-            models.has_layer_graph(layer) or _contains_bn(layer)
-        ):
-            inner, inner_folded, inner_kept, inner_hosts = _fold_model(
-                layer, prefix + layer.name + "/"
-            )
-            copies[id(layer)] = inner
+        if id(layer) in decided.inner:
+            copies[id(layer)], inner_hosts = _fold_model(layer, decided.inner[id(layer)])
             refolded.add(id(layer))
-            folded.extend(inner_folded)
-            kept.extend(inner_kept)
             inner_models.append(inner_hosts)
         elif type(layer) in BN_TYPES:
             copies[id(layer)] = _affine_copy(layer, node)
         elif not isinstance(layer, L.Layer):  # a stateless op such as `x * 2.0`: reusable
             copies[id(layer)] = layer
-        elif id(layer) in weights and rebuild.channels_first(layer):
+        elif id(layer) in weights and fold_plan.channels_first(layer):
             copies[id(layer)] = rebuild.copy_layer(layer, use_bias=False)
             biases[id(layer)] = ChannelBias(
                 1,
@@ -266,8 +166,7 @@ def _fold_model(
                 ),
                 dtype=layer.dtype_policy,
             )
-        else:
-            kept.extend(KeptBN(*entry) for entry in rebuild.unseen_batch_norms(layer, prefix))
+        else:  # its hidden BNs, if any, are in the plan's kept list
             copies[id(layer)] = rebuild.copy_layer(
                 layer, use_bias=True if id(layer) in weights else None
             )
@@ -279,46 +178,7 @@ def _fold_model(
         _host(prefix, hosts[key], copies[key], weights[key], key in forward_hosts)
         for key in weights
     ]
-    return new_model, folded, kept, measured + [h for inner in inner_models for h in inner]
-
-
-def _forward_target(
-    bn: keras.layers.Layer, node: Node, info: rebuild.Graph, backward_refusal: rebuild.Refusal
-) -> keras.layers.Layer | rebuild.Refusal:
-    """The consumer when the BN folds into the one layer it feeds, else the refusal.
-
-    The refusal's message keeps the backward reason first: it is the fold one would expect.
-    """
-    if backward_refusal.kind == "shared_bn":
-        return backward_refusal
-    output = node.outputs[0]
-    consumers = info.consumers.get(id(output), [])
-    if info.fan_out(output) != 1 or not consumers:
-        why: str | None = "its output feeds several layers or a model output"
-    elif type(consumers[0].operation) not in FORWARD_HOSTS:
-        consumer = consumers[0].operation
-        why = (
-            f"the next layer '{consumer.name}' is a {type(consumer).__name__}, not a Dense "
-            f"or Conv1D/2D/3D"
-        )
-    else:
-        consumer = consumers[0].operation
-        rank = len(output.shape)
-        refusal = rebuild.refuse_host(consumer, info)
-        why = refusal.message if refusal else None
-        if why is None and getattr(consumer, "padding", "valid") != "valid":
-            why = (
-                f"the next layer '{consumer.name}' pads its input (padding="
-                f"'{consumer.padding}'), so a forward fold would not be exact"
-            )
-        if why is None and rebuild.bn_axes(bn, node) != [rebuild.channel_axis(consumer, rank)]:
-            why = (
-                f"BN axis {rebuild.bn_axes(bn, node)} is not the input channel axis of "
-                f"'{consumer.name}'"
-            )
-        if why is None:
-            return consumer
-    return rebuild.Refusal(backward_refusal.kind, f"{backward_refusal.message}; forward: {why}")
+    return new_model, measured + [h for inner in inner_models for h in inner]
 
 
 def _host_weights(host: keras.layers.Layer, weights: _Weights) -> _HostWeights:
@@ -337,9 +197,7 @@ def _fold_backward(bn: keras.layers.Layer, host: keras.layers.Layer, weights: _W
     weights[id(host)] = (kernels[:-1] + [kernel], bias)
 
 
-def _fold_forward(
-    bn: keras.layers.Layer, node: Node, consumer: keras.layers.Layer, weights: _Weights
-) -> None:
+def _fold_forward(bn: keras.layers.Layer, consumer: keras.layers.Layer, weights: _Weights) -> None:
     kernels, bias = _host_weights(consumer, weights)
     scale, shift = bn_layers.inference_affine(bn)
     kernel, bias = fold.fold_forward(
@@ -372,7 +230,7 @@ def _host(
 
 
 def _affine_copy(bn: keras.layers.Layer, node: Node) -> InferenceAffine:
-    axes = rebuild.bn_axes(bn, node)
+    axes = fold_plan.bn_axes(bn, node)
     return InferenceAffine(axes, bn.moving_mean.shape, name=bn.name, dtype=bn.dtype_policy)
 
 

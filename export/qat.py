@@ -23,7 +23,7 @@ from typing import Any
 import keras
 
 from keras_bn._errors import UnsupportedModelError
-from keras_bn._graph import models, rebuild
+from keras_bn._graph import fold_plan, models
 from keras_bn.export import trace
 from keras_bn.quantize import fake_quant, grids, hosts, spec
 from keras_bn.quantize.activation import ActivationQuantizer
@@ -90,7 +90,7 @@ def _layers(model: keras.Model, prefix: str = "") -> Iterator[tuple[str, keras.l
 def _shared_hosts(model: keras.Model, prefix: str = "", calls: int = 1) -> list[tuple[str, int]]:
     """(path, calls) of every QAT host called more than once in all, counting the calls of the
     nested models around it."""
-    graph = rebuild.Graph(models.layer_graph(model, "export"))
+    graph = fold_plan.Graph(models.layer_graph(model, "export"))
     found = []
     for layer in model.layers:
         total = calls * graph.calls.get(id(layer), 1)

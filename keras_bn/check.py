@@ -16,7 +16,7 @@ import numpy as np
 from keras_bn import backend
 from keras_bn._errors import UnsupportedModelError
 from keras_bn._graph import augmentation as _augmentation
-from keras_bn._graph import bn_layers
+from keras_bn._graph import bn_layers, fold_plan
 from keras_bn._recalibration import hooks
 from keras_bn._recalibration.batches import Batches, Data, input_count
 from keras_bn._recalibration.statistics import PooledMoments
@@ -445,13 +445,9 @@ def _unfoldable(
 
     A model the fold cannot take (`UnsupportedModelError`: subclassed, a layer whose config
     does not round-trip) makes every BN unfoldable. A BN whose inference affine is not finite
-    is reported here rather than handed to the fold, which refuses it by failing on the whole
-    model; any other error of the fold is a bug, and propagates.
+    is reported here: the fold would refuse it by failing on the whole model. Any other error
+    of the fold's decisions is a bug, and propagates.
     """
-    # The export stack loads only when needed. Only the fold's decisions matter here: no probe
-    # (the first batch of `data` may be one sample, on which the fold's check refuses to verify).
-    from keras_bn.export.graph import fold_decisions
-
     not_finite = [layer for layer in layers if not _finite_affine(layer)]
     if not_finite:
         return [
@@ -467,7 +463,8 @@ def _unfoldable(
             for layer in not_finite
         ]
     try:
-        folded_bns, kept_bns = fold_decisions(model)
+        # the fold's decisions alone: no weight is folded, no probe is run
+        folded_bns, kept_bns = fold_plan.plan(model).decisions()
     except UnsupportedModelError as error:
         return [
             Finding(paths[id(layer)], "unfoldable", f"the fold fails on the model: {error}")

@@ -212,6 +212,19 @@ def test_no_import_cycle():
     assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
 
 
+def test_keras_bn_never_imports_the_exporter():
+    """The package stands without export/ (installed as keras_bn.export): no module outside it
+    imports it, lazily or not; what both need (the fold's decisions, its affine layers) lives
+    in keras_bn/_graph/."""
+    exporter = "keras_bn.export"
+    found = {
+        module: sorted(t for t in targets if t == exporter or t.startswith(exporter + "."))
+        for module, targets in GRAPH.items()
+        if not (module == exporter or module.startswith(exporter + "."))
+    }
+    assert not {module: targets for module, targets in found.items() if targets}
+
+
 def test_the_import_graph_is_at_most_8_levels_deep():
     """The longest chain of imports that run, lazy ones included, is 8 modules at most. The
     imports only a type checker makes are left out: they never run (keras_bn/__init__.py's,

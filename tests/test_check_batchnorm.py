@@ -13,9 +13,9 @@ import digits
 import keras_bn
 from helpers import docs_page, randomise_batch_norms
 from keras_bn._errors import UnsupportedModelError
-from keras_bn._graph import augmentation
+from keras_bn._graph import augmentation, fold_plan
 from keras_bn.diagnostics import Finding, Findings, check_batchnorm
-from keras_bn.export import fold_batch_norms, graph
+from keras_bn.export import fold_batch_norms
 
 
 def _kinds(findings):
@@ -289,8 +289,8 @@ def test_unfoldable_where_the_fold_cannot_take_the_model():
 
 @pytest.mark.parametrize("bug", [ValueError, TypeError, KeyError, RuntimeError])
 def test_a_bug_in_the_fold_propagates(monkeypatch, bug):
-    """Only the fold's refusals become findings: an error of the fold's own code (here in the
-    Dense fold, or anywhere in the model's fold) reaches the caller."""
+    """Only the fold's refusals become findings: an error of the fold's own decisions (here
+    in the backward decision, or anywhere in the model's plan) reaches the caller."""
     model = randomise_batch_norms(_mlp())
     assert check_batchnorm(model) == []  # every BN folds
 
@@ -298,11 +298,11 @@ def test_a_bug_in_the_fold_propagates(monkeypatch, bug):
         raise bug("a bug in the fold")
 
     with monkeypatch.context() as patch:
-        patch.setitem(graph.BACKWARD_FOLDS, keras.layers.Dense, broken)
+        patch.setattr(fold_plan, "refuse_backward", broken)
         with pytest.raises(bug, match="a bug in the fold"):
             check_batchnorm(model)
     with monkeypatch.context() as patch:
-        patch.setattr(graph, "_fold_model", broken)
+        patch.setattr(fold_plan, "plan", broken)
         with pytest.raises(bug, match="a bug in the fold"):
             check_batchnorm(model, np.zeros((8, 8), "float32"))
     assert check_batchnorm(model) == []

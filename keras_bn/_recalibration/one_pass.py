@@ -27,7 +27,7 @@ frontier, one pass of that layer per BN (per settling pass, for a QAT layer).
 
 Keras has no public API for running a graph's nodes one by one; this reads the internals that
 `_run_through_graph` itself reads (`_nodes_by_depth`, each node's arguments), as
-keras_bn/_graph/rebuild.py does.
+keras_bn/_graph/fold_plan.py does.
 
 Under JAX the segments run eagerly, op by op: a jax.jit of a segment would bake the values of
 the Keras variables it closes over in as constants, and each segment must read the statistics

@@ -2,7 +2,7 @@
 
 Each Dense/convolution host followed by a batch norm (and optionally ReLU/ReLU6) becomes one
 `QuantizedHostBatchNorm`, where export's fold would fold the BN backward: the same decisions,
-from keras_bn/_graph/rebuild.py. A host without such a BN becomes a `QuantizedHost` (with its own
+from keras_bn/_graph/fold_plan.py. A host without such a BN becomes a `QuantizedHost` (with its own
 ReLU/ReLU6, or a following ReLU/ReLU6 layer, fused; any other activation of its own follows it
 as a float Activation layer). Activation quantizers go where the TFLite int8 spec gives a
 tensor a scale of its own (`keras_bn.quantize.spec`): the model's float inputs, the QAT layers'
@@ -30,7 +30,7 @@ from keras.src.ops.node import Node
 
 from keras_bn import backend
 from keras_bn._errors import KerasBNWarning
-from keras_bn._graph import bn_layers, models, rebuild
+from keras_bn._graph import bn_layers, fold_plan, models, rebuild
 from keras_bn._graph.affine import ChannelBias
 from keras_bn.quantize import fake_quant, hosts, spec
 from keras_bn.quantize.activation import ActivationQuantizer, validate_momentum
@@ -239,7 +239,7 @@ class _ModelRewrite:
         # called more than once: they stay float, as a shared host does.
         self.shared_in = shared_in
         self.graph = models.layer_graph(model, "quantize")
-        self.info = rebuild.Graph(self.graph)
+        self.info = fold_plan.Graph(self.graph)
         self.names = {operation.name for operation in self.graph.operations}
         # id(operation) → what computes it in the new model
         self.copies: dict[int, keras.Operation] = {}
@@ -301,12 +301,12 @@ class _ModelRewrite:
                     bn, f"BN layer '{bn.name}' {self.shared_in}; it stays a float BN", "shared_bn"
                 )
                 continue
-            refusal = rebuild.refuse_bn(bn, node, self.info) or rebuild.refuse_backward(
+            refusal = fold_plan.refuse_bn(bn, node, self.info) or fold_plan.refuse_backward(
                 bn, node, host, self.info, hosts.KINDS, _HOSTS_TAKEN
             )
             config_refusal = batch_norm_refusal(bn)
             if refusal is None and config_refusal:
-                refusal = rebuild.Refusal("batch_norm_config", config_refusal)
+                refusal = fold_plan.Refusal("batch_norm_config", config_refusal)
             if refusal is None:
                 refusal = _activity_refusal(bn, "BN layer") or _activity_refusal(host, "its host")
             if refusal is None:
@@ -321,12 +321,12 @@ class _ModelRewrite:
             host = node.operation
             if type(host) not in hosts.KINDS or id(host) in self.qat or id(host) in self.kept_ids:
                 continue
-            refusal = rebuild.refuse_host(host, self.info) or _activity_refusal(host, "host")
+            refusal = fold_plan.refuse_host(host, self.info) or _activity_refusal(host, "host")
             no_file = hosts.int8_file_refusal(host, len(node.input_tensors[0].shape))
             if refusal is None and no_file:
-                refusal = rebuild.Refusal("no_int8_file", no_file)
+                refusal = fold_plan.Refusal("no_int8_file", no_file)
             if self.shared_in is not None:
-                refusal = rebuild.Refusal("shared_host", f"host '{host.name}' {self.shared_in}")
+                refusal = fold_plan.Refusal("shared_host", f"host '{host.name}' {self.shared_in}")
             bn_node = pairs.get(id(host))
             if refusal:
                 self._keep(host, f"{refusal.message}; it stays float", refusal.kind)
@@ -340,7 +340,7 @@ class _ModelRewrite:
                 continue
             bn = bn_node.operation if bn_node else None
             tail = bn_node or node  # the node whose output the QAT layer's output replaces
-            own = rebuild.activation_name(host)
+            own = fold_plan.activation_name(host)
             activation = split = None
             if own == "linear":  # (a host paired with a BN always is)
                 activation_node = self._fusable_consumer(tail)
@@ -518,7 +518,7 @@ class _ModelRewrite:
         if not (
             backend.get().bias_add_may_miss_channels_first()
             and type(operation) in _BIAS_ADDING
-            and rebuild.channels_first(operation)
+            and fold_plan.channels_first(operation)
             and operation.use_bias
         ):
             return
@@ -652,7 +652,7 @@ class _ModelRewrite:
         bias = None
         if (
             type(operation) in _BIAS_ADDING
-            and rebuild.channels_first(operation)
+            and fold_plan.channels_first(operation)
             and operation.use_bias
         ):
             copy = rebuild.copy_layer(operation, use_bias=False)
@@ -671,7 +671,7 @@ class _ModelRewrite:
 
     def _keep_float(self, layer: keras.layers.Layer) -> None:
         """Report a float copy's weights, and the BNs it computes out of sight."""
-        unseen = rebuild.unseen_batch_norms(layer, self.prefix, reader="quantize_model")
+        unseen = fold_plan.unseen_batch_norms(layer, self.prefix, reader="quantize_model")
         for path, reason, kind in unseen:
             itself = path == self.prefix + layer.name  # a BN subclass
             self._keep_path(id(layer) if itself else None, path, reason, kind)
@@ -701,13 +701,13 @@ class _ModelRewrite:
         return name
 
 
-def _activity_refusal(layer: keras.layers.Layer, role: str) -> rebuild.Refusal | None:
+def _activity_refusal(layer: keras.layers.Layer, role: str) -> fold_plan.Refusal | None:
     """Why a QAT layer cannot compute `layer` (a host or a BN): it has an activity regularizer,
     whose loss term only the layer's own call adds (a QAT layer computes the host's linear map
     and the BN itself); None without one. `role` names the layer in the message ("host")."""
     if layer.activity_regularizer is None:
         return None
-    return rebuild.Refusal(
+    return fold_plan.Refusal(
         "activity_regularizer",
         f"{role} '{layer.name}' has an activity_regularizer, whose loss term (in model.losses) "
         f"a QAT layer would drop",
