@@ -20,7 +20,7 @@ import dataclasses
 import keras
 from keras.src.ops.node import Node
 
-from keras_bn._graph import bn_layers, models
+from keras_bn._graph import bn_layers, models, rebuild
 
 L = keras.layers
 BN_TYPES = bn_layers.BN_TYPES  # exact types: a subclass is copied as it is, and kept
@@ -308,7 +308,7 @@ def plan(model: keras.Model, prefix: str = "") -> Plan:
 
     Raises:
         UnsupportedModelError: the model, or a nested one holding a BN, has no layer graph, or
-            a layer's config does not round-trip.
+            a layer the fold would copy has a config that does not round-trip.
     """
     graph = models.layer_graph(model, "fold batch norms in")
     info = Graph(graph)
@@ -348,6 +348,9 @@ def plan(model: keras.Model, prefix: str = "") -> Plan:
         if isinstance(layer, keras.Model) and (models.has_layer_graph(layer) or contains_bn(layer)):
             inner[id(layer)] = plan(layer, prefix + layer.name + "/")
         elif isinstance(layer, L.Layer) and type(layer) not in BN_TYPES:
+            # The fold copies it from its config: one that does not round-trip refuses the
+            # model here, as the fold itself would.
+            rebuild.copy_layer(layer)
             unseen[id(layer)] = [KeptBN(*entry) for entry in unseen_batch_norms(layer, prefix)]
     return Plan(prefix, graph, info, backward, forward, kept, inner, unseen)
 
