@@ -103,7 +103,7 @@ class _SkippedModule(pytest.Module):
     reason = ""
 
     def collect(self):
-        raise pytest.skip.Exception(self.reason, allow_module_level=True, _use_item_location=True)
+        raise pytest.skip.Exception(self.reason, allow_module_level=True)
 
 
 def pytest_pycollect_makemodule(module_path, parent):
@@ -113,7 +113,7 @@ def pytest_pycollect_makemodule(module_path, parent):
     if reason is None:
         return None
     module = _SkippedModule.from_parent(parent, path=module_path)
-    module.reason = reason
+    module.reason = f"{module_path.name} {reason}"
     return module
 
 
