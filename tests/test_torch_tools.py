@@ -3,7 +3,6 @@
 formula), `quantize_model` trained with `fit` and round-tripped through a .keras file, and
 `check_batchnorm`'s findings."""
 
-
 import keras
 import numpy as np
 import pytest
