@@ -119,11 +119,12 @@ def pytest_pycollect_makemodule(module_path, parent):
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        backends = item.get_closest_marker("backends")
-        reason = _skip_reason(
-            backends.args if backends else None,
-            item.get_closest_marker("requires_tensorflow") is not None,
-        )
+        # Every `backends` marker counts (the module's, the function's, a parameter's): the
+        # test runs under the backends all of them name.
+        backends = None
+        for marker in item.iter_markers("backends"):
+            backends = [b for b in marker.args if backends is None or b in backends]
+        reason = _skip_reason(backends, item.get_closest_marker("requires_tensorflow") is not None)
         if reason is not None:
             item.add_marker(pytest.mark.skip(reason=reason))
 

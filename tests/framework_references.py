@@ -31,8 +31,8 @@ class _Framework:
     # The reference's float type: float64 where the framework has it by default.
     dtype = "float64"
 
-    def constant(self, value, like=None):
-        """`value` as a tensor of the reference's dtype, or of `like`'s."""
+    def constant(self, value, dtype=None):
+        """`value` as a tensor of `dtype` (default: the reference's)."""
         raise NotImplementedError
 
     def plain_bn(self, x, gamma, beta, channel_axes, eps, weight=None):
@@ -40,9 +40,10 @@ class _Framework:
         broadcastable to x."""
         raise NotImplementedError
 
-    def gradients(self, fn, args, cotangent):
+    def gradients(self, fn, args, cotangent, dtype=None, jit=False):
         """∂(Σ fn(*args)·cotangent)/∂args by the framework's autodiff, args (numpy) and the
-        cotangent as tensors of the reference's dtype: numpy arrays."""
+        cotangent as tensors of `dtype` (default: the reference's): numpy arrays. `jit`: under
+        jax.jit (JAX only)."""
         raise NotImplementedError
 
     def plain_bn_gradients(self, x, gamma, beta, channel_axes, eps, cotangent, weight=None):
@@ -69,7 +70,7 @@ class _Framework:
         w = (
             ops.ones_like(x)
             if weight is None
-            else ops.broadcast_to(self.constant(weight, x), x.shape)
+            else ops.broadcast_to(self.constant(weight, x.dtype), x.shape)
         )
         m = ops.sum(w, axes, keepdims=True)
         mean = ops.sum(w * x, axes, keepdims=True) / m
@@ -88,10 +89,10 @@ class _Jax(_Framework):
     name = "jax"
     dtype = "float32"  # JAX's default (x64 off), as the layer computes
 
-    def constant(self, value, like=None):
+    def constant(self, value, dtype=None):
         import jax.numpy as jnp
 
-        return jnp.asarray(value, self.dtype if like is None else like.dtype)
+        return jnp.asarray(value, dtype or self.dtype)
 
     def plain_bn(self, x, gamma, beta, channel_axes, eps, weight=None):
         import jax.numpy as jnp
@@ -110,17 +111,18 @@ class _Jax(_Framework):
 
         return self._plain_bn(Ops, x, gamma, beta, channel_axes, eps, weight)
 
-    def gradients(self, fn, args, cotangent):
+    def gradients(self, fn, args, cotangent, dtype=None, jit=False):
         import jax
         import jax.numpy as jnp
 
-        cotangent = self.constant(cotangent)
-        args = [self.constant(a) for a in args]
+        cotangent = self.constant(cotangent, dtype)
+        args = [self.constant(a, dtype) for a in args]
 
         def loss(*args):
             return jnp.sum(fn(*args) * cotangent)
 
-        return [array(g) for g in jax.grad(loss, argnums=tuple(range(len(args))))(*args)]
+        grad = jax.grad(loss, argnums=tuple(range(len(args))))
+        return [array(g) for g in (jax.jit(grad) if jit else grad)(*args)]
 
     def _stateless(self, layer, mask=None):
         import jax
@@ -155,10 +157,12 @@ class _Jax(_Framework):
 class _Torch(_Framework):
     name = "torch"
 
-    def constant(self, value, like=None):
+    def constant(self, value, dtype=None):
         import torch
 
-        dtype = getattr(torch, self.dtype) if like is None else like.dtype
+        dtype = dtype or self.dtype
+        if not isinstance(dtype, torch.dtype):
+            dtype = getattr(torch, np.dtype(dtype).name)
         if isinstance(value, torch.Tensor):
             return value.to(dtype)
         return torch.as_tensor(np.asarray(value), dtype=dtype)
@@ -180,11 +184,12 @@ class _Torch(_Framework):
 
         return self._plain_bn(Ops, x, gamma, beta, channel_axes, eps, weight)
 
-    def gradients(self, fn, args, cotangent):
+    def gradients(self, fn, args, cotangent, dtype=None, jit=False):
         import torch
 
-        args = [self.constant(a).requires_grad_() for a in args]
-        torch.sum(fn(*args) * self.constant(cotangent)).backward()
+        assert not jit, "jit: JAX only"
+        args = [self.constant(a, dtype).requires_grad_() for a in args]
+        torch.sum(fn(*args) * self.constant(cotangent, dtype)).backward()
         return [array(a.grad) for a in args]
 
     def train_step(self, layer, x, cotangent, mask=None):
@@ -222,10 +227,10 @@ def grad_fn_names(tensor):
 class _TensorFlow(_Framework):
     name = "tensorflow"
 
-    def constant(self, value, like=None):
+    def constant(self, value, dtype=None):
         import tensorflow as tf
 
-        return tf.cast(value, self.dtype if like is None else like.dtype)
+        return tf.cast(value, dtype or self.dtype)
 
     def plain_bn(self, x, gamma, beta, channel_axes, eps, weight=None):
         import tensorflow as tf
@@ -244,13 +249,14 @@ class _TensorFlow(_Framework):
 
         return self._plain_bn(Ops, x, gamma, beta, channel_axes, eps, weight)
 
-    def gradients(self, fn, args, cotangent):
+    def gradients(self, fn, args, cotangent, dtype=None, jit=False):
         import tensorflow as tf
 
-        args = [self.constant(a) for a in args]
+        assert not jit, "jit: JAX only"
+        args = [self.constant(a, dtype) for a in args]
         with tf.GradientTape() as tape:
             tape.watch(args)
-            loss = tf.reduce_sum(fn(*args) * self.constant(cotangent))
+            loss = tf.reduce_sum(fn(*args) * self.constant(cotangent, dtype))
         return [array(g) for g in tape.gradient(loss, args)]
 
     def train_step(self, layer, x, cotangent, mask=None):
