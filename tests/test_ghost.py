@@ -6,7 +6,10 @@ import pytest
 import tensorflow as tf
 
 import keras_bn
-from helpers import assert_close, assert_xla_step_matches_eager, fit_under_mixed_float16
+from helpers import assert_close
+from tf_helpers import assert_xla_step_matches_eager, fit_under_mixed_float16
+
+pytestmark = pytest.mark.backends("tensorflow")
 
 EPS = 1e-3
 

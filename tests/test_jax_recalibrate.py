@@ -13,6 +13,8 @@ import keras_bn
 from keras_bn import _bn_layers, population
 from keras_bn._batches import Batches
 
+pytestmark = pytest.mark.backends("jax")
+
 # --------------------------------------------------------------------------- numpy reference
 
 

@@ -18,6 +18,8 @@ from keras_bn._batches import Batches
 from keras_bn.callbacks import Recalibrate
 from keras_bn.diagnostics import check_batchnorm
 
+pytestmark = pytest.mark.backends("tensorflow")
+
 RTOL = 1e-5
 
 

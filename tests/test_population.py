@@ -13,6 +13,8 @@ import tensorflow as tf
 import keras_bn
 from helpers import assert_close
 
+pytestmark = pytest.mark.backends("tensorflow")
+
 EPS = 1e-3
 
 
