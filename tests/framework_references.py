@@ -8,6 +8,8 @@ Each framework imports only when asked for, so the module imports in a Python th
 them.
 """
 
+import importlib
+
 import keras
 import numpy as np
 from bn_references import numpy_train, reduced  # noqa: F401  (re-exported: tests import it here)
@@ -28,16 +30,13 @@ class _Framework:
     """What a backend-neutral test asks of this run's framework (see the subclasses)."""
 
     name = ""
+    # The framework's ops module, its sum and that sum's keep-dimensions keyword.
+    module, reduce_sum, keepdims = "", "", ""
     # The reference's float type: float64 where the framework has it by default.
     dtype = "float64"
 
     def constant(self, value, dtype=None):
         """`value` as a tensor of `dtype` (default: the reference's)."""
-        raise NotImplementedError
-
-    def plain_bn(self, x, gamma, beta, channel_axes, eps, weight=None):
-        """Train-mode BN as plain framework ops; `weight` an optional 0/1 mask (numpy)
-        broadcastable to x."""
         raise NotImplementedError
 
     def gradients(self, fn, args, cotangent, dtype=None, jit=False):
@@ -64,7 +63,14 @@ class _Framework:
         custom gradient found in the traced graph), not from autodiff of its forward."""
         raise NotImplementedError
 
-    def _plain_bn(self, ops, x, gamma, beta, channel_axes, eps, weight):
+    def plain_bn(self, x, gamma, beta, channel_axes, eps, weight=None):
+        """Train-mode BN as plain framework ops; `weight` an optional 0/1 mask (numpy)
+        broadcastable to x."""
+        ops = importlib.import_module(self.module)  # the framework's own ops, no Keras
+
+        def total(t):
+            return getattr(ops, self.reduce_sum)(t, axes, **{self.keepdims: True})
+
         axes = reduced(len(x.shape), channel_axes)
         shape = _broadcast(x, channel_axes)
         w = (
@@ -72,9 +78,9 @@ class _Framework:
             if weight is None
             else ops.broadcast_to(self.constant(weight, x.dtype), x.shape)
         )
-        m = ops.sum(w, axes, keepdims=True)
-        mean = ops.sum(w * x, axes, keepdims=True) / m
-        variance = ops.sum(w * (x - mean) ** 2, axes, keepdims=True) / m
+        m = total(w)
+        mean = total(w * x) / m
+        variance = total(w * (x - mean) ** 2) / m
         return (x - mean) / ops.sqrt(variance + eps) * ops.reshape(gamma, shape) + ops.reshape(
             beta, shape
         )
@@ -88,28 +94,12 @@ class _Framework:
 class _Jax(_Framework):
     name = "jax"
     dtype = "float32"  # JAX's default (x64 off), as the layer computes
+    module, reduce_sum, keepdims = "jax.numpy", "sum", "keepdims"
 
     def constant(self, value, dtype=None):
         import jax.numpy as jnp
 
         return jnp.asarray(value, dtype or self.dtype)
-
-    def plain_bn(self, x, gamma, beta, channel_axes, eps, weight=None):
-        import jax.numpy as jnp
-
-        class Ops:
-            ones_like, broadcast_to, sqrt, reshape = (
-                jnp.ones_like,
-                jnp.broadcast_to,
-                jnp.sqrt,
-                jnp.reshape,
-            )
-
-            @staticmethod
-            def sum(t, axes, keepdims):
-                return jnp.sum(t, axes, keepdims=keepdims)
-
-        return self._plain_bn(Ops, x, gamma, beta, channel_axes, eps, weight)
 
     def gradients(self, fn, args, cotangent, dtype=None, jit=False):
         import jax
@@ -156,6 +146,7 @@ class _Jax(_Framework):
 
 class _Torch(_Framework):
     name = "torch"
+    module, reduce_sum, keepdims = "torch", "sum", "keepdim"
 
     def constant(self, value, dtype=None):
         import torch
@@ -166,23 +157,6 @@ class _Torch(_Framework):
         if isinstance(value, torch.Tensor):
             return value.to(dtype)
         return torch.as_tensor(np.asarray(value), dtype=dtype)
-
-    def plain_bn(self, x, gamma, beta, channel_axes, eps, weight=None):
-        import torch
-
-        class Ops:
-            ones_like, broadcast_to, sqrt, reshape = (
-                torch.ones_like,
-                torch.broadcast_to,
-                torch.sqrt,
-                torch.reshape,
-            )
-
-            @staticmethod
-            def sum(t, axes, keepdims):
-                return torch.sum(t, axes, keepdim=keepdims)
-
-        return self._plain_bn(Ops, x, gamma, beta, channel_axes, eps, weight)
 
     def gradients(self, fn, args, cotangent, dtype=None, jit=False):
         import torch
@@ -226,28 +200,12 @@ def grad_fn_names(tensor):
 
 class _TensorFlow(_Framework):
     name = "tensorflow"
+    module, reduce_sum, keepdims = "tensorflow", "reduce_sum", "keepdims"
 
     def constant(self, value, dtype=None):
         import tensorflow as tf
 
         return tf.cast(value, dtype or self.dtype)
-
-    def plain_bn(self, x, gamma, beta, channel_axes, eps, weight=None):
-        import tensorflow as tf
-
-        class Ops:
-            ones_like, broadcast_to, sqrt, reshape = (
-                tf.ones_like,
-                tf.broadcast_to,
-                tf.sqrt,
-                tf.reshape,
-            )
-
-            @staticmethod
-            def sum(t, axes, keepdims):
-                return tf.reduce_sum(t, list(axes), keepdims=keepdims)
-
-        return self._plain_bn(Ops, x, gamma, beta, channel_axes, eps, weight)
 
     def gradients(self, fn, args, cotangent, dtype=None, jit=False):
         import tensorflow as tf

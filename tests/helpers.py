@@ -14,6 +14,7 @@ import keras
 import numpy as np
 from checks import assert_close, docs_page  # noqa: F401  (re-exported: tests import them here)
 
+import keras_bn
 from keras_bn.export import fold
 
 L = keras.layers
@@ -35,6 +36,18 @@ def numpy_bn_train(x, gamma, beta, channel_axes, eps=1e-3, mask=None):
     y = gamma.reshape(bshape) * (x - mean) / np.sqrt(var + eps) + beta.reshape(bshape)
     pshape = gamma.shape
     return y, mean.reshape(pshape), var.reshape(pshape)
+
+
+def random_affine_bn(shape, axis=-1, momentum=0.9, epsilon=1e-3, seed=0, **kwargs):
+    """A keras_bn layer built for `shape`, with random γ and β (so that a swapped pair would
+    show)."""
+    layer = keras_bn.BatchNormalization(axis=axis, momentum=momentum, epsilon=epsilon, **kwargs)
+    layer.build(shape)
+    rng = np.random.default_rng(seed)
+    for weight in (layer.gamma, layer.beta):
+        if weight is not None:
+            weight.assign(rng.uniform(0.5, 1.5, weight.shape).astype("float32"))
+    return layer
 
 
 def randomise_batch_norms(model, seed=0):

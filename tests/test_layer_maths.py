@@ -10,6 +10,7 @@ import pytest
 from framework_references import array, numpy_train
 
 import keras_bn
+from helpers import random_affine_bn
 
 EPS = 1e-3
 MOMENTUM = 0.9
@@ -21,17 +22,6 @@ LAYOUTS = [
     ((4, 6, 3, 2), 1, [1]),
     ((4, 3, 2, 5), [1, -1], [1, 3]),
 ]
-
-
-def _layer(shape, axis=-1, seed=0, **kwargs):
-    """A built layer with random γ and β (so that a swapped pair would show)."""
-    layer = keras_bn.BatchNormalization(axis=axis, momentum=MOMENTUM, epsilon=EPS, **kwargs)
-    layer.build(shape)
-    rng = np.random.default_rng(seed)
-    for weight in (layer.gamma, layer.beta):
-        if weight is not None:
-            weight.assign(rng.uniform(0.5, 1.5, weight.shape).astype("float32"))
-    return layer
 
 
 def _data(shape, seed=1, loc=2.0, scale=3.0):
@@ -60,7 +50,7 @@ def _assert_gradients_close(got, want, tolerance=2e-5):
 
 @pytest.mark.parametrize(("shape", "axis", "channel_axes"), LAYOUTS)
 def test_forward_and_moving_statistics_match_float64(shape, axis, channel_axes):
-    layer = _layer(shape, axis)
+    layer = random_affine_bn(shape, axis)
     gamma, beta = array(layer.gamma), array(layer.beta)
     x1, x2 = _data(shape, 1), _data(shape, 2, loc=-1.0, scale=0.5)
     y, mean1, var1, m = numpy_train(x1, gamma, beta, channel_axes, EPS)
@@ -84,7 +74,7 @@ def test_backward_matches_autodiff_of_plain_batch_norm(shape, axis, channel_axes
     """The training step's gradients (JAX: `stateless_call` under jit; PyTorch: autograd
     through the call; TensorFlow: a GradientTape) against the framework's autodiff of the plain
     formula (float64 where the framework has it by default)."""
-    layer = _layer(shape, axis)
+    layer = random_affine_bn(shape, axis)
     x, cotangent = _data(shape, 3), _data(shape, 4, loc=0.0, scale=1.0)
     gamma, beta = array(layer.gamma), array(layer.beta)
     _, dx, dgamma, dbeta = framework.train_step(layer, x, cotangent)
@@ -97,7 +87,7 @@ def test_backward_matches_autodiff_of_plain_batch_norm(shape, axis, channel_axes
 def test_backward_matches_float64_finite_differences(framework):
     """Central differences of the float64 numpy loss at a few inputs, γ and β."""
     shape, channel_axes = (6, 2, 3), [2]
-    layer = _layer(shape)
+    layer = random_affine_bn(shape)
     x, cotangent = _data(shape, 5), _data(shape, 6, loc=0.0, scale=1.0)
     _, dx, dgamma, dbeta = framework.train_step(layer, x, cotangent)
     x64 = x.astype(np.float64)
@@ -123,7 +113,7 @@ def test_mask_gives_each_channel_its_own_count(framework):
     step a channel with its own m_c; masked-out positions (NaN padding) never reach the
     statistics, and the gradient is the framework's autodiff of the masked batch norm."""
     shape, channel_axes = (6, 4, 3), [1]
-    layer = _layer(shape, axis=1)
+    layer = random_affine_bn(shape, axis=1)
     rng = np.random.default_rng(7)
     mask = rng.random(shape[:2]) < 0.7
     mask[:2] = True  # every time step has m_c ≥ 2 · 3 values
@@ -141,7 +131,9 @@ def test_mask_gives_each_channel_its_own_count(framework):
 
     finite = np.where(kept, x, 1.5).astype("float32")  # autodiff needs finite padding
     cotangent = _data(shape, 9, loc=0.0, scale=1.0)
-    _, dx, dgamma, dbeta = framework.train_step(_layer(shape, axis=1), finite, cotangent, mask)
+    _, dx, dgamma, dbeta = framework.train_step(
+        random_affine_bn(shape, axis=1), finite, cotangent, mask
+    )
     weight = kept.astype("float32")
     want = framework.plain_bn_gradients(finite, gamma, beta, channel_axes, EPS, cotangent, weight)
     _assert_gradients_close((dx, dgamma, dbeta), want)
@@ -151,7 +143,7 @@ def test_mask_over_the_non_channel_axes():
     """(batch, channels, time) with axis=1 and a (batch, time) mask: Keras's reading does not
     fit, the non-channel one does; a mask fitting neither is a ValueError naming both."""
     shape = (5, 3, 4)
-    layer = _layer(shape, axis=1)
+    layer = random_affine_bn(shape, axis=1)
     mask = np.random.default_rng(2).random((5, 4)) < 0.6
     mask[0] = True
     x = _data(shape, 3)
@@ -173,7 +165,7 @@ def test_channel_with_one_value_outputs_beta_and_keeps_its_statistics(framework)
     mask = np.ones((4, 3), bool)
     mask[1:, 1] = False  # time step 1 keeps one sample
     # axis=[1, 2]: each (time, feature) is a channel, so channel (1, f) has m_c = 1.
-    layer = _layer(shape, axis=[1, 2])
+    layer = random_affine_bn(shape, axis=[1, 2])
     beta = array(layer.beta)
     y = array(layer(x, training=True, mask=mask))
     np.testing.assert_array_equal(y[:, 1, :], np.broadcast_to(beta[1], (4, 2)))
@@ -211,7 +203,7 @@ def test_non_finite_batch_leaves_the_statistics_alone():
     """A NaN or inf in one channel: the output shows it, and no statistic moves (torch's own
     BatchNorm lets the NaN into running_var for ever: test_torch_layer.py)."""
     shape = (8, 3)
-    layer = _layer(shape)
+    layer = random_affine_bn(shape)
     layer(_data(shape, 1), training=True)
     before = [array(v).copy() for v in layer.non_trainable_variables]
     bad = _data(shape, 2)
@@ -249,7 +241,7 @@ def test_renorm_matches_its_float64_formula(framework):
     clipped; the moving statistics as without renorm, and Keras's renorm weights; r and d
     constants for the gradient."""
     shape, rmax, dmax = (8, 3), 1.5, 0.3
-    layer = _layer(
+    layer = random_affine_bn(
         shape, renorm=True, renorm_momentum=0.8, renorm_clipping={"rmax": rmax, "dmax": dmax}
     )
     layer.renorm_mean.assign(np.array([0.5, -1.0, 2.0], "float32"))
@@ -272,7 +264,7 @@ def test_renorm_matches_its_float64_formula(framework):
     _assert_close(array(layer.renorm_stddev), 0.8 * renorm_stddev + 0.2 * stddev, rtol=1e-6)
     # r and d are constants for the gradient: that of y = x̂·(γr) + (β + γd).
     cotangent = _data(shape, 4, loc=0.0, scale=1.0)
-    fresh = _layer(shape, renorm=True, renorm_clipping={"rmax": rmax, "dmax": dmax})
+    fresh = random_affine_bn(shape, renorm=True, renorm_clipping={"rmax": rmax, "dmax": dmax})
     fresh.renorm_mean.assign(renorm_mean)
     fresh.renorm_stddev.assign(renorm_stddev)
     _, dx, dgamma, dbeta = framework.train_step(fresh, x, cotangent)
@@ -290,7 +282,7 @@ def test_ghost_batches_normalize_each_interleaved_ghost():
     own statistics, and the moving statistics average the ghosts' (each with its m/(m−1))."""
     shape, v = (12, 2, 3), 4
     ghosts = shape[0] // v
-    layer = _layer(shape, virtual_batch_size=v)
+    layer = random_affine_bn(shape, virtual_batch_size=v)
     gamma, beta = array(layer.gamma), array(layer.beta)
     x = _data(shape, 5)
     y = np.empty(shape)
@@ -403,7 +395,7 @@ def test_integer_input_is_a_type_error():
 
 def test_frozen_layer_uses_its_moving_statistics():
     shape = (8, 3)
-    layer = _layer(shape)
+    layer = random_affine_bn(shape)
     layer.trainable = False
     x = _data(shape)
     expected = array(layer(x, training=False))

@@ -11,6 +11,7 @@ import torch
 from framework_references import array, for_backend, numpy_train, torch_train
 
 import keras_bn
+from helpers import random_affine_bn
 
 # PyTorch's own BatchNorm, autocast and torch.compile: conftest.py skips this module, unimported,
 # under the other backends. The maths every backend shares is test_layer_maths.py's.
@@ -30,17 +31,6 @@ def _close(actual, expected, tolerance):
     np.testing.assert_allclose(
         np.asarray(actual, np.float64), expected, rtol=0, atol=tolerance * scale
     )
-
-
-def _layer(shape, axis=-1, momentum=0.9, seed=0, **kwargs):
-    """A built layer with random γ and β (so that a swapped pair would show)."""
-    layer = keras_bn.BatchNormalization(axis=axis, momentum=momentum, epsilon=EPS, **kwargs)
-    layer.build(shape)
-    rng = np.random.default_rng(seed)
-    for weight in (layer.gamma, layer.beta):
-        if weight is not None:
-            weight.assign(rng.uniform(0.5, 1.5, weight.shape).astype("float32"))
-    return layer
 
 
 def _step(layer, x, cotangent, mask=None):
@@ -87,7 +77,9 @@ def test_training_steps_equal_torch_batch_norm(shape, layout):
     channels = shape[1]
     reference = TORCH_BN[len(shape)](channels, eps=EPS, momentum=0.1)
     keras_shape = _to_keras(np.empty(shape), layout).shape
-    layer = _layer(keras_shape, axis=1 if layout == "channels_first" else -1, momentum=0.9)
+    layer = random_affine_bn(
+        keras_shape, axis=1 if layout == "channels_first" else -1, momentum=0.9
+    )
     with torch.no_grad():
         reference.weight.copy_(layer.gamma.value)
         reference.bias.copy_(layer.beta.value)
@@ -198,7 +190,7 @@ def test_a_batch_of_one_under_torch_compile_outputs_beta_as_a_traced_fit():
     run-time data, as in JAX's traced `fit` and TensorFlow's: the output is β, the gradients
     to x and γ are 0 (β's is the upstream), and the statistics stay; a larger batch through
     the same compiled step normalizes and updates."""
-    layer = _layer((None, 3))
+    layer = random_affine_bn((None, 3))
     beta = array(layer.beta)
     step = torch.compile(lambda x: layer(x, training=True), backend="eager")
     x = torch.tensor(_data((1, 3), 2), requires_grad=True)
