@@ -61,39 +61,41 @@ demo: $(STAMP)
 bench-export: $(STAMP)
 	$(PY) benchmarks/bench_export.py
 
-# tests_jax/: keras_bn under the JAX backend, in $(VENV_JAX), where TensorFlow is not installed
-# (KERAS_BN_NO_TENSORFLOW=1: tests_jax/test_no_tensorflow.py asserts it), in a Python of its own
-# (Keras fixes its backend when first imported; pyproject's testpaths keep it out of the first
-# run). The tests that compare with TensorFlow run its side in $(PY) (KERAS_BN_TF_PYTHON).
+# tests/ is one tree, run once per Keras backend, as Keras's own suite is: KERAS_BACKEND picks
+# it, and Keras fixes it when first imported, so each run is a Python of its own
+# (tests/conftest.py sets that backend's devices; a test marked backends(...) runs only under
+# those, one marked requires_tensorflow only where TensorFlow imports). Under TensorFlow in
+# $(VENV) (the default backend); under JAX in $(VENV_JAX) and under PyTorch in $(VENV_TORCH),
+# where TensorFlow is not installed (KERAS_BN_NO_TENSORFLOW=1: test_no_tensorflow.py asserts
+# it). Their comparisons with TensorFlow run its side in $(PY) (KERAS_BN_TF_PYTHON).
 JAX_TESTS := KERAS_BACKEND=jax KERAS_BN_NO_TENSORFLOW=1 KERAS_BN_TF_PYTHON=$(CURDIR)/$(PY) \
-	$(PY_JAX) -m pytest tests_jax $(PYTEST_ARGS)
-
-# tests_torch/: keras_bn under the PyTorch backend, in $(VENV_TORCH), without TensorFlow, in a
-# Python of its own, as JAX_TESTS; its TensorFlow comparisons run in $(PY) (KERAS_BN_TF_PYTHON).
+	$(PY_JAX) -m pytest tests $(PYTEST_ARGS)
 TORCH_TESTS := KERAS_BACKEND=torch KERAS_BN_NO_TENSORFLOW=1 KERAS_BN_TF_PYTHON=$(CURDIR)/$(PY) \
-	$(PY_TORCH) -m pytest tests_torch $(PYTEST_ARGS)
-# tests_torch again with TensorFlow installed beside PyTorch ($(PY) has both): the layer, the
-# tools, fit and Keras's parity tests, with TensorFlow importable under KERAS_BACKEND=torch
+	$(PY_TORCH) -m pytest tests $(PYTEST_ARGS)
+# Keras's parity tests under JAX in $(PY) too: its SavedModel tests need TensorFlow.
+JAX_WITH_TF_TESTS := KERAS_BACKEND=jax $(PY) -m pytest tests/test_keras_parity.py $(PYTEST_ARGS) -q
+# The PyTorch run again with TensorFlow installed beside PyTorch ($(PY) has both): the layer,
+# the tools, fit and Keras's parity tests, with TensorFlow importable under KERAS_BACKEND=torch
 # (test_no_tensorflow.py skips there). Not gpu-check's dry run, which is for the GPU machine,
 # where there is no TensorFlow; nor the fake quantization and QAT recalibration files, which
 # the run without TensorFlow compares with TensorFlow's answers already (CI's time budget).
-TORCH_WITH_TF_TESTS := KERAS_BACKEND=torch $(PY) -m pytest tests_torch $(PYTEST_ARGS) -q \
-	--ignore=tests_torch/test_gpu_check.py --ignore=tests_torch/test_torch_quantize.py \
-	--ignore=tests_torch/test_torch_qat_recalibrate.py
+TORCH_WITH_TF_FILES := test_layer_maths test_torch_layer test_torch_tools test_fold_backends \
+	test_training_backends test_keras_parity
+TORCH_WITH_TF_TESTS := KERAS_BACKEND=torch $(PY) -m pytest $(TORCH_WITH_TF_FILES:%=tests/%.py) \
+	$(PYTEST_ARGS) -q
 
 test-torch: $(STAMP) $(STAMP_TORCH)
 	$(TORCH_TESTS)
 	$(TORCH_WITH_TF_TESTS)
 
-# Keras's parity tests under JAX run in $(PY) too: its SavedModel tests need TensorFlow.
 # The notebooks run once, in the docs site's build (tests/test_docs.py, at CI size): it fails
 # on any failing cell, a claim's assert included, and its pages are checked for TensorFlow log
 # lines; test_notebooks.py's own run of them (what `make notebooks` does at full size) would
 # repeat that.
 NOTEBOOKS_RUN_BY_THE_SITE := -k "not test_notebook_runs_and_its_checks_hold"
 test: $(STAMP) $(STAMP_JAX) $(STAMP_TORCH)
-	$(PY) -m pytest $(PYTEST_ARGS) $(NOTEBOOKS_RUN_BY_THE_SITE)
-	KERAS_BACKEND=jax $(PY) -m pytest tests_jax/test_keras_parity_jax.py $(PYTEST_ARGS) -q
+	$(PY) -m pytest tests $(PYTEST_ARGS) $(NOTEBOOKS_RUN_BY_THE_SITE)
+	$(JAX_WITH_TF_TESTS)
 	$(JAX_TESTS)
 	$(TORCH_TESTS)
 	$(TORCH_WITH_TF_TESTS)
@@ -101,13 +103,14 @@ test: $(STAMP) $(STAMP_JAX) $(STAMP_TORCH)
 # The inner loop: the suite less the notebooks, the docs build, the slow tests (marked from a
 # --durations=0 run: every test function costing 5 s or more in all) and three files of
 # end-to-end runs: the CLI's (each a new Python importing TensorFlow), the property-based tests
-# (700 examples a property) and bench_export's smoke run; then tests_jax/ less its slow tests.
+# (700 examples a property) and bench_export's smoke run; then the tree under JAX less its slow
+# tests.
 # 4 min 10 s on 2 cores, idle, 2026-11-26 20:22 UTC: 1,400 TensorFlow tests in 2 min 34 s,
 # 117 JAX tests in 1 min 16 s (before the JAX tests it took 2 min 35 s). `make test` stays the
 # full suite, which CI runs.
 FAST_SKIP := test_notebooks test_docs test_cli test_properties test_bench_export
 test-fast: $(STAMP) $(STAMP_JAX)
-	$(PY) -m pytest $(PYTEST_ARGS) -m "not slow" $(FAST_SKIP:%=--ignore=tests/%.py)
+	$(PY) -m pytest tests $(PYTEST_ARGS) -m "not slow" $(FAST_SKIP:%=--ignore=tests/%.py)
 	$(JAX_TESTS) -m "not slow"
 
 # Lint, format check and type check (.ci/run runs it before the tests).

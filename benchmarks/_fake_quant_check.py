@@ -13,10 +13,10 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def put_tests_on_path(suite):
-    """`suite` (tests_jax, tests_torch) for its sweep, and tests/ for the helpers the sweep's
-    module imports, first on sys.path, as pyproject's pytest pythonpath gives them."""
-    sys.path[:0] = [str(ROOT / suite), str(ROOT / "tests")]
+def put_tests_on_path():
+    """tests/, for the sweep (fake_quant_cases.py) and the helpers it imports, first on
+    sys.path, as pyproject's pytest pythonpath gives them."""
+    sys.path[:0] = [str(ROOT / "tests")]
 
 
 def parser(description, device, against):

@@ -47,7 +47,7 @@ Under PyTorch (the same machine), the same steps:
    stops them before the first test unless Keras puts a new tensor on cuda (its default
    device under PyTorch where torch sees a GPU), and turns TF32 off
    (torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32 False, as
-   tests_torch/conftest.py does before each test);
+   tests/conftest.py does before each test under PyTorch);
 3. bench: benchmarks/bench_layer_torch.py (`bench_layer.py --backend torch`) on cuda: the
    eager train step and inference, float32 and autocast float16/bfloat16, keras_bn against
    Keras BN with F.batch_norm as the floor, and the small ResNet's train_on_batch;
@@ -62,8 +62,7 @@ each step's log; with two backends, those go to OUT/jax/ and OUT/torch/, and OUT
 sums them up (each backend's status, reason and exit code). --dry-run runs the same steps on
 the CPU (CUDA_VISIBLE_DEVICES="", and JAX_PLATFORMS=cpu), at the benchmark's smoke sizes and
 one test per file, so that CI can check this script in a minute or so
-(tests_jax/test_gpu_check.py and tests_torch/test_gpu_check.py run it under JAX and under
-PyTorch without TensorFlow).
+(tests/test_gpu_check.py runs it under JAX and under PyTorch without TensorFlow).
 
 Exit codes: 0 every step passed; 1 a test failed, or a step failed or ran out of time;
 2 the check cannot run here (none of TensorFlow, JAX, PyTorch importable, no GPU, the tests'
@@ -98,27 +97,28 @@ TEST_FILES = [
     "tests/test_fused.py",
     "tests/test_layers.py",
 ]
-# tests_jax's files that check keras_bn against independent references (numpy float64
-# formulas, plain jnp autodiff, numpy replays of the moving statistics, Algorithm 2 in
-# float64, the unfolded model), less their tests marked tensorflow_side. Left out:
-# test_jax_distribution.py (DataParallel over two host devices), test_keras_parity_jax.py
-# (Keras's own test files, which its wheel does not ship), test_jax_readme.py (the docs) and
-# test_no_tensorflow.py, test_gpu_check.py (this check).
+# The files of tests/ that check keras_bn under JAX against independent references (numpy
+# float64 formulas, plain jnp autodiff, numpy replays of the moving statistics, Algorithm 2 in
+# float64, the unfolded model), less their tests marked tensorflow_side; tests/conftest.py
+# skips those of other backends. Left out: test_jax_distribution.py (DataParallel over two host
+# devices), test_keras_parity.py (Keras's own test files, which its wheel does not ship),
+# test_jax_readme.py (the docs) and test_no_tensorflow.py, test_gpu_check.py (this check).
 JAX_TEST_FILES = [
-    "tests_jax/test_jax_layer.py",
-    "tests_jax/test_jax_training.py",
-    "tests_jax/test_jax_recalibrate.py",
-    "tests_jax/test_jax_fold.py",
-    "tests_jax/test_jax_quantize.py",
+    "tests/test_layer_maths.py",
+    "tests/test_training_backends.py",
+    "tests/test_jax_recalibrate.py",
+    "tests/test_fold_backends.py",
+    "tests/test_quantize_backends.py",
 ]
-# tests_torch's files that check keras_bn against independent references (torch.nn.BatchNorm,
-# numpy float64, numpy replays), less their tests marked tensorflow_side. Left out:
-# test_torch_training.py (every test of it compares with a TensorFlow process),
-# test_keras_parity_torch.py (Keras's own test files) and test_no_tensorflow.py.
+# Those under PyTorch (torch.nn.BatchNorm, torch autograd, numpy float64, numpy replays), as
+# above.
 TORCH_TEST_FILES = [
-    "tests_torch/test_torch_layer.py",
-    "tests_torch/test_torch_tools.py",
-    "tests_torch/test_torch_quantize.py",
+    "tests/test_layer_maths.py",
+    "tests/test_torch_layer.py",
+    "tests/test_training_backends.py",
+    "tests/test_torch_tools.py",
+    "tests/test_fold_backends.py",
+    "tests/test_quantize_backends.py",
 ]
 # Both keep out the tests that run a TensorFlow Python beside them.
 JAX_TEST_MARKERS = TORCH_TEST_MARKERS = "not tensorflow_side"

@@ -10,16 +10,17 @@ Options (gpu_check.py passes them, with `-p gpu_check_plugin` and benchmarks/ on
                               holds (under torch, the device Keras puts a new tensor on).
     --gpu-check-expect KIND   GPU or CPU: before the first test, stop the session (exit code 3)
                               unless an op without a device scope runs on a device of that kind.
-    --gpu-check-one-per-file  keep only the first test of each file (gpu_check's dry run).
+    --gpu-check-one-per-file  keep only the first test of each file that runs under this
+                              backend (gpu_check's dry run).
     --gpu-check-tf32-off      turn TensorFloat-32 off before the first test (the report says
                               whether it is on); under JAX, float32 matmuls at "highest"
                               precision (gpu_check also sets JAX_DEFAULT_MATMUL_PRECISION);
                               under PyTorch, torch.backends.cuda.matmul.allow_tf32 and
-                              torch.backends.cudnn.allow_tf32 False (tests_torch/conftest.py
-                              sets them again before each test).
+                              torch.backends.cudnn.allow_tf32 False (tests/conftest.py sets
+                              them again before each test under PyTorch).
 
-TensorFlow, JAX and PyTorch are imported in the hooks, never at import: tests/conftest.py,
-tests_jax/conftest.py and tests_torch/conftest.py set their environment and devices first.
+TensorFlow, JAX and PyTorch are imported in the hooks, never at import: tests/conftest.py sets
+the backend's environment and devices first.
 """
 
 import json
@@ -78,9 +79,11 @@ class _Recorder:
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, session, config, items):
         if self.one_per_file:
+            # The first that runs: tests/conftest.py marks those of other backends skipped.
             first = {}
             for item in items:
-                first.setdefault(item.path, item)
+                if item.get_closest_marker("skip") is None:
+                    first.setdefault(item.path, item)
             kept = set(first.values())
             config.hook.pytest_deselected(items=[item for item in items if item not in kept])
             items[:] = [item for item in items if item in kept]

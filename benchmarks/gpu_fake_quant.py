@@ -36,7 +36,7 @@ import numpy as np
 from keras_bn.backend.jax import fake_quant as jfq
 from keras_bn.quantize import fake_quant as fq
 
-check.put_tests_on_path("tests_jax")
+check.put_tests_on_path()
 from fake_quant_cases import sweep  # noqa: E402  the bit-for-bit sweep of the tests
 
 

@@ -5,7 +5,7 @@ keras_bn's fake quantization under the PyTorch backend runs on two torch devices
 the CPU, on the same inputs, and every output and gradient must have the same bits:
 
 - the FakeQuant ops (keras_bn/backend/torch/fake_quant.py), per tensor and per channel, over the
-  60 ranges of tests_torch/test_torch_quantize.py with values on, beside and between every
+  60 ranges of tests/test_quantize_backends.py with values on, beside and between every
   rounding boundary (its sweep, imported), with their straight-through gradients to x, min and
   max (autograd, of the sum of the output times a fixed pseudo-random tensor);
 - keras_bn.quantize.fake_quant's weight grid (weight_max_abs, fake_quant_weights: per channel
@@ -33,7 +33,7 @@ import torch
 from keras_bn.backend.torch import fake_quant as tfq
 from keras_bn.quantize import fake_quant as fq
 
-check.put_tests_on_path("tests_torch")
+check.put_tests_on_path()
 from fake_quant_cases import sweep  # noqa: E402  the bit-for-bit sweep of the tests
 
 

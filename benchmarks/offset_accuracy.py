@@ -21,8 +21,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from bench_layer import machine_description
 
-from helpers import large_offset_errors
 from keras_bn.backend.tensorflow import fused
+from tf_helpers import large_offset_errors
 
 # (shape, channel axis): every layout the fused path takes, small and conv-sized.
 LAYOUTS = [

@@ -1,5 +1,6 @@
 """Independent numpy float64 references of batch normalization, imported by the suites of the
-other Keras backends (tests_jax/, tests_torch/): no framework, no keras_bn code."""
+backend-neutral tests (tests/framework_references.py re-exports them): no framework, no
+keras_bn code."""
 
 import numpy as np
 

@@ -1,5 +1,5 @@
 """Checks that import nothing of keras_bn's TensorFlow-only code: tests/test_keras_parity.py
-uses them, and tests_jax/ runs that module under JAX too. helpers.py re-exports them."""
+uses them, and it runs under every backend. helpers.py re-exports them."""
 
 import os
 

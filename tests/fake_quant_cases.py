@@ -1,5 +1,5 @@
-"""The fake-quantization cases that tests_jax/test_jax_quantize.py and
-tests_torch/test_torch_quantize.py share, and TensorFlow's answers to them: every case's
+"""The fake-quantization cases of tests/test_quantize_backends.py (under JAX and PyTorch) and
+benchmarks/gpu_fake_quant*.py, and TensorFlow's answers to them: every case's
 `tf.quantization.fake_quant_with_min_max_vars(_per_channel)` output (and gradients), run in a
 TensorFlow Python (tensorflow_side) in one process. It lives in tests/, on pyproject's
 pythonpath, so that both suites import it."""

@@ -1,6 +1,6 @@
 """The dry run of `make gpu-check` (benchmarks/gpu_check.py) under one backend, in this
-Python, with what every backend's dry run must show: tests_jax/test_gpu_check.py and
-tests_torch/test_gpu_check.py add their backend's own."""
+Python, with what every backend's dry run must show: tests/test_gpu_check.py adds each
+backend's own."""
 
 import json
 import os

@@ -1,9 +1,9 @@
-"""The other side of tests_jax's and tests_torch's cross-backend tests: a script run in a fresh
+"""The other side of the JAX and PyTorch runs' cross-backend tests: a script run in a fresh
 Python.
 
 Keras fixes its backend when first imported, so a test that compares JAX or PyTorch with
-TensorFlow runs each other side in a process of its own. `make test` runs tests_jax in
-.venv-jax, and `make test-torch` tests_torch in .venv-torch, where TensorFlow is not installed,
+TensorFlow runs each other side in a process of its own. `make test` runs tests/ under JAX in
+.venv-jax and under PyTorch in .venv-torch, where TensorFlow is not installed,
 and names a Python that has it in KERAS_BN_TF_PYTHON (.venv/bin/python); where that is unset,
 this Python serves if it can import TensorFlow. Where neither holds, the tests that need
 TensorFlow fail, saying so (CI must run them, never skip them). The tests marked

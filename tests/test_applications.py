@@ -10,6 +10,8 @@ import keras_bn
 from helpers import randomise_batch_norms
 from keras_bn.export import export_onnx, export_tflite, fold_batch_norms
 
+pytestmark = pytest.mark.backends("tensorflow")
+
 RTOL = 1e-4
 BNS = (keras_bn.BatchNormalization, keras.layers.BatchNormalization)
 

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.backends("tensorflow")
+
 ROOT = Path(__file__).resolve().parent.parent
 # Package name → its directory; export/ is installed as keras_bn.export (pyproject.toml).
 PACKAGES = {"keras_bn": ROOT / "keras_bn", "keras_bn.export": ROOT / "export"}

@@ -9,6 +9,8 @@ import pytest
 
 from keras_bn.export import atomic, export_onnx, export_tflite
 
+pytestmark = pytest.mark.backends("tensorflow")
+
 
 def test_success_replaces_the_file_and_leaves_no_temporary(tmp_path):
     target = tmp_path / "out.bin"

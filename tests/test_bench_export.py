@@ -4,6 +4,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.backends("tensorflow")
+
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_export.py")
 
 

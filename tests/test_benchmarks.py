@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.backends("tensorflow")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

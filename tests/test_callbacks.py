@@ -10,8 +10,11 @@ import pytest
 import tensorflow as tf
 
 import keras_bn
-from helpers import assert_close, mirrored_strategy
+from helpers import assert_close
 from keras_bn.callbacks import Recalibrate
+from tf_helpers import mirrored_strategy
+
+pytestmark = pytest.mark.backends("tensorflow")
 
 BATCH = 32
 

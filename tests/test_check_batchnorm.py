@@ -17,6 +17,8 @@ from keras_bn._graph import augmentation, fold_plan
 from keras_bn.diagnostics import Finding, Findings, check_batchnorm
 from keras_bn.export import fold_batch_norms
 
+pytestmark = pytest.mark.backends("tensorflow")
+
 
 def _kinds(findings):
     return [(f.layer, f.kind) for f in findings]

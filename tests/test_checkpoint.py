@@ -8,6 +8,8 @@ import tensorflow as tf
 
 import keras_bn
 
+pytestmark = pytest.mark.backends("tensorflow")
+
 EPOCHS, BATCH = 3, 32
 
 

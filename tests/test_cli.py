@@ -21,6 +21,8 @@ import digits
 from helpers import docs_page, randomise_batch_norms, run_cli
 from keras_bn.export import defaults
 
+pytestmark = pytest.mark.backends("tensorflow")
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 

@@ -9,6 +9,8 @@ import keras_bn
 from helpers import assert_close, hidden_bn_model
 from keras_bn import convert
 
+pytestmark = pytest.mark.backends("tensorflow")
+
 
 def _data(shape, seed=0):
     return np.random.default_rng(seed).normal(0.5, 1.0, size=shape).astype("float32")

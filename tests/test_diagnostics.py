@@ -8,6 +8,8 @@ import keras_bn
 from helpers import assert_close
 from keras_bn import diagnostics
 
+pytestmark = pytest.mark.backends("tensorflow")
+
 N, D, H = 12, 4, 3
 
 

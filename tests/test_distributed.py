@@ -11,7 +11,10 @@ import tensorflow as tf
 
 import keras_bn
 import keras_bn.backend.tensorflow
-from helpers import assert_close, mirrored_strategy
+from helpers import assert_close
+from tf_helpers import mirrored_strategy
+
+pytestmark = pytest.mark.backends("tensorflow")
 
 EPS = 1e-3
 # (global input shape, axis)

@@ -23,6 +23,8 @@ import keras_bn
 import keras_bn.export
 from helpers import docs_page
 
+pytestmark = pytest.mark.backends("tensorflow")
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "examples").glob("*.ipynb"))
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

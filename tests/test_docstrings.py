@@ -21,6 +21,8 @@ import pytest
 import keras_bn
 import keras_bn.export
 
+pytestmark = pytest.mark.backends("tensorflow")
+
 MODULES = [
     keras_bn,
     keras_bn.export,

@@ -22,6 +22,8 @@ from keras_bn.export import (
     fold_batch_norms,
 )
 
+pytestmark = pytest.mark.backends("tensorflow")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -14,7 +14,7 @@ import pytest
 
 import digits
 import keras_bn
-from helpers import EXPORTERS, RUNNERS, assert_close, randomise_batch_norms
+from helpers import assert_close, randomise_batch_norms
 from keras_bn.export import (
     ExportReport,
     FoldReport,
@@ -27,6 +27,9 @@ from keras_bn.export import (
 )
 from keras_bn.export import onnx as onnx_export
 from keras_bn.export import tflite as tflite_export
+from tf_helpers import EXPORTERS, RUNNERS
+
+pytestmark = pytest.mark.backends("tensorflow")
 
 L = keras.layers
 

@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 import pytest
 
-from helpers import EXPORTERS, RUNNERS, assert_close, randomise_batch_norms, run_cli
+from helpers import assert_close, randomise_batch_norms, run_cli
 from keras_bn.export import (
     UnsupportedModelError,
     VerificationError,
@@ -26,6 +26,9 @@ from keras_bn.export import (
 )
 from keras_bn.export import onnx as onnx_export
 from keras_bn.export import tflite as tflite_export
+from tf_helpers import EXPORTERS, RUNNERS
+
+pytestmark = pytest.mark.backends("tensorflow")
 
 L = keras.layers
 

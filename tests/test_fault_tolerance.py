@@ -10,7 +10,10 @@ import multiworker_worker as worker
 import numpy as np
 import pytest
 
-from helpers import assert_close, mirrored_strategy
+from helpers import assert_close
+from tf_helpers import mirrored_strategy
+
+pytestmark = pytest.mark.backends("tensorflow")
 
 HANG_AT = (1, 2)  # (epoch, batch): worker 1 is killed there, after the epoch-0 backup
 

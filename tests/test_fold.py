@@ -16,6 +16,8 @@ import keras_bn
 from helpers import BACKWARD_HOSTS, assert_close, fold_input
 from keras_bn.export import fold, fold_batch_norms
 
+pytestmark = pytest.mark.backends("tensorflow")
+
 L = keras.layers
 RTOL = 1e-5
 

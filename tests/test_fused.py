@@ -7,9 +7,12 @@ import pytest
 import tensorflow as tf
 
 import keras_bn
-from helpers import assert_close, large_offset_errors, numpy_bn_train
+from helpers import assert_close, numpy_bn_train
 from keras_bn.backend.tensorflow import fused, ops
 from keras_bn.backend.tensorflow.fused import fused_data_format
+from tf_helpers import large_offset_errors
+
+pytestmark = pytest.mark.backends("tensorflow")
 
 # (shape, axis): every layout the fast path takes.
 FUSED_LAYOUTS = {

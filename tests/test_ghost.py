@@ -1,12 +1,16 @@
 """Ghost batches (virtual_batch_size, tf-keras semantics) against numpy and autodiff; XLA,
-mixed precision, divisibility and argument checks."""
+mixed precision, divisibility and argument checks. Under every backend but the checks written
+in TensorFlow (its tape, tf.function, XLA) and the float64 layers, which JAX (without x64)
+does not have."""
 
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import keras_bn
-from helpers import assert_close, assert_xla_step_matches_eager, fit_under_mixed_float16
+from helpers import assert_close
+
+# float64 layers at 1e-12: JAX runs without x64.
+float64_backends = pytest.mark.backends("tensorflow", "torch")
 
 EPS = 1e-3
 
@@ -32,6 +36,7 @@ def _numpy_ghost_output(x, v, gamma, beta):
     return y
 
 
+@float64_backends
 @pytest.mark.parametrize("shape,v", [((12, 5), 3), ((8, 3, 3, 4), 2)], ids=["2d", "nhwc"])
 def test_output_and_moving_statistics_match_numpy(shape, v):
     x = _data(shape).astype(np.float64)
@@ -56,7 +61,10 @@ def test_output_and_moving_statistics_match_numpy(shape, v):
     assert_close(layer(x, training=False), plain(x, training=False), 1e-12)
 
 
+@pytest.mark.backends("tensorflow")
 def test_gradient_matches_autodiff_reference():
+    import tensorflow as tf
+
     shape, v = (12, 2, 3), 4
     x = tf.constant(_data(shape, dtype="float64"))
     upstream = tf.constant(_data(shape, seed=3, dtype="float64"))
@@ -80,6 +88,7 @@ def test_gradient_matches_autodiff_reference():
         assert_close(got, want, 1e-10)
 
 
+@float64_backends
 def test_combined_with_renorm_follows_tf_keras():
     """tf-keras takes r and d from the ghost-averaged mean and variance."""
     shape, v = (8, 3), 4
@@ -97,7 +106,10 @@ def test_combined_with_renorm_follows_tf_keras():
     assert_close(layer(x, training=True), x_hat * r + d, 1e-12)
 
 
+@pytest.mark.backends("tensorflow")  # tf.function's run-time check
 def test_batch_not_divisible_is_an_error():
+    import tensorflow as tf
+
     layer = keras_bn.BatchNormalization(virtual_batch_size=4)
     with pytest.raises(
         ValueError,
@@ -117,13 +129,19 @@ def test_batch_not_divisible_is_an_error():
         step(_data((6, 3)))
 
 
+@pytest.mark.backends("tensorflow")
 def test_xla_matches_eager():
+    from tf_helpers import assert_xla_step_matches_eager
+
     assert_xla_step_matches_eager(
         lambda: keras_bn.BatchNormalization(virtual_batch_size=2, momentum=0.7), (8, 5, 5, 4)
     )
 
 
+@pytest.mark.backends("tensorflow")
 def test_mixed_float16_training():
+    from tf_helpers import fit_under_mixed_float16
+
     fit_under_mixed_float16(lambda: keras_bn.BatchNormalization(virtual_batch_size=4))
 
 

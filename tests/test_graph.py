@@ -15,6 +15,8 @@ import keras_bn
 from helpers import assert_close, randomise_batch_norms
 from keras_bn.export import ChannelBias, InferenceAffine, UnsupportedModelError, fold_batch_norms
 
+pytestmark = pytest.mark.backends("tensorflow")
+
 L = keras.layers
 BNS = (keras_bn.BatchNormalization, L.BatchNormalization)
 

@@ -19,6 +19,8 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+pytestmark = pytest.mark.backends("tensorflow")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Building the project offline needs its build backend in the venv too.
 BUILD_TOOLS = ["setuptools", "wheel"]

@@ -37,6 +37,8 @@ from keras_bn.export import (
     trace,
 )
 
+pytestmark = pytest.mark.backends("tensorflow")
+
 TOLERANCE = report.INT8_READINESS_TOLERANCE
 
 L = keras.layers

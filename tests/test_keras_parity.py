@@ -1,6 +1,6 @@
 """Keras's own tests, run against keras_bn.BatchNormalization: the drop-in claim, checked by
-the code Keras checks its own layer with. Under TensorFlow here, and under JAX by
-tests_jax/test_keras_parity_jax.py, which imports this module.
+the code Keras checks its own layer with. Under every backend: the tree runs once per backend
+(make test), and this module is backend-neutral.
 
 The test modules come from the installed Keras wheel (imported, never copied): its test file
 for keras.layers.BatchNormalization, every test in it, and the tests of its other test files
@@ -61,10 +61,10 @@ NOT_RUN = {
     "keras.src.export.openvino_test": "needs the openvino package, which keras-bn does not "
     "install (Keras skips these tests without it)",
 }
-# tests_torch/test_keras_parity_torch.py runs this module under PyTorch, which has torch.
+# The PyTorch runs (.venv-torch, and .venv beside TensorFlow) have torch.
 if importlib.util.find_spec("torch") is None:
     NOT_RUN["keras.src.export.torch_test"] = (
-        "imports torch, which this Python does not have (tests_torch/ runs it, in .venv-torch)"
+        "imports torch, which this Python does not have (the PyTorch run has it, in .venv-torch)"
     )
 if importlib.util.find_spec("jax") is None:
     NOT_RUN["keras.src.trainers.trainer_test"] = (
@@ -76,7 +76,7 @@ if keras.backend.backend() == "torch":
         "onnxruntime packages, which keras-bn[torch] does not install (keras-bn writes its own "
         "ONNX files under TensorFlow)"
     )
-# tests_jax/test_keras_parity_jax.py runs this module under JAX, where Keras's ONNX export goes
+# Under JAX Keras's ONNX export goes
 # through another package.
 if keras.backend.backend() == "jax":
     NOT_RUN["keras.src.export.onnx_test"] = (

@@ -20,6 +20,8 @@ from bn_references import numpy_train
 import keras_bn
 from keras_bn.backend.tensorflow import ops
 
+pytestmark = pytest.mark.backends("tensorflow")
+
 BOUND = 1e-5
 CHANNELS = 4
 # (batch, side): 262,144 and 1,048,576 values per channel.

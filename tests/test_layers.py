@@ -9,7 +9,10 @@ import pytest
 import tensorflow as tf
 
 import keras_bn
-from helpers import assert_close, mirrored_strategy, numpy_bn_train, python_json
+from helpers import assert_close, numpy_bn_train, python_json
+from tf_helpers import mirrored_strategy
+
+pytestmark = pytest.mark.backends("tensorflow")
 
 EPS = 1e-3
 
@@ -633,8 +636,8 @@ print(json.dumps(found))
 def test_other_backends_get_the_layer_or_a_clear_import_error(backend):
     """`import keras_bn` works under any backend (it is lazy). Under JAX the layer, convert,
     fold_batch_norms and quantize work and the first use of any other keras_bn name raises
-    the guard's ImportError, which says what works there (tests_jax/ tests what works);
-    under a backend the layer does not support (NumPy here; tests_torch/ tests PyTorch) the
+    the guard's ImportError, which says what works there (tests/ under JAX tests what works);
+    under a backend the layer does not support (NumPy here; tests/ under PyTorch tests it) the
     layer raises too."""
     found = python_json(_BACKEND_GUARD_SCRIPT, KERAS_BACKEND=backend)
     assert found.pop("keras imported by import keras_bn") is False

@@ -11,6 +11,8 @@ import keras_bn
 from helpers import docs_page, python_json, randomise_batch_norms
 from keras_bn.export import InferenceAffine, fold_batch_norms
 
+pytestmark = pytest.mark.backends("tensorflow")
+
 HEAVY = ("tensorflow", "keras", "tf2onnx", "ai_edge_litert", "onnxruntime", "onnx")
 
 

@@ -12,10 +12,13 @@ import pytest
 import tensorflow as tf
 
 import keras_bn
-from helpers import assert_close, mirrored_strategy
+from helpers import assert_close
 from keras_bn.backend.tensorflow import ops, statistics
 from keras_bn.diagnostics import check_batchnorm
 from keras_bn.population import PooledMoments
+from tf_helpers import mirrored_strategy
+
+pytestmark = pytest.mark.backends("tensorflow")
 
 EPS = 1e-3
 

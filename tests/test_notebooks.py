@@ -18,6 +18,8 @@ import pytest
 from kernelspec import write_kernelspec
 from nbclient import NotebookClient
 
+pytestmark = pytest.mark.backends("tensorflow")
+
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 NOTEBOOKS = sorted(EXAMPLES.glob("*.ipynb"))
 CELL_TIMEOUT_S = int(os.environ.get("KERAS_BN_CELL_TIMEOUT", "300"))

@@ -20,6 +20,8 @@ from keras_bn._recalibration.batches import Batches
 from keras_bn.callbacks import Recalibrate
 from keras_bn.diagnostics import check_batchnorm
 
+pytestmark = pytest.mark.backends("tensorflow")
+
 RTOL = 1e-5
 
 

@@ -5,8 +5,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from helpers import assert_close, broadcast_shape, numpy_bn_train, tf_reference_bn
+from helpers import assert_close, broadcast_shape, numpy_bn_train
 from keras_bn.backend.tensorflow import ops, statistics
+from tf_helpers import tf_reference_bn
+
+pytestmark = pytest.mark.backends("tensorflow")
 
 EPS = 1e-3
 

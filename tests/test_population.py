@@ -1,5 +1,6 @@
 """keras_bn.recalibrate: Algorithm 2's population statistics against numpy, layer by layer with
-upstream layers in inference mode; and a measurable gain over the moving average."""
+upstream layers in inference mode; and a measurable gain over the moving average. Under every
+backend (tf.data datasets where TensorFlow is installed)."""
 
 import os
 import re
@@ -8,7 +9,7 @@ import sys
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
+from framework_references import array
 
 import keras_bn
 from helpers import assert_close
@@ -45,7 +46,7 @@ def _numpy_population(batches, unbiased):
 
 
 def _numpy_inference_bn(h, layer):
-    gamma, beta, mean, var = [w.numpy().astype(np.float64) for w in layer.weights[:4]]
+    gamma, beta, mean, var = [array(w).astype(np.float64) for w in layer.weights[:4]]
     return gamma * (h - mean) / np.sqrt(var + layer.epsilon) + beta
 
 
@@ -58,9 +59,9 @@ def test_two_bn_network_matches_numpy(second_bn, unbiased):
     model = _two_bn_model(second_bn)
     x = _data((64, 6))
     batches = np.split(x.astype(np.float64), 4)
-    trainable_before = [w.numpy() for w in model.trainable_weights]
-    w1, b1 = [w.numpy().astype(np.float64) for w in model.get_layer("dense_1").weights]
-    w2, b2 = [w.numpy().astype(np.float64) for w in model.get_layer("dense_2").weights]
+    trainable_before = [array(w) for w in model.trainable_weights]
+    w1, b1 = [array(w).astype(np.float64) for w in model.get_layer("dense_1").weights]
+    w2, b2 = [array(w).astype(np.float64) for w in model.get_layer("dense_2").weights]
     bn_1, bn_2 = model.get_layer("bn_1"), model.get_layer("bn_2")
 
     report = keras_bn.recalibrate(model, x, batch_size=16, progress=False)
@@ -155,7 +156,7 @@ def test_batches_with_at_most_one_value_per_channel_are_skipped():
     masked_bn = keras_bn.BatchNormalization()
     masked = keras.Model(token_inputs, masked_bn(embedding(token_inputs)))
     keras_bn.recalibrate(masked, [tokens[:2], tokens[2:]], progress=False)  # 5 tokens, 1
-    vectors = embedding(tokens[:2]).numpy().astype(np.float64)[tokens[:2] != 0]
+    vectors = array(embedding(tokens[:2])).astype(np.float64)[tokens[:2] != 0]
     assert_close(masked_bn.moving_mean, vectors.mean(axis=0), 1e-5)
     assert_close(masked_bn.moving_variance, vectors.var(axis=0, ddof=1), 1e-5)
 
@@ -214,6 +215,7 @@ def test_named_inputs_as_a_dict_of_arrays():
         keras_bn.recalibrate(model, {"a": data["a"], "b": data["b"][:39]}, progress=False)
 
 
+@pytest.mark.requires_tensorflow  # a tf.data dataset
 def test_nested_models_dataset_and_conv_layout():
     """A keras_bn BN inside a nested Sequential, channels-first conv features, (x, y) dataset."""
     inner = keras.Sequential(
@@ -227,9 +229,11 @@ def test_nested_models_dataset_and_conv_layout():
     inputs = keras.Input((2, 5, 5))
     model = keras.Model(inputs, keras.layers.Flatten()(inner(inputs)))
     x = _data((24, 2, 5, 5))
+    import tensorflow as tf
+
     dataset = tf.data.Dataset.from_tensor_slices((x, np.zeros(24))).batch(8)
     keras_bn.recalibrate(model, dataset, progress=False)
-    features = inner.get_layer("conv")(x).numpy().astype(np.float64)
+    features = array(inner.get_layer("conv")(x)).astype(np.float64)
     batches = np.split(features, 3)
     means = np.stack([b.mean(axis=(0, 2, 3)) for b in batches])
     variances = np.stack([b.var(axis=(0, 2, 3)) for b in batches])
@@ -293,6 +297,14 @@ def test_errors_name_the_problem():
         keras_bn.recalibrate(model, _data((3, 3)), batch_size=1, progress=False)
     with pytest.raises(ValueError, match="steps=0"):
         keras_bn.recalibrate(model, _data((8, 3)), steps=0)
+
+
+@pytest.mark.requires_tensorflow  # a tf.data dataset
+def test_an_infinite_dataset_is_a_value_error():
+    import tensorflow as tf
+
+    inputs = keras.Input((3,))  # test_errors_name_the_problem's model
+    model = keras.Model(inputs, keras_bn.BatchNormalization(name="bn")(inputs))
     with pytest.raises(ValueError, match="infinite"):
         keras_bn.recalibrate(model, tf.data.Dataset.from_tensors(_data((8, 3))).repeat())
 
@@ -305,8 +317,8 @@ def _normalization_error(model, x):
     features = keras.Model(model.inputs[0], [bn.input for bn in bns])(x, training=False)
     error = 0.0
     for bn, h in zip(bns, features):
-        h = h.numpy().astype(np.float64).reshape(-1, h.shape[-1])
-        z = (h - bn.moving_mean.numpy()) / np.sqrt(bn.moving_variance.numpy())
+        h = array(h).astype(np.float64).reshape(-1, h.shape[-1])
+        z = (h - array(bn.moving_mean)) / np.sqrt(array(bn.moving_variance))
         error += float((z.mean(axis=0) ** 2).sum() + ((z.var(axis=0) - 1.0) ** 2).sum())
     return error
 
@@ -344,10 +356,10 @@ def test_renorm_and_cumulative_bookkeeping_follow():
     bn = keras_bn.BatchNormalization(renorm=True, momentum=None)
     model = keras.Model(inputs, bn(inputs))
     model(_data((8, 3)), training=True)
-    renorm_before = [bn.renorm_mean.numpy(), bn.renorm_stddev.numpy()]
+    renorm_before = [array(bn.renorm_mean), array(bn.renorm_stddev)]
     keras_bn.recalibrate(model, _data((48, 3), seed=1), batch_size=16, progress=False)
-    assert_close(bn.moving_stddev, np.sqrt(bn.moving_variance.numpy() + EPS), 1e-6)
-    assert int(bn.num_batches_tracked.numpy()) == 3
+    assert_close(bn.moving_stddev, np.sqrt(array(bn.moving_variance) + EPS), 1e-6)
+    assert int(array(bn.num_batches_tracked)) == 3
     for before, after in zip(renorm_before, [bn.renorm_mean, bn.renorm_stddev]):
         np.testing.assert_array_equal(before, after)
 
@@ -360,7 +372,7 @@ def test_masked_inputs_use_unmasked_values_only():
     bn = keras_bn.BatchNormalization()
     model = keras.Model(inputs, bn(embedding(inputs)))
     keras_bn.recalibrate(model, [tokens[:2], tokens[2:]], progress=False)
-    vectors = embedding(tokens).numpy().astype(np.float64)
+    vectors = array(embedding(tokens)).astype(np.float64)
     parts = [vectors[:2][tokens[:2] != 0], vectors[2:][tokens[2:] != 0]]  # 5 and 5 tokens
     counts = np.array([len(p) for p in parts], dtype=np.float64)
     mean = sum(len(p) * p.mean(axis=0) for p in parts) / counts.sum()
@@ -420,10 +432,12 @@ def test_mobilenet_v2_every_layer_matches_its_inference_input():
     keras_bn.recalibrate(model, x, batch_size=8, progress=False)
     features = keras.Model(model.inputs[0], [bn.input for bn in bns])(x, training=False)
     for bn, h in zip(bns, features):
-        batches = np.split(h.numpy().astype(np.float64).reshape(3, -1, h.shape[-1]), 3)
+        batches = np.split(array(h).astype(np.float64).reshape(3, -1, h.shape[-1]), 3)
         batches = [b[0] for b in batches]
         mean, var = _numpy_population(batches, unbiased=True)
-        np.testing.assert_allclose(bn.moving_mean, mean, rtol=0, atol=1e-4 * np.sqrt(var.max()))
+        np.testing.assert_allclose(
+            array(bn.moving_mean), mean, rtol=0, atol=1e-4 * np.sqrt(var.max())
+        )
         assert_close(bn.moving_variance, var, 1e-4)
 
 
@@ -524,7 +538,7 @@ def test_time_distributed_batch_norm_is_recalibrated_over_batch_and_time(
     report = keras_bn.recalibrate(model, x, batch_size=16, progress=False)
     assert report.batches == 3 and [c.name for c in report.layers] == [bn.name]
     dense = model.dense if subclassed else model.layers[1]
-    features = np.asarray(dense(x), np.float64)
+    features = array(dense(x)).astype(np.float64)
     parts = [features[i : i + 16].reshape(-1, 3) for i in range(0, 40, 16)]  # batch × time
     m = np.array([len(p) for p in parts], dtype=np.float64)
     mean = sum(len(p) * p.mean(axis=0) for p in parts) / m.sum()

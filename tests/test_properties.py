@@ -12,16 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import keras_bn
-from helpers import (
-    BACKWARD_HOSTS,
-    assert_close,
-    fold_input,
-    numpy_bn_train,
-    randomise_batch_norms,
-    tf_reference_bn,
-)
+from helpers import BACKWARD_HOSTS, assert_close, fold_input, numpy_bn_train, randomise_batch_norms
 from keras_bn.backend.tensorflow import ops, xla
 from keras_bn.export import fold_batch_norms
+from tf_helpers import tf_reference_bn
+
+pytestmark = pytest.mark.backends("tensorflow")
 
 EPS = 1e-3
 # Mixed policies for the 16-bit dtypes: the realistic use, float32 weights.

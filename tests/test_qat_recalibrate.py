@@ -209,6 +209,9 @@ def _stale_per_tensor_qat(weight_bits):
     return qat, x
 
 
+# Under JAX each of the two comparisons of methods (one pass against ten, against per layer)
+# costs half a minute of eager passes: TensorFlow's and PyTorch's runs make them.
+@pytest.mark.backends("tensorflow", "torch")
 def test_the_passes_bring_a_4_bit_per_tensor_layer_closer_to_its_own_integers():
     """Why the passes: one pass measures with the integers the stale σ rounded to, which the
     new σ no longer gives; the reference for the integers the layer now rounds to is farther
@@ -232,6 +235,7 @@ def test_the_passes_bring_a_4_bit_per_tensor_layer_closer_to_its_own_integers():
     assert all(a > 1.5 * b for a, b in zip(one, settled)), distances
 
 
+@pytest.mark.backends("tensorflow", "torch")
 def test_the_one_pass_and_the_per_layer_method_agree_on_a_qat_model():
     qat, x = _trained_qat(4, per_channel=True)
     inner = keras.models.clone_model(qat)
@@ -366,7 +370,7 @@ def test_the_one_pass_records_each_qat_layers_first_pass_in_its_segment():
         np.testing.assert_array_equal(layer.weight_grids()["kernel"].q, integers)
 
 
-@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="counts tf.function traces")
+@pytest.mark.backends("tensorflow")  # counts tf.function traces
 def test_a_qat_layers_settling_passes_run_it_alone_and_trace_once(monkeypatch):
     """Per tensor every layer takes further passes, each running that layer alone over its
     inputs kept after its segment: one compiled function per layer, kept on the model with the

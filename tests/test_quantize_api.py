@@ -30,6 +30,8 @@ from keras_bn.quantize import (
     from_layers,
 )
 
+pytestmark = pytest.mark.backends("tensorflow")
+
 L = keras.layers
 
 

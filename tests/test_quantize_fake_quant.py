@@ -9,6 +9,8 @@ import tensorflow as tf
 
 from keras_bn.quantize import ActivationQuantizer, fake_quant
 
+pytestmark = pytest.mark.backends("tensorflow")
+
 
 @pytest.mark.parametrize("bits", range(2, 9))
 @pytest.mark.parametrize("per_channel", [True, False], ids=["per_channel", "per_tensor"])

@@ -21,6 +21,8 @@ from keras_bn.quantize import (
     quantize_model,
 )
 
+pytestmark = pytest.mark.backends("tensorflow")
+
 BATCH = 64
 
 

@@ -24,6 +24,8 @@ from keras_bn.quantize import (
     quantize_model,
 )
 
+pytestmark = pytest.mark.backends("tensorflow")
+
 L = keras.layers
 EPSILON = 1e-3
 MOMENTUM = 0.9

@@ -29,6 +29,8 @@ from keras_bn.quantize import (
     quantize_model,
 )
 
+pytestmark = pytest.mark.backends("tensorflow")
+
 L = keras.layers
 BN = keras_bn.BatchNormalization
 

@@ -5,6 +5,7 @@ keep every weight, range and flag bit for bit."""
 import keras
 import numpy as np
 import pytest
+from framework_references import array
 
 import keras_bn
 from keras_bn.quantize import (
@@ -58,10 +59,10 @@ class _Recorder(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         layer = self.model.get_layer("conv_bn")
-        self.mean.append(np.array(layer.batch_norm.moving_mean))
-        self.frozen.append(bool(layer.batch_norm_frozen.numpy()))
+        self.mean.append(array(layer.batch_norm.moving_mean))
+        self.frozen.append(bool(array(layer.batch_norm_frozen)))
         quantizer = self.model.get_layer("pool_quantizer")
-        self.ranges.append((float(quantizer.range_min.numpy()), float(quantizer.range_max.numpy())))
+        self.ranges.append((float(array(quantizer.range_min)), float(array(quantizer.range_max))))
 
 
 def _changed(snapshots, initial):
@@ -69,12 +70,27 @@ def _changed(snapshots, initial):
     return [not np.array_equal(a, b) for a, b in zip(snapshots, previous)]
 
 
-@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+@pytest.mark.parametrize(
+    "jit_compile",
+    [
+        False,
+        pytest.param(
+            True,
+            marks=pytest.mark.xfail(
+                keras.backend.backend() == "torch",
+                strict=True,
+                reason="product: jit_compile=True (torch.compile) fails in dynamo on "
+                "QuantizedHostBatchNorm._bn_parameters (getset_descriptor has no __module__)",
+            ),
+        ),
+    ],
+    ids=["graph", "xla"],
+)
 def test_fit_freezes_batch_norm_and_ranges_at_the_right_step(jit_compile):
     model = _model()
     model.compile(keras.optimizers.SGD(0.05), "mse", jit_compile=jit_compile)
     x, y = _data()
-    initial_mean = np.array(model.get_layer("conv_bn").batch_norm.moving_mean)
+    initial_mean = array(model.get_layer("conv_bn").batch_norm.moving_mean)
     recorder = _Recorder()
     history = model.fit(
         x,
@@ -86,16 +102,16 @@ def test_fit_freezes_batch_norm_and_ranges_at_the_right_step(jit_compile):
         callbacks=[FreezeBatchNorm(after_steps=3, freeze_ranges_after_steps=4), recorder],
     )
     assert np.isfinite(history.history["loss"]).all()
-    assert int(model.optimizer.iterations.numpy()) == STEPS
+    assert int(array(model.optimizer.iterations)) == STEPS
     # Steps 0, 1, 2 train with batch statistics and move the averages; from step 3, frozen.
     assert recorder.frozen == [False, False, False, True, True, True]
     assert _changed(recorder.mean, initial_mean) == [True, True, True, False, False, False]
     assert _changed(recorder.ranges, (0.0, 0.0)) == [True, True, True, True, False, False]
     for layer in (model.get_layer("conv_bn"), model.get_layer("depthwise_bn")):
-        assert layer.batch_norm_frozen.numpy()
+        assert array(layer.batch_norm_frozen)
     for name in ("input_quantizer", "pool_quantizer"):
-        assert model.get_layer(name).ranges_frozen.numpy()
-    assert model.get_layer("conv_bn").output_quantizer.ranges_frozen.numpy()
+        assert array(model.get_layer(name).ranges_frozen)
+    assert array(model.get_layer("conv_bn").output_quantizer.ranges_frozen)
 
 
 def test_after_steps_zero_freezes_before_the_first_step():
@@ -103,10 +119,10 @@ def test_after_steps_zero_freezes_before_the_first_step():
     model.compile(keras.optimizers.SGD(0.05), "mse")
     x, y = _data()
     layer = model.get_layer("conv_bn")
-    initial = np.array(layer.batch_norm.moving_mean)
+    initial = array(layer.batch_norm.moving_mean)
     model.fit(x[:16], y[:16], batch_size=BATCH, verbose=0, callbacks=[FreezeBatchNorm(0)])
-    np.testing.assert_array_equal(np.array(layer.batch_norm.moving_mean), initial)
-    assert not model.get_layer("pool_quantizer").ranges_frozen.numpy()
+    np.testing.assert_array_equal(array(layer.batch_norm.moving_mean), initial)
+    assert not array(model.get_layer("pool_quantizer").ranges_frozen)
 
 
 def test_frozen_training_is_inference_bit_for_bit():
@@ -118,15 +134,15 @@ def test_frozen_training_is_inference_bit_for_bit():
     model.fit(x, y, batch_size=BATCH, verbose=0)
     assert len(freeze_batch_norm(model)) == 2
     assert len(freeze_ranges(model)) == 4  # input, pool, and the two QAT layers' outputs
-    state = [np.array(w) for w in model.non_trainable_weights]
-    training = np.asarray(model(x[:8], training=True))
-    np.testing.assert_array_equal(training, np.asarray(model(x[:8], training=False)))
+    state = [array(w) for w in model.non_trainable_weights]
+    training = array(model(x[:8], training=True))
+    np.testing.assert_array_equal(training, array(model(x[:8], training=False)))
     for before, weight in zip(state, model.non_trainable_weights):
-        np.testing.assert_array_equal(before, np.array(weight))
+        np.testing.assert_array_equal(before, array(weight))
 
 
 def _weights_by_path(model):
-    return {w.path: np.array(w) for w in model.weights}
+    return {w.path: array(w) for w in model.weights}
 
 
 @pytest.mark.parametrize("freeze_ranges_step", [None, 2], ids=["ranges_moving", "ranges_frozen"])
@@ -150,17 +166,17 @@ def test_keras_round_trip_is_bit_exact(tmp_path, freeze_ranges_step):
     for path_name, value in saved.items():
         assert restored[path_name].dtype == value.dtype, path_name
         np.testing.assert_array_equal(restored[path_name], value, err_msg=path_name)
-    assert bool(loaded.get_layer("pool_quantizer").ranges_frozen.numpy()) == (
+    assert bool(array(loaded.get_layer("pool_quantizer").ranges_frozen)) == (
         freeze_ranges_step is not None
     )
     for layer in model.layers:
         assert loaded.get_layer(layer.name).get_config() == layer.get_config()
     np.testing.assert_array_equal(
-        np.asarray(loaded(x[:8], training=False)), np.asarray(model(x[:8], training=False))
+        array(loaded(x[:8], training=False)), array(model(x[:8], training=False))
     )
     # Training mode from the same state: the same output and the same updated state.
     np.testing.assert_array_equal(
-        np.asarray(loaded(x[8:16], training=True)), np.asarray(model(x[8:16], training=True))
+        array(loaded(x[8:16], training=True)), array(model(x[8:16], training=True))
     )
     for path_name, value in _weights_by_path(model).items():
         np.testing.assert_array_equal(_weights_by_path(loaded)[path_name], value)
@@ -234,10 +250,10 @@ def test_freeze_callback_refuses_a_model_without_folded_batch_norm_when_training
     x, y = np.zeros((16, 4), "float32"), np.zeros((16, 2), "float32")
     with pytest.raises(ValueError, match="holds no QuantizedHostBatchNorm"):
         model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[FreezeBatchNorm(3)])
-    assert int(model.optimizer.iterations.numpy()) == 0
+    assert int(array(model.optimizer.iterations)) == 0
     # Likewise the ranges: a model with no ActivationQuantizer at all.
     plain = keras.Sequential([keras.Input((4,)), L.Dense(2)])
     plain.compile("sgd", "mse")
     with pytest.raises(ValueError, match="holds no QuantizedHostBatchNorm"):
         plain.fit(x, y, batch_size=4, verbose=0, callbacks=[FreezeBatchNorm(2)])
-    assert int(plain.optimizer.iterations.numpy()) == 0
+    assert int(array(plain.optimizer.iterations)) == 0

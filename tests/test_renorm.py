@@ -1,14 +1,18 @@
 """Batch renormalization (renorm=True): forward and backward against an autodiff reference,
 moving statistics against numpy, parity with keras.layers.BatchNormalization(renorm=True),
-XLA and mixed precision, argument checks."""
+XLA and mixed precision, argument checks. Under every backend but the checks written in
+TensorFlow and the float64 layers, which JAX (without x64) does not have."""
 
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
+from framework_references import array
 
 import keras_bn
-from helpers import assert_close, assert_xla_step_matches_eager, fit_under_mixed_float16
+from helpers import assert_close
+
+# float64 layers at 1e-12: JAX runs without x64.
+float64_backends = pytest.mark.backends("tensorflow", "torch")
 
 EPS = 1e-3
 CLIPPING = {"rmax": 1.5, "rmin": 0.7, "dmax": 0.5}
@@ -43,6 +47,8 @@ def _renorm_layer(shape, dtype="float32", **kwargs):
 def _reference(x, gamma, beta, renorm_mean, renorm_stddev, red):
     """Ioffe 2017 with plain TF ops: autodiff gives the reference gradient; r and d are
     computed in numpy from the batch, so they are constants."""
+    import tensorflow as tf
+
     mean = tf.reduce_mean(x, red, keepdims=True)
     var = tf.reduce_mean(tf.square(x - mean), red, keepdims=True)
     std = np.sqrt(var.numpy() + EPS)
@@ -57,7 +63,10 @@ def _reference(x, gamma, beta, renorm_mean, renorm_stddev, red):
     [((16, 5), "float64", None), ((8, 4, 4, 3), "float32", None), ((8, 4, 4, 3), "float32", False)],
     ids=["2d_float64", "nhwc_fused", "nhwc_composite"],
 )
+@pytest.mark.backends("tensorflow")  # TensorFlow's tape and its fused path
 def test_forward_and_backward_match_autodiff_reference(shape, dtype, fused):
+    import tensorflow as tf
+
     layer = _renorm_layer(shape, dtype)
     layer._fused = fused
     x = tf.constant(_data(shape, dtype=dtype))
@@ -81,10 +90,11 @@ def test_forward_and_backward_match_autodiff_reference(shape, dtype, fused):
         assert_close(got, want, rtol)
 
 
+@float64_backends
 def test_statistics_updates_match_numpy():
     shape = (32, 3)
     layer = _renorm_layer(shape, "float64")
-    renorm_mean, renorm_stddev = layer.renorm_mean.numpy(), layer.renorm_stddev.numpy()
+    renorm_mean, renorm_stddev = array(layer.renorm_mean), array(layer.renorm_stddev)
     moving_mean, moving_var = np.zeros(3), np.ones(3)
     for step in range(3):
         x = _data(shape, seed=step).astype(np.float64)
@@ -133,11 +143,19 @@ def test_matches_keras_renorm_and_inference_uses_moving_statistics():
     assert_close(ours(x, training=False), plain(x, training=False), 1e-6)
 
 
+@pytest.mark.backends("tensorflow")
 def test_xla_matches_eager():
+    from tf_helpers import assert_xla_step_matches_eager
+
     assert_xla_step_matches_eager(lambda: _renorm_layer((8, 5, 5, 4)), (8, 5, 5, 4))
 
 
+@pytest.mark.backends("tensorflow")
 def test_mixed_float16_training():
+    import tensorflow as tf
+
+    from tf_helpers import fit_under_mixed_float16
+
     bn = fit_under_mixed_float16(
         lambda: keras_bn.BatchNormalization(renorm=True, renorm_clipping=CLIPPING)
     )

@@ -9,6 +9,8 @@ import tensorflow as tf
 import keras_bn
 from helpers import assert_close, numpy_bn_train
 
+pytestmark = pytest.mark.backends("tensorflow")
+
 MODES = ["eager", "graph", "xla"]
 
 

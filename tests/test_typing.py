@@ -19,6 +19,8 @@ import typing
 import pytest
 from test_docstrings import PUBLIC, _members
 
+pytestmark = pytest.mark.backends("tensorflow")
+
 
 def _functions():
     """{qualified name: function} for every public function, method, property getter and

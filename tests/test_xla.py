@@ -8,9 +8,12 @@ import pytest
 import tensorflow as tf
 
 import keras_bn
-from helpers import assert_close, mirrored_strategy
+from helpers import assert_close
 from keras_bn.backend.constants import SHIFT_REDO_RATIO
 from keras_bn.backend.tensorflow import ops, xla
+from tf_helpers import mirrored_strategy
+
+pytestmark = pytest.mark.backends("tensorflow")
 
 # (shape, axis): bench_layer's layouts at test size, sizes that GROUPS does not divide (padded
 # sums), several channel axes and a 5D volume.

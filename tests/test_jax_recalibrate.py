@@ -14,6 +14,8 @@ from keras_bn import population
 from keras_bn._graph import bn_layers
 from keras_bn._recalibration.batches import Batches
 
+pytestmark = pytest.mark.backends("jax")
+
 # --------------------------------------------------------------------------- numpy reference
 
 

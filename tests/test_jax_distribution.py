@@ -1,5 +1,5 @@
 """keras_bn.BatchNormalization under keras.distribution.DataParallel on two CPU devices
-(tests_jax/conftest.py asks XLA for them): the batch statistics are those of the global batch,
+(tests/conftest.py asks XLA for them under JAX): the batch statistics are those of the global batch,
 as synchronized BN gives on TensorFlow, whatever `synchronized` says.
 
 Each global batch's two halves (one per device) have means −5 and +5, so the global variance
@@ -10,10 +10,12 @@ import jax
 import keras
 import numpy as np
 import pytest
+from framework_references import jnp_train, numpy_train
 from jax.sharding import NamedSharding, PartitionSpec
-from references import jnp_train, numpy_train
 
 import keras_bn
+
+pytestmark = pytest.mark.backends("jax")
 
 FEATURES, BATCH, STEPS, MOMENTUM = 4, 16, 4, 0.5
 
@@ -41,7 +43,7 @@ def _moving_variance(batches):
 @pytest.fixture
 def two_devices():
     devices = jax.devices("cpu")
-    assert len(devices) == 2, "tests_jax/conftest.py sets XLA_FLAGS for two CPU devices"
+    assert len(devices) == 2, "tests/conftest.py sets XLA_FLAGS for two CPU devices"
     yield devices
     keras.distribution.set_distribution(None)
 

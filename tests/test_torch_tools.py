@@ -3,16 +3,17 @@
 formula), `quantize_model` trained with `fit` and round-tripped through a .keras file, and
 `check_batchnorm`'s findings."""
 
-import importlib
-import importlib.util
-
 import keras
 import numpy as np
 import pytest
-from references import array
+from framework_references import array
 
 import keras_bn
 from keras_bn.export import fold_batch_norms
+
+# What test_fold_backends.py and test_qat_recalibrate.py check under every backend, here
+# against torch's eager fit and calls.
+pytestmark = pytest.mark.backends("torch")
 
 L = keras.layers
 
@@ -119,23 +120,6 @@ def test_the_folded_model_computes_the_inference_formula(data_format):
     expected = np.maximum((z - mean) * gamma / np.sqrt(variance + bn.epsilon) + beta, 0.0)
     got = array(folded.predict(x, verbose=0))
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
-
-
-def test_convert_round_trip_keeps_weights_and_outputs():
-    model = _randomise(
-        keras.Sequential([keras.Input((5,)), L.Dense(4), L.BatchNormalization(), L.Dense(2)])
-    )
-    x = _data((8, 5), 3)
-    ours = keras_bn.convert.from_keras(model)
-    assert any(isinstance(layer, keras_bn.BatchNormalization) for layer in ours.layers)
-    back = keras_bn.convert.to_keras(ours)
-    expected = array(model.predict(x, verbose=0))
-    for converted in (ours, back):
-        np.testing.assert_array_equal(
-            np.concatenate([array(w).ravel() for w in converted.weights]),
-            np.concatenate([array(w).ravel() for w in model.weights]),
-        )
-        np.testing.assert_allclose(array(converted.predict(x, verbose=0)), expected, atol=1e-6)
 
 
 def test_qat_model_trains_saves_and_loads(tmp_path):
@@ -252,31 +236,3 @@ def test_check_batchnorm_finds_the_mistakes():
         ("shifted", "small_batch"),
         ("inner/after_relu", "unfoldable"),
     } <= kinds
-
-
-@pytest.mark.parametrize(
-    ("use", "name"),
-    [
-        (
-            lambda: keras_bn.diagnostics.gradient_norms_by_layer(None, None, None, "mse"),
-            "keras_bn.diagnostics.gradient_norms_by_layer",
-        ),
-        (lambda: importlib.import_module("keras_bn.export").export_tflite, None),
-        (lambda: importlib.import_module("keras_bn.export.onnx"), "keras_bn.export.export_onnx"),
-    ],
-)
-def test_what_needs_tensorflow_says_so(use, name):
-    """The diagnostics' gradient probes and the writers raise an ImportError naming what needs
-    TensorFlow and what works under PyTorch; where TensorFlow is not installed (make's
-    .venv-torch), the extra to install."""
-    with pytest.raises(ImportError) as raised:
-        use()
-    message = str(raised.value)
-    if importlib.util.find_spec("tensorflow") is not None:
-        assert "needs the TensorFlow Keras backend, but Keras is using 'torch'" in message
-        assert "Under PyTorch keras_bn.BatchNormalization, recalibrate, " in message
-    else:
-        assert 'pip install "keras-bn[' in message, message
-    assert "KERAS_BACKEND=tensorflow" in message
-    if name is not None:
-        assert message.startswith(name)

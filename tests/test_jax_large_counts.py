@@ -13,6 +13,8 @@ import pytest
 
 import keras_bn
 
+pytestmark = pytest.mark.backends("jax")
+
 BOUND = 1e-5
 CHANNELS = 4
 SIZES = {"262k": (256, 32), "1M": (1024, 32)}

@@ -1,9 +1,10 @@
-"""keras_bn under JAX where TensorFlow is not installed: make's .venv-jax, which sets
-KERAS_BN_NO_TENSORFLOW=1 (elsewhere these tests skip: a Python with TensorFlow proves nothing
-here). Each use runs in a fresh Python, so that nothing imported by the other tests helps it:
-`import keras_bn` before or after `import keras`, training with `fit`, `recalibrate`,
-`callbacks.Recalibrate`, `check_batchnorm`, `convert`, the fold and QAT, `.keras` files loaded in
-another fresh process, and the TFLite and ONNX writers' ImportError."""
+"""keras_bn under JAX and PyTorch where TensorFlow is not installed: make's .venv-jax and
+.venv-torch, whose runs set KERAS_BN_NO_TENSORFLOW=1 (elsewhere these tests skip: a Python with
+TensorFlow proves nothing here). Each use runs in a fresh Python, so that nothing imported by
+the other tests helps it: `import keras_bn` before or after `import keras`, the TFLite and ONNX
+writers' ImportError; under JAX training with `fit`, `recalibrate`, `callbacks.Recalibrate`,
+`check_batchnorm`, `convert`, the fold and QAT, `.keras` files loaded in another fresh process;
+under PyTorch training and `recalibrate`."""
 
 import importlib.util
 import json
@@ -11,22 +12,29 @@ import os
 import subprocess
 import sys
 
+import keras
+import numpy as np
 import pytest
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("KERAS_BN_NO_TENSORFLOW") != "1",
-    reason="KERAS_BN_NO_TENSORFLOW=1 runs these (make test's .venv-jax, without TensorFlow)",
-)
+pytestmark = [
+    pytest.mark.backends("jax", "torch"),
+    pytest.mark.skipif(
+        os.environ.get("KERAS_BN_NO_TENSORFLOW") != "1",
+        reason="KERAS_BN_NO_TENSORFLOW=1 runs these (make test's .venv-jax and .venv-torch, "
+        "without TensorFlow)",
+    ),
+]
+BACKEND = keras.backend.backend()
 
 
 def _fresh(source, *args):
-    """Run `source` in a fresh Python (this one) under KERAS_BACKEND=jax; the JSON of its last
+    """Run `source` in a fresh Python (this one) under this run's backend; the JSON of its last
     line of output."""
     result = subprocess.run(
         [sys.executable, "-c", source, *map(str, args)],
         capture_output=True,
         text=True,
-        env={**os.environ, "KERAS_BACKEND": "jax"},
+        env={**os.environ, "KERAS_BACKEND": BACKEND},
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -49,7 +57,7 @@ layer = keras_bn.BatchNormalization()
 y = layer(np.ones((4, 3), "float32"), training=True)
 print(json.dumps({{
     "backend": keras.backend.backend(),
-    "output": np.asarray(y).tolist(),
+    "output": keras.ops.convert_to_numpy(y).tolist(),
     "tensorflow_imported": "tensorflow" in sys.modules,
 }}))
 """
@@ -59,7 +67,7 @@ print(json.dumps({{
 def test_keras_bn_and_keras_import_in_either_order(first):
     second = "keras" if first == "keras_bn" else "keras_bn"
     found = _fresh(_IMPORTS.format(first=first, second=second))
-    assert found["backend"] == "jax"
+    assert found["backend"] == BACKEND
     assert found["output"] == [[0.0, 0.0, 0.0]] * 4  # constant input: x − μ = 0, β = 0
     assert found["tensorflow_imported"] is False
 
@@ -169,6 +177,7 @@ print(json.dumps({
 
 
 @pytest.mark.slow
+@pytest.mark.backends("jax")
 def test_train_recalibrate_fold_and_quantize_then_load_in_a_fresh_process(tmp_path):
     found = _fresh(_TRAIN, tmp_path)
     assert found["converted"] == "keras_bn" and found["converted_back"] == "keras"
@@ -213,3 +222,38 @@ def test_the_file_writers_say_what_to_install_and_how_to_export(tmp_path):
         assert 'pip install "keras-bn[export]"' in message, (name, message)
         assert ".keras" in message and "KERAS_BACKEND=tensorflow" in message, (name, message)
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+_TRAIN_TORCH = """
+import json, sys
+import keras_bn
+import keras
+import numpy as np
+
+model = keras.Sequential([keras.Input((3,)), keras_bn.BatchNormalization(), keras.layers.Dense(1)])
+model.compile("sgd", "mse")
+x = np.random.default_rng(0).normal(size=(16, 3)).astype("float32")
+model.fit(x, x[:, :1], batch_size=8, verbose=0)
+keras_bn.recalibrate(model, x, batch_size=8, progress=False)
+print(json.dumps({
+    "backend": keras.backend.backend(),
+    "tensorflow_imported": "tensorflow" in sys.modules,
+    "moving_mean": np.asarray(model.layers[0].moving_mean).tolist(),
+}))
+"""
+
+
+@pytest.mark.backends("torch")
+def test_keras_bn_trains_and_recalibrates_without_tensorflow():
+    result = subprocess.run(
+        [sys.executable, "-c", _TRAIN_TORCH],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "KERAS_BACKEND": "torch"},
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    assert found["backend"] == "torch" and not found["tensorflow_imported"]
+    x = np.random.default_rng(0).normal(size=(16, 3)).astype("float32")
+    np.testing.assert_allclose(found["moving_mean"], x.astype(np.float64).mean(0), atol=1e-6)

@@ -6,6 +6,8 @@ import re
 import keras
 import pytest
 
+pytestmark = pytest.mark.backends("jax")
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WRITERS = ("export_tflite(", "export_onnx(")
 

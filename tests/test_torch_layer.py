@@ -1,0 +1,242 @@
+"""keras_bn.BatchNormalization under PyTorch against torch's own: torch.nn.BatchNorm (which
+keeps the same unbiased running variance, m/(m−1)·σ²_B) for the forward pass, the gradients
+and the running statistics over several training steps, 16-bit policies and autocast against
+autograd of a plain torch batch norm, torch.compile. The maths every backend shares (masks,
+renorm, ghost batches, momentum=None, the backward against autodiff) is test_layer_maths.py's."""
+
+import keras
+import numpy as np
+import pytest
+import torch
+from framework_references import array, for_backend, numpy_train, torch_train
+
+import keras_bn
+from helpers import random_affine_bn
+
+# PyTorch's own BatchNorm, autocast and torch.compile: conftest.py skips this module, unimported,
+# under the other backends. The maths every backend shares is test_layer_maths.py's.
+pytestmark = pytest.mark.backends("torch")
+
+EPS = 1e-3
+
+
+def _data(shape, seed=1, loc=2.0, scale=3.0):
+    return np.random.default_rng(seed).normal(loc, scale, shape).astype("float32")
+
+
+def _close(actual, expected, tolerance):
+    """Equal within `tolerance` of max(1, max |expected|), elementwise."""
+    expected = np.asarray(expected, np.float64)
+    scale = max(1.0, float(np.max(np.abs(expected))))
+    np.testing.assert_allclose(
+        np.asarray(actual, np.float64), expected, rtol=0, atol=tolerance * scale
+    )
+
+
+def _step(layer, x, cotangent, mask=None):
+    """One training call: y and the gradients of Σ cotangent·y to (x, γ, β), from keras_bn's
+    backward (torch autograd through the layer)."""
+    return for_backend("torch").train_step(layer, x, cotangent, mask)
+
+
+# torch.nn.BatchNorm's input is (N, C, *spatial); keras_bn sees it as it is with axis=1
+# (channels_first), or with C moved last and Keras's default axis=-1 (channels_last). Odd
+# sizes: a batch of 3, 5×7 maps.
+TORCH_SHAPES = [(5, 4), (3, 6, 7), (3, 4, 5, 7), (2, 3, 4, 5, 3)]
+TORCH_BN = {2: torch.nn.BatchNorm1d, 3: torch.nn.BatchNorm1d, 4: torch.nn.BatchNorm2d}
+TORCH_BN[5] = torch.nn.BatchNorm3d
+
+
+def _to_keras(t, layout):
+    """A torch-layout (N, C, ...) array in keras_bn's layout."""
+    if layout == "channels_first" or t.ndim == 2:
+        return t
+    return np.moveaxis(t, 1, -1)
+
+
+def _from_keras(t, layout):
+    if layout == "channels_first" or t.ndim == 2:
+        return t
+    return np.moveaxis(t, -1, 1)
+
+
+@pytest.mark.parametrize(
+    ("shape", "layout"),
+    [
+        (shape, layout)
+        for shape in TORCH_SHAPES
+        for layout in ("channels_last", "channels_first")
+        if len(shape) > 2 or layout == "channels_last"  # (N, C): both layouts are one
+    ],
+    ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else v,
+)
+def test_training_steps_equal_torch_batch_norm(shape, layout):
+    """Four SGD steps on γ and β: every step's output and gradients to x, γ and β, the running
+    mean and (unbiased) variance after them, and inference, equal torch.nn.BatchNorm's within
+    1e-5. Keras's momentum 0.9 is torch's 0.1 (the weight of the new batch)."""
+    channels = shape[1]
+    reference = TORCH_BN[len(shape)](channels, eps=EPS, momentum=0.1)
+    keras_shape = _to_keras(np.empty(shape), layout).shape
+    layer = random_affine_bn(
+        keras_shape, axis=1 if layout == "channels_first" else -1, momentum=0.9
+    )
+    with torch.no_grad():
+        reference.weight.copy_(layer.gamma.value)
+        reference.bias.copy_(layer.beta.value)
+    for step in range(4):
+        x = _data(shape, seed=10 + step, loc=step - 1.0, scale=1.0 + step)
+        cotangent = _data(shape, seed=20 + step, loc=0.0, scale=1.0)
+        y, dx, dgamma, dbeta = _step(layer, _to_keras(x, layout), _to_keras(cotangent, layout))
+        torch_x = torch.tensor(x, requires_grad=True)
+        reference.zero_grad()
+        torch_y = reference(torch_x)
+        torch.sum(torch_y * torch.as_tensor(cotangent)).backward()
+        _close(_from_keras(y, layout), array(torch_y), 1e-5)
+        _close(_from_keras(dx, layout), array(torch_x.grad), 1e-5)
+        _close(dgamma, array(reference.weight.grad), 1e-5)
+        _close(dbeta, array(reference.bias.grad), 1e-5)
+        with torch.no_grad():  # the same SGD step on both
+            reference.weight -= 0.1 * reference.weight.grad
+            reference.bias -= 0.1 * reference.bias.grad
+        layer.gamma.assign(array(layer.gamma) - 0.1 * dgamma)
+        layer.beta.assign(array(layer.beta) - 0.1 * dbeta)
+        _close(array(layer.gamma), array(reference.weight), 1e-5)
+        _close(array(layer.moving_mean), array(reference.running_mean), 1e-5)
+        _close(array(layer.moving_variance), array(reference.running_var), 1e-5)
+    x = _data(shape, seed=30)
+    reference.eval()
+    with torch.no_grad():
+        expected = array(reference(torch.tensor(x)))
+    _close(_from_keras(array(layer(_to_keras(x, layout), training=False)), layout), expected, 1e-5)
+
+
+def test_keras_momentum_099_is_torch_momentum_001():
+    """Keras weighs the old value (0.99), torch the new batch (0.01): the same averages."""
+    shape = (6, 3, 4, 5)
+    reference = torch.nn.BatchNorm2d(3, eps=EPS, momentum=0.01)
+    layer = keras_bn.BatchNormalization(axis=1, momentum=0.99, epsilon=EPS)
+    for step in range(5):
+        x = _data(shape, seed=step, loc=3.0 * step, scale=2.0)
+        layer(x, training=True)
+        reference(torch.tensor(x))
+    _close(array(layer.moving_mean), array(reference.running_mean), 1e-6)
+    _close(array(layer.moving_variance), array(reference.running_var), 1e-6)
+    assert not np.allclose(array(layer.moving_mean), 0.0)
+
+
+@pytest.mark.parametrize(
+    ("policy", "dtype", "tolerance"),
+    [("mixed_float16", torch.float16, 2e-3), ("mixed_bfloat16", torch.bfloat16, 1.6e-2)],
+)
+def test_mixed_precision_keeps_float32_statistics_and_gradients(policy, dtype, tolerance):
+    """A 16-bit policy: 16-bit in and out, float32 weights and statistics; the moving
+    statistics are those of the 16-bit values computed in float64, the output and the gradient
+    autograd's of the plain formula on those values in float32, rounded to 16 bits (to within
+    one 16-bit rounding: `tolerance`)."""
+    keras.mixed_precision.set_global_policy(policy)
+    shape = (32, 3)
+    layer = keras_bn.BatchNormalization()
+    x = torch.tensor(_data(shape, 1, loc=100.0, scale=50.0)).to(dtype).requires_grad_()
+    values = array(x.float())  # the 16-bit values, exactly
+    cotangent = _data(shape, 2, loc=0.0, scale=1.0)
+    y = layer(x, training=True)
+    assert y.dtype == dtype
+    assert all(v.dtype == "float32" for v in layer.weights)
+    torch.sum(y.float() * torch.as_tensor(cotangent)).backward()
+    _, mean, var, m = numpy_train(values, np.ones(3), np.zeros(3), [1], EPS)
+    np.testing.assert_allclose(array(layer.moving_mean), 0.01 * mean, rtol=1e-6)
+    np.testing.assert_allclose(
+        array(layer.moving_variance), 0.99 + 0.01 * var * m / (m - 1), rtol=1e-6
+    )
+    x32 = torch.tensor(values, requires_grad=True)
+    plain = torch_train(x32, torch.ones(3), torch.zeros(3), [1], EPS)
+    torch.sum(plain * torch.as_tensor(cotangent)).backward()
+    assert x.grad.dtype == dtype
+    _close(array(x.grad.float()), array(x32.grad), tolerance)
+    _close(array(y.float()), array(plain), tolerance)
+
+
+def test_float16_under_autocast_gets_float32_statistics():
+    """Inside torch.autocast (float16), a float16 tensor (what an autocast convolution hands
+    on) into a float32-policy layer: autocast lowers none of the layer's ops, so its output and
+    statistics are float32, those of the float16 values in float64."""
+    x16 = _data((16, 4), 3, loc=-50.0, scale=20.0).astype("float16")
+    layer = keras_bn.BatchNormalization(momentum=0.0)
+    with torch.autocast("cpu", dtype=torch.float16):
+        y = layer(torch.tensor(x16), training=True)
+    assert y.dtype == torch.float32
+    want, mean, var, m = numpy_train(x16, np.ones(4), np.zeros(4), [1], EPS)
+    np.testing.assert_allclose(array(layer.moving_mean), mean, rtol=1e-6)
+    np.testing.assert_allclose(array(layer.moving_variance), var * m / (m - 1), rtol=1e-5)
+    _close(array(y), want, 1e-5)
+
+
+def test_fit_whose_last_batch_holds_one_sample_raises():
+    """PyTorch's `fit` runs eagerly: its last batch of one is a concrete batch of one, the
+    same ValueError as a direct call (TensorFlow's and JAX's traced `fit` output β there)."""
+    model = keras.Sequential(
+        [keras.Input((4,)), keras_bn.BatchNormalization(), keras.layers.Dense(1)]
+    )
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    x, y = _data((9, 4), 4), _data((9, 1), 5)
+    with pytest.raises(ValueError, match="m=1"):
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    history = model.fit(x[:8], y[:8], batch_size=4, epochs=1, shuffle=False, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+
+
+def test_a_batch_of_one_under_torch_compile_outputs_beta_as_a_traced_fit():
+    """Under torch.compile (dynamo; the "eager" backend, no code generation) a batch of one is
+    run-time data, as in JAX's traced `fit` and TensorFlow's: the output is β, the gradients
+    to x and γ are 0 (β's is the upstream), and the statistics stay; a larger batch through
+    the same compiled step normalizes and updates."""
+    layer = random_affine_bn((None, 3))
+    beta = array(layer.beta)
+    step = torch.compile(lambda x: layer(x, training=True), backend="eager")
+    x = torch.tensor(_data((1, 3), 2), requires_grad=True)
+    y = step(x)
+    np.testing.assert_array_equal(array(y), beta[None])
+    torch.sum(y * 3.0).backward()
+    np.testing.assert_array_equal(array(x.grad), 0.0)
+    np.testing.assert_array_equal(array(layer.gamma.value.grad), 0.0)
+    np.testing.assert_array_equal(array(layer.beta.value.grad), 3.0)
+    np.testing.assert_array_equal(array(layer.moving_mean), 0.0)
+    np.testing.assert_array_equal(array(layer.moving_variance), 1.0)
+    batch = _data((6, 3), 3)
+    want, mean, _, _ = numpy_train(batch, array(layer.gamma), beta, [1], EPS)
+    _close(array(step(torch.tensor(batch))), want, 1e-5)
+    np.testing.assert_allclose(array(layer.moving_mean), 0.1 * mean, rtol=1e-5)
+
+
+def test_torch_batch_norm_refuses_a_static_batch_of_one_too():
+    """keras_bn's ValueError (test_layer_maths.py) matches torch.nn.BatchNorm's in training."""
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        torch.nn.BatchNorm1d(3)(torch.ones(1, 3))
+
+
+def test_torch_batch_norm_lets_a_non_finite_batch_into_its_running_variance():
+    """What keras_bn's skip of a non-finite batch (test_layer_maths.py) avoids: torch's own
+    BatchNorm lets the NaN into running_var for ever."""
+    bad = _data((8, 3), 2)
+    bad[3, 1] = np.nan
+    poisoned = torch.nn.BatchNorm1d(3)
+    poisoned(torch.tensor(bad))
+    assert torch.isnan(poisoned.running_var[1])
+
+
+def test_momentum_none_equals_torch_cumulative_average_of_the_finite_batches():
+    """torch's momentum=None, whose cumulative average of the unbiased variances keras_bn's
+    equals, except that the NaN batch is skipped and not counted (torch's would turn NaN); the
+    counter is int64, as torch's num_batches_tracked."""
+    shape = (6, 4)
+    layer = keras_bn.BatchNormalization(momentum=None)
+    reference = torch.nn.BatchNorm1d(4, momentum=None)
+    batches = [_data(shape, seed, loc=seed, scale=seed) for seed in (1, 2, 3)]
+    nan_batch = _data(shape, 9)
+    nan_batch[0, 0] = np.nan
+    for batch in (batches[0], nan_batch, batches[1], batches[2]):
+        layer(batch, training=True)
+    for batch in batches:
+        reference(torch.tensor(batch))
+    assert array(layer.num_batches_tracked).dtype == np.int64
+    _close(array(layer.moving_variance), array(reference.running_var), 1e-6)
