@@ -16,10 +16,8 @@ import pytest
 
 import keras_bn
 
-torch = pytest.importorskip("torch", reason="the refusing tensors are PyTorch's")
-pytestmark = pytest.mark.skipif(
-    keras.backend.backend() != "torch", reason="needs the torch Keras backend"
-)
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.backends("torch")  # the refusing tensors are PyTorch's
 L = keras.layers
 
 

@@ -2,7 +2,7 @@
 for QAT under the JAX Keras backend.
 
 `fake_quant_with_min_max_vars` and `fake_quant_with_min_max_vars_per_channel` compute what
-TensorFlow's CPU kernels compute, bit for bit (tests_jax/test_jax_quantize.py compares them on
+TensorFlow's CPU kernels compute, bit for bit (tests/test_quantize_backends.py compares them on
 grids of values that include every rounding boundary). The range is nudged so that 0 lies on
 the grid: with q_lo = 1 for a narrow range (else 0) and q_hi = 2^bits − 1,
 
