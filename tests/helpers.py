@@ -214,3 +214,18 @@ def python_json(source, *args, timeout=300, **env):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def cli_in_process(capfd, *args):
+    """keras-bn-export's `main` run on `args` (paths allowed) in this process, its output read
+    at the file descriptors with pytest's `capfd`: a subprocess.CompletedProcess as `run_cli`
+    returns, without a new Python importing TensorFlow (seconds a call). For tests of what the
+    command does with its arguments and files; `run_cli` stays for tests of the installed
+    command itself (its start-up, its environment, its process's stderr)."""
+    from keras_bn.export import cli
+
+    argv = [str(arg) for arg in args]
+    capfd.readouterr()  # what the test printed before
+    code = cli.main(argv)
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(["keras-bn-export", *argv], code, out, err)

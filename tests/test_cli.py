@@ -1,5 +1,9 @@
-"""keras-bn-export end to end, through a subprocess running the installed console script (or,
-where a test must reach inside, a small script that calls `keras_bn.export.cli.main`)."""
+"""keras-bn-export end to end: through a subprocess running the installed console script where
+the installed command is the point (a whole export as a user runs it, its stderr, the README's
+line, --help), or a small script that calls `keras_bn.export.cli.main` where a test must reach
+inside; the tests of what it does with its arguments and files call `main` in this process
+(helpers.cli_in_process: the same exit code, stdout and stderr, without a new Python importing
+TensorFlow for each call)."""
 
 import json
 import os
@@ -18,7 +22,7 @@ import pytest
 from test_notebooks import TENSORFLOW_LOG_LINE
 
 import digits
-from helpers import docs_page, randomise_batch_norms, run_cli
+from helpers import cli_in_process, docs_page, randomise_batch_norms, run_cli
 from keras_bn.export import defaults
 
 pytestmark = pytest.mark.backends("tensorflow")
@@ -127,8 +131,9 @@ def test_the_readme_command_line_runs_as_written_on_the_demos_file(saved, tmp_pa
     assert written and all((tmp_path / name).is_file() for name in written)
 
 
-def test_int8_passes_its_default_tolerance(saved, tmp_path):
-    result = run_cli(
+def test_int8_passes_its_default_tolerance(saved, tmp_path, capfd):
+    result = cli_in_process(
+        capfd,
         saved / "cnn.keras",
         "--tflite",
         tmp_path / "q.tflite",
@@ -151,11 +156,12 @@ def test_int8_passes_its_default_tolerance(saved, tmp_path):
     assert "int8 readiness: not measured" not in result.stdout
 
 
-def test_int8_readiness_is_measured_on_request_and_said_when_not(saved, tmp_path):
+def test_int8_readiness_is_measured_on_request_and_said_when_not(saved, tmp_path, capfd):
     """A float export measures nothing unless --int8-readiness asks; the summary and the
     JSON say which, and the flags are the measured errors over the tolerance."""
     for flag in ([], ["--int8-readiness"]):
-        result = run_cli(
+        result = cli_in_process(
+            capfd,
             saved / "cnn.keras",
             "--onnx",
             tmp_path / "m.onnx",
@@ -185,10 +191,11 @@ def test_int8_readiness_is_measured_on_request_and_said_when_not(saved, tmp_path
         assert ("int8 risk:" if at_risk else "int8 readiness: rounding any one") in result.stdout
 
 
-def test_error_over_tolerance_exits_1_keeps_the_old_file_and_still_reports(saved, tmp_path):
+def test_error_over_tolerance_exits_1_keeps_the_old_file_and_still_reports(saved, tmp_path, capfd):
     target = tmp_path / "q.tflite"
     target.write_bytes(b"previous export")
-    result = run_cli(
+    result = cli_in_process(
+        capfd,
         saved / "cnn.keras",
         "--tflite",
         target,
@@ -223,13 +230,14 @@ def _multi_input_model():
     )
 
 
-def test_several_inputs_from_an_npz_with_one_array_per_input(tmp_path):
+def test_several_inputs_from_an_npz_with_one_array_per_input(tmp_path, capfd):
     _multi_input_model().save(tmp_path / "m.keras")
     rng = np.random.default_rng(0)
     features = rng.normal(size=(80, 6)).astype("float32")
     np.savez(tmp_path / "x.npz", features=features, ids=rng.integers(0, 5, (80, 3)))
     # The .npz is the probe here (int8 calibration from a dict: tests/test_export.py).
-    result = run_cli(
+    result = cli_in_process(
+        capfd,
         tmp_path / "m.keras",
         "--tflite",
         tmp_path / "m.tflite",
@@ -247,7 +255,8 @@ def test_several_inputs_from_an_npz_with_one_array_per_input(tmp_path):
         assert set(export["relative_errors"]) == {"label", "score"} and export["passed"]
 
     np.savez(tmp_path / "bad.npz", features=features)
-    result = run_cli(
+    result = cli_in_process(
+        capfd,
         tmp_path / "m.keras",
         "--onnx",
         tmp_path / "bad.onnx",
@@ -260,7 +269,7 @@ def test_several_inputs_from_an_npz_with_one_array_per_input(tmp_path):
 
 
 @pytest.mark.parametrize("corruption", ["truncated", "junk_inside_zip"])
-def test_corrupt_model_exits_2_in_one_line_without_output(saved, tmp_path, corruption):
+def test_corrupt_model_exits_2_in_one_line_without_output(saved, tmp_path, corruption, capfd):
     bad = tmp_path / "bad.keras"
     if corruption == "truncated":
         data = (saved / "cnn.keras").read_bytes()
@@ -268,7 +277,9 @@ def test_corrupt_model_exits_2_in_one_line_without_output(saved, tmp_path, corru
     else:
         with zipfile.ZipFile(bad, "w") as archive:
             archive.writestr("config.json", "{not json")
-    result = run_cli(bad, "--tflite", tmp_path / "out.tflite", "--report", tmp_path / "r.json")
+    result = cli_in_process(
+        capfd, bad, "--tflite", tmp_path / "out.tflite", "--report", tmp_path / "r.json"
+    )
     assert result.returncode == 2
     assert "Traceback" not in result.stderr + result.stdout
     errors = _error_lines(result)
@@ -280,7 +291,7 @@ def test_corrupt_model_exits_2_in_one_line_without_output(saved, tmp_path, corru
     assert sorted(os.listdir(tmp_path)) == ["bad.keras"]
 
 
-def test_lambda_layer_loads_only_with_unsafe(tmp_path):
+def test_lambda_layer_loads_only_with_unsafe(tmp_path, capfd):
     model = keras.Sequential(
         [
             keras.Input((4,)),
@@ -290,11 +301,13 @@ def test_lambda_layer_loads_only_with_unsafe(tmp_path):
         ]
     )
     model.save(tmp_path / "lambda.keras")
-    safe = run_cli(tmp_path / "lambda.keras", "--onnx", tmp_path / "m.onnx")
+    safe = cli_in_process(capfd, tmp_path / "lambda.keras", "--onnx", tmp_path / "m.onnx")
     assert safe.returncode == 2 and "Traceback" not in safe.stderr
     assert "safe_mode" in safe.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "m.onnx").exists()
-    unsafe = run_cli(tmp_path / "lambda.keras", "--onnx", tmp_path / "m.onnx", "--unsafe")
+    unsafe = cli_in_process(
+        capfd, tmp_path / "lambda.keras", "--onnx", tmp_path / "m.onnx", "--unsafe"
+    )
     assert unsafe.returncode == 0, unsafe.stderr
     assert "batch norms: 1 folded, 0 kept" in unsafe.stdout and (tmp_path / "m.onnx").exists()
 
@@ -310,7 +323,7 @@ def test_bad_usage_exits_2_in_one_line(tmp_path):
     assert "argument --quantize: invalid choice: 'int4'" in result.stderr.splitlines()[-1]
 
 
-def test_mixed_precision_model_is_judged_at_its_default_tolerance(tmp_path):
+def test_mixed_precision_model_is_judged_at_its_default_tolerance(tmp_path, capfd):
     """The folded mixed-precision model rounds to float16 as its ONNX file does: it gets the
     same 1e-2 default (with 1e-4 the CLI exited 1, "FAILED", yet wrote the file)."""
     keras.mixed_precision.set_global_policy("mixed_float16")
@@ -325,8 +338,13 @@ def test_mixed_precision_model_is_judged_at_its_default_tolerance(tmp_path):
     finally:
         keras.mixed_precision.set_global_policy("float32")
     model.save(tmp_path / "mixed.keras")
-    result = run_cli(
-        tmp_path / "mixed.keras", "--onnx", tmp_path / "m.onnx", "--report", tmp_path / "r.json"
+    result = cli_in_process(
+        capfd,
+        tmp_path / "mixed.keras",
+        "--onnx",
+        tmp_path / "m.onnx",
+        "--report",
+        tmp_path / "r.json",
     )
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["fold"]["relative_error"] > 1e-4  # 16-bit rounding, over the float32 default
@@ -336,7 +354,7 @@ def test_mixed_precision_model_is_judged_at_its_default_tolerance(tmp_path):
     assert (tmp_path / "m.onnx").exists() and "verification passed" in result.stdout
 
 
-def test_report_is_strict_json_when_an_output_is_nan(tmp_path):
+def test_report_is_strict_json_when_an_output_is_nan(tmp_path, capfd):
     """A NaN error is written as null (Python's json writes the token NaN, which strict JSON
     parsers reject); the report still says the file failed."""
     inputs = keras.Input((4,))
@@ -347,8 +365,13 @@ def test_report_is_strict_json_when_an_output_is_nan(tmp_path):
     kernel[0, 0] = np.nan
     head.set_weights([kernel, bias])
     model.save(tmp_path / "nan.keras")
-    result = run_cli(
-        tmp_path / "nan.keras", "--onnx", tmp_path / "m.onnx", "--report", tmp_path / "r.json"
+    result = cli_in_process(
+        capfd,
+        tmp_path / "nan.keras",
+        "--onnx",
+        tmp_path / "m.onnx",
+        "--report",
+        tmp_path / "r.json",
     )
     assert result.returncode == 1, result.stdout + result.stderr
 
@@ -388,8 +411,9 @@ def _run_script(tmp_path, source, *args):
 # --------------------------------------------------------------------------- exit codes
 
 
-def test_deprecated_atol_still_works_with_a_one_line_note(saved, tmp_path):
-    result = run_cli(
+def test_deprecated_atol_still_works_with_a_one_line_note(saved, tmp_path, capfd):
+    result = cli_in_process(
+        capfd,
         saved / "cnn.keras",
         "--onnx",
         tmp_path / "m.onnx",
@@ -430,9 +454,10 @@ def test_usage_errors_exit_2_in_one_line(saved, args, message):
     assert message in error
 
 
-def test_bad_representative_data_and_an_unwritable_path_exit_2(saved, tmp_path):
+def test_bad_representative_data_and_an_unwritable_path_exit_2(saved, tmp_path, capfd):
     (tmp_path / "x.npy").write_bytes(b"\x93NUMPY not really")
-    result = run_cli(
+    result = cli_in_process(
+        capfd,
         saved / "cnn.keras",
         "--onnx",
         tmp_path / "m.onnx",
@@ -442,7 +467,9 @@ def test_bad_representative_data_and_an_unwritable_path_exit_2(saved, tmp_path):
     assert result.returncode == 2 and "Traceback" not in result.stderr
     (error,) = _error_lines(result)
     assert error.startswith(f"keras-bn-export: error: cannot read --representative-data {tmp_path}")
-    result = run_cli(saved / "cnn.keras", "--onnx", tmp_path)  # a folder: OSError, up front
+    result = cli_in_process(
+        capfd, saved / "cnn.keras", "--onnx", tmp_path
+    )  # a folder: OSError, up front
     assert result.returncode == 2 and "Traceback" not in result.stderr
     (error,) = _error_lines(result)
     assert "IsADirectoryError" in error and str(tmp_path) in error

@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 import pytest
 
-from helpers import assert_close, randomise_batch_norms, run_cli
+from helpers import assert_close, cli_in_process, randomise_batch_norms
 from keras_bn.export import (
     UnsupportedModelError,
     VerificationError,
@@ -559,7 +559,7 @@ def _last_error(result):
 
 
 @pytest.mark.slow
-def test_cli_messages_about_the_representative_data_name_the_flag(tmp_path):
+def test_cli_messages_about_the_representative_data_name_the_flag(tmp_path, capfd):
     _two_input_model().save(tmp_path / "m.keras")
     rng = np.random.default_rng(0)
     features = rng.normal(size=(40, 6)).astype("float32")
@@ -567,8 +567,13 @@ def test_cli_messages_about_the_representative_data_name_the_flag(tmp_path):
     suggestion = "an .npz with one array per input name: features, ids"
 
     def onnx_export_with(data):
-        return run_cli(
-            tmp_path / "m.keras", "--onnx", tmp_path / "m.onnx", "--representative-data", data
+        return cli_in_process(
+            capfd,
+            tmp_path / "m.keras",
+            "--onnx",
+            tmp_path / "m.onnx",
+            "--representative-data",
+            data,
         )
 
     np.save(tmp_path / "x.npy", features)
@@ -592,7 +597,8 @@ def test_cli_messages_about_the_representative_data_name_the_flag(tmp_path):
     assert "probe" not in error
 
     np.savez(tmp_path / "few.npz", features=features[:10], ids=ids[:10])
-    result = run_cli(
+    result = cli_in_process(
+        capfd,
         tmp_path / "m.keras",
         "--tflite",
         tmp_path / "q.tflite",
@@ -614,10 +620,11 @@ def test_cli_messages_about_the_representative_data_name_the_flag(tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_summary_shows_the_worst_channel_and_the_held_out_samples(tmp_path):
+def test_cli_summary_shows_the_worst_channel_and_the_held_out_samples(tmp_path, capfd):
     _quote_model().save(tmp_path / "q.keras")
     np.save(tmp_path / "x.npy", np.random.default_rng(0).normal(size=(300, 4)).astype("float32"))
-    result = run_cli(
+    result = cli_in_process(
+        capfd,
         tmp_path / "q.keras",
         "--tflite",
         tmp_path / "q.tflite",
@@ -638,20 +645,22 @@ def test_cli_summary_shows_the_worst_channel_and_the_held_out_samples(tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_exports_a_model_whose_own_output_is_constant_only_with_allow_unverified(tmp_path):
+def test_cli_exports_a_model_whose_own_output_is_constant_only_with_allow_unverified(
+    tmp_path, capfd
+):
     """Issue 32, item 8, in the CLI: the same refusal names --allow-unverified; with it the
     file is written and the summary and the JSON report say UNVERIFIED."""
     _dead_model().save(tmp_path / "m.keras")
     np.save(tmp_path / "x.npy", np.random.default_rng(0).normal(size=(64, 8)).astype("float32"))
     args = [tmp_path / "m.keras", "--onnx", tmp_path / "m.onnx"]
     args += ["--representative-data", tmp_path / "x.npy", "--report", tmp_path / "r.json"]
-    result = run_cli(*args)
+    result = cli_in_process(capfd, *args)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     error = _last_error(result)
     assert "the model itself gives the same output" in error and "--allow-unverified" in error
     assert "--representative-data" in error  # the CLI's name for probe=
     assert not (tmp_path / "m.onnx").exists()
-    result = run_cli(*args, "--allow-unverified")
+    result = cli_in_process(capfd, *args, "--allow-unverified")
     assert result.returncode == 0, result.stderr
     assert "UNVERIFIED" in result.stdout and (tmp_path / "m.onnx").exists()
     assert "verified on" not in result.stdout  # the samples line says it is not

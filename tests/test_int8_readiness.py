@@ -25,7 +25,7 @@ from ai_edge_litert.interpreter import Interpreter
 
 import digits
 import keras_bn
-from helpers import docs_page, run_cli
+from helpers import cli_in_process, docs_page
 from keras_bn.export import (
     ChannelSpread,
     export_tflite,
@@ -450,7 +450,7 @@ def test_per_channel_flag_agrees_with_real_files_of_a_forward_fold(tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_shows_the_scaled_channel_and_its_int8_file_is_worse(tmp_path):
+def test_cli_shows_the_scaled_channel_and_its_int8_file_is_worse(tmp_path, capfd):
     model, x_train = digits.train_mlp()
     model.save(tmp_path / "healthy.keras")
     probe = x_train[:64]
@@ -467,7 +467,8 @@ def test_cli_shows_the_scaled_channel_and_its_int8_file_is_worse(tmp_path):
 
     errors = {}
     for name in ("healthy", "scaled"):
-        result = run_cli(
+        result = cli_in_process(
+            capfd,
             tmp_path / f"{name}.keras",
             "--tflite",
             tmp_path / f"{name}.tflite",
@@ -516,8 +517,8 @@ def test_cli_shows_the_scaled_channel_and_its_int8_file_is_worse(tmp_path):
 
     # Without an export: measured on request only.
     for flag, expected in (([], "int8 readiness: not measured"), (["--int8-readiness"], "")):
-        result = run_cli(
-            tmp_path / "scaled.keras", "--representative-data", tmp_path / "x.npy", *flag
+        result = cli_in_process(
+            capfd, tmp_path / "scaled.keras", "--representative-data", tmp_path / "x.npy", *flag
         )
         assert result.returncode == 0, result.stderr
         assert (expected or "int8 risk: 1 folded host(s)") in result.stdout

@@ -26,7 +26,7 @@ from test_quantize_model import _branches, _branches_input, _pooled
 
 import digits
 import keras_bn
-from helpers import docs_page, python_json, run_cli
+from helpers import cli_in_process, docs_page, python_json
 from keras_bn import KerasBNWarning
 from keras_bn._errors import UnsupportedModelError
 from keras_bn.export import (
@@ -796,8 +796,9 @@ def saved(models, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_the_cli_exports_a_qat_model_and_reports_lsb(saved, tmp_path):
-    result = run_cli(
+def test_the_cli_exports_a_qat_model_and_reports_lsb(saved, tmp_path, capfd):
+    result = cli_in_process(
+        capfd,
         saved / "qat.keras",
         "--tflite",
         tmp_path / "m.tflite",
@@ -832,8 +833,10 @@ def test_the_cli_exports_a_qat_model_and_reports_lsb(saved, tmp_path):
 
 
 @pytest.mark.slow
-def test_the_cli_takes_quantize_int8_without_data_for_a_qat_model(saved, tmp_path):
-    result = run_cli(saved / "qat.keras", "--tflite", tmp_path / "m.tflite", "--quantize", "int8")
+def test_the_cli_takes_quantize_int8_without_data_for_a_qat_model(saved, tmp_path, capfd):
+    result = cli_in_process(
+        capfd, saved / "qat.keras", "--tflite", tmp_path / "m.tflite", "--quantize", "int8"
+    )
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "m.tflite").exists()
 
@@ -847,8 +850,8 @@ def test_the_cli_takes_quantize_int8_without_data_for_a_qat_model(saved, tmp_pat
         ("unset.keras", [], "have not seen a training batch"),
     ],
 )
-def test_the_cli_refuses_what_a_qat_model_cannot_take(saved, tmp_path, model, args, message):
-    result = run_cli(saved / model, "--tflite", tmp_path / "m.tflite", *args)
+def test_the_cli_refuses_what_a_qat_model_cannot_take(saved, tmp_path, model, args, message, capfd):
+    result = cli_in_process(capfd, saved / model, "--tflite", tmp_path / "m.tflite", *args)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     errors = [line for line in result.stderr.splitlines() if "keras-bn-export: error" in line]
     assert len(errors) == 1 and message in errors[0]
