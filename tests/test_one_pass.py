@@ -1,6 +1,8 @@
 """recalibrate's one pass (keras_bn/_recalibration/one_pass.py) against the per-layer method it
 replaces, which stays as its reference: the same statistics to 1e-5 on every kind of model, with
-the frontier in memory and spilled to disk, and the work and memory it reports."""
+the frontier in memory and spilled to disk, and the work and memory it reports. Under every
+backend: tf.data pipelines where TensorFlow is installed, the compiled segments' tracing under
+TensorFlow (under JAX and PyTorch the passes run eagerly)."""
 
 import os
 import tempfile
@@ -9,7 +11,7 @@ import weakref
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
+from framework_references import array
 
 import keras_bn
 from helpers import assert_close
@@ -19,8 +21,6 @@ from keras_bn._recalibration import hooks
 from keras_bn._recalibration.batches import Batches
 from keras_bn.callbacks import Recalibrate
 from keras_bn.diagnostics import check_batchnorm
-
-pytestmark = pytest.mark.backends("tensorflow")
 
 RTOL = 1e-5
 
@@ -32,6 +32,8 @@ def _data(shape, seed=0, loc=1.0, scale=2.0):
 def _counted_dataset():
     """A tf.data pipeline of three (16, 6) batches from a generator, and the list that gains
     one entry each time the pipeline starts reading the generator."""
+    import tensorflow as tf
+
     calls = []
 
     def produce():
@@ -56,7 +58,7 @@ def _randomize_statistics(model, seed=0):
 
 
 def _statistics(layers):
-    return [[v.numpy() for v in layer.non_trainable_variables] for layer in layers]
+    return [[array(v) for v in layer.non_trainable_variables] for layer in layers]
 
 
 def _compare(model, data, layers=None, batch_size=16, steps=None, max_memory=None):
@@ -78,7 +80,7 @@ def _compare(model, data, layers=None, batch_size=16, steps=None, max_memory=Non
     for layer, want, got in zip(layers, expected, _statistics(layers)):
         # A mean near 0 (after an upstream BN) is judged on the spread of its layer's input,
         # the scale its rounding follows, not on its own size.
-        spread = np.sqrt(np.max(layer.moving_variance.numpy()))
+        spread = np.sqrt(np.max(array(layer.moving_variance)))
         for variable, w, g in zip(layer.non_trainable_variables, want, got):
             if w.dtype.kind in "iu":  # num_batches_tracked
                 np.testing.assert_array_equal(g, w, err_msg=layer.name)
@@ -165,9 +167,10 @@ def test_residual_net_with_both_classes_renorm_and_cumulative_layers():
     assert len(report.layers) == 8
     for layer in bn_layers.in_model(model):
         if getattr(layer, "moving_stddev", None) is not None:  # renorm, both classes
-            assert_close(layer.moving_stddev, np.sqrt(layer.moving_variance + layer.epsilon), 1e-6)
+            expected = np.sqrt(array(layer.moving_variance) + layer.epsilon)
+            assert_close(layer.moving_stddev, expected, 1e-6)
         if getattr(layer, "num_batches_tracked", None) is not None:
-            assert int(layer.num_batches_tracked.numpy()) == 3
+            assert int(array(layer.num_batches_tracked)) == 3
     # Each node that leads to a BN ran once per batch: less than one forward pass (the
     # pooling and Dense head after the last BN did not run).
     assert 0.8 < report.passes < 1.0
@@ -197,7 +200,8 @@ def test_nested_models_walked_through():
     assert report.strategy == "one_pass" and report.fallbacks == ()
 
 
-def test_several_inputs_as_a_dict_and_a_list():
+def _several_inputs():
+    """Inputs a and b, read at different depths: (inputs, outputs, data as a dict)."""
     a, b = keras.Input((2,), name="a"), keras.Input((3,), name="b")
     h = keras.layers.Concatenate()(
         [keras_bn.BatchNormalization()(keras.layers.Dense(4)(a)), keras.layers.Dense(3)(b)]
@@ -206,6 +210,19 @@ def test_several_inputs_as_a_dict_and_a_list():
     late = keras.layers.Dense(7)(b)  # an input read only after the first BNs
     outputs = keras_bn.BatchNormalization()(keras.layers.Concatenate()([h, late]))
     data = {"a": _data((40, 2)), "b": _data((40, 3), seed=1)}
+    return (a, b), outputs, data
+
+
+def test_several_inputs_as_a_dict():
+    (a, b), outputs, data = _several_inputs()
+    _compare(_randomize_statistics(keras.Model({"a": a, "b": b}, outputs)), data)
+
+
+@pytest.mark.requires_tensorflow  # a tf.data dataset
+def test_several_inputs_as_a_list_from_a_dataset():
+    import tensorflow as tf
+
+    (a, b), outputs, data = _several_inputs()
     _compare(_randomize_statistics(keras.Model({"a": a, "b": b}, outputs)), data)
     listed = keras.Model([a, b], outputs)
     dataset = tf.data.Dataset.from_tensor_slices(((data["a"], data["b"]), np.zeros(40))).batch(16)
@@ -303,6 +320,7 @@ def test_frontier_bytes_and_passes_are_what_was_kept_and_run():
     assert "spilled to disk" in str(spilled)
 
 
+@pytest.mark.requires_tensorflow  # a tf.data pipeline
 def test_data_is_read_once_by_the_one_pass():
     """A tf.data pipeline from a generator: the one pass reads it once, the per-layer method
     once per BN layer; a one-shot generator is read once by either."""
@@ -335,16 +353,16 @@ def test_frozen_layers_are_recalibrated_by_recalibrate_and_kept_by_the_callback(
         report = _compare(model, x)
         assert report.layers[0].name == frozen.name
     trainable = [layer for layer in bn_layers.in_model(model) if layer.trainable]
-    before = frozen.moving_variance.numpy()
+    before = array(frozen.moving_variance)
     report = _compare(model, x, layers=trainable)
-    np.testing.assert_array_equal(frozen.moving_variance.numpy(), before)
+    np.testing.assert_array_equal(array(frozen.moving_variance), before)
     assert [c.name for c in report.layers] == ["head_bn"]
     # The callback runs this subset (and reports the one pass).
     callback = Recalibrate(x, batch_size=16)
     callback.set_model(model)
     callback.on_train_end()
     assert callback.last_report.strategy == "one_pass"
-    np.testing.assert_array_equal(frozen.moving_variance.numpy(), before)
+    np.testing.assert_array_equal(array(frozen.moving_variance), before)
 
 
 def test_shared_bn_raises_as_before():
@@ -389,6 +407,12 @@ def test_subclassed_models_keep_the_per_layer_method():
             np.testing.assert_array_equal(g, w)
 
 
+@pytest.mark.xfail(
+    keras.backend.backend() == "torch",
+    strict=True,
+    reason="product: under PyTorch the one pass leaves each batch in a reference cycle (the "
+    "frames of one_pass._graph_inputs' caught _Entered traceback), freed only by gc.collect",
+)
 def test_a_generator_is_streamed_by_the_one_pass_not_held():
     """The one pass reads a generator once and keeps none of its batches: when batch i is
     made, at most the two before it are still alive (the pipeline's generators hold the last
@@ -440,6 +464,7 @@ def test_max_memory_must_be_bytes():
         Recalibrate(_data((8, 3)), max_memory=-5)
 
 
+@pytest.mark.backends("tensorflow")  # the segments' tf.function tracing counts
 def test_the_callback_runs_the_one_pass_and_traces_it_once(tmp_path, monkeypatch):
     """`Recalibrate(before_validation=True)` in `fit`: every recalibration is the one pass
     (spilled under a tiny `max_memory`, its folder removed), and the segments compiled for the
@@ -468,6 +493,7 @@ def test_the_callback_runs_the_one_pass_and_traces_it_once(tmp_path, monkeypatch
     _compare(model, x)
 
 
+@pytest.mark.requires_tensorflow  # a tf.data pipeline
 def test_check_batchnorm_reads_the_data_once_whatever_the_bn_count():
     """check_batchnorm measures each BN's input under the statistics it has (no
     recalibration): one inference pass (and one training-mode pass) per batch, so a dataset
@@ -522,7 +548,8 @@ def test_a_nested_sequential_edited_after_a_recalibration_is_walked_anew():
 
 def _failing_on_call(number):
     """An identity function for a Lambda layer that raises when it runs for the `number`-th
-    time (at run time: in a compiled function as eagerly)."""
+    time (at run time: in a compiled function as eagerly; under JAX and PyTorch the passes
+    run eagerly)."""
     calls = []
 
     def count(value):
@@ -532,6 +559,10 @@ def _failing_on_call(number):
         return value
 
     def identity(x):
+        if keras.backend.backend() != "tensorflow":
+            return count(x)
+        import tensorflow as tf
+
         y = tf.py_function(count, [x], x.dtype)
         y.set_shape(x.shape)
         return y
@@ -603,8 +634,8 @@ def test_a_stateful_rnn_is_refused_and_keeps_its_state():
     h = keras.layers.LSTM(4, stateful=True, return_sequences=True, name="carried")(h)
     model = keras.Model(inputs, keras.layers.BatchNormalization()(h))
     model(_data((8, 4, 3)))  # a state away from zero
-    before = [v.numpy() for v in model.variables]
+    before = [array(v) for v in model.variables]
     with pytest.raises(ValueError, match=r"layer 'carried' \(LSTM\) is stateful"):
         keras_bn.recalibrate(model, _data((32, 4, 3)), batch_size=8, progress=False)
     for want, variable in zip(before, model.variables):
-        np.testing.assert_array_equal(variable.numpy(), want)
+        np.testing.assert_array_equal(array(variable), want)
