@@ -407,12 +407,6 @@ def test_subclassed_models_keep_the_per_layer_method():
             np.testing.assert_array_equal(g, w)
 
 
-@pytest.mark.xfail(
-    keras.backend.backend() == "torch",
-    strict=True,
-    reason="product: under PyTorch the one pass leaves each batch in a reference cycle (the "
-    "frames of one_pass._graph_inputs' caught _Entered traceback), freed only by gc.collect",
-)
 def test_a_generator_is_streamed_by_the_one_pass_not_held():
     """The one pass reads a generator once and keeps none of its batches: when batch i is
     made, at most the two before it are still alive (the pipeline's generators hold the last

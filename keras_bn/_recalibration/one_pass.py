@@ -36,6 +36,7 @@ the previous one just assigned.
 
 import dataclasses
 import functools
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -612,6 +613,21 @@ class _Entered(Exception):
     """Raised from a model's `_run_through_graph` to stop its call there."""
 
 
+def _clear_frames(error: BaseException) -> None:
+    """Clear the locals of the frames in `error`'s tracebacks (and those of the exceptions it
+    chains): they hold the batch, and a frame that holds the exception itself (Keras's
+    rewrapping) makes a reference cycle that would keep each batch alive until the cycle
+    collector runs, where a streamed batch must be freed once it is done."""
+    pending, seen = [error], set()
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        traceback.clear_frames(current.__traceback__)
+        pending += [current.__cause__, current.__context__]
+
+
 def _graph_inputs(step: _Step, values: dict[int, Any], data: Any) -> list[Any]:
     """The inputs of an "enter" step's graph, as the model's own call prepares them (its
     dtype policy, `_standardize_inputs`, masks): the call runs up to its graph, where it is
@@ -631,11 +647,12 @@ def _graph_inputs(step: _Step, values: dict[int, Any], data: Any) -> list[Any]:
                 step.operation(data, training=False)
         else:
             _call(step, values)
-    except Exception:
+    except Exception as error:
         # Keras rewraps an exception from inside a call (to add its arguments to the message):
         # whatever comes out, the graph was reached when `entered` holds its inputs.
         if not entered:
             raise
+        _clear_frames(error)
     finally:
         if own is None:
             object.__delattr__(graph, "_run_through_graph")
