@@ -618,7 +618,8 @@ def _clear_frames(error: BaseException) -> None:
     chains): they hold the batch, and a frame that holds the exception itself (Keras's
     rewrapping) makes a reference cycle that would keep each batch alive until the cycle
     collector runs, where a streamed batch must be freed once it is done."""
-    pending, seen = [error], set()
+    pending: list[BaseException | None] = [error]
+    seen: set[int] = set()
     while pending:
         current = pending.pop()
         if current is None or id(current) in seen:
