@@ -156,8 +156,9 @@ def _fold_model(
             copies[id(layer)] = _affine_copy(layer, node)
         elif not isinstance(layer, L.Layer):  # a stateless op such as `x * 2.0`: reusable
             copies[id(layer)] = layer
-        elif id(layer) in weights and fold_plan.channels_first(layer):
-            copies[id(layer)] = rebuild.copy_layer(layer, use_bias=False)
+        else:  # made by the plan; its hidden BNs, if any, are in the plan's kept list
+            copies[id(layer)] = decided.copies[id(layer)]
+        if id(layer) in weights and fold_plan.channels_first(layer):
             biases[id(layer)] = ChannelBias(
                 1,
                 len(weights[id(layer)][1]),
@@ -165,10 +166,6 @@ def _fold_model(
                     f"{layer.name}_bias", {other.name for other in model.layers}
                 ),
                 dtype=layer.dtype_policy,
-            )
-        else:  # its hidden BNs, if any, are in the plan's kept list
-            copies[id(layer)] = rebuild.copy_layer(
-                layer, use_bias=True if id(layer) in weights else None
             )
 
     after = {key: [[bias]] for key, bias in biases.items()}

@@ -133,6 +133,44 @@ def test_a_folded_model_with_an_affine_and_a_channel_bias_saves_and_loads(tmp_pa
     )
 
 
+class _HiddenBN(L.Layer):
+    """A custom layer computing a BN out of the fold's sight; counts its constructions."""
+
+    made = 0
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        type(self).made += 1
+        self.bn = L.BatchNormalization(name="inside")
+
+    def build(self, shape):
+        self.bn.build(shape)
+
+    def call(self, x, training=None):
+        return self.bn(x, training=training) * 2.0
+
+
+def test_a_layer_called_twice_is_reported_once_and_copied_once():
+    """Each BN is in the report's folded or kept list exactly once, however many nodes call
+    the layer holding it; and the fold makes one copy of each layer (a custom layer's
+    __init__ runs once more, not twice)."""
+    xi = keras.Input((8,))
+    inner = keras.Model(xi, L.BatchNormalization(name="bn")(L.Dense(8, name="host")(xi)))
+    x = keras.Input((8,))
+    hidden = _HiddenBN(name="hidden")
+    model = keras.Model(x, L.Dense(3)(hidden(hidden(inner(inner(x))))))
+    _randomize(model)
+    data = _inputs(model).astype("float32")
+    made = _HiddenBN.made
+    folded, report = fold_batch_norms(model, data)
+    assert [(f.bn, f.host, f.direction) for f in report.folded] == [
+        (f"{inner.name}/bn", f"{inner.name}/host", "backward")
+    ]
+    assert [(k.bn, k.kind) for k in report.kept] == [("hidden/inside", "inside_layer")]
+    assert _HiddenBN.made == made + 1
+    _assert_close(folded.predict(data, verbose=0), model.predict(data, verbose=0))
+
+
 def test_int8_readiness_measures_each_rounded_kernel_and_restores_it():
     """The measurement runs the folded model with the host's kernel rounded to int8: the error
     is non-zero (a JAX function that kept the kernel it first saw would measure 0), and the

@@ -264,6 +264,9 @@ class Plan:
         kept: the BNs of this graph that neither fold takes.
         inner: the plan of each nested model that holds a graph or a BN, by id(layer).
         unseen: the BNs each other layer computes out of sight, by id(layer).
+        copies: the fold's unbuilt copy of each other layer, by id(layer), made from its
+            config (a folded host's with the bias it will need): made here, so that a layer
+            whose config does not round-trip refuses the model before anything is folded.
     """
 
     prefix: str
@@ -274,6 +277,7 @@ class Plan:
     kept: list[KeptBN]
     inner: dict[int, "Plan"]
     unseen: dict[int, list[KeptBN]]
+    copies: dict[int, keras.layers.Layer]
 
     def decisions(self) -> tuple[list[FoldedBN], list[KeptBN]]:
         """(folded, kept) over the model and its nested models, in the order the fold's
@@ -286,8 +290,12 @@ class Plan:
             FoldedBN(path + bn.name, path + host.name, "forward") for bn, _, host in self.forward
         ]
         kept = list(self.kept)
+        seen: set[int] = set()  # a layer called at several nodes is reported once
         for node in self.info.nodes:
             layer = node.operation
+            if id(layer) in seen:
+                continue
+            seen.add(id(layer))
             if id(layer) in self.inner:
                 inner_folded, inner_kept = self.inner[id(layer)].decisions()
                 folded += inner_folded
@@ -339,20 +347,28 @@ def plan(model: keras.Model, prefix: str = "") -> Plan:
             forward.append((bn, node, target))
 
     folded = {id(bn) for bn, _ in backward} | {id(bn) for bn, _, _ in forward}
+    hosts = {id(host) for _, host in backward} | {id(host) for _, _, host in forward}
     inner: dict[int, Plan] = {}
     unseen: dict[int, list[KeptBN]] = {}
+    copies: dict[int, keras.layers.Layer] = {}
     for node in info.nodes:
         layer = node.operation
-        if id(layer) in inner or id(layer) in unseen or id(layer) in folded:
+        if id(layer) in inner or id(layer) in copies or id(layer) in folded:
             continue
         if isinstance(layer, keras.Model) and (models.has_layer_graph(layer) or contains_bn(layer)):
             inner[id(layer)] = plan(layer, prefix + layer.name + "/")
         elif isinstance(layer, L.Layer) and type(layer) not in BN_TYPES:
-            # The fold copies it from its config: one that does not round-trip refuses the
-            # model here, as the fold itself would.
-            rebuild.copy_layer(layer)
+            copies[id(layer)] = rebuild.copy_layer(
+                layer, use_bias=_folded_host_bias(layer) if id(layer) in hosts else None
+            )
             unseen[id(layer)] = [KeptBN(*entry) for entry in unseen_batch_norms(layer, prefix)]
-    return Plan(prefix, graph, info, backward, forward, kept, inner, unseen)
+    return Plan(prefix, graph, info, backward, forward, kept, inner, unseen, copies)
+
+
+def _folded_host_bias(host: keras.layers.Layer) -> bool:
+    """A folded host's use_bias: its own bias, or, channels_first, none (the fold adds a
+    ChannelBias after it: see `rebuild.copy_layer`)."""
+    return not channels_first(host)
 
 
 def contains_bn(model: keras.Model) -> bool:
