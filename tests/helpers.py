@@ -12,6 +12,7 @@ import sys
 
 import keras
 import numpy as np
+import pytest
 from checks import assert_close, docs_page  # noqa: F401  (re-exported: tests import them here)
 
 import keras_bn
@@ -36,6 +37,53 @@ def numpy_bn_train(x, gamma, beta, channel_axes, eps=1e-3, mask=None):
     y = gamma.reshape(bshape) * (x - mean) / np.sqrt(var + eps) + beta.reshape(bshape)
     pshape = gamma.shape
     return y, mean.reshape(pshape), var.reshape(pshape)
+
+
+# A training call's modes, each under the backends that have it: eager everywhere; a
+# tf.function graph and XLA (jit_compile=True) under TensorFlow; jax.jit of stateless_call
+# under JAX (as JAX's fit runs it).
+_MODE_BACKENDS = {
+    "eager": ("tensorflow", "jax", "torch"),
+    "graph": ("tensorflow",),
+    "xla": ("tensorflow",),
+    "jit": ("jax",),
+}
+
+
+def training_modes(*names):
+    """pytest parameters for `training_call`'s modes `names`, each marked with its backends."""
+    return [pytest.param(n, marks=pytest.mark.backends(*_MODE_BACKENDS[n]), id=n) for n in names]
+
+
+def training_call(layer, mode):
+    """`layer`'s training call, (x, mask=None) -> y, in `mode` (see training_modes); under
+    "jit" its updated statistics are assigned, as a stateful call assigns them."""
+    if mode == "eager":
+        return lambda x, mask=None: layer(x, training=True, mask=mask)
+    if mode in ("graph", "xla"):
+        import tensorflow as tf
+
+        return tf.function(
+            lambda x, mask=None: layer(x, training=True, mask=mask), jit_compile=mode == "xla"
+        )
+    assert mode == "jit", mode
+    import jax
+
+    @jax.jit
+    def step(trainable, fixed, x, mask):
+        return layer.stateless_call(trainable, fixed, x, training=True, mask=mask)
+
+    def call(x, mask=None):
+        if not layer.built:
+            layer.build(np.shape(x))
+        trainable = [v.value for v in layer.trainable_variables]
+        fixed = [v.value for v in layer.non_trainable_variables]
+        y, new = step(trainable, fixed, x, mask)
+        for variable, value in zip(layer.non_trainable_variables, new):
+            variable.assign(value)
+        return y
+
+    return call
 
 
 def random_affine_bn(shape, axis=-1, momentum=0.9, epsilon=1e-3, seed=0, **kwargs):

@@ -1,4 +1,6 @@
-"""keras_bn.diagnostics against gradients written out by hand in numpy for small linear models."""
+"""keras_bn.diagnostics against gradients written out by hand in numpy for small linear models.
+The gradient probes need TensorFlow's backend (their guard: test_training_backends.py), so their
+tests run under it; explosion_rate, plain numpy, runs under every backend."""
 
 import keras
 import numpy as np
@@ -8,7 +10,9 @@ import keras_bn
 from helpers import assert_close
 from keras_bn import diagnostics
 
-pytestmark = pytest.mark.backends("tensorflow")
+# The gradient probes (gradient_norms_by_layer, landscape_along_gradient,
+# internal_covariate_shift) run under TensorFlow only.
+probes = pytest.mark.backends("tensorflow")
 
 N, D, H = 12, 4, 3
 
@@ -46,6 +50,7 @@ def _assert_same_weights(model, saved):
         np.testing.assert_array_equal(now, before)
 
 
+@probes
 def test_gradient_norms_by_layer_match_hand_gradients():
     x, y = _data()
     model = _linear((H, 1))
@@ -56,6 +61,7 @@ def test_gradient_norms_by_layer_match_hand_gradients():
     assert_close(list(norms.values()), [np.sum(g1**2), np.sum(g2**2)], rtol=1e-10)
 
 
+@probes
 def test_gradient_norms_leave_bn_moving_statistics_alone():
     x, y = _data()
     model = keras.Sequential(
@@ -90,6 +96,7 @@ def test_explosion_rate_rejects_unusable_norms():
         diagnostics.explosion_rate([1.0])
 
 
+@probes
 def test_landscape_along_gradient_matches_hand_computation():
     x, y = _data()
     model = _linear((1,))
@@ -119,6 +126,7 @@ def test_landscape_along_gradient_matches_hand_computation():
     _assert_same_weights(model, saved)
 
 
+@probes
 def test_landscape_restores_weights_and_moving_statistics():
     x, y = _data()
     model = keras.Sequential(
@@ -135,6 +143,7 @@ def test_landscape_restores_weights_and_moving_statistics():
     _assert_same_weights(model, saved)
 
 
+@probes
 def test_internal_covariate_shift_matches_hand_computation():
     x, y = _data()
     model = _linear((H, 1))
@@ -159,6 +168,7 @@ def test_internal_covariate_shift_matches_hand_computation():
     assert int(optimizer.iterations.numpy()) == 0
 
 
+@probes
 def test_internal_covariate_shift_restores_stateful_optimizer():
     x, y = _data()
     model = _linear((H, H, 1))
@@ -173,6 +183,7 @@ def test_internal_covariate_shift_restores_stateful_optimizer():
         np.testing.assert_array_equal(now.numpy(), before)
 
 
+@probes
 def test_model_without_kernels_is_rejected():
     model = keras.Sequential([keras.Input((D,)), keras_bn.BatchNormalization()])
     x, y = _data()

@@ -1,6 +1,8 @@
 """The bad-input matrix: each case's exception type and message, and proof that nothing is
 lost (weights, statistics, existing files). The docs page guide/errors.md is this table; the last
-test checks that the two agree."""
+test checks that the two agree. The layer's cases run under every backend; the export cases,
+the error contract across the exporters, the CLI and the docs table under TensorFlow (the
+TFLite and ONNX writers need it)."""
 
 import os
 import stat
@@ -8,21 +10,35 @@ import stat
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
-from tensorflow.lite.python.convert import ConverterError
+from framework_references import array
 
 import keras_bn
-from helpers import cli_in_process, docs_page, hidden_bn_model, run_cli
+from helpers import cli_in_process, docs_page, hidden_bn_model, run_cli, training_call
 from keras_bn import convert
-from keras_bn.export import (
-    UnsupportedModelError,
-    VerificationError,
-    export_onnx,
-    export_tflite,
-    fold_batch_norms,
-)
+from keras_bn.export import UnsupportedModelError, VerificationError, fold_batch_norms
 
-pytestmark = pytest.mark.backends("tensorflow")
+BACKEND = keras.backend.backend()
+# The Lambda layers below call tf.linalg.det: a module global, as the .keras files that save
+# them expect.
+if BACKEND == "tensorflow":
+    import tensorflow as tf
+# The export cases, the exporters' error contract, the CLI and the docs table.
+tensorflow_only = pytest.mark.backends("tensorflow")
+
+
+def export_tflite(model, path, **kwargs):
+    """keras_bn.export.export_tflite, imported when called (it needs TensorFlow)."""
+    from keras_bn.export import export_tflite as export
+
+    return export(model, path, **kwargs)
+
+
+def export_onnx(model, path, **kwargs):
+    """keras_bn.export.export_onnx, imported when called (it needs TensorFlow)."""
+    from keras_bn.export import export_onnx as export
+
+    return export(model, path, **kwargs)
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,13 +54,13 @@ def _built_bn(shape=(8, 3), **kwargs):
 
 
 def _state(layer):
-    return [w.numpy().copy() for w in layer.weights]
+    return [array(w).copy() for w in layer.weights]
 
 
 def _unchanged(layer, before):
     def check():
         for w, b in zip(layer.weights, before):
-            np.testing.assert_array_equal(w.numpy(), b)
+            np.testing.assert_array_equal(array(w), b)
 
     return check
 
@@ -87,7 +103,7 @@ def _non_finite(tmp_path):
 
     def act():
         y = layer(bad, training=True)
-        assert np.isnan(y.numpy()[:, 1]).all()  # the NaN shows in the output
+        assert np.isnan(array(y)[:, 1]).all()  # the NaN shows in the output
 
     return act, _unchanged(layer, before)
 
@@ -96,18 +112,20 @@ def _m_at_most_one_at_run_time(tmp_path):
     layer = keras_bn.BatchNormalization(momentum=None, renorm=True)
     layer(_x((8, 5, 3)), training=True)  # statistics that are not the initial ones
     before = _state(layer)
-    step = tf.function(lambda x, mask: layer(x, training=True, mask=mask), jit_compile=True)
+    # Compiled where the backend compiles (XLA, jax.jit); PyTorch's call is eager.
+    mode = {"tensorflow": "xla", "jax": "jit"}.get(BACKEND, "eager")
+    step = training_call(layer, mode)
 
     def act():
         y = step(_x((4, 5, 3), seed=1), np.eye(4, 5, dtype=bool) & False)  # every value masked
-        np.testing.assert_array_equal(y, np.broadcast_to(layer.beta.numpy(), (4, 5, 3)))
+        np.testing.assert_array_equal(array(y), np.broadcast_to(array(layer.beta), (4, 5, 3)))
 
     return act, _unchanged(layer, before)
 
 
 def _integer_input(tmp_path):
     layer = _built_bn()
-    return (lambda: layer(tf.ones([8, 3], tf.int32), training=True)), _unchanged(
+    return (lambda: layer(keras.ops.ones([8, 3], "int32"), training=True)), _unchanged(
         layer, _state(layer)
     )
 
@@ -141,11 +159,11 @@ class _Subclassed(keras.Model):
 def _subclassed(tmp_path):
     model = _Subclassed()
     model(_x((4, 5)))
-    before = [w.numpy().copy() for w in model.weights]
+    before = [array(w).copy() for w in model.weights]
 
     def check():
         for w, b in zip(model.weights, before):
-            np.testing.assert_array_equal(w.numpy(), b)
+            np.testing.assert_array_equal(array(w), b)
 
     return (lambda: fold_batch_norms(model)), check
 
@@ -339,7 +357,7 @@ ERROR_CASES = [
     (
         "export",
         "conversion failure midway",
-        ConverterError,
+        "ConverterError",  # TensorFlow's: _error_type imports it
         r"MatrixDeterminant",
         _conversion_fails,
     ),
@@ -367,16 +385,31 @@ ERROR_CASES = [
 ]
 
 
+def _error_type(error):
+    """A case's exception type: TFLite's ConverterError is named, imported when needed."""
+    if error == "ConverterError":
+        from tensorflow.lite.python.convert import ConverterError
+
+        return ConverterError
+    return error
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "area,name,error,message,setup", ERROR_CASES, ids=[f"{c[0]}: {c[1]}" for c in ERROR_CASES]
+    "area,name,error,message,setup",
+    [
+        pytest.param(
+            *case, marks=tensorflow_only if case[0] == "export" else (), id=f"{case[0]}: {case[1]}"
+        )
+        for case in ERROR_CASES
+    ],
 )
 def test_bad_input(area, name, error, message, setup, tmp_path):
     act, nothing_lost = setup(tmp_path)
     if error is None:
         act()
     else:
-        with pytest.raises(error, match=message):
+        with pytest.raises(_error_type(error), match=message):
             act()
     nothing_lost()
 
@@ -397,6 +430,7 @@ def _structure_cases():
     ]
 
 
+@tensorflow_only
 @pytest.mark.parametrize(
     "entry",
     ["fold_batch_norms", "export_tflite", "export_onnx", "convert.from_keras", "convert.to_keras"],
@@ -480,6 +514,7 @@ STRUCTURES = [
 ]
 
 
+@tensorflow_only
 @pytest.mark.parametrize("name,make,entries,message", STRUCTURES, ids=[c[0] for c in STRUCTURES])
 def test_every_structure_that_cannot_be_taken_is_an_unsupported_model_error(
     name, make, entries, message, tmp_path
@@ -569,6 +604,7 @@ CLI_CASES = [
 NEW_PROCESS_CLI_CASES = ("subclassed model", "unsupported or custom layer")
 
 
+@tensorflow_only
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CLI_CASES)
 def test_cli_exits_2_in_one_line(case, tmp_path, capfd):
@@ -600,6 +636,7 @@ def test_cli_exits_2_in_one_line(case, tmp_path, capfd):
 # --------------------------------------------------------------------------- docs page
 
 
+@tensorflow_only
 def test_docs_errors_page_is_this_table():
     section = docs_page("guide/errors.md")
     rows = [
@@ -609,7 +646,8 @@ def test_docs_errors_page_is_this_table():
     ][1:]
     documented = [(r[0], r[1], r[2].strip("`")) for r in rows if r[0] in ("layer", "export")]
     expected = [
-        (area, name, error.__name__ if error else "none") for area, name, error, _, _ in ERROR_CASES
+        (area, name, _error_type(error).__name__ if error else "none")
+        for area, name, error, _, _ in ERROR_CASES
     ]
     assert documented == expected
     assert any(r[0] == "CLI" for r in rows)

@@ -4,22 +4,21 @@ masked one and each channel c has its own count m_c; keras_bn's layer also reads
 its non-channel axes where Keras's reading does not fit; any other mask is a ValueError.
 
 The references are numpy formulas that apply Keras's rule literally (expand the mask at the
-last axis, broadcast it to the input) and Keras's own layer."""
+last axis, broadcast it to the input) and Keras's own layer (its gradients by the framework's
+autodiff). Under every backend; TensorFlow's train-path choice, its XLA and tf.distribute under
+TensorFlow only."""
 
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
+from framework_references import array
 
 import keras_bn
-from helpers import assert_close
-from keras_bn.backend.tensorflow import ops, statistics
+from helpers import assert_close, training_call, training_modes
 from keras_bn.diagnostics import check_batchnorm
 from keras_bn.population import PooledMoments
-from tf_helpers import mirrored_strategy
 
-pytestmark = pytest.mark.backends("tensorflow")
-
+BACKEND = keras.backend.backend()
 EPS = 1e-3
 
 
@@ -143,9 +142,9 @@ def test_keras_bn_fit_on_embedding_mask_excludes_padding(steps, momentum):
     mean, variance, counted = _keras_bn_moving_statistics(tokens, momentum)
     assert_close(bn.moving_mean, mean, 1e-5)
     assert_close(bn.moving_variance, variance, 1e-5)
-    assert np.abs(bn.moving_mean.numpy()).max() < 0.1 * PADDING_VALUE  # no padding in it
+    assert np.abs(array(bn.moving_mean)).max() < 0.1 * PADDING_VALUE  # no padding in it
     if momentum is None:
-        assert int(bn.num_batches_tracked.numpy()) == counted == SAMPLES // BATCH - 1
+        assert int(array(bn.num_batches_tracked)) == counted == SAMPLES // BATCH - 1
 
 
 @pytest.mark.parametrize("steps", [FEATURES, 9], ids=["T=D", "T!=D"])
@@ -162,7 +161,7 @@ def test_recalibrate_and_check_on_a_keras_bn_trained_by_fit(steps):
     findings = check_batchnorm(model, tokens, batch_size=BATCH)
     kinds = [f.kind for f in findings if f.layer == bn.name]
     assert "stale_statistics" not in kinds and "non_finite" not in kinds, findings
-    fitted_mean, fitted_variance = bn.moving_mean.numpy(), bn.moving_variance.numpy()
+    fitted_mean, fitted_variance = array(bn.moving_mean), array(bn.moving_variance)
 
     report = keras_bn.recalibrate(model, tokens, batch_size=BATCH, progress=False)
     mean, variance = _pooled(tokens, unbiased=False)
@@ -206,10 +205,10 @@ def test_recalibrate_leaves_a_channel_no_batch_reaches_and_cumulative_counts_who
     report = keras_bn.recalibrate(model, tokens, batch_size=BATCH, progress=False)
     assert report.layers[0].unchanged_channels == (steps - 1,)
     assert "unchanged" in str(report)
-    assert bn.moving_mean.numpy()[-1] == 0.0 and bn.moving_variance.numpy()[-1] == 1.0
+    assert array(bn.moving_mean)[-1] == 0.0 and array(bn.moving_variance)[-1] == 1.0
     mean, variance = _pooled(tokens[:, :-1], unbiased=True)  # the other steps: as before
-    assert_close(bn.moving_mean.numpy()[:-1], mean, 1e-5)
-    assert_close(bn.moving_variance.numpy()[:-1], variance, 1e-5)
+    assert_close(array(bn.moving_mean)[:-1], mean, 1e-5)
+    assert_close(array(bn.moving_variance)[:-1], variance, 1e-5)
 
     cumulative = keras_bn.BatchNormalization(axis=1, momentum=None)
     with pytest.raises(ValueError, match="no batch of `data` gives layer"):
@@ -218,7 +217,7 @@ def test_recalibrate_leaves_a_channel_no_batch_reaches_and_cumulative_counts_who
     cumulative = keras_bn.BatchNormalization(axis=1, momentum=None)
     model = _sequence_model(cumulative, steps)
     report = keras_bn.recalibrate(model, tokens, batch_size=BATCH, progress=False)
-    assert report.layers[0].batches_used == int(cumulative.num_batches_tracked.numpy()) == 7
+    assert report.layers[0].batches_used == int(array(cumulative.num_batches_tracked)) == 7
     full = np.concatenate([tokens[: 3 * BATCH], tokens[4 * BATCH :]])
     mean, variance = _pooled(full, unbiased=True)
     assert_close(cumulative.moving_mean, mean, 1e-5)
@@ -278,15 +277,19 @@ def _masked_batch(shape, seed):
     [((6, 5, 4), -1), ((6, 5, 4), 1), ((6, 4, 4), 1), ((6, 3, 2, 4), 1)],
     ids=["last", "axis1", "axis1-square", "axis1-rank4"],
 )
-@pytest.mark.parametrize("jit", [False, True], ids=["graph", "xla"])
-def test_training_outputs_and_statistics_equal_keras(shape, axis, jit):
+@pytest.mark.parametrize(
+    "mode",
+    # Each backend's traced call (PyTorch's is eager).
+    training_modes("graph", "xla", "jit")
+    + [pytest.param("eager", marks=pytest.mark.backends("torch"), id="eager")],
+)
+def test_training_outputs_and_statistics_equal_keras(shape, axis, mode):
     """On masked inputs keras_bn's training mode is Keras's: the same outputs (1e-5), the
     same moving mean, and a moving variance whose batch part is Keras's times m_c/(m_c − 1),
     channel by channel (the counts differ where the channel axis is a masked one)."""
     x, mask = _masked_batch(shape, seed=4)
     ours, theirs, weights = _pair(axis, shape)
-    step = tf.function(lambda x, m: ours(x, training=True, mask=m), jit_compile=jit)
-    assert_close(step(x, mask), theirs(x, training=True, mask=mask), 1e-5)
+    assert_close(training_call(ours, mode)(x, mask), theirs(x, training=True, mask=mask), 1e-5)
     assert_close(ours.moving_mean, theirs.moving_mean, 1e-5)
     _, variance, m = _moments(x, _keras_rule(mask, shape), axis)
     start = weights[3].astype(np.float64)
@@ -298,19 +301,13 @@ def test_training_outputs_and_statistics_equal_keras(shape, axis, jit):
 
 
 @pytest.mark.parametrize("axis", [-1, 1])
-def test_gradients_equal_keras_autodiff(axis):
+def test_gradients_equal_keras_autodiff(axis, framework):
     """The closed-form gradient with per-channel counts, against autodiff through Keras's
-    own layer (plain ops) on the same masked batch."""
+    own layer (plain ops) on the same masked batch (the framework's training step)."""
     shape = (6, 5, 4)
     x, mask = _masked_batch(shape, seed=5)
-    x = tf.constant(x)
-    upstream = tf.constant(np.random.default_rng(6).normal(size=shape).astype("float32"))
-    grads = []
-    for layer in _pair(axis, shape)[:2]:
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            loss = tf.reduce_sum(layer(x, training=True, mask=mask) * upstream)
-        grads.append(tape.gradient(loss, [x, layer.gamma, layer.beta]))
+    upstream = np.random.default_rng(6).normal(size=shape).astype("float32")
+    grads = [framework.train_step(layer, x, upstream, mask)[1:] for layer in _pair(axis, shape)[:2]]
     for ours, theirs in zip(*grads):
         assert_close(ours, theirs, 1e-4)
 
@@ -331,6 +328,20 @@ def test_ambiguous_shape_takes_keras_reading():
 
 
 # ------------------------------------------------------- the non-channel reading, and errors
+
+
+def _broadcast_errors():
+    """What a backend raises for shapes that do not broadcast."""
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        return (ValueError, tf.errors.InvalidArgumentError)
+    if BACKEND == "torch":
+        return (ValueError, RuntimeError)
+    return (ValueError, TypeError)
+
+
+_BROADCAST_ERRORS = _broadcast_errors()
 
 
 class _TimeMask(keras.layers.Layer):
@@ -367,7 +378,7 @@ def test_non_channel_reading_where_keras_reading_does_not_fit():
     # Keras's layer reads only Keras's way: it cannot train on this mask, nor recalibrate.
     theirs = keras.layers.BatchNormalization(axis=1)
     keras_model = keras.Model(inputs, theirs(_TimeMask()(inputs)))
-    with pytest.raises((ValueError, tf.errors.InvalidArgumentError)):
+    with pytest.raises(_BROADCAST_ERRORS):
         keras_model(x, training=True)
     with pytest.raises(ValueError, match=r"\(32, 7\) fits no reading.*leading axes \[32, 3\]"):
         keras_bn.recalibrate(keras_model, x, progress=False)
@@ -393,7 +404,12 @@ def test_mask_that_fits_neither_reading_raises_naming_both(shape, axis, mask_sha
         assert reading in message, message
 
 
+@pytest.mark.backends("tensorflow")  # TensorFlow's fused kernel
 def test_masks_never_take_the_fused_path():
+    import tensorflow as tf
+
+    from keras_bn.backend.tensorflow import ops, statistics
+
     x = tf.zeros([6, 5, 4])
     for axes in ([2], [1]):
         mask = statistics.expand_mask(tf.ones([6, 5], tf.bool), x, axes)
@@ -411,8 +427,13 @@ def test_ghost_batches_refuse_a_mask():
 
 @pytest.mark.parametrize("features,bad_rows", [(3, 0), (1, 1)], ids=["m_c=0", "m_c=1"])
 @pytest.mark.parametrize("momentum", [0.5, None], ids=["momentum", "cumulative"])
-@pytest.mark.parametrize("mode", ["eager", "xla"])
-def test_channel_with_at_most_one_value(features, bad_rows, momentum, mode):
+@pytest.mark.parametrize(
+    # "eager": the framework's training step (TensorFlow: eager, under a tape; JAX: jax.jit of
+    # stateless_call; PyTorch: eager autograd).
+    "mode",
+    ["eager", pytest.param("xla", marks=pytest.mark.backends("tensorflow"))],
+)
+def test_channel_with_at_most_one_value(features, bad_rows, momentum, mode, framework):
     """A (batch, time) mask on (batch, time, features) with axis=1 that leaves time step 3
     m_c ≤ 1 values: that channel outputs β, its gradients to x and γ are 0, and it keeps its
     statistics; with a momentum the other channels update as numpy says, with
@@ -429,17 +450,20 @@ def test_channel_with_at_most_one_value(features, bad_rows, momentum, mode):
     weights = [rng.uniform(0.5, 1.5, w.shape).astype(w.dtype) for w in layer.weights]
     layer.set_weights(weights)
     upstream = rng.normal(size=shape).astype("float32")
+    if mode == "eager":
+        y, dx, dgamma, _ = framework.train_step(layer, x, upstream, mask)
+    else:
+        import tensorflow as tf
 
-    def step(x, mask):
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            y = layer(x, training=True, mask=mask)
-            loss = tf.reduce_sum(y * upstream)
-        return [y] + tape.gradient(loss, [x, layer.gamma])
+        @tf.function(jit_compile=True)
+        def step(x, mask):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                y = layer(x, training=True, mask=mask)
+                loss = tf.reduce_sum(y * upstream)
+            return [y] + tape.gradient(loss, [x, layer.gamma])
 
-    if mode == "xla":
-        step = tf.function(step, jit_compile=True)
-    y, dx, dgamma = (np.asarray(t) for t in step(tf.constant(x), tf.constant(mask)))
+        y, dx, dgamma = (np.asarray(t) for t in step(tf.constant(x), tf.constant(mask)))
     gamma, beta, moving_mean, moving_variance = (w.astype(np.float64) for w in weights[:4])
     mean, variance, m = _moments(x, _keras_rule(mask, shape), 1)
     assert m[3] == bad_rows * features <= 1 and (np.delete(m, 3) >= 2).all()
@@ -449,7 +473,7 @@ def test_channel_with_at_most_one_value(features, bad_rows, momentum, mode):
     assert (dx[:, 3] == 0).all() and dgamma[3] == 0 and np.abs(dx).max() > 0
     if momentum is None:
         for w, start in zip(layer.weights[2:], weights[2:]):
-            np.testing.assert_array_equal(w, start)
+            np.testing.assert_array_equal(array(w), start)
         return
     ok = np.arange(5) != 3
     unbiased = variance * m / np.maximum(m - 1, 1)
@@ -459,18 +483,23 @@ def test_channel_with_at_most_one_value(features, bad_rows, momentum, mode):
     new_var = np.where(ok, momentum * moving_variance + (1 - momentum) * unbiased, moving_variance)
     assert_close(layer.moving_mean, new_mean, 1e-5)
     assert_close(layer.moving_variance, new_var, 1e-5)
-    assert layer.moving_mean.numpy()[3] == weights[2][3]
+    assert array(layer.moving_mean)[3] == weights[2][3]
 
 
 # ------------------------------------------------------- replicas
 
 
+@pytest.mark.backends("tensorflow")  # tf.distribute
 @pytest.mark.parametrize("synchronized", [True, False], ids=["synchronized", "per-replica"])
 def test_per_channel_counts_across_replicas(synchronized):
     """Two replicas, axis=1 on (batch, time, features) with a (batch, time) mask, time step 4
     unmasked on replica 0 only. Synchronized: outputs and statistics of BN on the global
     batch (counts m_c all-reduced). Per replica: each channel's count-weighted average of
     the replicas' statistics, a replica whose channel has m_c ≤ 1 weighing 0 there."""
+    import tensorflow as tf
+
+    from tf_helpers import mirrored_strategy
+
     strategy = mirrored_strategy(2)
     shape = (8, 5, 3)
     rng = np.random.default_rng(10)

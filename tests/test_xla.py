@@ -38,12 +38,11 @@ def _layer(shape, axis, policy="float32", momentum=0.5, epsilon=1e-3):
     return layer
 
 
-def _train_steps(layer, batches, upstream, jit, signature=None):
-    """Train steps of `layer` on each batch, traced with or without XLA. Returns the last
-    step's [y, ∂l/∂x, ∂l/∂γ, ∂l/∂β] and the path that batch_norm_train took."""
-    paths = []
+def _recording_step(layer, paths):
+    """A train step of `layer`, (x, upstream) -> [y, ∂l/∂x, ∂l/∂γ, ∂l/∂β] for l = Σ y·upstream,
+    that appends the path batch_norm_train takes to `paths` when traced."""
 
-    def step(x):
+    def step(x, upstream):
         with tf.GradientTape() as tape:
             tape.watch(x)
             y = layer(x, training=True)
@@ -51,7 +50,15 @@ def _train_steps(layer, batches, upstream, jit, signature=None):
         paths.append(ops.train_path(x, layer._channel_axes, layer.epsilon))
         return [y] + tape.gradient(loss, [x] + layer.trainable_weights)
 
-    compiled = tf.function(step, jit_compile=jit, input_signature=signature)
+    return step
+
+
+def _train_steps(layer, batches, upstream, jit, signature=None):
+    """Train steps of `layer` on each batch, traced with or without XLA. Returns the last
+    step's [y, ∂l/∂x, ∂l/∂γ, ∂l/∂β] and the path that batch_norm_train took."""
+    paths = []
+    step = _recording_step(layer, paths)
+    compiled = tf.function(lambda x: step(x, upstream), jit_compile=jit, input_signature=signature)
     for x in batches:
         out = compiled(tf.constant(x, layer.compute_dtype))
     return [tf.cast(t, tf.float64).numpy() for t in out], set(paths)
@@ -169,15 +176,7 @@ def test_a_first_sample_several_sigma_out_costs_no_accuracy(sigmas):
     # momentum 0 makes the moving statistics the batch's alone.
     layer = _layer((m, 1), -1, momentum=0.0, epsilon=1e-8)
     paths = []
-
-    @tf.function(jit_compile=True)
-    def step(x, upstream):
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            y = layer(x, training=True)
-            loss = tf.reduce_sum(tf.cast(y, tf.float32) * upstream)
-        paths.append(ops.train_path(x, layer._channel_axes, layer.epsilon))
-        return [y] + tape.gradient(loss, [x] + layer.trainable_weights)
+    step = tf.function(_recording_step(layer, paths), jit_compile=True)
 
     for seed in range(10):
         rng = np.random.default_rng(seed)

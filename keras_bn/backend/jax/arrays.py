@@ -55,7 +55,12 @@ def clip(x, low, high):
 
 
 def cond(flag, compute, otherwise):
-    """compute() where the scalar `flag` is true, else otherwise(), as one traced program."""
+    """compute() where the scalar `flag` is true, else otherwise(), as one traced program; in
+    an eager call (`flag` a concrete array) the branch it picks, run as it is: an eager
+    lax.cond compiles its two fresh closures again at every call (0.17 s an eager training
+    call on CPU)."""
+    if not isinstance(flag, jax.core.Tracer):
+        return compute() if bool(flag) else otherwise()
     return jax.lax.cond(flag, compute, otherwise)
 
 
