@@ -18,7 +18,6 @@ if __name__ == "__main__":  # the demo: quiet TensorFlow start-up, as every entr
 
 import keras
 import numpy as np
-import tensorflow as tf
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
@@ -45,6 +44,8 @@ def batches(x, y, batch_size, seed=0):
 
     The remainder is dropped: a last batch of one example would give BN m = 1.
     """
+    import tensorflow as tf  # here, so that the rest of the module imports under any backend
+
     return (
         tf.data.Dataset.from_tensor_slices((x, y))
         .shuffle(len(x), seed=seed)

@@ -63,6 +63,14 @@ class _Framework:
         custom gradient found in the traced graph), not from autodiff of its forward."""
         raise NotImplementedError
 
+    def call_gradients(self, forward, x, cotangent, variables, state=()):
+        """Eager `forward(x)` (Keras layers' calls: the code under test) and the framework's
+        autodiff of l = Σ cotangent·forward(x): (y, dl/dx, [dl/dv for v in `variables`]) as
+        numpy arrays, a gradient that does not reach v as None. The `state` variables that
+        `forward` assigns (moving statistics, activation ranges) end up updated, as after a
+        training step; under TensorFlow and PyTorch any variable does."""
+        raise NotImplementedError
+
     def plain_bn(self, x, gamma, beta, channel_axes, eps, weight=None):
         """Train-mode BN as plain framework ops; `weight` an optional 0/1 mask (numpy)
         broadcastable to x."""
@@ -139,6 +147,27 @@ class _Jax(_Framework):
             variable.assign(value)
         return (array(y), array(dx), *self._gamma_beta(layer, d_trainable))
 
+    def call_gradients(self, forward, x, cotangent, variables, state=()):
+        """Under a keras.StatelessScope that maps `variables` to the arguments differentiated
+        (as Keras's own stateless_call does), `state`'s new values read out of it; jitted, as
+        JAX trains."""
+        import jax
+
+        def loss(x, values):
+            mapping = [*zip(variables, values), *((v, v.value) for v in state)]
+            with keras.StatelessScope(state_mapping=mapping) as scope:
+                y = forward(x)
+            new = [scope.get_current_value(v) for v in state]
+            return jax.numpy.sum(y * cotangent), (y, new)
+
+        # Under jit: one compilation of the whole step, where eager autodiff compiles each
+        # primitive of the forward and backward pass for each new shape (seconds a layer).
+        value_and_grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+        (_, (y, new)), (dx, dv) = value_and_grad(jax.numpy.asarray(x), [v.value for v in variables])
+        for variable, value in zip(state, new):
+            variable.assign(value)
+        return array(y), array(dx), [array(g) for g in dv]
+
     def backward_is_hand_written(self, layer, x):
         jax, trainable, call = self._stateless(layer)
         return "custom_vjp_call" in str(jax.make_jaxpr(lambda x: call(x, trainable))(x))
@@ -170,13 +199,24 @@ class _Torch(_Framework):
         """Eager, as PyTorch trains: autograd through the layer's call."""
         import torch
 
-        x = torch.tensor(x, requires_grad=True)
+        x = torch.as_tensor(x).detach().clone().requires_grad_()  # numpy or a tensor
         for variable in layer.trainable_variables:
             variable.value.grad = None
         y = layer(x, training=True, mask=mask)
         torch.sum(y * torch.as_tensor(cotangent)).backward()
         grads = [v.value.grad for v in layer.trainable_variables]
         return (array(y), array(x.grad), *self._gamma_beta(layer, grads))
+
+    def call_gradients(self, forward, x, cotangent, variables, state=()):
+        import torch
+
+        x = self.constant(x, x.dtype).requires_grad_()
+        for variable in variables:
+            variable.value.grad = None
+        y = forward(x)
+        torch.sum(y * torch.as_tensor(cotangent)).backward()
+        grads = [None if v.value.grad is None else array(v.value.grad) for v in variables]
+        return array(y), array(x.grad), grads
 
     def backward_is_hand_written(self, layer, x):
         import torch
@@ -228,6 +268,17 @@ class _TensorFlow(_Framework):
             loss = tf.reduce_sum(y * tf.constant(cotangent, y.dtype))
         dx, *grads = tape.gradient(loss, [x, *layer.trainable_variables])
         return (array(y), array(dx), *self._gamma_beta(layer, grads))
+
+    def call_gradients(self, forward, x, cotangent, variables, state=()):
+        import tensorflow as tf
+
+        x = tf.constant(x)
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = forward(x)
+            loss = tf.reduce_sum(y * tf.constant(cotangent, y.dtype))
+        dx, *grads = tape.gradient(loss, [x, *variables])
+        return array(y), array(dx), [None if g is None else array(g) for g in grads]
 
     def backward_is_hand_written(self, layer, x):
         import tensorflow as tf

@@ -137,6 +137,43 @@ def hidden_bn_model():
     return keras.Model(inputs, Holder()(inputs))
 
 
+def relu_then_bn_block():
+    """A nested model "inner": Dense(4) with its ReLU, then a keras_bn BN ("after_relu"),
+    which the fold keeps (unfoldable)."""
+    return keras.Sequential(
+        [
+            keras.Input((4,)),
+            L.Dense(4, activation="relu"),
+            keras_bn.BatchNormalization(name="after_relu"),
+        ],
+        name="inner",
+    )
+
+
+def mistaken_model():
+    """Three BN mistakes for check_batchnorm to find: statistics far from the data ("shifted",
+    a Keras BN), statistics never updated ("untrained", which the fold keeps too: no host
+    before it), and a BN after a ReLU in a nested model ("inner/after_relu", its statistics
+    off their initial values)."""
+    inner = relu_then_bn_block()
+    model = keras.Sequential(
+        [
+            keras.Input((3,)),
+            L.Dense(4),
+            L.BatchNormalization(name="shifted"),
+            keras_bn.BatchNormalization(name="untrained"),
+            inner,
+            L.Dense(2),
+        ],
+        name="mistaken",
+    )
+    model.get_layer("shifted").moving_mean.assign(np.array([9.0, -9.0, 9.0, -9.0], "float32"))
+    after_relu = inner.get_layer("after_relu")
+    after_relu.moving_mean.assign(np.full(4, 0.3, "float32"))
+    after_relu.moving_variance.assign(np.full(4, 0.7, "float32"))
+    return model
+
+
 # Host layers for a backward fold: kind → (make(data_format, use_bias), spatial rank, fold).
 BACKWARD_HOSTS = {
     "Dense": (lambda df, b: L.Dense(6, use_bias=b), 0, fold.fold_dense),

@@ -12,7 +12,7 @@ import pytest
 from framework_references import array
 
 import keras_bn
-from helpers import docs_page, randomise_batch_norms
+from helpers import docs_page, mistaken_model, randomise_batch_norms, relu_then_bn_block
 from keras_bn._errors import UnsupportedModelError
 from keras_bn._graph import augmentation, fold_plan
 from keras_bn.diagnostics import Finding, Findings, check_batchnorm
@@ -197,21 +197,27 @@ def test_train_inference_gap_with_numpy_gap():
     assert check_batchnorm(model, mixed, batch_size=32) == []
 
 
+def test_check_batchnorm_finds_the_mistakes():
+    """Statistics far from the data, statistics never updated, a BN after a ReLU (nested,
+    unfoldable), batches of 4."""
+    x = np.random.default_rng(6).normal(2.0, 3.0, (32, 3)).astype("float32")
+    findings = check_batchnorm(mistaken_model(), x, batch_size=4)
+    kinds = {(f.layer, f.kind) for f in findings}
+    assert {
+        ("shifted", "stale_statistics"),
+        ("untrained", "stale_statistics"),
+        ("shifted", "small_batch"),
+        ("inner/after_relu", "unfoldable"),
+    } <= kinds
+
+
 def test_unfoldable_relays_the_folds_reason():
-    inner = keras.Sequential(
-        [
-            keras.Input((4,)),
-            keras.layers.Dense(4, activation="relu"),
-            keras_bn.BatchNormalization(name="after_relu"),
-        ],
-        name="inner",
-    )
     model = keras.Sequential(
         [
             keras.Input((3,)),
             keras.layers.Dense(4),
             keras.layers.BatchNormalization(name="foldable"),
-            inner,
+            relu_then_bn_block(),
         ]
     )
     findings = check_batchnorm(randomise_batch_norms(model))

@@ -1,23 +1,34 @@
 """Property-based tests (hypothesis) of keras_bn.BatchNormalization over ranks 2–5, axis
 choices (negative, list, channels_first), float16/bfloat16/float32/float64, center/scale,
-masks and batch sizes from 2, eager and under XLA (jit_compile, where the path of
-backend/tensorflow/xla.py runs on CPU). Profiles live in conftest.py ("ci" by default,
-"thorough")."""
+masks and batch sizes from 2, and of the fold; under every backend, eagerly (the gradients by
+the framework's own training step, against its autodiff of a plain BN), and under TensorFlow
+also under XLA (jit_compile, where the path of backend/tensorflow/xla.py runs on CPU).
 
+Profiles live in conftest.py ("ci" by default, "thorough"). Under TensorFlow every property
+runs the profile's full count. Under JAX and PyTorch each runs a tenth of it (EXAMPLES: 70 in
+"ci"; the fold a thirtieth, FOLD_EXAMPLES), for CI's time: there an example costs several
+times TensorFlow's (JAX runs each op eagerly and compiles a new training step for each
+layer; PyTorch's eager calls cost more per op), and the layer's maths these properties reach
+is the backend-neutral code TensorFlow's run already sweeps, while each backend's own kernels
+are swept by test_layer_maths.py and test_training_backends.py. Under JAX float64 is left out
+of the dtypes: JAX computes in float32 unless x64 is switched on for the whole process."""
+
+import framework_references
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
+from framework_references import array
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import keras_bn
 from helpers import BACKWARD_HOSTS, assert_close, fold_input, numpy_bn_train, randomise_batch_norms
-from keras_bn.backend.tensorflow import ops, xla
 from keras_bn.export import fold_batch_norms
-from tf_helpers import tf_reference_bn
 
-pytestmark = pytest.mark.backends("tensorflow")
+BACKEND = keras.backend.backend()
+# The framework's training step and its autodiff of a plain BN (the fixture's, at module level:
+# hypothesis runs a test's examples in one call of it).
+FRAMEWORK = framework_references.for_backend(BACKEND)
 
 EPS = 1e-3
 # Mixed policies for the 16-bit dtypes: the realistic use, float32 weights.
@@ -27,6 +38,14 @@ POLICY = {
     "float32": "float32",
     "float64": "float64",
 }
+if BACKEND == "jax":  # float32 unless x64 is on (module docstring)
+    del POLICY["float64"]
+if BACKEND == "tensorflow":
+    from keras_bn.backend.tensorflow.xla import GROUPS as XLA_GROUPS
+else:  # the strategy still reaches both kinds of batch (XLA's grouped sums split 4 evenly)
+    XLA_GROUPS = 4
+# The profile's count under TensorFlow, a tenth under JAX and PyTorch (module docstring).
+EXAMPLES = settings().max_examples // (1 if BACKEND == "tensorflow" else 10)
 # Scale-relative tolerances, from each dtype's resolution (outputs are rounded to it).
 FORWARD_TOL = {"float16": 4e-3, "bfloat16": 3e-2, "float32": 2e-5, "float64": 1e-10}
 GRADIENT_TOL = {"float16": 2e-2, "bfloat16": 1e-1, "float32": 1e-4, "float64": 1e-9}
@@ -95,10 +114,26 @@ def _mask(case, rng):
     return None, None
 
 
+def _cast(values, dtype):
+    """numpy float64 `values` as a tensor of `dtype` (rounded once, from float64)."""
+    if BACKEND == "jax" and dtype != "float32":  # JAX would round to float32 first
+        import jax.numpy as jnp
+        import ml_dtypes
+
+        return jnp.asarray(np.asarray(values).astype(getattr(ml_dtypes, dtype, dtype)))
+    return keras.ops.cast(keras.ops.convert_to_tensor(values, "float64"), dtype)
+
+
+def _float64(t):
+    """A tensor of any float dtype as numpy float64 (exactly)."""
+    dtype = keras.backend.standardize_dtype(t.dtype)
+    return array(keras.ops.cast(t, "float32") if dtype != "float64" else t).astype(np.float64)
+
+
 def _setup(case):
     rng = np.random.default_rng(case["seed"])
     shape = case["shape"]
-    x = tf.cast(rng.normal(rng.uniform(-3, 3), rng.uniform(0.5, 3), shape), case["dtype"])
+    x = _cast(rng.normal(rng.uniform(-3, 3), rng.uniform(0.5, 3), shape), case["dtype"])
     mask, case["expanded_mask"] = _mask(case, rng)
     layer = keras_bn.BatchNormalization(
         axis=case["axis"],
@@ -115,14 +150,18 @@ def _setup(case):
 
 def _params(layer, channel_axes, shape):
     pshape = [shape[a] for a in channel_axes]
-    gamma = layer.gamma.numpy().astype(np.float64) if layer.scale else np.ones(pshape)
-    beta = layer.beta.numpy().astype(np.float64) if layer.center else np.zeros(pshape)
+    gamma = array(layer.gamma).astype(np.float64) if layer.scale else np.ones(pshape)
+    beta = array(layer.beta).astype(np.float64) if layer.center else np.zeros(pshape)
     return gamma, beta
 
 
 def _runner(fn, jit):
-    """`fn` itself (eager), or `fn` compiled with XLA."""
-    return tf.function(fn, jit_compile=True) if jit else fn
+    """`fn` itself (eager), or `fn` compiled with XLA (TensorFlow's jit_compile)."""
+    if not jit:
+        return fn
+    import tensorflow as tf
+
+    return tf.function(fn, jit_compile=True)
 
 
 # Each XLA example compiles its own function, tens of times the cost of an eager example: a
@@ -130,12 +169,14 @@ def _runner(fn, jit):
 XLA_EXAMPLES = max(settings().max_examples // 20, 10)
 
 
+@settings(max_examples=EXAMPLES)
 @given(bn_cases())
 def test_forward_and_inference_match_numpy(case):
     _check_forward_and_inference(case, jit=False)
 
 
 @pytest.mark.slow
+@pytest.mark.backends("tensorflow")
 @settings(max_examples=XLA_EXAMPLES)
 @given(bn_cases())
 def test_forward_and_inference_match_numpy_under_xla(case):
@@ -144,7 +185,7 @@ def test_forward_and_inference_match_numpy_under_xla(case):
 
 def _check_forward_and_inference(case, jit):
     layer, x, mask, _ = _setup(case)
-    x64 = tf.cast(x, tf.float64).numpy()
+    x64 = _float64(x)
     gamma, beta = _params(layer, case["channel_axes"], case["shape"])
     expected, _, _ = numpy_bn_train(
         x64,
@@ -157,96 +198,106 @@ def _check_forward_and_inference(case, jit):
     paths = []
 
     def train(x):
-        paths.append(ops.train_path(x, case["channel_axes"], EPS, mask=mask))
+        if jit:
+            from keras_bn.backend.tensorflow import ops
+
+            paths.append(ops.train_path(x, case["channel_axes"], EPS, mask=mask))
         return layer(x, training=True, mask=mask)
 
     y = _runner(train, jit)(x)
     if jit:  # axis 0 is always reduced here, so only a mask keeps the composite path
         assert paths == ["composite" if mask is not None else "xla_cpu"]
-    assert y.dtype == x.dtype
-    assert_close(tf.cast(y, tf.float64), expected, FORWARD_TOL[case["dtype"]])
+    assert keras.backend.standardize_dtype(y.dtype) == case["dtype"]
+    assert_close(_float64(y), expected, FORWARD_TOL[case["dtype"]])
 
     bshape = [
         case["shape"][i] if i in case["channel_axes"] else 1 for i in range(len(case["shape"]))
     ]
     mean, var = (
-        v.numpy().astype(np.float64).reshape(bshape)
+        array(v).astype(np.float64).reshape(bshape)
         for v in (layer.moving_mean, layer.moving_variance)
     )
     inference = gamma.reshape(bshape) * (x64 - mean) / np.sqrt(var + EPS) + beta.reshape(bshape)
     inferred = _runner(lambda x: layer(x, training=False), jit)(x)
-    assert_close(tf.cast(inferred, tf.float64), inference, FORWARD_TOL[case["dtype"]])
+    assert_close(_float64(inferred), inference, FORWARD_TOL[case["dtype"]])
 
 
+@settings(max_examples=EXAMPLES)
 @given(bn_cases())
 def test_custom_gradient_matches_autodiff_of_reference(case):
     _check_gradients(case, jit=False)
 
 
 @pytest.mark.slow
+@pytest.mark.backends("tensorflow")
 @settings(max_examples=XLA_EXAMPLES)
 @given(bn_cases())
 def test_custom_gradient_matches_autodiff_of_reference_under_xla(case):
     _check_gradients(case, jit=True)
 
 
-def _check_gradients(case, jit):
-    layer, x, mask, rng = _setup(case)
-    upstream = tf.constant(rng.normal(size=case["shape"]), tf.float64)
-    gamma, beta = _params(layer, case["channel_axes"], case["shape"])
+def _layer_gradients(layer, x, mask, upstream, jit):
+    """(dl/dx, dl/dγ, dl/dβ) of l = Σ y·upstream, y the layer's training call: the framework's
+    training step, or under TensorFlow's XLA (jit) a GradientTape in a jit-compiled function;
+    None for a γ or β the layer does not have."""
+    if not jit:
+        _, dx, dgamma, dbeta = FRAMEWORK.train_step(layer, x, upstream, mask)
+        return dx, dgamma, dbeta
+    import tensorflow as tf
 
     def gradients(x):
         with tf.GradientTape() as tape:
             tape.watch(x)
             y = layer(x, training=True, mask=mask)
             loss = tf.reduce_sum(tf.cast(y, tf.float64) * upstream)
-        return tape.gradient(loss, [x] + layer.trainable_weights)
+        return tape.gradient(loss, [x, layer.gamma, layer.beta])
 
-    got = _runner(gradients, jit)(x)
+    return [None if g is None else _float64(g) for g in _runner(gradients, jit)(x)]
 
-    x64 = tf.cast(x, tf.float64)
-    ref_params = [tf.constant(gamma), tf.constant(beta)]
-    with tf.GradientTape() as tape:
-        tape.watch([x64] + ref_params)
-        ref = tf_reference_bn(
-            x64,
-            *ref_params,
-            case["channel_axes"],
-            EPS,
-            case["expanded_mask"],
-        )
-        loss = tf.reduce_sum(ref * upstream)
-    dx, dgamma, dbeta = tape.gradient(loss, [x64] + ref_params)
+
+def _check_gradients(case, jit):
+    layer, x, mask, rng = _setup(case)
+    upstream = rng.normal(size=case["shape"])
+    gamma, beta = _params(layer, case["channel_axes"], case["shape"])
+    dx_got, dgamma_got, dbeta_got = _layer_gradients(layer, x, mask, upstream, jit)
+
+    x64 = _float64(x)
+    dx, dgamma, dbeta = FRAMEWORK.plain_bn_gradients(
+        x64, gamma, beta, case["channel_axes"], EPS, upstream, case["expanded_mask"]
+    )
     tol = GRADIENT_TOL[case["dtype"]]
     # ∂l/∂x is a difference of terms of size γ·g/σ that can cancel almost exactly (at m = 2,
     # x̂ = ±1 whatever x is), so its error is measured against those terms, not its own size.
     full_mask = case["expanded_mask"]
     x_hat, _, batch_var = numpy_bn_train(
-        x64.numpy(),
+        x64,
         np.ones_like(gamma),
         np.zeros_like(beta),
         case["channel_axes"],
         EPS,
         full_mask,
     )
-    g = np.abs(upstream.numpy())
+    g = np.abs(upstream)
     term = np.abs(gamma).max() / np.sqrt(batch_var.min() + EPS) * g.max()
     # Likewise ∂l/∂γ = Σg·x̂ and ∂l/∂β = Σg against Σ|g|·(1 + |x̂|): the upstream g reaches the
     # layer rounded to its dtype.
     reduced = tuple(i for i in range(g.ndim) if i not in case["channel_axes"])
     sum_term = (g * (1 + np.abs(x_hat))).sum(axis=reduced).max()
-    np.testing.assert_allclose(tf.cast(got[0], tf.float64), dx, rtol=tol, atol=tol * term)
+    np.testing.assert_allclose(dx_got.astype(np.float64), dx, rtol=tol, atol=tol * term)
+    got = ([dgamma_got] if layer.scale else []) + ([dbeta_got] if layer.center else [])
     want = ([dgamma] if layer.scale else []) + ([dbeta] if layer.center else [])
-    for g, w in zip(got[1:], want):
-        np.testing.assert_allclose(tf.cast(g, tf.float64), w, rtol=tol, atol=tol * sum_term)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g.astype(np.float64), w, rtol=tol, atol=tol * sum_term)
 
 
+@settings(max_examples=EXAMPLES)
 @given(bn_cases())
 def test_moving_statistics_follow_unbiased_recurrence(case):
     _check_moving_statistics(case, jit=False)
 
 
 @pytest.mark.slow
+@pytest.mark.backends("tensorflow")
 @settings(max_examples=XLA_EXAMPLES)
 @given(bn_cases())
 def test_moving_statistics_follow_unbiased_recurrence_under_xla(case):
@@ -256,8 +307,8 @@ def test_moving_statistics_follow_unbiased_recurrence_under_xla(case):
 def _check_moving_statistics(case, jit):
     layer, x, mask, rng = _setup(case)
     train = _runner(lambda x: layer(x, training=True, mask=mask), jit)
-    mean = layer.moving_mean.numpy().astype(np.float64)
-    var = layer.moving_variance.numpy().astype(np.float64)
+    mean = array(layer.moving_mean).astype(np.float64)
+    var = array(layer.moving_variance).astype(np.float64)
     momentum = case["momentum"]
     full_mask = case["expanded_mask"]
     reduced = tuple(i for i in range(len(case["shape"])) if i not in case["channel_axes"])
@@ -265,9 +316,9 @@ def _check_moving_statistics(case, jit):
     m = np.ones(case["shape"]) if full_mask is None else np.broadcast_to(full_mask, case["shape"])
     m = m.sum(axis=reduced).reshape(mean.shape)
     for step in range(2):
-        batch = x if step == 0 else tf.cast(rng.normal(1.0, 2.0, case["shape"]), x.dtype)
+        batch = x if step == 0 else _cast(rng.normal(1.0, 2.0, case["shape"]), case["dtype"])
         train(batch)
-        x64 = tf.cast(batch, tf.float64).numpy()
+        x64 = _float64(batch)
         _, batch_mean, batch_var = numpy_bn_train(
             x64, np.ones_like(mean), np.zeros_like(mean), case["channel_axes"], EPS, full_mask
         )
@@ -296,7 +347,7 @@ def test_strategy_covers_the_space():
         seen["masked"].add(case["mask_reading"])
         if case["mask_reading"] == "leading" and case["channel_axes"] != [len(case["shape"]) - 1]:
             counts.add(True)
-        seen["grouped"].add(case["shape"][0] % xla.GROUPS == 0)
+        seen["grouped"].add(case["shape"][0] % XLA_GROUPS == 0)
 
     collect()
     assert seen["dtype"] == set(POLICY)
@@ -311,8 +362,9 @@ def test_strategy_covers_the_space():
 # --------------------------------------------------------------------------- folding
 
 # Folding clones a Keras model per example, several times the cost of the cases above: a third
-# of the profile's examples (233 in "ci", 2,333 in "thorough").
-FOLD_EXAMPLES = max(settings().max_examples // 3, 10)
+# of the profile's examples under TensorFlow (233 in "ci", 2,333 in "thorough"), a tenth of
+# that under JAX and PyTorch (module docstring).
+FOLD_EXAMPLES = max(EXAMPLES // 3, 10)
 
 
 @settings(max_examples=FOLD_EXAMPLES)

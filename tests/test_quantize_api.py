@@ -1,6 +1,7 @@
 """keras_bn.quantize's API: the `from_layers` factory (either BN class, weights copied, the
 originals untouched, the fused activations), every argument check naming the bad value, and
-the public names' Google-style docstrings (the checks of tests/test_docstrings.py)."""
+the public names' Google-style docstrings (the checks of tests/test_docstrings.py, under
+TensorFlow, where that module runs). Under every backend."""
 
 import inspect
 import os
@@ -10,14 +11,7 @@ import tempfile
 import keras
 import numpy as np
 import pytest
-from test_docstrings import (
-    _entries,
-    _own_doc,
-    _parameters,
-    _raised_directly,
-    _returns_value,
-    _sections,
-)
+from framework_references import array
 
 import keras_bn
 from helpers import assert_close
@@ -29,8 +23,6 @@ from keras_bn.quantize import (
     fake_quant,
     from_layers,
 )
-
-pytestmark = pytest.mark.backends("tensorflow")
 
 L = keras.layers
 
@@ -64,22 +56,20 @@ def test_from_layers_copies_weights_and_keeps_the_float_inference(bn_class):
     before = _snapshot(host, bn)
     configs = [host.get_config(), bn.get_config()]
     x = np.random.default_rng(1).normal(size=(2, 6, 6, 3)).astype("float32")
-    expected = np.maximum(np.asarray(bn(host(x), training=False)), 0.0)
+    expected = np.maximum(array(bn(host(x), training=False)), 0.0)
 
     layer = from_layers(host, bn, L.ReLU(), weight_bits=None, activation_bits=None)
     assert isinstance(layer, QuantizedHostBatchNorm) and layer.activation == "relu"
     assert type(layer.batch_norm) is keras_bn.BatchNormalization
     assert layer.batch_norm.epsilon == 1e-4
     np.testing.assert_array_equal(layer.batch_norm.moving_variance, bn.moving_variance)
-    assert_close(np.asarray(layer(x, training=False)), expected, 1e-5)
+    assert_close(array(layer(x, training=False)), expected, 1e-5)
     assert layer.host is not host and layer.batch_norm is not bn
 
     quantized = from_layers(host, bn, "relu", weight_bits=4)
     kernel, bias = quantized.folded_weights()
     scale, shift = bn_layers.inference_affine(bn)
-    want_kernel, want_bias = fold.fold_conv(
-        np.asarray(host.kernel), np.asarray(host.bias), scale, shift
-    )
+    want_kernel, want_bias = fold.fold_conv(array(host.kernel), array(host.bias), scale, shift)
     np.testing.assert_allclose(kernel, want_kernel, rtol=1e-6)
     np.testing.assert_allclose(bias, want_bias, rtol=1e-5, atol=1e-6)
     # Training the copies changes nothing in the originals.
@@ -123,7 +113,7 @@ def test_without_batch_norm_a_host_relu_moves_to_the_qat_layer():
     assert keras.activations.serialize(layer.host.activation) == "linear"
     assert host.get_config()["activation"] == "relu"  # the original keeps its own
     x = np.random.default_rng(2).normal(size=(4, 5)).astype("float32")
-    assert_close(np.asarray(layer(x)), np.asarray(host(x)), 1e-6)
+    assert_close(array(layer(x)), array(host(x)), 1e-6)
     with pytest.raises(ValueError, match="already applies 'relu'"):
         from_layers(host, activation="relu")
 
@@ -133,12 +123,14 @@ def test_from_layers_refuses_what_it_cannot_fold():
     with pytest.raises(ValueError, match=f"'{unbuilt.name}' is not built"):
         from_layers(unbuilt)
     host, _ = _built(L.Dense(3), (4, 5))
-    for bn, message in [
+    refused = [
         (keras_bn.BatchNormalization(renorm=True), "renorm=True"),
         (keras_bn.BatchNormalization(virtual_batch_size=2), "virtual_batch_size=2"),
-        (L.BatchNormalization(synchronized=True), "synchronized=True"),
         (keras_bn.BatchNormalization(momentum=None), "momentum=None"),
-    ]:
+    ]
+    if keras.backend.backend() == "tensorflow":  # Keras takes synchronized=True there alone
+        refused.append((L.BatchNormalization(synchronized=True), "synchronized=True"))
+    for bn, message in refused:
         bn.build((4, 3))
         with pytest.raises(ValueError, match=message):
             from_layers(host, bn)
@@ -214,8 +206,19 @@ def test_the_walk_finds_the_fake_quant_functions():
         assert f"keras_bn.quantize.fake_quant.{name}" in PUBLIC, name
 
 
+# test_docstrings.py's checks, which read source text only, run where that module imports.
+@pytest.mark.backends("tensorflow")
 @pytest.mark.parametrize("name", sorted(PUBLIC))
 def test_fake_quant_functions_have_google_style_docstrings(name):
+    from test_docstrings import (
+        _entries,
+        _own_doc,
+        _parameters,
+        _raised_directly,
+        _returns_value,
+        _sections,
+    )
+
     function = PUBLIC[name]
     doc = _own_doc(function)
     assert doc and len(doc.split()) >= 5, f"{name} has no docstring"
@@ -304,11 +307,11 @@ def test_weight_range_defaults_to_learned_below_4_bits_and_round_trips(bits, giv
     if expected == "learned":
         for layer in layers:
             for variable in layer.learned_ranges.values():
-                variable.assign(np.asarray(variable) * 0.75)  # not where a reset puts them
+                variable.assign(array(variable) * 0.75)  # not where a reset puts them
     x = np.random.default_rng(0).normal(size=(4, 6, 6, 3)).astype("float32")
     path = os.path.join(tempfile.mkdtemp(), "qat.keras")
     qat.save(path)
     loaded = keras.saving.load_model(path)
     np.testing.assert_array_equal(loaded.predict(x, verbose=0), qat.predict(x, verbose=0))
     for a, b in zip(qat.weights, loaded.weights):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        np.testing.assert_array_equal(array(a), array(b))

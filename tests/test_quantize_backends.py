@@ -406,38 +406,3 @@ def test_fit_whose_last_batch_holds_one_sample_outputs_beta_and_keeps_the_statis
     # An eager call with a batch of one is the caller's mistake, as on TensorFlow.
     with pytest.raises(ValueError, match="m=1"):
         host(x[8:9], training=True)
-
-
-@pytest.mark.backends("jax")
-def test_a_traced_batch_of_one_outputs_beta_with_no_gradient_to_the_kernel_or_gamma():
-    """m = 1 in a traced training step (fit's last batch of one): the folded BN outputs β and
-    gives x, γ and the kernel no gradient, as keras_bn.BatchNormalization does; inputs far
-    from 1 make the rounding of z·σ/σ_B − γ·μ_B/σ_B (times 1/√ε) show otherwise."""
-    import jax
-    import jax.numpy as jnp
-
-    from keras_bn.quantize import QuantizedHostBatchNorm
-
-    layer = QuantizedHostBatchNorm(keras.layers.Dense(4), activation_bits=None)
-    layer.build((None, 5))
-    rng = np.random.default_rng(4)
-    for weight in layer.trainable_weights:
-        weight.assign(rng.normal(size=weight.shape).astype("float32"))
-    x = (rng.normal(size=(1, 5)) * 1e4).astype("float32")
-    names = [w.path.split("/")[-1] for w in layer.trainable_weights]
-    beta = np.array(layer.trainable_weights[names.index("beta")])
-    frozen = [v.value for v in layer.non_trainable_variables]
-
-    def loss(inputs, trainable):
-        y, _ = layer.stateless_call(trainable, frozen, inputs, training=True)
-        return jnp.sum(y * jnp.arange(1.0, 5.0)), y
-
-    (_, y), (d_x, d_weights) = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))(
-        x, [v.value for v in layer.trainable_variables]
-    )
-    np.testing.assert_array_equal(np.asarray(y), beta[None])
-    np.testing.assert_array_equal(np.asarray(d_x), 0.0)
-    for name, gradient in zip(names, d_weights, strict=True):
-        if name in ("kernel", "gamma"):
-            np.testing.assert_array_equal(np.asarray(gradient), 0.0)
-    np.testing.assert_array_equal(np.asarray(d_weights[names.index("beta")]), np.arange(1.0, 5.0))

@@ -1,11 +1,12 @@
 """A model from keras_bn.quantize.quantize_model in use: QAT fine-tuning of the digits CNN with
 `fit` (graph and XLA) keeps the float model's accuracy; `.keras` round trips are bit-exact, and
 load after a plain `import keras_bn`; recalibrate, check_batchnorm and the Recalibrate callback
-refuse a QAT model, naming its QAT layers."""
+refuse a QAT model, naming its QAT layers. Under every backend."""
 
 import keras
 import numpy as np
 import pytest
+from framework_references import array
 from test_quantize_model import _branches, _branches_input
 
 import digits
@@ -21,8 +22,7 @@ from keras_bn.quantize import (
     quantize_model,
 )
 
-pytestmark = pytest.mark.backends("tensorflow")
-
+BACKEND = keras.backend.backend()
 BATCH = 64
 
 
@@ -33,7 +33,24 @@ def trained():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+@pytest.mark.parametrize(
+    "jit_compile",
+    [
+        # Under JAX, fit without jit runs op by op: minutes, where jit (JAX's way) takes
+        # seconds; under PyTorch it is PyTorch's own eager training.
+        pytest.param(False, marks=pytest.mark.backends("tensorflow", "torch")),
+        pytest.param(
+            True,
+            marks=pytest.mark.xfail(
+                BACKEND == "torch",
+                strict=True,
+                reason="product: jit_compile=True (torch.compile) fails in dynamo on "
+                "QuantizedHostBatchNorm._bn_parameters (getset_descriptor has no __module__)",
+            ),
+        ),
+    ],
+    ids=["graph", "xla"],
+)
 def test_qat_fine_tuning_keeps_the_float_accuracy(trained, jit_compile):
     """Three epochs of QAT from the trained float model (8-bit weights and activations, BN
     frozen after 40 steps, ranges after 50) end within 2 points of the float accuracy, with
@@ -69,7 +86,7 @@ def test_qat_fine_tuning_keeps_the_float_accuracy(trained, jit_compile):
             assert layer.batch_norm_frozen.numpy()
     # The first QAT layer's outputs lie on its 8-bit grid: at most 256 distinct values.
     first = keras.Model(qat.inputs[0], qat.layers[1].output)
-    assert len(np.unique(np.asarray(first(x_test[:64], training=False)))) <= 256
+    assert len(np.unique(array(first(x_test[:64], training=False)))) <= 256
 
 
 def _weights_by_path(model):
@@ -115,9 +132,9 @@ def test_keras_round_trip_is_bit_exact(tmp_path, freeze_ranges_step):
     for layer in model.layers:
         assert loaded.get_layer(layer.name).get_config() == layer.get_config()
     for a, b in zip(loaded(x, training=False), model(x, training=False)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        np.testing.assert_array_equal(array(a), array(b))
     for a, b in zip(loaded(x, training=True), model(x, training=True)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        np.testing.assert_array_equal(array(a), array(b))
     for name, value in _weights_by_path(model).items():
         np.testing.assert_array_equal(_weights_by_path(loaded)[name], value, err_msg=name)
 
@@ -130,7 +147,7 @@ import keras
 
 model = keras.saving.load_model(sys.argv[1])
 x = [np.load(sys.argv[2]), np.load(sys.argv[3])]
-outputs = [np.asarray(t).tolist() for t in model(x, training=False)]
+outputs = [keras.ops.convert_to_numpy(t).tolist() for t in model(x, training=False)]
 print(json.dumps([type(model.get_layer("a_qat")).__name__, outputs]))
 """
 
@@ -140,12 +157,12 @@ def test_a_plain_import_lets_keras_load_a_qat_model(tmp_path):
     """No custom_objects, no import of keras_bn.quantize: the QAT layers are registered."""
     model, x = _trained_branches(3)
     model.save(tmp_path / "qat.keras")
-    for index, array in enumerate(x):
-        np.save(tmp_path / f"x{index}.npy", array)
+    for index, inputs in enumerate(x):
+        np.save(tmp_path / f"x{index}.npy", inputs)
     kind, outputs = python_json(LOAD, *(tmp_path / n for n in ("qat.keras", "x0.npy", "x1.npy")))
     assert kind == "QuantizedHostBatchNorm"
     for got, want in zip(outputs, model(x, training=False)):
-        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want))
+        np.testing.assert_array_equal(np.asarray(got, np.float32), array(want))
 
 
 @pytest.fixture(scope="module")

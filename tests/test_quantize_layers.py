@@ -1,7 +1,9 @@
 """The QAT layers against independent references: the folded-BN forward pass in numpy (every
 host kind, per channel and per tensor, 8/4/3/2 bits, before and after the freeze), the float
 host + keras_bn BN with fake quantization off (outputs, gradients, moving statistics), γ = 0,
-and the activation quantizers in the chain."""
+and the activation quantizers in the chain. Under every backend; TensorFlow's traced steps
+(tf.function: its fused kernel, a run-time batch of one, a freeze after tracing) under it
+alone."""
 
 import zlib
 
@@ -9,7 +11,7 @@ import keras
 import numpy as np
 import pytest
 import quantize_reference as ref
-import tensorflow as tf
+from framework_references import array
 
 import keras_bn
 from helpers import assert_close
@@ -24,7 +26,10 @@ from keras_bn.quantize import (
     quantize_model,
 )
 
-pytestmark = pytest.mark.backends("tensorflow")
+BACKEND = keras.backend.backend()
+# Keras 3.15 adds a channels_first bias on the output's last axis when it has as many entries
+# as there are channels, under TensorFlow only (keras_bn's bias_add_may_miss_channels_first).
+KERAS_BIAS_ADD_IS_WRONG = BACKEND == "tensorflow"
 
 L = keras.layers
 EPSILON = 1e-3
@@ -190,18 +195,18 @@ def test_forward_matches_numpy_before_and_after_the_freeze(host_name, per_channe
     layer, host, weights, x = _make(host_name, bits, per_channel)
     # Inference: the folded BN on the fake-quantized W·s.
     expected, _, _ = _reference(host, x, weights, bits, per_channel, training=False)
-    inference = np.asarray(layer(x, training=False))
+    inference = array(layer(x, training=False))
     assert_close(inference, expected, 1e-5)
     # Frozen, training computes that same folded form bit for bit and moves nothing.
     before = _moving(layer)
     freeze_batch_norm(layer)
-    np.testing.assert_array_equal(np.asarray(layer(x, training=True)), inference)
+    np.testing.assert_array_equal(array(layer(x, training=True)), inference)
     for old, new in zip(before, _moving(layer)):
         np.testing.assert_array_equal(old, new)
     layer.batch_norm_frozen.assign(False)
     # Before the freeze: batch statistics of z/s, then the moving update (unbiased variance).
     expected, batch_mean, batch_var = _reference(host, x, weights, bits, per_channel, True)
-    assert_close(np.asarray(layer(x, training=True)), expected, 1e-5)
+    assert_close(array(layer(x, training=True)), expected, 1e-5)
     m = expected.size // weights["gamma"].size
     mean, variance = _moving(layer)
     assert_close(mean, MOMENTUM * weights["mean"] + (1 - MOMENTUM) * batch_mean, 1e-5)
@@ -231,8 +236,8 @@ def test_weight_grid_is_the_k_bit_grid_of_the_folded_kernel():
 
 def _with_bias_by_hand(host):
     """The host's map as a function: a bias-free copy of it (same kernels), then its bias added
-    with tf.add on the channel axis, not by Keras's own bias add, which is wrong at
-    conv2d_channels_first's shape (see HOSTS)."""
+    with keras.ops.add on the channel axis, not by Keras's own bias add, which is wrong at
+    conv2d_channels_first's shape under TensorFlow (see HOSTS)."""
     bias_free = type(host).from_config({**host.get_config(), "use_bias": False})
     bias_free.build(host.get_build_config()["input_shape"])
     for weight in bias_free.weights:
@@ -244,21 +249,27 @@ def _with_bias_by_hand(host):
         y = bias_free(x)
         shape = [1] * len(y.shape)
         shape[1 if _channels_first(host) else -1] = -1
-        return tf.add(y, tf.reshape(host.bias, shape))
+        # Broadcast first: keras.ops.add's own broadcast is the one that is wrong under TF.
+        return y + keras.ops.broadcast_to(keras.ops.reshape(host.bias, shape), y.shape)
 
     return forward, bias_free
 
 
 def test_keras_adds_a_channels_first_bias_on_the_wrong_axis_at_this_shape():
     """Why the references above add the bias by hand: at conv2d_channels_first's shape Keras's
-    own output is off (the day this fails, Keras has fixed it and the hand-made bias can go)."""
+    own output is off under TensorFlow (the day this fails, Keras has fixed it and the hand-made
+    bias can go), and right under JAX and PyTorch (as keras_bn assumes: no warning there)."""
     factory, shape = HOSTS["conv2d_channels_first"]
     host = factory()
     host.build(shape)
     host.bias.assign(np.arange(1.0, 5.0, dtype="float32"))
     x = np.random.default_rng(0).normal(size=shape).astype("float32")
     by_hand, _ = _with_bias_by_hand(host)
-    assert np.abs(np.asarray(host(x)) - np.asarray(by_hand(x))).max() > 0.5
+    difference = np.abs(array(host(x)) - array(by_hand(x))).max()
+    if KERAS_BIAS_ADD_IS_WRONG:
+        assert difference > 0.5
+    else:
+        assert difference < 1e-5
 
 
 def _float_reference(host_name, with_relu=True):
@@ -295,55 +306,59 @@ def _kernels(host):
 
 
 @pytest.mark.parametrize("host_name", list(HOSTS))
-def test_without_fake_quant_training_is_float_host_then_batch_norm(host_name):
+def test_without_fake_quant_training_is_float_host_then_batch_norm(host_name, framework):
     """Fake quantization off: outputs, gradients (input, kernels, γ, β) and the moving update
-    equal the float host → keras_bn BN → ReLU in training mode, γ = 0 channel included."""
+    equal the float host → keras_bn BN → ReLU in training mode, γ = 0 channel included (both
+    differentiated by the framework's autodiff)."""
     layer, host, bn, x = _float_reference(host_name)
-    x = tf.constant(x)
-    upstream = tf.constant(np.random.default_rng(3).normal(size=layer(x).shape), tf.float32)
-
-    def run(forward, variables):
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            y = forward()
-            loss = tf.reduce_sum(y * upstream)
-        return y, tape.gradient(loss, [x, *variables])
-
-    y_qat, g_qat = run(
-        lambda: layer(x, training=True),
-        [*_kernels(layer.host), layer.batch_norm.gamma, layer.batch_norm.beta],
+    upstream = np.random.default_rng(3).normal(size=layer(x).shape).astype("float32")
+    qat_bn = layer.batch_norm
+    y_qat, dx_qat, g_qat = framework.call_gradients(
+        lambda x: layer(x, training=True),
+        x,
+        upstream,
+        [*_kernels(layer.host), qat_bn.gamma, qat_bn.beta],
+        [qat_bn.moving_mean, qat_bn.moving_variance],
     )
     reference, bias_free = _with_bias_by_hand(host)
-    y_ref, g_ref = run(
-        lambda: tf.nn.relu(bn(reference(x), training=True)),
+    y_ref, dx_ref, g_ref = framework.call_gradients(
+        lambda x: keras.ops.relu(bn(reference(x), training=True)),
+        x,
+        upstream,
         [*_kernels(bias_free), bn.gamma, bn.beta],
+        [bn.moving_mean, bn.moving_variance],
     )
+    g_qat, g_ref = [dx_qat, *g_qat], [dx_ref, *g_ref]
     assert_close(y_qat, y_ref, 1e-5)
-    beta_0 = float(bn.beta[0])
-    channel_0 = np.take(np.asarray(y_qat), 0, axis=1 if _channels_first(host) else -1)
+    beta_0 = float(array(bn.beta)[0])
+    channel_0 = np.take(array(y_qat), 0, axis=1 if _channels_first(host) else -1)
     np.testing.assert_allclose(channel_0, max(beta_0, 0.0), atol=1e-6)  # γ = 0: β, then ReLU
     for got, want in zip(g_qat, g_ref):
         assert_close(got, want, 1e-5)
     assert float(np.abs(g_ref[-2][0])) > 1e-3  # γ = 0 still has a gradient, and it matches
     assert_close(layer.batch_norm.moving_mean, bn.moving_mean, 1e-5)
     assert_close(layer.batch_norm.moving_variance, bn.moving_variance, 1e-5)
-    assert not np.allclose(np.asarray(bn.moving_mean), 0.0)
+    assert not np.allclose(array(bn.moving_mean), 0.0)
 
 
 @pytest.mark.parametrize("per_channel", [True, False], ids=["per_channel", "per_tensor"])
-def test_zero_gamma_channel_outputs_beta_and_leaves_the_others_alone(per_channel):
+def test_zero_gamma_channel_outputs_beta_and_leaves_the_others_alone(per_channel, framework):
     """γ = 0 (s = 0) divides nothing by zero: that channel outputs β in training and inference,
     everything stays finite, and the other channels match the numpy reference, whose per-tensor
     range comes from W·s (the zero channel does not widen it)."""
     layer, host, weights, x = _make("conv2d", 4, per_channel, activation=None, zero_gamma=True)
     for training in (False, True):
         expected, batch_mean, _ = _reference(host, x, weights, 4, per_channel, training, None)
-        with tf.GradientTape() as tape:
-            y = layer(x, training=training)
-        grads = tape.gradient(y, layer.trainable_variables)
-        assert all(np.isfinite(np.asarray(g)).all() for g in grads)
-        np.testing.assert_allclose(np.asarray(y)[..., 0], weights["beta"][0], atol=1e-6)
-        assert_close(np.asarray(y), expected, 1e-5)
+        y, _, grads = framework.call_gradients(
+            lambda x, training=training: layer(x, training=training),
+            x,
+            np.ones(layer.compute_output_shape(x.shape), "float32"),
+            layer.trainable_variables,
+            layer.non_trainable_variables,
+        )
+        assert all(np.isfinite(g).all() for g in grads)
+        np.testing.assert_allclose(array(y)[..., 0], weights["beta"][0], atol=1e-6)
+        assert_close(array(y), expected, 1e-5)
     live = weights["gamma"] != 0
     mean, _ = _moving(layer)
     expected_mean = MOMENTUM * weights["mean"] + (1 - MOMENTUM) * batch_mean
@@ -379,7 +394,7 @@ def test_activation_quantizers_in_the_chain(host_name, activation_bits):
 
     between = intermediate if host_name == "separable" else None
     for step, batch in enumerate([x, x * 0.5 + 0.2]):
-        y = np.asarray(layer(batch, training=True))
+        y = array(layer(batch, training=True))
         # Back to the initial moving statistics, which the reference's W·s uses.
         layer.batch_norm.moving_mean.assign(weights["mean"].astype("float32"))
         layer.batch_norm.moving_variance.assign(weights["variance"].astype("float32"))
@@ -403,7 +418,7 @@ def test_activation_quantizers_in_the_chain(host_name, activation_bits):
             return ref.fake_quant_activations(middle, lo_i, hi_i, activation_bits)
 
     pre, _, _ = _reference(host, x, weights, bits, True, False, "relu6", between, input_step)
-    _assert_quantized(np.asarray(layer(x, training=False)), pre, lo, hi, activation_bits)
+    _assert_quantized(array(layer(x, training=False)), pre, lo, hi, activation_bits)
 
 
 def _assert_quantized(actual, pre, lo, hi, bits):
@@ -435,7 +450,7 @@ def test_quantized_host_matches_numpy():
     )
     expected = np.maximum(expected + bias, 0.0)
     for training in (True, False):
-        assert_close(np.asarray(layer(x, training=training)), expected, 1e-5)
+        assert_close(array(layer(x, training=training)), expected, 1e-5)
 
 
 def test_a_static_batch_of_one_value_per_channel_is_refused_in_training():
@@ -444,8 +459,12 @@ def test_a_static_batch_of_one_value_per_channel_is_refused_in_training():
         layer(np.ones((1, 4), "float32"), training=True)
 
 
+@pytest.mark.backends("tensorflow")  # JAX's fit: test_quantize_backends.py
 def test_a_dynamic_batch_of_one_leaves_the_moving_statistics_alone():
-    """A batch size known only at run time: m = 1 outputs β (x − μ_B = 0) and skips the update."""
+    """A batch size known only at run time (a tf.function's): m = 1 outputs β (x − μ_B = 0)
+    and skips the update."""
+    import tensorflow as tf
+
     layer = QuantizedHostBatchNorm(L.Dense(3), activation_bits=None)
     layer.build((None, 4))
     layer.batch_norm.beta.assign([0.5, -1.0, 2.0])
@@ -454,38 +473,41 @@ def test_a_dynamic_batch_of_one_leaves_the_moving_statistics_alone():
         lambda x: layer(x, training=True), input_signature=[tf.TensorSpec((None, 4))]
     )
     y = step(tf.ones((1, 4)))
-    np.testing.assert_allclose(np.asarray(y), [[0.5, -1.0, 2.0]], atol=1e-5)
+    np.testing.assert_allclose(array(y), [[0.5, -1.0, 2.0]], atol=1e-5)
     for old, new in zip(before, _moving(layer)):
         np.testing.assert_array_equal(old, new)
     step(tf.ones((2, 4)) * [[1.0], [2.0]])
     assert not np.array_equal(before[0], _moving(layer)[0])
 
 
-def test_a_per_channel_conv3d_trains_with_the_straight_through_gradient():
+def test_a_per_channel_conv3d_trains_with_the_straight_through_gradient(framework):
     """A Conv3D QAT layer's kernel gradient, per channel, is autodiff's for the float Conv3D
     times each channel's BN scale (the fold is linear in the kernel, and the fake quantization
     passes the gradient straight through); and a quantize_model'd Conv3D model fits."""
     layer, _, weights, x = _make("conv3d", 8, True, activation=None)
     freeze_batch_norm(layer)
     upstream = np.random.default_rng(1).normal(size=layer(x).shape).astype("float32")
-    with tf.GradientTape() as tape:
-        loss = tf.reduce_sum(layer(x, training=True) * upstream)
-    gradient = np.asarray(tape.gradient(loss, layer.host.kernel))
+    _, _, (gradient,) = framework.call_gradients(
+        lambda x: layer(x, training=True),
+        x,
+        upstream,
+        [layer.host.kernel],
+        layer.non_trainable_variables,
+    )
     plain = L.Conv3D(4, (2, 3, 2), strides=(1, 2, 1), use_bias=False)
     plain.build(x.shape)
-    with tf.GradientTape() as tape:
-        loss = tf.reduce_sum(plain(x) * upstream)
+    _, _, (plain_gradient,) = framework.call_gradients(plain, x, upstream, [plain.kernel])
     s = weights["gamma"] / np.sqrt(weights["variance"] + EPSILON)
-    assert_close(gradient, np.asarray(tape.gradient(loss, plain.kernel)) * s, 1e-5)
+    assert_close(gradient, plain_gradient * s, 1e-5)
     inputs = keras.Input(HOSTS["conv3d"][1][1:])
     model = keras.Model(inputs, keras_bn.BatchNormalization()(HOSTS["conv3d"][0]()(inputs)))
     qat = quantize_model(model, per_channel=True)
     qat.compile(keras.optimizers.SGD(0.1), "mse")
     kernel = next(k for k in qat.layers if isinstance(k, QuantizedHostBatchNorm)).host.kernel
-    before = np.array(kernel)
-    history = qat.fit(x, np.asarray(model(x)) + 1.0, batch_size=3, epochs=2, verbose=0)
+    before = array(kernel)
+    history = qat.fit(x, array(model(x)) + 1.0, batch_size=3, epochs=2, verbose=0)
     assert np.isfinite(history.history["loss"]).all()
-    assert not np.array_equal(before, np.asarray(kernel))
+    assert not np.array_equal(before, array(kernel))
 
 
 def _function_ops(concrete):
@@ -497,11 +519,19 @@ def _function_ops(concrete):
     return ops
 
 
+@pytest.mark.xfail(
+    BACKEND != "tensorflow",
+    strict=True,
+    reason="product: outside TensorFlow's fused kernel (JAX, PyTorch) the training call "
+    "computes z·(γσ/(s'σ_B)) + (β − γμ_B/σ_B), whose two terms cancel far from zero: "
+    "|μ_B|/σ_B over 500 leaves errors of about 2e-4 of the output's scale, not 1e-5",
+)
 def test_fused_path_is_exact_far_from_zero():
-    """A channels-last 4D output goes through FusedBatchNormV3 before the freeze; far from zero
-    (|μ_B|/σ_B over 500, where the bare CPU kernel is off by more than 1e-5) it still matches the
-    numpy reference, forward and moving update. z is exact here: s' = 1 (γ = σ as float32
-    computes it) and the integer input and kernel sum exactly."""
+    """Far from zero (|μ_B|/σ_B over 500) a training call matches the numpy reference, forward
+    and moving update; under TensorFlow a channels-last 4D output goes through
+    FusedBatchNormV3 before the freeze (in a tf.function), where the bare CPU kernel is off by
+    more than 1e-5. z is exact here: s' = 1 (γ = σ as float32 computes it) and the integer
+    input and kernel sum exactly."""
     host = L.Conv2D(3, 1, use_bias=True)
     shape = (4, 5, 5, 2)
     host.build(shape)
@@ -515,7 +545,8 @@ def test_fused_path_is_exact_far_from_zero():
     layer.build(shape)
     rng = np.random.default_rng(11)
     variance = np.array([0.5, 1.0, 2.0], np.float32)
-    sigma = np.asarray(tf.sqrt(tf.constant(variance) + EPSILON))  # as `call` computes σ
+    # σ as `call` computes it
+    sigma = array(keras.ops.sqrt(keras.ops.convert_to_tensor(variance) + EPSILON))
     weights = {
         "kernel": np.array([[[[1.0, 2.0, -1.0], [3.0, 1.0, 2.0]]]]),
         "bias": np.array([0.5, -0.25, 1.0]),
@@ -526,13 +557,21 @@ def test_fused_path_is_exact_far_from_zero():
     }
     _assign(layer, weights)
     x = (4096.0 + rng.integers(-3, 4, size=shape)).astype("float32")
-    step = tf.function(lambda x: layer(x, training=True))
-    assert "FusedBatchNormV3" in _function_ops(step.get_concrete_function(x))
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        step = tf.function(lambda x: layer(x, training=True))
+        assert "FusedBatchNormV3" in _function_ops(step.get_concrete_function(x))
+    else:
+
+        def step(x):
+            return layer(x, training=True)
+
     expected, batch_mean, batch_var = ref.qat_forward(
         _spec(host), x, weights, None, True, True, EPSILON
     )
     assert np.abs(batch_mean).min() > 500 * np.sqrt(batch_var).max()  # far from zero
-    assert_close(np.asarray(step(x)), expected, 1e-5)
+    assert_close(array(step(x)), expected, 1e-5)
     m = x.size // shape[-1]
     mean, moving_variance = _moving(layer)
     assert_close(mean, MOMENTUM * weights["mean"] + (1 - MOMENTUM) * batch_mean, 1e-5)
@@ -540,20 +579,23 @@ def test_fused_path_is_exact_far_from_zero():
     assert_close(moving_variance, MOMENTUM * variance + (1 - MOMENTUM) * unbiased, 1e-5)
 
 
+@pytest.mark.backends("tensorflow")  # tf.function's tracing
 def test_freezing_after_tracing_switches_the_traced_step_without_retracing():
     """The freeze flag is read at run time: a step traced before freeze_batch_norm computes
     the folded form after it, bit for bit as inference, and moves nothing, on the fused path
     (conv2d) and the composite one (dense)."""
+    import tensorflow as tf
+
     for host_name in ("conv2d", "dense"):
         layer, host, weights, x = _make(host_name, 8, True)
         x = tf.constant(x)
         step = tf.function(lambda x, layer=layer: layer(x, training=True))
         expected, _, _ = _reference(host, x, weights, 8, True, True)
-        assert_close(np.asarray(step(x)), expected, 1e-5)
+        assert_close(array(step(x)), expected, 1e-5)
         freeze_batch_norm(layer)
         before = _moving(layer)
-        inference = np.asarray(layer(x, training=False))
-        np.testing.assert_array_equal(np.asarray(step(x)), inference)
+        inference = array(layer(x, training=False))
+        np.testing.assert_array_equal(array(step(x)), inference)
         for old, new in zip(before, _moving(layer)):
             np.testing.assert_array_equal(old, new)
         assert step.experimental_get_tracing_count() == 1
@@ -573,7 +615,7 @@ def test_a_weight_on_a_rounding_boundary_rounds_in_weight_grids_as_in_call():
     )
     layer.build((None, 2))
     layer.host.kernel.assign(np.float32([[1.5121183], [-0.2520198]]))
-    used = np.asarray(layer(np.eye(2, dtype="float32"), training=False))  # the kernel it uses
+    used = array(layer(np.eye(2, dtype="float32"), training=False))  # the kernel it uses
     grid = layer.weight_grids()["kernel"]
     np.testing.assert_allclose(grid.values, used, rtol=0, atol=1e-6)
     np.testing.assert_array_equal(grid.q, [[3], [0]])
@@ -599,15 +641,17 @@ def test_a_host_in_a_model_adds_its_bias_on_the_files_int32_grid(host_name):
     quantizer = ActivationQuantizer(8, name="input_quantizer")
     model = keras.Model(inputs, layer(quantizer(inputs)))
     weights = {w.path.split("/")[-1]: w for w in layer.host.weights}
+    for weight in weights.values():  # the same under every backend (Keras's initializers vary)
+        weight.assign(rng.normal(0.0, 0.5, weight.shape).astype("float32"))
     weights["bias"].assign(rng.normal(size=4).astype("float32"))
     x = rng.normal(size=(16, *shape)).astype("float32")
-    before = np.asarray(model(x, training=False))  # no ranges yet: all float
-    float_bias = np.asarray(layer.host.bias, np.float64)
-    kernel = np.asarray(hosts.folded_kernel(layer.host), np.float64)
+    before = array(model(x, training=False))  # no ranges yet: all float
+    float_bias = array(layer.host.bias).astype(np.float64)
+    kernel = array(hosts.folded_kernel(layer.host)).astype(np.float64)
     view = ref.channels_last_view(kernel, "conv")
     kernels = [ref.fake_quant_weights(view, 3, True)]
     if host_name == "separable":
-        depthwise = np.asarray(layer.host.depthwise_kernel, np.float64)
+        depthwise = array(layer.host.depthwise_kernel).astype(np.float64)
         on_grid_view = ref.fake_quant_weights(
             ref.channels_last_view(depthwise, "depthwise"), 3, True
         )
@@ -641,7 +685,7 @@ def test_a_host_in_a_model_adds_its_bias_on_the_files_int32_grid(host_name):
     pre = z + on_grid
     expected = ref.fake_quant_activations(pre, lo_o, hi_o, 8)
     near = ref.distance_to_rounding_boundary(pre, lo_o, hi_o, 8) < 1e-3
-    got = np.asarray(model(x, training=False), np.float64)
+    got = array(model(x, training=False)).astype(np.float64)
     assert near.mean() < 0.01
     step_o, _ = ref.activation_grid(lo_o, hi_o, 8)
     assert np.abs(got - expected)[~near].max() <= 1e-4 * step_o
@@ -662,7 +706,7 @@ def test_a_host_after_a_fixed_step_activation_adds_its_bias_on_that_grid(activat
     bias = np.random.default_rng(0).normal(0, 0.3, 4).astype("float32")
     head.host.bias.assign(bias)
     model(np.random.default_rng(1).normal(size=(16, 6)).astype("float32"), training=True)
-    kernel = np.asarray(head.host.kernel, np.float64)
+    kernel = array(head.host.kernel).astype(np.float64)
     weight_step = ref.weight_scale(kernel, 3, head.per_channel)
     on_grid = ref.bias_on_grid(bias, fixed_step, weight_step)
     # The float bias lies well off that grid: the check can fail.
@@ -670,34 +714,61 @@ def test_a_host_after_a_fixed_step_activation_adds_its_bias_on_that_grid(activat
     np.testing.assert_allclose(head.inference_bias(), on_grid, rtol=1e-6)
 
 
-def test_a_run_time_batch_of_one_outputs_beta_with_no_gradient_to_the_kernel_or_gamma():
-    """m = 1 at run time (fit's last batch of one, its batch size unknown when traced): the
-    folded BN outputs β and gives x, γ and the kernel no gradient, as keras_bn's layer does;
-    inputs far from 1 make the rounding of z·σ/σ_B − γ·μ_B/σ_B (times 1/√ε) show otherwise."""
+def _traced_gradients(layer, x, upstream):
+    """A training call of `layer` traced with its batch size unknown (TensorFlow's
+    tf.function) or traced at all (JAX's jit of stateless_call, as fit runs it), and its
+    autodiff: (y, dl/dx, [dl/dw for w in trainable_weights]) of l = Σ upstream·y."""
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        @tf.function(input_signature=[tf.TensorSpec([None, *x.shape[1:]], tf.float32)])
+        def step(x):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                y = layer(x, training=True)
+                loss = tf.reduce_sum(y * upstream)
+            return y, tape.gradient(loss, [x, *layer.trainable_weights])
+
+        y, (d_x, *d_weights) = step(tf.constant(x))
+        return array(y), array(d_x), [array(g) for g in d_weights]
+    import jax
+    import jax.numpy as jnp
+
+    frozen = [v.value for v in layer.non_trainable_variables]
+
+    def loss(inputs, trainable):
+        y, _ = layer.stateless_call(trainable, frozen, inputs, training=True)
+        return jnp.sum(y * upstream), y
+
+    (_, y), (d_x, d_weights) = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))(
+        x, [v.value for v in layer.trainable_variables]
+    )
+    return array(y), array(d_x), [array(g) for g in d_weights]
+
+
+# Traced with a run-time batch of one (fit's last batch); PyTorch runs fit eagerly, where a
+# batch of one is refused (test_a_static_batch_of_one_value_per_channel_is_refused_in_training).
+@pytest.mark.backends("tensorflow", "jax")
+def test_a_traced_batch_of_one_outputs_beta_with_no_gradient_to_the_kernel_or_gamma():
+    """m = 1 in a traced training step (fit's last batch of one, under TensorFlow its batch
+    size unknown when traced): the folded BN outputs β and gives x, γ and the kernel no
+    gradient, as keras_bn's layer does; inputs far from 1 make the rounding of
+    z·σ/σ_B − γ·μ_B/σ_B (times 1/√ε) show otherwise."""
     layer = QuantizedHostBatchNorm(L.Dense(4), activation_bits=None)
     layer.build((None, 5))
     rng = np.random.default_rng(4)
     for weight in layer.trainable_weights:
         weight.assign(rng.normal(size=weight.shape).astype("float32"))
     names = [w.path.split("/")[-1] for w in layer.trainable_weights]
-
-    @tf.function(input_signature=[tf.TensorSpec([None, 5], tf.float32)])
-    def step(x):
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            y = layer(x, training=True)
-            loss = tf.reduce_sum(y * tf.range(1.0, 5.0))
-        return y, tape.gradient(loss, [x, *layer.trainable_weights])
-
-    x = tf.constant((rng.normal(size=(1, 5)) * 1e4).astype("float32"))
-    y, (d_x, *d_weights) = step(x)
-    beta = layer.trainable_weights[names.index("beta")].numpy()
-    np.testing.assert_array_equal(y.numpy(), beta[None])
-    np.testing.assert_array_equal(d_x.numpy(), 0.0)
+    x = (rng.normal(size=(1, 5)) * 1e4).astype("float32")
+    beta = array(layer.trainable_weights[names.index("beta")])
+    y, d_x, d_weights = _traced_gradients(layer, x, np.arange(1.0, 5.0, dtype="float32"))
+    np.testing.assert_array_equal(y, beta[None])
+    np.testing.assert_array_equal(d_x, 0.0)
     for name, gradient in zip(names, d_weights, strict=True):
         if name in ("kernel", "gamma"):
-            np.testing.assert_array_equal(gradient.numpy(), 0.0)
-    np.testing.assert_array_equal(d_weights[names.index("beta")].numpy(), np.arange(1.0, 5.0))
+            np.testing.assert_array_equal(gradient, 0.0)
+    np.testing.assert_array_equal(d_weights[names.index("beta")], np.arange(1.0, 5.0))
 
 
 @pytest.mark.parametrize("bits", [3, 2])
@@ -715,7 +786,7 @@ def test_learned_ranges_forward_matches_numpy(host_name, per_channel, bits):
     for name, variable in layer.learned_ranges.items():
         view = keras.ops.convert_to_numpy(layer._range_view(name))
         top = np.abs(view).reshape(-1, view.shape[-1]).max(0) if per_channel else np.abs(view).max()
-        assert (np.asarray(variable) <= top * (1 + 1e-6)).all()
+        assert (array(variable) <= top * (1 + 1e-6)).all()
         ranges[name] = (0.6 * top).astype("float32")
         variable.assign(ranges[name])
     assert set(ranges) == (
@@ -727,10 +798,10 @@ def test_learned_ranges_forward_matches_numpy(host_name, per_channel, bits):
     np.testing.assert_allclose(grid.scale, expected_scale, rtol=1e-6)
     for training in (False, True):  # inference first: training moves the statistics
         expected, _, _ = _reference(host, x, weights, bits, per_channel, training, ranges=ranges)
-        assert_close(np.asarray(layer(x, training=training)), expected, 1e-5)
+        assert_close(array(layer(x, training=training)), expected, 1e-5)
 
 
-def test_learned_ranges_get_lsq_gradients_in_a_layer():
+def test_learned_ranges_get_lsq_gradients_in_a_layer(framework):
     """The kernel range is a trainable weight, and its gradient is LSQ's (the numpy
     reference's) of the loss's gradient to the rounded kernel, times |s| (the per-channel
     range is r·|s|)."""
@@ -739,16 +810,17 @@ def test_learned_ranges_get_lsq_gradients_in_a_layer():
     assert any(w is variable for w in layer.trainable_weights)
     shape = tuple(layer(x, training=False).shape)
     weighting = np.linspace(-1.0, 1.0, int(np.prod(shape))).reshape(shape).astype("float32")
-    with tf.GradientTape() as tape:
-        loss = tf.reduce_sum(layer(x, training=False) * weighting)
-    (to_range,) = tape.gradient(loss, [variable])
+    _, _, (to_range,) = framework.call_gradients(
+        lambda x: layer(x, training=False), x, weighting, [variable]
+    )
     s = np.abs(weights["gamma"] / np.sqrt(weights["variance"] + EPSILON))
     folded = ref.channels_last_view(weights["kernel"], "conv") * (s * np.sign(weights["gamma"]))
-    m = np.abs(np.asarray(variable, np.float64)) * s
-    quantized = tf.constant(ref.fake_quant_weights(folded, 2, True, m / ref.q_max(2)), "float32")
-    with tf.GradientTape() as tape:
-        tape.watch(quantized)
-        loss = tf.reduce_sum(host.convolution_op(x, quantized) * weighting)
-    upstream = tape.gradient(loss, quantized).numpy().astype(np.float64)
+    m = np.abs(array(variable).astype(np.float64)) * s
+    quantized = ref.fake_quant_weights(folded, 2, True, m / ref.q_max(2)).astype("float32")
+    inputs = keras.ops.convert_to_tensor(x)
+    (upstream,) = framework.gradients(
+        lambda kernel: host.convolution_op(inputs, kernel), (quantized,), weighting, "float32"
+    )
+    upstream = upstream.astype(np.float64)
     _, expected = ref.lsq_gradients(folded, m, 2, upstream)
     np.testing.assert_allclose(to_range, expected * s, rtol=1e-3, atol=1e-5)

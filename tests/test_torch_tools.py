@@ -1,7 +1,7 @@
 """The rest of keras_bn under PyTorch, each against numbers computed here in numpy float64:
 `recalibrate` (Algorithm 2 over the data), `fold_batch_norms` and `convert` (the inference
-formula), `quantize_model` trained with `fit` and round-tripped through a .keras file, and
-`check_batchnorm`'s findings."""
+formula), and `quantize_model` trained with `fit` and round-tripped through a .keras file
+(check_batchnorm's findings: test_check_batchnorm.py, under every backend)."""
 
 import keras
 import numpy as np
@@ -204,35 +204,3 @@ def test_qat_layer_gives_its_folded_kernel_bias_and_integers():
     np.testing.assert_allclose(grid.scale, step, rtol=1e-6)
     assert np.abs(grid.q).max() == 127
     assert np.all(np.abs(grid.q * step - want_kernel) <= 0.5 * step * (1 + 1e-5))
-
-
-def test_check_batchnorm_finds_the_mistakes():
-    """Statistics far from the data, statistics never updated, a BN after a ReLU (nested,
-    unfoldable), batches of 4."""
-    inner = keras.Sequential(
-        [
-            keras.Input((4,)),
-            L.Dense(4, activation="relu"),
-            keras_bn.BatchNormalization(name="after_relu"),
-        ],
-        name="inner",
-    )
-    model = keras.Sequential(
-        [
-            keras.Input((3,)),
-            L.Dense(4),
-            L.BatchNormalization(name="shifted"),
-            keras_bn.BatchNormalization(name="untrained"),
-            inner,
-            L.Dense(2),
-        ]
-    )
-    model.get_layer("shifted").moving_mean.assign(np.array([9.0, -9.0, 9.0, -9.0], "float32"))
-    findings = keras_bn.diagnostics.check_batchnorm(model, _data((32, 3), 6), batch_size=4)
-    kinds = {(f.layer, f.kind) for f in findings}
-    assert {
-        ("shifted", "stale_statistics"),
-        ("untrained", "stale_statistics"),
-        ("shifted", "small_batch"),
-        ("inner/after_relu", "unfoldable"),
-    } <= kinds
