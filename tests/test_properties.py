@@ -250,7 +250,11 @@ def _layer_gradients(layer, x, mask, upstream, jit):
             tape.watch(x)
             y = layer(x, training=True, mask=mask)
             loss = tf.reduce_sum(tf.cast(y, tf.float64) * upstream)
-        return tape.gradient(loss, [x, layer.gamma, layer.beta])
+        present = [w for w in (layer.gamma, layer.beta) if w is not None]
+        found = iter(tape.gradient(loss, [x, *present]))
+        return [next(found)] + [
+            None if w is None else next(found) for w in (layer.gamma, layer.beta)
+        ]
 
     return [None if g is None else _float64(g) for g in _runner(gradients, jit)(x)]
 

@@ -75,6 +75,25 @@ def batch_norm_train(
     return _Normalize.apply(x, gamma, beta, mask, tuple(channel_axes), float(epsilon))
 
 
+def batch_norm_eval(x, mean, variance, gamma, beta, channel_axes, epsilon):
+    """Inference BN, y = (x − mean)·a + β with a = γ/√(variance + ε): `shared_maths`'s
+    order of operations (x − mean first, exact far from zero), with the product and sum taken
+    in the difference's new tensor (`torch.addcmul(..., out=)`), so that it writes one
+    full-size tensor, as the folded a·x + b did; where autograd records (a gradient through
+    an inference call), which `out=` does not allow, in a second one."""
+    x = x.to(statistics_dtype(x.dtype))
+    a = gamma * torch.rsqrt(variance + epsilon)
+    difference = torch.sub(x, shared_maths.per_channel(mean, x, channel_axes))
+    terms = (
+        shared_maths.per_channel(beta, x, channel_axes),
+        difference,
+        shared_maths.per_channel(a, x, channel_axes),
+    )
+    if torch.is_grad_enabled() and any(t.requires_grad for t in terms):
+        return torch.addcmul(*terms)
+    return torch.addcmul(*terms, out=difference)
+
+
 def cumulative_average(old, value, seen, update):
     """The plain average after `seen` counted batches takes `value` with weight 1/(seen + 1),
     where `update`: n/(n+1) and 1/(n+1) divided in float64, then cast, as the TensorFlow
