@@ -10,7 +10,7 @@ import pytest
 from framework_references import array, numpy_train
 
 import keras_bn
-from helpers import random_affine_bn
+from helpers import random_affine_bn, training_modes
 
 EPS = 1e-3
 MOMENTUM = 0.9
@@ -374,6 +374,71 @@ def test_train_step_is_exact_far_from_zero(framework):
     _close(dx / np.max(np.abs(want_dx)), want_dx / np.max(np.abs(want_dx)), 2e-3)
     assert np.all(np.abs(dgamma - np.sum(g * x_hat, 0)) < 2e-3 * np.sum(np.abs(g), 0))
     _close(dbeta, np.sum(g, 0), 1e-5)
+
+
+# float32's unit roundoff: |fl(t) − t| ≤ U·|t|.
+U = 2.0**-24
+
+
+def _inference_call(layer, mode):
+    """`layer`'s inference call x -> y in `mode`: eager; a tf.function graph or XLA under
+    TensorFlow; jax.jit of `stateless_call` under JAX."""
+    if mode == "eager":
+        return lambda x: layer(x, training=False)
+    if mode in ("graph", "xla"):
+        import tensorflow as tf
+
+        return tf.function(lambda x: layer(x, training=False), jit_compile=mode == "xla")
+    import jax
+
+    step = jax.jit(lambda t, n, x: layer.stateless_call(t, n, x, training=False)[0])
+    trainable = [v.value for v in layer.trainable_variables]
+    fixed = [v.value for v in layer.non_trainable_variables]
+    return lambda x: step(trainable, fixed, x)
+
+
+@pytest.mark.parametrize("mode", training_modes("eager", "graph", "xla", "jit"))
+@pytest.mark.parametrize("std", [1e-2, 1.0])
+@pytest.mark.parametrize(
+    ("shape", "axis", "channel_axes"),
+    [
+        ((256, 8), -1, [1]),  # rank 2 (its channels_first reading is the same axis)
+        ((8, 16), 0, [0]),  # rank 2, channels on the first axis
+        ((8, 6, 6, 8), -1, [3]),  # rank 4, channels_last (TensorFlow: the fused kernel)
+        ((8, 8, 6, 6), 1, [1]),  # rank 4, channels_first
+    ],
+)
+def test_inference_is_exact_far_from_zero(shape, axis, channel_axes, std, mode):
+    """Mean 1e4 and moving statistics equal to the data's own: y = (x − μ)·a + β against
+    float64 from the same float32 weights. x − μ is exact (x within a factor 2 of μ), a =
+    γ·rsqrt(v + ε) carries at most ~3U (the sum's and product's U/2 each, rsqrt's ≤ 2 ulp),
+    the product U/2 more and the sum U/2 of |y|: ≤ 4U of the output's scale, checked at 6U
+    (3.6e-7). The fold a·x + (β − a·μ) loses (|μ|/σ)·U: 2e-2 at σ 1e-2, 2e-4 at σ 1."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(1e4, std, shape).astype("float32")
+    reduced = tuple(i for i in range(len(shape)) if i not in channel_axes)
+    mean = x.astype(np.float64).mean(reduced).astype("float32")
+    variance = x.astype(np.float64).var(reduced).astype("float32")
+    gamma = rng.uniform(0.5, 1.5, mean.shape).astype("float32")
+    beta = rng.uniform(-1.0, 1.0, mean.shape).astype("float32")
+    layer = keras_bn.BatchNormalization(axis=axis, epsilon=1e-6)
+    layer.build(shape)
+    for variable, value in zip(
+        (layer.moving_mean, layer.moving_variance, layer.gamma, layer.beta),
+        (mean, variance, gamma, beta),
+        strict=True,
+    ):
+        variable.assign(value)
+    shape_b = [shape[i] if i in channel_axes else 1 for i in range(len(shape))]
+
+    def f64(t):
+        return t.astype(np.float64).reshape(shape_b)
+
+    scaled = (x - f64(mean)) * f64(gamma) / np.sqrt(f64(variance) + 1e-6)
+    want = scaled + f64(beta)
+    got = array(_inference_call(layer, mode)(x)).astype(np.float64)
+    scale = max(np.max(np.abs(want)), np.max(np.abs(scaled)))
+    assert np.max(np.abs(got - want)) <= 6 * U * scale, np.max(np.abs(got - want)) / scale
 
 
 def test_float16_inputs_keep_float32_statistics():
