@@ -519,13 +519,6 @@ def _function_ops(concrete):
     return ops
 
 
-@pytest.mark.xfail(
-    BACKEND != "tensorflow",
-    strict=True,
-    reason="product: outside TensorFlow's fused kernel (JAX, PyTorch) the training call "
-    "computes z·(γσ/(s'σ_B)) + (β − γμ_B/σ_B), whose two terms cancel far from zero: "
-    "|μ_B|/σ_B over 500 leaves errors of about 2e-4 of the output's scale, not 1e-5",
-)
 def test_fused_path_is_exact_far_from_zero():
     """Far from zero (|μ_B|/σ_B over 500) a training call matches the numpy reference, forward
     and moving update; under TensorFlow a channels-last 4D output goes through

@@ -11,7 +11,7 @@ v and s = γ/σ per output channel:
     z = host(x, FQ_w(W·s))                                   (no bias)
     training, before the freeze:
         μ_B, σ²_B = biased two-pass moments of z/s,  σ_B = √(σ²_B + ε)
-        y = z·σ/σ_B + (β − γ·μ_B/σ_B)                        (= γ·(z/s − μ_B)/σ_B + β)
+        y = γ·(z/s' − μ_B)/σ_B + β                           (BN in training of z/s')
     after the freeze, and at inference:
         y = z + R(β + s·(b − μ))                             (the folded BN, b the host bias)
     then ReLU/ReLU6, then the output's fake quantization.
@@ -27,10 +27,12 @@ where the weights are float or the input's grid is unknown (a direct call, a nes
 input). A `QuantizedHost` adds R(b) the same way.
 
 Before the freeze the layer therefore trains like batch-statistics BN (the host bias cancels),
-with gradients by autodiff through the batch moments (as PyTorch's
-`torch.ao.nn.intrinsic.qat.ConvBn2d` does) and straight-through for the rounding; outside XLA
-a channels-last 4D output computes that as FusedBatchNormV3 in training of z/s, forward and
-backward (the TensorFlow backend's fused.py, which re-centres far from zero). The moving
+with BN's full gradient through the batch moments (as PyTorch's
+`torch.ao.nn.intrinsic.qat.ConvBn2d` has) and straight-through for the rounding: the backend's
+`batch_norm_train` of z/s', forward and backward, as keras_bn.BatchNormalization computes it
+(under TensorFlow outside XLA FusedBatchNormV3 where the layout allows, re-centred far from
+zero; elsewhere sums about a shift, exact far from zero), never the folded form z·σ/σ_B +
+(β − γ·μ_B/σ_B), whose two terms cancel to (|μ_B|/σ_B)·2⁻²⁴ of the output's scale. The moving
 statistics follow keras_bn.BatchNormalization: μ ← momentum·μ + (1 − momentum)·(μ_B + b) and
 v ← momentum·v + (1 − momentum)·m/(m − 1)·σ²_B, skipped for a non-finite batch or m ≤ 1, by
 the BN's own `update_moving_statistics` (so under a tf.distribute strategy every replica takes
@@ -685,42 +687,34 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
             forward and in its gradient, costs several times a multiplication on CPU."""
             return z * per_channel(1.0 / safe_scale)
 
-        if len(z.shape) == 4 and backend.get().fused_layout(z, axes, epsilon) == "NHWC":
-            # Before the freeze y = γ·(z/s' − μ_B)/σ_B + β is BN in training of z/s', which
-            # FusedBatchNormV3 computes forward and backward in one kernel each (re-centred
-            # where its one-pass variance would lose accuracy). keras.ops.cond keeps the flag a
-            # run-time switch, and the frozen branch computes inference's folded form. Both
-            # read the offset through one where, so that a variable only one branch needs
-            # (the host bias) still gets a zero gradient, not None, in eager mode.
-            shift = ops.where(frozen, offset, beta)
+        # Before the freeze y = γ·(z/s' − μ_B)/σ_B + β is BN in training of z/s': the
+        # backend's `batch_norm_train` computes it, forward and backward, as the layer does
+        # (under TensorFlow FusedBatchNormV3 where the layout allows, re-centred where its
+        # one-pass variance would lose accuracy; elsewhere sums about a shift K and
+        # ((z/s' − K) − Δμ)·γ/σ_B + β). Never z·σ/σ_B + (β − γ·μ_B/σ_B): its two terms cancel
+        # far from zero, to (|μ_B|/σ_B)·2⁻²⁴ of the output's scale (2e-4 at |μ_B|/σ_B ≈ 2600).
+        # keras.ops.cond keeps the flag a run-time switch, and the frozen branch computes
+        # inference's folded form. Both read the offset through one where, so that a variable
+        # only one branch needs (the host bias) still gets a zero gradient, not None, in eager
+        # mode.
+        shift = ops.where(frozen, offset, beta)
+        single = _run_time_single_value(z, axes)
+        if single is not None:
+            # m = 1 (fit's last batch of one): BN's output is β, and x, γ and the kernel get
+            # no gradient, as in keras_bn.BatchNormalization (γ = 0 there too).
+            gamma = ops.where(single, 0.0, gamma)
 
-            def folded() -> tuple[Any, Any, Any]:
-                unused = ops.zeros_like(mean)  # the update is skipped when frozen
-                return z * per_channel(multiplier) + per_channel(shift), unused, unused
+        def folded() -> tuple[Any, Any, Any]:
+            unused = ops.zeros_like(mean)  # the update is skipped when frozen
+            return z * per_channel(multiplier) + per_channel(shift), unused, unused
 
-            def batch_norm() -> tuple[Any, Any, Any]:
-                return backend.get().batch_norm_train(
-                    normalized(), gamma, shift, axes, epsilon, fused=True
-                )
+        def batch_norm() -> tuple[Any, Any, Any]:
+            y, batch_mean, batch_variance = backend.get().batch_norm_train(
+                normalized(), gamma, shift, axes, epsilon
+            )
+            return y, ops.reshape(batch_mean, [-1]), ops.reshape(batch_variance, [-1])
 
-            outputs, batch_mean, batch_variance = ops.cond(frozen, folded, batch_norm)
-        else:
-            batch_mean, batch_variance = backend.get().moments(normalized(), axes)
-            batch_mean = ops.reshape(batch_mean, [-1])
-            batch_variance = ops.reshape(batch_variance, [-1])
-            batch_sigma = ops.sqrt(batch_variance + epsilon)
-            batch_multiplier = ratio * sigma / batch_sigma
-            batch_offset = beta - gamma * batch_mean / batch_sigma
-            single = _run_time_single_value(z, axes)
-            if single is not None:
-                # m = 1 (fit's last batch of one): BN's output is β, and x, γ and the kernel
-                # get no gradient, as in keras_bn.BatchNormalization; z·σ/σ_B − γ·μ_B/σ_B
-                # would leave β plus their rounding times 1/√ε, and train on it.
-                batch_multiplier = ops.where(single, 0.0, batch_multiplier)
-                batch_offset = ops.where(single, beta, batch_offset)
-            multiplier = ops.where(frozen, multiplier, batch_multiplier)
-            offset = ops.where(frozen, offset, batch_offset)
-            outputs = z * per_channel(multiplier) + per_channel(offset)
+        outputs, batch_mean, batch_variance = ops.cond(frozen, folded, batch_norm)
         self._update_moving_statistics(z, axes, batch_mean + bias, batch_variance, frozen)
         return self._finish(outputs, training)
 
