@@ -42,26 +42,128 @@ def run_time_count(count, shape, dtype):
 
 class _Normalize(torch.autograd.Function):
     """y = γ·x̂ + β with the paper's backward (`shared_maths.normalize_backward`); the
-    statistics carry no gradient."""
+    statistics carry no gradient.
+
+    Higher-order gradients: the first-order backward reads the per-channel values the forward
+    saved, computed without autograd history. Where the backward is itself differentiated
+    (`create_graph=True`, `torch.func.grad`, `gradgradcheck`: grad mode is on in the
+    backward), it recomputes the moments from x − K instead, with autograd recording. x − K
+    (K, the shift, is a constant: x̂ does not depend on it) is therefore an output of this
+    Function, ∂(x − K)/∂x = 1 added in `backward`, so that it keeps its history to x without
+    saving x itself (the tensor saved is the one the forward made anyway). γ is saved as the
+    input it is. `jvp` is forward mode's closed form (`torch.func.jvp`,
+    `torch.autograd.forward_ad`). Written in the `setup_context` style, which torch.func
+    requires; `vmap` maps slices that are batches of their own."""
 
     @staticmethod
-    def forward(ctx, x, gamma, beta, mask, channel_axes, epsilon):
+    def forward(x, gamma, beta, mask, channel_axes, epsilon):
         outputs, saved = shared_maths.normalize_forward(x, gamma, beta, mask, channel_axes, epsilon)
-        *tensors, count = saved
-        # autograd saves tensors only: a Python int m rides on ctx.
-        counted = None if isinstance(count, int) else count
-        ctx.save_for_backward(*tensors, counted)
-        ctx.channel_axes, ctx.count = channel_axes, count if counted is None else None
-        ctx.mark_non_differentiable(outputs[1], outputs[2])
-        return outputs
+        difference, scale, shift, offset, inv, _, count = saved
+        # Every value the backward reads is an output (setup_context sees only these): x − K
+        # differentiable, the rest marked non-differentiable; a Python int m rides as it is.
+        return (*outputs, difference, scale, shift, offset, inv, count)
 
     @staticmethod
-    def backward(ctx, dy, d_mean, d_variance):
+    def setup_context(ctx, inputs, output):
+        _, gamma, _, mask, channel_axes, epsilon = inputs
+        _, mean, variance, difference, scale, shift, offset, inv, count = output
+        counted = count if isinstance(count, torch.Tensor) else None
+        ctx.save_for_backward(difference, gamma, scale, shift, offset, inv, mask, counted)
+        ctx.save_for_forward(difference, gamma, offset, inv, mask, counted)
+        ctx.channel_axes, ctx.epsilon = channel_axes, epsilon
+        ctx.count = count if counted is None else None
+        ctx.mark_non_differentiable(
+            *(t for t in (mean, variance, scale, shift, offset, inv, counted) if t is not None)
+        )
+        # None, not zeros, for the gradients of unused outputs: x − K's is full size.
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, dy, d_mean, d_variance, d_difference, *_per_channel):
         del d_mean, d_variance  # non-differentiable outputs
-        *tensors, counted = ctx.saved_tensors
-        saved = (*tensors, ctx.count if counted is None else counted)
-        dx, d_gamma, d_beta = shared_maths.normalize_backward(dy, saved, ctx.channel_axes)
+        difference, gamma, scale, shift, offset, inv, mask, counted = ctx.saved_tensors
+        count = ctx.count if counted is None else counted
+        dx = d_gamma = d_beta = None
+        if dy is not None:
+            if torch.is_grad_enabled():  # the backward is differentiated: recompute with history
+                saved = _differentiable_saved(
+                    difference, gamma, mask, count, ctx.channel_axes, ctx.epsilon
+                )
+            else:
+                saved = (difference, scale, shift, offset, inv, mask, count)
+            dx, d_gamma, d_beta = shared_maths.normalize_backward(dy, saved, ctx.channel_axes)
+        if d_difference is not None:  # ∂(x − K)/∂x = 1
+            dx = d_difference if dx is None else dx + d_difference
         return dx, d_gamma, d_beta, None, None, None
+
+    @staticmethod
+    def jvp(ctx, x_t, gamma_t, beta_t, *_constants):
+        """Forward mode: with ẋ, γ̇, β̇ the tangents and sums over the kept values,
+        μ̇ = Σẋ/m and ẏ = γ̇·x̂ + β̇ + γ·inv·(ẋ − μ̇ − x̂·Σx̂·ẋ/m); x − K's is ẋ."""
+        difference, gamma, offset, inv, mask, counted = ctx.saved_tensors
+        count = ctx.count if counted is None else counted
+        axes = shared_maths.reduction_axes(difference.ndim, ctx.channel_axes)
+        x_hat = (difference - offset) * inv
+        if x_t is None:
+            x_t = torch.zeros_like(difference)
+        kept = x_t if mask is None else torch.where(mask > 0, x_t, 0.0)
+        m = count if mask is None else torch.clamp(count, min=1.0)
+        mean_t = torch.sum(kept, axes, keepdim=True) / m
+        x_hat_t = torch.sum(x_hat * kept, axes, keepdim=True) / m  # Σx̂·ẋ/m
+        y_t = (shared_maths.per_channel(gamma, difference, ctx.channel_axes) * inv) * (
+            x_t - mean_t - x_hat * x_hat_t
+        )
+        if gamma_t is not None:
+            y_t = y_t + x_hat * shared_maths.per_channel(gamma_t, difference, ctx.channel_axes)
+        if beta_t is not None:
+            y_t = y_t + shared_maths.per_channel(beta_t, difference, ctx.channel_axes)
+        # The non-differentiable outputs (the statistics, the saved values) get no tangent.
+        return y_t, None, None, x_t, None, None, None, None, None
+
+    @staticmethod
+    def vmap(info, in_dims, x, gamma, beta, mask, channel_axes, epsilon):
+        """`torch.func.vmap`: each mapped slice is its own batch with its own statistics, so
+        the mapped axis joins the channel axes, as axis 0 of every tensor."""
+
+        def leading(t, dim, shape):
+            if t is None:
+                return None
+            return t.movedim(dim, 0) if dim is not None else t.expand(info.batch_size, *shape)
+
+        x_dim, gamma_dim, beta_dim, mask_dim = in_dims[:4]
+        x_shape = x.shape if x_dim is None else x.movedim(x_dim, 0).shape[1:]
+        param_shape = gamma.shape if gamma_dim is None else gamma.movedim(gamma_dim, 0).shape[1:]
+        x = leading(x, x_dim, x_shape)
+        if mask is not None:
+            mask = mask.movedim(mask_dim, 0) if mask_dim is not None else mask.unsqueeze(0)
+        outputs = _Normalize.apply(
+            x,
+            leading(gamma, gamma_dim, param_shape),
+            leading(beta, beta_dim, param_shape),
+            mask,
+            (0, *(a + 1 for a in channel_axes)),
+            epsilon,
+        )
+        return outputs, tuple(0 if isinstance(t, torch.Tensor) else None for t in outputs)
+
+
+def _differentiable_saved(difference, gamma, mask, count, channel_axes, epsilon):
+    """`normalize_forward`'s saved values recomputed from x − K with autograd recording, so
+    that the backward built from them is differentiable in x (through x − K) and γ: the
+    forward's shifted sums about the same K (`shared_maths.centered_moments`, whose K was
+    already close enough to the mean), the same operations in the same order."""
+    axes = shared_maths.reduction_axes(difference.ndim, channel_axes)
+    if mask is None:
+        centered, divisor = difference, count
+    else:
+        centered = torch.where(mask > 0, difference, 0.0)
+        divisor = torch.clamp(count, min=1.0)
+    offset = torch.sum(centered, axes, keepdim=True) / divisor
+    variance = torch.sum(torch.square(centered), axes, keepdim=True) / divisor
+    inv = torch.rsqrt(torch.clamp(variance - torch.square(offset), min=0.0) + epsilon)
+    scale = shared_maths.per_channel(gamma, difference, channel_axes) * inv
+    # The shift is unused where x − K is saved (torch's `normalize_backward`).
+    return difference, scale, None, offset, inv, mask, count
 
 
 def batch_norm_train(
@@ -72,7 +174,8 @@ def batch_norm_train(
     `replica_context` unused (one path, no replicas)."""
     del fused, replica_context
     x = x.to(statistics_dtype(x.dtype))
-    return _Normalize.apply(x, gamma, beta, mask, tuple(channel_axes), float(epsilon))
+    outputs = _Normalize.apply(x, gamma, beta, mask, tuple(channel_axes), float(epsilon))
+    return outputs[:3]  # y, mean, variance; the rest is what the backward reads
 
 
 def batch_norm_eval(x, mean, variance, gamma, beta, channel_axes, epsilon):
