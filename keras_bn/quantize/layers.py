@@ -693,10 +693,11 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
         # one-pass variance would lose accuracy; elsewhere sums about a shift K and
         # ((z/s' − K) − Δμ)·γ/σ_B + β). Never z·σ/σ_B + (β − γ·μ_B/σ_B): its two terms cancel
         # far from zero, to (|μ_B|/σ_B)·2⁻²⁴ of the output's scale (2e-4 at |μ_B|/σ_B ≈ 2600).
-        # keras.ops.cond keeps the flag a run-time switch, and the frozen branch computes
-        # inference's folded form. Both read the offset through one where, so that a variable
-        # only one branch needs (the host bias) still gets a zero gradient, not None, in eager
-        # mode.
+        # The backend's cond keeps the flag a run-time switch in a traced step (an eager one
+        # takes its branch: an eager lax.cond compiles both again at every call), and the
+        # frozen branch computes inference's folded form. Both read the offset through one
+        # where, so that a variable only one branch needs (the host bias) still gets a zero
+        # gradient, not None, in eager mode.
         shift = ops.where(frozen, offset, beta)
         single = _run_time_single_value(z, axes)
         if single is not None:
@@ -714,7 +715,7 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
             )
             return y, ops.reshape(batch_mean, [-1]), ops.reshape(batch_variance, [-1])
 
-        outputs, batch_mean, batch_variance = ops.cond(frozen, folded, batch_norm)
+        outputs, batch_mean, batch_variance = backend.get().cond(frozen, folded, batch_norm)
         self._update_moving_statistics(z, axes, batch_mean + bias, batch_variance, frozen)
         return self._finish(outputs, training)
 

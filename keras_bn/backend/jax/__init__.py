@@ -10,6 +10,7 @@ tf.distribute replicas: `replica_context` is None and `pool_statistics` pools no
 import jax.numpy as jnp
 
 from keras_bn.backend import INTERFACE, shared_maths
+from keras_bn.backend.jax import arrays
 from keras_bn.backend.jax.arrays import statistics_dtype
 from keras_bn.backend.jax.fake_quant import *  # noqa: F403
 from keras_bn.backend.jax.ops import *  # noqa: F403
@@ -43,6 +44,6 @@ def compiled(function, **options):
 
 
 def cond(flag, compute, otherwise):
-    """compute() where the scalar `flag` is true, else otherwise(): a select (lax.cond would
-    trace both branches anyway)."""
-    return jnp.where(flag, compute(), otherwise())
+    """compute() where the scalar `flag` is true, else otherwise() (`arrays.cond`: lax.cond
+    when traced, the branch the flag picks when eager)."""
+    return arrays.cond(flag, compute, otherwise)
