@@ -11,7 +11,8 @@ STAMP_JAX := $(VENV_JAX)/.installed
 VENV_TORCH := .venv-torch
 PY_TORCH := $(VENV_TORCH)/bin/python
 STAMP_TORCH := $(VENV_TORCH)/.installed
-PYTEST_ARGS ?= -n 2 --dist loadgroup
+# --durations: every run's log names its 30 slowest tests, so CI's own log says where its time goes.
+PYTEST_ARGS ?= -n 2 --dist loadgroup --durations=30
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
 DEMO := artifacts/demo
