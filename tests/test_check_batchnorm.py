@@ -13,10 +13,12 @@ from framework_references import array
 
 import keras_bn
 from helpers import docs_page, mistaken_model, randomise_batch_norms, relu_then_bn_block
+from keras_bn import check
 from keras_bn._errors import UnsupportedModelError
-from keras_bn._graph import augmentation, fold_plan
+from keras_bn._graph import augmentation, bn_layers, fold_plan
 from keras_bn.diagnostics import Finding, Findings, check_batchnorm
 from keras_bn.export import fold_batch_norms
+from keras_bn.quantize import quantize_model
 
 
 def _kinds(findings):
@@ -609,3 +611,32 @@ def test_data_of_one_sample_or_constant_gives_the_fold_findings_without_a_probe(
     for data in (np.ones((1, 6), "float32"), np.zeros((8, 6), "float32")):
         findings = check_batchnorm(model, data, batch_size=8)
         assert [f.kind for f in findings if f.kind == "unfoldable"] == ["unfoldable"], findings
+
+
+def test_a_qat_layer_stands_for_the_batch_norm_it_folds():
+    """A QAT layer's BN (QuantizedHostBatchNorm.batch_norm) is part of it, never called: the
+    layers the check reads are the QAT layers (`bn_layers.in_model`), and the check's naming
+    and the augmentation upstream of each name them, not their BNs; check_batchnorm itself
+    sends a QAT model back to its float model, naming the QAT layers."""
+    model = keras.Sequential(
+        [
+            keras.Input((6, 6, 3)),
+            keras.layers.RandomFlip(name="flip"),
+            keras.layers.Conv2D(4, 3, name="conv"),
+            keras_bn.BatchNormalization(name="bn"),
+            keras.layers.ReLU(),
+            keras.layers.Conv2D(2, 3, name="conv2"),
+            keras.layers.BatchNormalization(name="bn2"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(2),
+        ]
+    )
+    qat = quantize_model(model)
+    layers = bn_layers.in_model(qat)
+    assert [layer.name for layer in layers] == ["conv_qat", "conv2_qat"]
+    paths = check._bn_paths(qat)
+    assert [paths.get(id(layer)) for layer in layers] == ["conv_qat", "conv2_qat"]
+    upstream = augmentation.upstream_augmentation(qat)
+    assert [upstream.get(id(layer)) for layer in layers] == [["flip"], ["flip"]]
+    with pytest.raises(UnsupportedModelError, match="conv_qat"):
+        check_batchnorm(qat, np.zeros((8, 6, 6, 3), "float32"))

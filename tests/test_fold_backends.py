@@ -362,3 +362,27 @@ def test_a_model_trained_under_jax_exports_verified_under_tensorflow(tmp_path):
         assert found[name]["relative_error"] <= 1e-4
         assert (tmp_path / f"model.{name}").stat().st_size > 0
     assert tensorflow_side.run(_JAX_LOAD_FOLDED, tmp_path, backend="jax")["error"] <= 1e-5 * scale
+
+
+def test_a_qat_layers_batch_norm_is_reported_as_the_qat_layers_own():
+    """A QAT layer (QuantizedHostBatchNorm) folds its own BN into its fake-quantized weights:
+    the fold keeps the layer as it is and reports it by the QAT layer's path, as
+    "quantization_aware", not as a BN inside a custom layer; nested models alike."""
+    from keras_bn.quantize import quantize_model
+
+    x = keras.Input((6, 6, 3))
+    h = keras_bn.BatchNormalization(name="bn")(L.Conv2D(4, 3, name="conv")(x))
+    qat = quantize_model(keras.Model(x, L.Dense(2, name="head")(L.Flatten()(L.ReLU()(h)))))
+    outer_input = keras.Input((6, 6, 3))
+    outer = keras.Model(outer_input, qat(outer_input))
+    data = np.random.default_rng(0).normal(size=(16, 6, 6, 3)).astype("float32")
+    for model, prefix in ((qat, ""), (outer, f"{qat.name}/")):
+        folded, report = fold_batch_norms(model, data)
+        assert report.folded == []
+        assert [(k.bn, k.kind) for k in report.kept] == [
+            (f"{prefix}conv_qat", "quantization_aware")
+        ]
+        (reason,) = [k.reason for k in report.kept]
+        assert "'conv_qat' (QuantizedHostBatchNorm) folds its own batch norm" in reason
+        assert "custom layer" not in reason
+        _assert_close(folded.predict(data, verbose=0), model.predict(data, verbose=0))

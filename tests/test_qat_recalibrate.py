@@ -261,23 +261,26 @@ def test_the_one_pass_and_the_per_layer_method_agree_on_a_qat_model():
         )
 
 
+class _Hiding(L.Layer):
+    """A custom layer holding a model, whose call the graph walk cannot see into."""
+
+    def __init__(self, model):
+        super().__init__(name="hiding")
+        self.inner = model
+
+    def call(self, inputs):
+        return self.inner(inputs, training=False)
+
+
 def test_qat_layers_hidden_in_a_custom_layer_are_named_and_match_the_walk():
     """QAT layers inside a custom layer, whose call the walk cannot see into, are recalibrated
     by the per-layer method on that layer alone (a fallback), named in `report.fallbacks`,
     with the statistics that walking the model itself gives."""
 
-    class Hiding(L.Layer):
-        def __init__(self, model):
-            super().__init__()
-            self.inner = model
-
-        def call(self, inputs):
-            return self.inner(inputs, training=False)
-
     walked, x = _deep_qat(per_channel=True)
     hidden, _ = _deep_qat(per_channel=True)
     inputs = keras.Input((8, 8, 3))
-    model = keras.Model(inputs, L.Dense(1)(Hiding(hidden)(inputs)))
+    model = keras.Model(inputs, L.Dense(1)(_Hiding(hidden)(inputs)))
     keras_bn.recalibrate(walked, x, batch_size=BATCH, progress=False)
     report = keras_bn.recalibrate(model, x, batch_size=BATCH, progress=False)
     names = [layer.name for layer in _qat_layers(hidden)]
@@ -446,3 +449,23 @@ def test_per_channel_passes_stop_after_the_second(shift):
     warned = [str(w.message) for w in caught if w.category is keras_bn.KerasBNWarning]
     assert len(warned) == (shift > 1 / 127)
     assert all("'ties' has per-channel weight ranges" in message for message in warned)
+
+
+def test_qat_layers_in_a_custom_layer_get_algorithm_2_and_are_named_as_qat_layers():
+    """A QAT layer inside a custom layer is recalibrated by the fallback (the per-layer method
+    on the custom layer), named by its own path (`bn_layers.batch_norms_inside`: the QAT
+    layer, not the BN it folds, which is never called), with the numpy reference's
+    statistics of what its BN normalizes in training."""
+    qat, x = _trained_qat(8, per_channel=True)
+    inputs = keras.Input((6, 6, 3))
+    model = keras.Model(inputs, L.Dense(1)(_Hiding(qat)(inputs)))
+    report = keras_bn.recalibrate(model, x, batch_size=BATCH, progress=False)
+    names = [layer.name for layer in _qat_layers(qat)]
+    prefix = f"hiding/{qat.name}/"
+    assert [f.split(":")[0] for f in report.fallbacks] == [prefix + name for name in names]
+    assert [change.name for change in report.layers] == names
+    for layer in _qat_layers(qat):
+        mean, variance, integers = _reference_statistics(qat, layer, x, BATCH)
+        np.testing.assert_allclose(layer.batch_norm.moving_mean, mean, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(layer.batch_norm.moving_variance, variance, rtol=1e-4)
+        np.testing.assert_array_equal(layer.weight_grids()["kernel"].q, integers)

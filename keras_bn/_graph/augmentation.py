@@ -48,7 +48,8 @@ def is_augmentation(layer: keras.layers.Layer) -> bool:
 
 
 def upstream_augmentation(model: keras.layers.Layer) -> dict[int, list[str]]:
-    """{id(BN layer): [paths of the augmentation layers upstream of it]}, for every BN.
+    """{id(BN layer): [paths of the augmentation layers upstream of it]}, for every BN: the
+    layers `bn_layers.in_model` lists (a QAT layer for the BN it folds, not that BN).
 
     Args:
         model: a Keras model or layer.
@@ -74,7 +75,7 @@ def _walk(
             for path in _augmentation_inside(sibling, prefix):
                 if path not in here:
                     here.append(path)
-        if bn_layers.is_batch_norm(child):
+        if bn_layers.sets_statistics(child):  # a QAT layer stands for the BN it folds
             found.setdefault(id(child), here)
         else:
             _walk(child, prefix + child.name + "/", here, found)

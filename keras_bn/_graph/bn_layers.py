@@ -41,10 +41,16 @@ def folds_batch_norm(layer):
     return getattr(type(layer), "folds_batch_norm", False)
 
 
+def sets_statistics(layer):
+    """True for a layer whose moving statistics `recalibrate` sets: a BN layer (either class),
+    or a layer that folds one (whose own BN, never called, is part of it)."""
+    return is_batch_norm(layer) or folds_batch_norm(layer)
+
+
 def in_model(model):
-    """Every layer of `model` whose statistics `recalibrate` sets, nested models included, in
-    layer order: the BN layers (either class), and the layers that fold one (whose own BN,
-    never called, is theirs to set and not listed)."""
+    """Every layer of `model` whose statistics `recalibrate` sets (`sets_statistics`), nested
+    models included, in layer order: the BN layers (either class), and the layers that fold one
+    (whose own BN, never called, is theirs to set and not listed)."""
     found, seen = [], set()
 
     def walk(parent):
@@ -52,7 +58,7 @@ def in_model(model):
             if id(layer) in seen:  # a layer shared by two parents
                 continue
             seen.add(id(layer))
-            if is_batch_norm(layer) or folds_batch_norm(layer):
+            if sets_statistics(layer):
                 found.append(layer)
             if not folds_batch_norm(layer):
                 walk(layer)
@@ -67,13 +73,16 @@ def statistics_of(layer):
 
 
 def batch_norms_inside(layer):
-    """[(path, BN layer)] for every batch norm inside `layer` (not `layer` itself), in layer
-    order; a path is "inner/…/name", the names of the layers in between joined by "/"."""
+    """[(path, layer)] for every batch norm inside `layer` (not `layer` itself), in layer
+    order: the BN layers, and the layers that fold one (`sets_statistics`), not the BN such a
+    layer holds, which is no free-standing BN (never called: its statistics scale the
+    layer's kernel). A path is "inner/…/name", the names of the layers in between joined by
+    "/"; the naming of the fold's report, `recalibrate`'s and `check_batchnorm`'s."""
     found = []
 
     def walk(parent, prefix):
         for child in parent._flatten_layers(include_self=False, recursive=False):
-            if is_batch_norm(child):
+            if sets_statistics(child):
                 found.append((prefix + child.name, child))
             else:
                 walk(child, prefix + child.name + "/")

@@ -182,8 +182,10 @@ def unseen_batch_norms(layer, prefix, reader="the fold"):
         reader: who cannot see into it, for the reason ("the fold").
 
     Returns:
-        A list: `layer` itself if it subclasses a BN class (kind "subclass"), else every BN
-        inside it (kind "inside_layer"), with its path.
+        A list: `layer` itself if it subclasses a BN class (kind "subclass") or folds its BN
+        into its own weights (a QAT layer: kind "quantization_aware"), else every BN inside it
+        (kind "inside_layer"; a QAT layer inside it "quantization_aware"), with its path. A
+        QAT layer's BN is part of it, not a BN of its own: it is named by the QAT layer.
     """
     if bn_layers.is_batch_norm(layer):  # not an exact BN type (those were handled)
         base = "keras_bn" if isinstance(layer, bn_layers.KERAS_BN_BN) else "keras.layers"
@@ -198,18 +200,37 @@ def unseen_batch_norms(layer, prefix, reader="the fold"):
                 "subclass",
             )
         ]
+    if bn_layers.folds_batch_norm(layer):
+        return [_quantization_aware(prefix + layer.name, layer)]
     return [
         (
-            f"{prefix}{layer.name}/{path}",
-            (
-                f"BN layer '{bn.name}' is inside custom layer '{layer.name}' "
-                f"({type(layer).__name__}), whose call {reader} cannot see into; it is kept as "
-                f"it is"
-            ),
-            "inside_layer",
+            _quantization_aware(f"{prefix}{layer.name}/{path}", bn)
+            if bn_layers.folds_batch_norm(bn)
+            else (
+                f"{prefix}{layer.name}/{path}",
+                (
+                    f"BN layer '{bn.name}' is inside custom layer '{layer.name}' "
+                    f"({type(layer).__name__}), whose call {reader} cannot see into; it is "
+                    f"kept as it is"
+                ),
+                "inside_layer",
+            )
         )
         for path, bn in bn_layers.batch_norms_inside(layer)
     ]
+
+
+def _quantization_aware(path, layer):
+    """The (path, reason, kind) of a QAT layer, which folds its own BN."""
+    return (
+        path,
+        (
+            f"quantization-aware layer '{layer.name}' ({type(layer).__name__}) folds its own "
+            f"batch norm into its fake-quantized weights, as its inference computes; it is "
+            f"kept as it is"
+        ),
+        "quantization_aware",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,8 +253,8 @@ class FoldedBN:
 class KeptBN:
     """A batch norm that `fold_batch_norms` did not fold.
 
-    It becomes an InferenceAffine layer, except a BN inside a custom layer or a BN subclass,
-    which stays as it is.
+    It becomes an InferenceAffine layer, except a BN inside a custom layer, a BN subclass or a
+    QAT layer's BN (folded by the QAT layer itself), which stay as they are.
 
     Attributes:
         bn: the BN layer's path ("inner/bn" for a BN in the nested model "inner"; for a BN
@@ -242,8 +263,9 @@ class KeptBN:
             one).
         kind: the backward refusal, a short code to branch on: "shared_bn", "several_inputs",
             "several_axes", "reads_input", "not_a_host", "shared_host", "lora", "quantized",
-            "activation", "fan_out", "axis", "inside_layer" (a BN inside a custom layer) or
-            "subclass" (a subclass of a BN class, whose call may add to the normalization).
+            "activation", "fan_out", "axis", "inside_layer" (a BN inside a custom layer),
+            "subclass" (a subclass of a BN class, whose call may add to the normalization) or
+            "quantization_aware" (a QAT layer, which folds its BN itself: `bn` is its path).
     """
 
     bn: str

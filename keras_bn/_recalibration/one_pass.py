@@ -203,29 +203,12 @@ class Plan:
                 f"{prefix}{operation.name}/{path}: inside '{operation.name}' "
                 f"({type(operation).__name__}), whose call the graph walk cannot see into; "
                 f"recalibrated by the per-layer method on '{operation.name}' alone"
-                for path, bn in _set_inside(operation)
+                for path, bn in bn_layers.batch_norms_inside(operation)
                 if id(bn) in hidden
             ]
         self._steps.append(
             _Step("call", operation, node, reads, [self._new(t) for t in node.outputs])
         )
-
-
-def _set_inside(layer: keras.layers.Layer) -> list[tuple[str, keras.layers.Layer]]:
-    """[(path, layer)] for every layer inside `layer` whose statistics `recalibrate` sets: the
-    BN layers, and the QAT layers that fold one (not the BN they hold), paths as
-    `bn_layers.batch_norms_inside` gives them."""
-    found = []
-
-    def walk(parent: keras.layers.Layer, prefix: str) -> None:
-        for child in parent._flatten_layers(include_self=False, recursive=False):
-            if bn_layers.is_batch_norm(child) or bn_layers.folds_batch_norm(child):
-                found.append((prefix + child.name, child))
-            else:
-                walk(child, prefix + child.name + "/")
-
-    walk(layer, "")
-    return found
 
 
 def _needed(steps: list[_Step]) -> list[_Step]:
