@@ -55,7 +55,7 @@ W·s itself, so a γ = 0 channel never widens the other channels' grid.
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import keras
 import numpy as np
@@ -663,15 +663,10 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
         Raises:
             ValueError: in training, a static batch with m ≤ 1 values per channel.
         """
-        gamma, beta, mean, variance, bias = self._bn_parameters()
-        sigma = ops.sqrt(variance + self.batch_norm.epsilon)
-        scale, safe_scale, view, max_abs = self._scaled_kernel(gamma, sigma)
-        z = self._linear(ops.cast(inputs, "float32"), self._fake_quant(view, max_abs), training)
-        axes = self._channel_axes(z)
-
-        def per_channel(t: Any) -> Any:
-            return backend.get().per_channel(t, z, axes)
-
+        linear = self._folded_linear(inputs, training)
+        gamma, beta, mean, bias = linear.gamma, linear.beta, linear.mean, linear.bias
+        scale, safe_scale, max_abs = linear.scale, linear.safe_scale, linear.max_abs
+        z, axes, per_channel = linear.z, linear.axes, linear.per_channel
         ratio = scale / safe_scale  # exactly 1 where γ ≠ 0, 0 where γ = 0
         # The folded BN, its bias on the file's int32 grid (after `_linear`: a separable
         # host's intermediate range is this step's then).
@@ -681,11 +676,6 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
             return self._finish(z * per_channel(multiplier) + per_channel(offset), training)
         frozen = backend.get().read(self.batch_norm_frozen)
         epsilon = self.batch_norm.epsilon
-
-        def normalized() -> Any:
-            """z/s' as a product with the per-channel reciprocal: a full-tensor division,
-            forward and in its gradient, costs several times a multiplication on CPU."""
-            return z * per_channel(1.0 / safe_scale)
 
         # Before the freeze y = γ·(z/s' − μ_B)/σ_B + β is BN in training of z/s': the
         # backend's `batch_norm_train` computes it, forward and backward, as the layer does
@@ -711,7 +701,7 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
 
         def batch_norm() -> tuple[Any, Any, Any]:
             y, batch_mean, batch_variance = backend.get().batch_norm_train(
-                normalized(), gamma, shift, axes, epsilon
+                linear.normalized(), gamma, shift, axes, epsilon
             )
             return y, ops.reshape(batch_mean, [-1]), ops.reshape(batch_variance, [-1])
 
@@ -731,19 +721,30 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
         Returns:
             Three float32 tensors of the moving statistics' shape.
         """
-        gamma, _, _, variance, bias = self._bn_parameters()
-        sigma = ops.sqrt(variance + self.batch_norm.epsilon)
-        _, safe_scale, view, max_abs = self._scaled_kernel(gamma, sigma)
-        z = self._linear(ops.cast(inputs, "float32"), self._fake_quant(view, max_abs), False)
-        normalized = z * backend.get().per_channel(1.0 / safe_scale, z, self._channel_axes(z))
-        mean, variance, count = bn_layers.batch_moments(self.batch_norm, normalized, None)
-        return mean + ops.reshape(bias, ops.shape(mean)), variance, count
+        linear = self._folded_linear(inputs, False)
+        mean, variance, count = bn_layers.batch_moments(self.batch_norm, linear.normalized(), None)
+        return mean + ops.reshape(linear.bias, ops.shape(mean)), variance, count
 
-    def _quantized_kernel(self) -> tuple[Any, Any, Any | None]:
-        gamma, _, _, variance, _ = self._bn_parameters()
+    def _folded_kernel(self) -> tuple[Any, Any, Any, Any, Any, Any, Any, Any]:
+        """(γ, β, μ, host bias, s, s', the fake-quantized kernel view W·s', its weight range):
+        what `call` and `batch_norm_moments` fold and round, from the weights now."""
+        gamma, beta, mean, variance, bias = self._bn_parameters()
         sigma = ops.sqrt(variance + self.batch_norm.epsilon)
         scale, safe_scale, view, max_abs = self._scaled_kernel(gamma, sigma)
-        return self._fake_quant(view, max_abs), max_abs, scale / safe_scale
+        return gamma, beta, mean, bias, scale, safe_scale, self._fake_quant(view, max_abs), max_abs
+
+    def _folded_linear(self, inputs: Any, training: bool | None) -> "_FoldedLinear":
+        """The host's output z with the folded, fake-quantized kernel, for `call` (`training`
+        as given) and `batch_norm_moments` (False: a separable host's intermediate range
+        does not move)."""
+        gamma, beta, mean, bias, scale, safe_scale, kernel, max_abs = self._folded_kernel()
+        z = self._linear(ops.cast(inputs, "float32"), kernel, training)
+        axes = self._channel_axes(z)
+        return _FoldedLinear(gamma, beta, mean, bias, scale, safe_scale, max_abs, z, axes)
+
+    def _quantized_kernel(self) -> tuple[Any, Any, Any | None]:
+        _, _, _, _, scale, safe_scale, kernel, max_abs = self._folded_kernel()
+        return kernel, max_abs, scale / safe_scale
 
     def _update_moving_statistics(
         self, z: Any, axes: list[int], mean: Any, variance: Any, frozen: Any
@@ -789,6 +790,31 @@ class QuantizedHostBatchNorm(_QuantizedHostLayer):
             **super().get_config(),
             "batch_norm": hosts.config_only(keras.layers.serialize(self.batch_norm)),
         }
+
+
+class _FoldedLinear(NamedTuple):
+    """A QAT layer's host output z (`QuantizedHostBatchNorm._folded_linear`), its channel
+    axes, and the parameters it was computed with (see `_folded_kernel`)."""
+
+    gamma: Any
+    beta: Any
+    mean: Any
+    bias: Any
+    scale: Any
+    safe_scale: Any
+    max_abs: Any
+    z: Any
+    axes: list[int]
+
+    def per_channel(self, t: Any) -> Any:
+        """`t`, a per-channel vector, shaped to broadcast against z."""
+        return backend.get().per_channel(t, self.z, self.axes)
+
+    def normalized(self) -> Any:
+        """z/s', what the batch norm normalizes in training, as a product with the per-channel
+        reciprocal: a full-tensor division, forward and in its gradient, costs several times a
+        multiplication on CPU."""
+        return self.z * self.per_channel(1.0 / self.safe_scale)
 
 
 def _run_time_single_value(z: Any, axes: list[int]) -> Any:
