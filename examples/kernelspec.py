@@ -9,8 +9,9 @@ a cell raises) is still shown.
 The kernel starts plain, as the one a user opens the notebooks in: nothing runs before the
 first cell (no `keras_bn._quiet.entry_point()`), so the pages and the tests show what a user's
 kernel shows, Python's logging as TensorFlow sets it in an interactive session included (its
-logger at INFO: issue 43, item 3, hid behind such start-up lines). What TensorFlow prints from
-C++ as it loads goes to the caller's stderr (`make docs`'s, the tests'), not into a page.
+logger at INFO: a logging error after an export once hid behind such start-up lines). What
+TensorFlow prints from C++ as it loads goes to the caller's stderr (`make docs`'s, the
+tests'), not into a page.
 """
 
 import json

@@ -163,7 +163,7 @@ def test_no_page_shows_a_local_path_or_a_warning(site):
     """A page shows neither this machine's paths (the checkout, a virtualenv's site-packages)
     nor a Python warning a cell raised (whose first line names the file that raised it), nor
     TensorFlow's Python INFO lines (a conversion's "Assets written to: /tmp/..."), nor a
-    traceback or a logging error (a log handler left on a closed stream, issue 43, item 3). The
+    traceback or a logging error (a log handler left on a closed stream). The
     site's kernels start plain, as a user's (examples/kernelspec.py): this is every cell's
     output, as a user's kernel shows it."""
     local = re.compile(

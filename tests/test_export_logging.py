@@ -1,4 +1,4 @@
-"""After an export the process's logging works as before (issue 43, item 3).
+"""After an export the process's logging works as before.
 
 absl's log() calls logging.basicConfig() when the root logger has no handler; inside the
 export's capture of stderr that bound the root logger's new handler to the capture's own

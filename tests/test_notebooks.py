@@ -72,13 +72,14 @@ TENSORFLOW_LOG_LINE = re.compile(
 )
 
 
-def tensorflow_log_lines(notebook):
-    """(cell index, line) of every TensorFlow C++ log line in an executed notebook's outputs."""
+def output_lines_matching(notebook, pattern):
+    """(cell index, line) of every line of an executed notebook's outputs (streams' text,
+    errors' tracebacks) that `pattern` matches."""
     found = []
     for index, cell in enumerate(notebook.cells):
         for output in cell.get("outputs", []):
-            lines = output.get("text", "").splitlines()  # stream outputs carry text
-            found += [(index, line) for line in lines if TENSORFLOW_LOG_LINE.search(line)]
+            text = output.get("text", "") + "\n".join(output.get("traceback", []))
+            found += [(index, line) for line in text.splitlines() if pattern.search(line)]
     return found
 
 
@@ -132,22 +133,12 @@ def test_the_kernel_starts_plain_as_a_users_does(kernel_for_this_python, capfd):
 
 
 # What no cell of a notebook shows: a traceback, a logging error (a log handler left on a closed
-# stream: issue 43, item 3), TensorFlow's Python INFO lines (a conversion's "Assets written
+# stream), TensorFlow's Python INFO lines (a conversion's "Assets written
 # to: ..." belongs in the export report's log).
 BAD_OUTPUT = re.compile(
     r"Traceback \(most recent call last\)|--- Logging error ---|I/O operation on closed file"
     r"|INFO:tensorflow:"
 )
-
-
-def bad_outputs(notebook):
-    """(cell index, line) of every line of `BAD_OUTPUT` in an executed notebook's outputs."""
-    found = []
-    for index, cell in enumerate(notebook.cells):
-        for output in cell.get("outputs", []):
-            text = output.get("text", "") + "\n".join(output.get("traceback", []))
-            found += [(index, line) for line in text.splitlines() if BAD_OUTPUT.search(line)]
-    return found
 
 
 @pytest.mark.slow
@@ -168,7 +159,7 @@ def test_notebook_runs_and_its_checks_hold(path, kernel_for_this_python):
             pathlib.Path(EXECUTED_DIR).mkdir(parents=True, exist_ok=True)
             nbformat.write(notebook, pathlib.Path(EXECUTED_DIR) / path.name)
     assert any(cell.get("outputs") for cell in notebook.cells if cell.cell_type == "code")
-    logged = tensorflow_log_lines(notebook)
+    logged = output_lines_matching(notebook, TENSORFLOW_LOG_LINE)
     assert not logged, f"{path.name} shows TensorFlow's C++ log lines: {logged[:10]}"
-    bad = bad_outputs(notebook)
+    bad = output_lines_matching(notebook, BAD_OUTPUT)
     assert not bad, f"{path.name} shows: {bad[:10]}"
