@@ -12,7 +12,7 @@ import math
 import tensorflow as tf
 
 from keras_bn.backend import INTERFACE, ghost
-from keras_bn.backend.tensorflow import fused, statistics, xla
+from keras_bn.backend.tensorflow import fused, placement, statistics, xla
 from keras_bn.backend.tensorflow.fake_quant import *  # noqa: F403
 from keras_bn.backend.tensorflow.ops import batch_norm_eval, batch_norm_inference, batch_norm_train
 from keras_bn.backend.tensorflow.statistics import (
@@ -287,7 +287,13 @@ def bias_add_may_miss_channels_first():
 def cond(flag, compute, otherwise):
     """compute() where the scalar `flag` is true, else otherwise(): tf.cond, which runs one
     branch (a select would cost a pass over the tensor and one more over its gradient, for a
-    flag that is true after the first training batch)."""
+    flag that is true after the first training batch). Under XLA a select of both: XLA
+    refuses the gradient of a cond whose branch sums over a dynamic batch axis ("Asked to
+    propagate a dynamic dimension ... to XlaOptimizationBarrier"), as a QAT layer's does."""
+    if placement.in_xla_context():
+        return tf.nest.map_structure(
+            lambda chosen, other: tf.where(flag, chosen, other), compute(), otherwise()
+        )
     return tf.cond(flag, compute, otherwise)
 
 
