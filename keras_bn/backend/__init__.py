@@ -39,7 +39,6 @@ INTERFACE = (
     "per_channel",
     "add",
     "cond",
-    "fused_layout",
     # the moving statistics
     "unbiased_estimates",
     "usable",

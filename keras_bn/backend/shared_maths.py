@@ -341,12 +341,6 @@ def name_scope(name):
     return contextlib.nullcontext()
 
 
-def fused_layout(x, channel_axes, epsilon):
-    """None: TensorFlow's fused kernels do not exist here."""
-    del x, channel_axes, epsilon
-    return None
-
-
 def specialized(function, signatures):
     """`function` itself: `compiled` traces nothing on these backends."""
     del signatures

@@ -12,7 +12,7 @@ import math
 import tensorflow as tf
 
 from keras_bn.backend import INTERFACE, ghost
-from keras_bn.backend.tensorflow import fused, placement, statistics, xla
+from keras_bn.backend.tensorflow import placement, statistics, xla
 from keras_bn.backend.tensorflow.fake_quant import *  # noqa: F403
 from keras_bn.backend.tensorflow.ops import batch_norm_eval, batch_norm_inference, batch_norm_train
 from keras_bn.backend.tensorflow.statistics import (
@@ -259,12 +259,6 @@ def add(x, y):
     """x + y broadcast as numpy does (Keras 3.15's TensorFlow `ops.add` guesses a bias's axis
     from the shapes instead: keras_bn.export.ChannelBias needs this one)."""
     return tf.add(x, y)
-
-
-def fused_layout(x, channel_axes, epsilon):
-    """ "NHWC" or "NCHW" where FusedBatchNormV3 computes this batch norm exactly (the QAT
-    layers train a folded BN through it), else None (fused.py says when)."""
-    return fused.fused_data_format(x, channel_axes, epsilon)
 
 
 def takes_tf_data():

@@ -8,11 +8,11 @@ Keras's PyTorch backend runs eagerly and has no replicas: `replica_context` is N
 `pool_statistics` pools nothing, and `compiled` and `specialized` return the function as it is.
 """
 
-import keras
 import torch
 
 from keras_bn.backend import INTERFACE, shared_maths
 from keras_bn.backend.shared_maths import *  # noqa: F403
+from keras_bn.backend.torch import arrays
 from keras_bn.backend.torch.arrays import statistics_dtype, torch_dtype
 from keras_bn.backend.torch.fake_quant import *  # noqa: F403
 from keras_bn.backend.torch.ops import *  # noqa: F403
@@ -52,7 +52,6 @@ def compiled(function, **options):
 
 
 def cond(flag, compute, otherwise):
-    """compute() where the scalar `flag` is true, else otherwise(): one branch runs, as with
-    tf.cond (keras.ops.cond, which takes the first on the "meta" device of Keras's shape
-    inference, where the flag has no value)."""
-    return keras.ops.cond(flag, compute, otherwise)
+    """compute() where the scalar `flag` is true, else otherwise() (`arrays.cond`: one branch
+    runs, as with tf.cond)."""
+    return arrays.cond(flag, compute, otherwise)
