@@ -172,7 +172,9 @@ def recalibrate(
     range (every Dense host) the layer takes passes, each measuring the weights the last one
     gave, until one is within 1e-5·σ of the statistics of the weights it gives, for at most
     10 (`LayerChange.passes`); it keeps the closest pass, `LayerChange.settling_error` says
-    how close, and a `KerasBNWarning` names a layer left further off.
+    how close, and a `KerasBNWarning` names a layer left further off. Every call starts those
+    passes from σ = 1, not from the statistics the layer had, so that a second call with the
+    same data gives the same statistics.
 
     Each layer reads a mask as its own training step does (Keras's reading, the input's
     leading axes, for both classes; see `keras_bn.BatchNormalization.call`), so these are the

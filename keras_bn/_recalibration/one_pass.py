@@ -325,10 +325,13 @@ def run(
         for number, segment in enumerate(plan.segments):
             boundary = segment.boundary
             sums = statistics.PooledMoments()
+            before = None
             if boundary.kind == "record":
                 layer = layers[boundary.layers[0]]
                 bar.set_description(layer.name)
                 sums = statistics.PooledMoments.for_layer(bn_layers.statistics_of(layer))
+                # A QAT layer's first settling pass is the one its segment records.
+                before = statistics.start_afresh(layer) if boundary.settles else None
             for batch, outputs, moments in compiled.segment(number, batches, kept, count):
                 for tensor in segment.inputs:
                     if plan.last_read[tensor] <= number:
@@ -350,6 +353,7 @@ def run(
                     layers[boundary.layers[0]],
                     _settling_passes(compiled, number, sums, kept, count, bar),
                     functools.partial(bar.add_total, count),
+                    before,
                 )
                 changes.append(change)
                 evaluations += change.passes - 1  # the layer alone, once per batch per pass

@@ -244,13 +244,42 @@ def ties_bound(weight_bits: int) -> float:
     return 1.0 / (2 ** (weight_bits - 1) - 1)
 
 
+def start_afresh(layer: keras.layers.Layer) -> tuple[np.ndarray, np.ndarray] | None:
+    """For a layer that folds its BN into rounded weights (QAT): set its moving variance to
+    ones, the start of `settle`'s passes whatever the statistics were, and return
+    (moving mean, moving variance) before, as float64. None (and nothing set) for a BN, or
+    float weights.
+
+    The first pass measures the weights that the moving variance rounds to, and where the
+    passes do not reach a fixed point (a per-tensor range can cycle), or reach one of several,
+    the statistics kept depend on where they started: from the stored ones, a second call gave
+    other statistics than the first (by 13% of the variance, a 3-bit Dense layer). From one
+    start the passes are those of the data and the weights alone. Ones, as the start: the
+    integers then are those of W·γ, without a σ from an earlier call or from training. Only the
+    variance: the mean does not enter the kernel's rounding. A layer's input has no mask, so
+    every channel is seen, and none keeps the start.
+    """
+    if _rounded_weights(layer) is None:
+        return None
+    statistics = bn_layers.statistics_of(layer)
+    before = (
+        statistics.moving_mean.numpy().astype(np.float64),
+        statistics.moving_variance.numpy().astype(np.float64),
+    )
+    statistics.moving_variance.assign(np.ones_like(before[1], statistics.moving_variance.dtype))
+    return before
+
+
 def settle(
     layer: keras.layers.Layer,
     pooled: Callable[[], PooledMoments],
     another_pass: Callable[[], None] = lambda: None,
+    before: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> LayerChange:
     """`assign(layer, pooled())`, and for a layer that folds its BN into rounded weights
-    (QAT), again until the statistics are those of the weights they give.
+    (QAT), again until the statistics are those of the weights they give, the first pass
+    from `start_afresh`'s start, so that two calls with the same data give the same
+    statistics.
 
     Such a layer rounds W·s' with s' = γ/σ (σ from the moving variance) and normalizes
     z/s' = host(x, q·Δ)/s', q the integers and Δ the weight step. Each pass after the first
@@ -281,15 +310,21 @@ def settle(
         pooled: one pass over the data: the layer's pooled moments with its weights as they
             are now.
         another_pass: called before each pass after the first (the progress bar's total).
+        before: `start_afresh(layer)`, where the caller started the layer afresh before
+            `pooled`'s first pass (the one pass records it in the layer's segment); None:
+            `settle` starts it.
 
     Returns:
         The `LayerChange` from the statistics before the first pass to those kept, with the
         passes made, the integers that the kept statistics round differently from those they
         were measured with, and the settling error.
     """
-    rounded = _rounded_weights(layer)
-    if rounded is None:  # a BN, or float weights: nothing rounds
+    if _rounded_weights(layer) is None:  # a BN, or float weights: nothing rounds
         return assign(layer, pooled())
+    if before is None:
+        before = start_afresh(layer)
+        assert before is not None  # the layer rounds its kernel
+    rounded = _rounded_weights(layer)
     epsilon = bn_layers.statistics_of(layer).epsilon
     passes: list[tuple[PooledMoments, LayerChange, int]] = []  # (moments, change, moved)
     errors: list[float] = []  # errors[k]: pass k's distance from its own weights
@@ -341,8 +376,8 @@ def settle(
         another_pass()
     return dataclasses.replace(
         kept,
-        old_mean=passes[0][1].old_mean,
-        old_variance=passes[0][1].old_variance,
+        old_mean=before[0],
+        old_variance=before[1],
         passes=len(passes),
         unsettled_weights=moved,
         settling_error=error,
