@@ -18,7 +18,7 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 DEMO := artifacts/demo
 EXPORT := $(VENV)/bin/keras-bn-export
 
-.PHONY: demo test test-fast test-torch lint typecheck docs bench bench-export gpu-check gpu-wheels \
+.PHONY: demo test test-fast slow-tests test-torch lint typecheck docs bench bench-export gpu-check gpu-wheels \
 	notebooks clean
 
 $(PY):
@@ -101,18 +101,27 @@ test: $(STAMP) $(STAMP_JAX) $(STAMP_TORCH)
 	$(TORCH_TESTS)
 	$(TORCH_WITH_TF_TESTS)
 
-# The inner loop: the suite less the notebooks, the docs build, the slow tests (marked from a
-# --durations=0 run: every test function costing 5 s or more in all) and three files of
-# end-to-end runs: the CLI's (each a new Python importing TensorFlow), the property-based tests
-# (700 examples a property) and bench_export's smoke run; then the tree under JAX less its slow
-# tests.
-# 4 min 10 s on 2 cores, idle, 2026-11-26 20:22 UTC: 1,400 TensorFlow tests in 2 min 34 s,
-# 117 JAX tests in 1 min 16 s (before the JAX tests it took 2 min 35 s). `make test` stays the
-# full suite, which CI runs.
+# The inner loop: the tree under TensorFlow and under JAX, less the notebooks, the docs build,
+# three files of end-to-end runs (the CLI's, each a new Python importing TensorFlow; the
+# property-based tests, 700 examples a property; bench_export's smoke run) and the slow tests:
+# those marked slow in the code, and those that tests/slow_tests.txt names for the run's
+# backend (each took 1 s or more there). `make test` stays the full suite, which CI runs.
 FAST_SKIP := test_notebooks test_docs test_cli test_properties test_bench_export
+FAST_ARGS := -m "not slow" $(FAST_SKIP:%=--ignore=tests/%.py)
 test-fast: $(STAMP) $(STAMP_JAX)
-	$(PY) -m pytest tests $(PYTEST_ARGS) -m "not slow" $(FAST_SKIP:%=--ignore=tests/%.py)
-	$(JAX_TESTS) -m "not slow"
+	$(PY) -m pytest tests $(PYTEST_ARGS) $(FAST_ARGS)
+	$(JAX_TESTS) $(FAST_ARGS)
+
+# tests/slow_tests.txt from a full run per backend with every test's duration (about half an
+# hour on 2 cores): rerun it when test-fast grows slow.
+DURATIONS := $(PYTEST_ARGS) --durations=0 -q
+slow-tests: $(STAMP) $(STAMP_JAX) $(STAMP_TORCH)
+	mkdir -p build
+	$(PY) -m pytest tests $(DURATIONS) $(NOTEBOOKS_RUN_BY_THE_SITE) > build/durations_tensorflow.log
+	$(JAX_TESTS) --durations=0 -q > build/durations_jax.log
+	$(TORCH_TESTS) --durations=0 -q > build/durations_torch.log
+	$(PY) tests/find_slow_tests.py tensorflow=build/durations_tensorflow.log \
+		jax=build/durations_jax.log torch=build/durations_torch.log
 
 # Lint, format check and type check (.ci/run runs it before the tests).
 lint: $(STAMP)

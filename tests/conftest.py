@@ -2,18 +2,20 @@
 
 The one tree runs once per backend, as Keras's own suite does: KERAS_BACKEND (default
 "tensorflow") picks it, and Keras fixes it when first imported, so each backend is a pytest
-process of its own (`make test` runs three). Per backend: under TensorFlow, 4 logical CPUs
-(the tf.distribute tests); under JAX, 2 host devices (keras.distribution); under PyTorch,
-float32 matmuls (no TF32). Markers: `backends(*names)` runs a test only under those backends;
-`requires_tensorflow` only where TensorFlow is importable. A module-level `pytestmark` with
-them skips the whole module before it is imported (a TensorFlow-only module imports
-TensorFlow). Helpers that tests import live in helpers.py (pytest advises against importing
-conftest.py).
+process of its own (`make test` runs three). Per backend: under TensorFlow, 4 logical CPUs (the
+tf.distribute tests); under JAX, 2 host devices (keras.distribution); under PyTorch, float32
+matmuls (no TF32). Markers: `backends(*names)` runs a test only under those backends;
+`requires_tensorflow` only where TensorFlow is importable; `slow` leaves a test out of `make
+test-fast` (slow_tests.txt marks the tests that are slow under one backend only). A
+module-level `pytestmark` with them skips the whole module before it is imported (a
+TensorFlow-only module imports TensorFlow). Helpers that tests import live in helpers.py
+(pytest advises against importing conftest.py).
 """
 
 import ast
 import importlib.util
 import os
+import pathlib
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 BACKEND = os.environ.setdefault("KERAS_BACKEND", "tensorflow")
@@ -132,8 +134,21 @@ def pytest_pycollect_makemodule(module_path, parent):
     return module
 
 
+def _slow_here():
+    """The node ids that slow_tests.txt names for this run's backend (find_slow_tests.py)."""
+    lines = (pathlib.Path(__file__).with_name("slow_tests.txt")).read_text().splitlines()
+    return {
+        test
+        for backend, _, test in (line.partition(" ") for line in lines if not line.startswith("#"))
+        if backend == BACKEND
+    }
+
+
 def pytest_collection_modifyitems(config, items):
+    slow = _slow_here()
     for item in items:
+        if item.nodeid in slow:  # slow under this backend: `make test-fast` leaves it out
+            item.add_marker(pytest.mark.slow)
         # Every `backends` marker counts (the module's, the function's, a parameter's): the
         # test runs under the backends all of them name.
         backends = None
