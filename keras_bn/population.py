@@ -172,7 +172,9 @@ def recalibrate(
     range (every Dense host) the layer takes passes, each measuring the weights the last one
     gave, until one is within 1e-5·σ of the statistics of the weights it gives, for at most
     10 (`LayerChange.passes`); it keeps the closest pass, `LayerChange.settling_error` says
-    how close, and a `KerasBNWarning` names a layer left further off. Every call starts those
+    how close, and a `KerasBNWarning` names a layer left further off, in some channel, than
+    two steps of that channel's largest integer (what weights cycling across a rounding
+    boundary were measured to move). Every call starts those
     passes from σ = 1, not from the statistics the layer had, so that a second call with the
     same data gives the same statistics.
 
