@@ -576,21 +576,20 @@ def test_qat_layers_in_a_custom_layer_get_algorithm_2_and_are_named_as_qat_layer
 
 @pytest.mark.slow
 @pytest.mark.backends("tensorflow")  # settle's bound is numpy: one backend's run shows it
-@pytest.mark.parametrize("weight_bits", [8, 4])
-def test_a_per_tensor_mobilenet_v2_whose_passes_cycle_warns_for_no_layer(weight_bits):
-    """MobileNetV2 (alpha 0.35), every layer per tensor: no layer's passes reach a fixed point
-    within `SETTLED` (they cycle across rounding boundaries), each ends within two steps of
-    every channel's largest integer, and `recalibrate` warns for none of them (it warned for
-    all 52, a warning that always fired). A warning would fail this test."""
+def test_a_per_tensor_mobilenet_v2_whose_passes_cycle_warns_for_no_layer():
+    """MobileNetV2 (alpha 0.35), every layer per tensor at 8 bits: no layer's passes reach a
+    fixed point within `SETTLED` (they cycle across rounding boundaries), each ends within two
+    steps of every channel's largest integer, and `recalibrate` warns for none of them (it
+    warned for all 52, a warning that always fired). A warning would fail this test."""
     keras.utils.set_random_seed(0)
     model = keras.applications.MobileNetV2(
         alpha=0.35, input_shape=(32, 32, 3), weights=None, classes=10
     )
     x = np.random.default_rng(0).random((64, 32, 32, 3), np.float32)
-    qat = quantize_model(model, weight_bits, 8, per_channel=False)
+    qat = quantize_model(model, 8, 8, per_channel=False)
     qat(x[:8], training=True)  # the activation ranges' first batch
     report = keras_bn.recalibrate(qat, x, batch_size=32, progress=False)
     assert len(report.layers) == 52
     unsettled = [c for c in report.layers if c.settling_error > statistics.SETTLED]
     assert len(unsettled) >= 40, [(c.name, c.settling_error) for c in report.layers]
-    assert max(c.settling_error for c in report.layers) < (0.05 if weight_bits == 8 else 0.5)
+    assert max(c.settling_error for c in report.layers) < 0.05  # measured: 0.012
