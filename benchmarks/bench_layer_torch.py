@@ -26,7 +26,10 @@ table, with the error in the JSON, rather than stopping the run.
 The whole-model row: bench_model.py's small ResNet (stem and four residual blocks of
 conv–BN(–ReLU), then GAP and Dense; 32×32×3 synthetic images, batch 64, SGD,
 sparse categorical cross-entropy), built twice with the same seed, one with keras_bn's BN and
-one with Keras's, `model.train_on_batch` on the same fixed batch, interleaved per rep.
+one with Keras's, `model.train_on_batch` on the same fixed batch, interleaved per rep; and
+the same compiled (`jit_compile=True`: torch.compile), whose step should take no longer than
+the eager one, with each first step's time (tracing and compiling). --smoke leaves the
+compiled models out: compiling the ResNet takes minutes on a CPU.
 
     KERAS_BACKEND=torch python benchmarks/bench_layer_torch.py  # or bench_layer.py --backend torch
     python benchmarks/bench_layer.py --backend torch --smoke      # tiny shapes, one repetition
@@ -41,6 +44,7 @@ import os
 import platform
 import statistics
 import sys
+import time
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
@@ -199,30 +203,36 @@ def run(shapes, reps, inner, device, errors):
     return rows
 
 
-def run_model(reps, device, image, batch, width):
-    """(medians {name: seconds per train_on_batch}, ratio) of the small ResNet with each BN."""
+def run_model(reps, device, image, batch, width, compiled):
+    """(medians {name: seconds per train_on_batch}, samples, {name: first step's seconds}) of
+    the small ResNet with each BN, eager ("keras_bn", "keras") and, where `compiled`, with
+    `jit_compile=True` (torch.compile: "keras_bn compiled", "keras compiled"), interleaved."""
     rng = np.random.default_rng(0)
     x = rng.normal(size=(batch, image, image, 3)).astype("float32")
     y = rng.integers(0, 10, size=(batch,))
-    steps = {}
+    steps, first = {}, {}
     for name, norm in (
         ("keras_bn", keras_bn.BatchNormalization),
         ("keras", keras.layers.BatchNormalization),
     ):
-        keras.utils.set_random_seed(0)  # the same initial weights for both
-        with keras.device(device.type):
-            model = shared.build_resnet(norm, image=image, width=width)
-            model.compile(
-                keras.optimizers.SGD(0.01),
-                keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            )
-        for _ in range(3):  # the first calls build the optimizer's variables and warm up
-            model.train_on_batch(x, y)
-        steps[name] = (lambda m: lambda _: m.train_on_batch(x, y))(model)
+        for jit_compile in (False, True) if compiled else (False,):
+            keras.utils.set_random_seed(0)  # the same initial weights for all
+            with keras.device(device.type):
+                model = shared.build_resnet(norm, image=image, width=width)
+                model.compile(
+                    keras.optimizers.SGD(0.01),
+                    keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                    jit_compile=jit_compile,
+                )
+            key = f"{name} compiled" if jit_compile else name
+            start = time.perf_counter()
+            model.train_on_batch(x, y)  # builds the optimizer's variables; traces, compiles
+            first[key] = time.perf_counter() - start
+            for _ in range(2):  # warm up
+                model.train_on_batch(x, y)
+            steps[key] = (lambda m: lambda _: m.train_on_batch(x, y))(model)
     samples = shared.time_samples(steps, None, reps, 1, _wait(device))
-    return {name: statistics.median(s) for name, s in samples.items()}, shared.per_rep_ratio(
-        samples
-    )
+    return {name: statistics.median(s) for name, s in samples.items()}, samples, first
 
 
 HEADER = (
@@ -277,7 +287,9 @@ def main(argv=None):
     rows = run(shapes, reps, inner, device, errors)
     targets = shared.target_results(rows, TARGETS)
     print("\n" + shared.target_summary(targets))
-    model_times, model_ratio = run_model(reps, device, **model_shape)
+    compiled = not args.smoke  # torch.compile of the ResNet takes minutes on a CPU
+    model_times, model_samples, first = run_model(reps, device, **model_shape, compiled=compiled)
+    model_ratio = shared.per_rep_ratio(model_samples)
     model_label = (
         f"ResNet {model_shape['image']}x{model_shape['image']}x3, batch {model_shape['batch']}, "
         f"width {model_shape['width']}"
@@ -287,6 +299,36 @@ def main(argv=None):
         f"\nwhole model, train_on_batch, {model_label}: keras_bn {ours:.1f} ms, Keras BN "
         f"{theirs:.1f} ms, keras_bn / Keras {model_ratio:.2f}"
     )
+    compiled_record = None
+    if compiled:
+        compiled_record = {
+            "step": "train_on_batch, jit_compile=True (torch.compile)",
+            **{
+                f"{name}_ms": round(model_times[f"{name} compiled"] * 1e3, 4)
+                for name in CONTENDERS[:2]
+            },
+            **{
+                f"{name}_compiled_over_eager": round(
+                    shared.per_rep_ratio(model_samples, f"{name} compiled", name), 4
+                )
+                for name in CONTENDERS[:2]
+            },
+            **{
+                f"{name}_first_step_s": round(first[f"{name} compiled"], 1)
+                for name in CONTENDERS[:2]
+            },
+        }
+        compiled_record["met"] = compiled_record["keras_bn_compiled_over_eager"] <= 1.0
+        print(
+            f"compiled (jit_compile=True, torch.compile): keras_bn "
+            f"{compiled_record['keras_bn_ms']:.1f} ms, "
+            f"{compiled_record['keras_bn_compiled_over_eager']:.2f}x its eager step (first "
+            f"step {compiled_record['keras_bn_first_step_s']:.0f} s); Keras BN "
+            f"{compiled_record['keras_ms']:.1f} ms, "
+            f"{compiled_record['keras_compiled_over_eager']:.2f}x (first step "
+            f"{compiled_record['keras_first_step_s']:.0f} s); target: keras_bn compiled ≤ "
+            f"eager: {'met' if compiled_record['met'] else 'MISSED'}"
+        )
     for row, failed in errors.items():
         print(f"n/a in {row}: {failed}")
     if args.json:
@@ -305,6 +347,7 @@ def main(argv=None):
                 "step": "train_on_batch",
                 **{f"{name}_ms": round(t * 1e3, 4) for name, t in model_times.items()},
                 "ratio": round(model_ratio, 4),
+                "compiled": compiled_record,
             },
             "not_run": errors,
         }

@@ -123,6 +123,7 @@ def test_bench_layer_torch_smoke(tmp_path):
         assert row["keras_bn_ms"] > 0 and row["keras_ms"] > 0 and row["floor_ms"] > 0
     assert [t["met"] for t in record["targets"]] == [verdicts[0] == "yes"]
     assert record["model"]["keras_bn_ms"] > 0 and record["model"]["keras_ms"] > 0
+    assert record["model"]["compiled"] is None  # --smoke: no torch.compile of the ResNet
     assert [p.name for p in tmp_path.iterdir()] == ["layer_torch.json"]  # no temporary left
 
 

@@ -22,7 +22,6 @@ from keras_bn.quantize import (
     quantize_model,
 )
 
-BACKEND = keras.backend.backend()
 BATCH = 64
 
 
@@ -39,15 +38,7 @@ def trained():
         # Under JAX, fit without jit runs op by op: minutes, where jit (JAX's way) takes
         # seconds; under PyTorch it is PyTorch's own eager training.
         pytest.param(False, marks=pytest.mark.backends("tensorflow", "torch")),
-        pytest.param(
-            True,
-            marks=pytest.mark.xfail(
-                BACKEND == "torch",
-                strict=True,
-                reason="product: jit_compile=True (torch.compile) fails in dynamo on "
-                "QuantizedHostBatchNorm._bn_parameters (getset_descriptor has no __module__)",
-            ),
-        ),
+        True,  # under PyTorch, torch.compile
     ],
     ids=["graph", "xla"],
 )

@@ -74,15 +74,7 @@ def _changed(snapshots, initial):
     "jit_compile",
     [
         False,
-        pytest.param(
-            True,
-            marks=pytest.mark.xfail(
-                keras.backend.backend() == "torch",
-                strict=True,
-                reason="product: jit_compile=True (torch.compile) fails in dynamo on "
-                "QuantizedHostBatchNorm._bn_parameters (getset_descriptor has no __module__)",
-            ),
-        ),
+        True,  # under PyTorch, torch.compile
     ],
     ids=["graph", "xla"],
 )

@@ -240,3 +240,107 @@ def test_momentum_none_equals_torch_cumulative_average_of_the_finite_batches():
         reference(torch.tensor(batch))
     assert array(layer.num_batches_tracked).dtype == np.int64
     _close(array(layer.moving_variance), array(reference.running_var), 1e-6)
+
+
+# torch.compile: (layer arguments, input shape, whether the call gets a mask). Each kind of
+# call that used to break dynamo's graph: every layout, several channel axes, ghosts, renorm,
+# the cumulative average, a mask.
+COMPILE_CASES = {
+    "dense": ({}, (8, 5), False),
+    "channels_last": ({}, (4, 5, 6, 3), False),
+    "channels_first": ({"axis": 1}, (4, 3, 5, 6), False),
+    "middle_axis": ({"axis": 2}, (4, 6, 3), False),
+    "two_axes": ({"axis": [1, 3]}, (4, 3, 5, 2), False),
+    "ghosts": ({"virtual_batch_size": 2}, (8, 5), False),
+    "renorm": ({"renorm": True}, (8, 5), False),
+    "cumulative": ({"momentum": None}, (8, 5), False),
+    "mask": ({}, (4, 6, 5), True),
+}
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["training", "inference"])
+@pytest.mark.parametrize("case", list(COMPILE_CASES))
+def test_torch_compile_traces_a_call_as_one_graph_that_matches_eager(case, training):
+    """Under torch.compile a call is one graph, with no break (keras_bn made 9 in a training
+    call: an import, a str method, a generator, its backward's Function having `jvp`, where
+    Keras's BN makes 3), and, traced with its backward by AOTAutograd ("aot_eager": no code
+    generation), computes what the eager call computes: the output, the gradients to x, γ and
+    β, and the moving statistics, over two calls (the second with another batch)."""
+    kwargs, shape, masked = COMPILE_CASES[case]
+    batches = [_data(shape, seed) for seed in (1, 2)]
+    mask = (np.arange(shape[1]) < shape[1] - 2)[None].repeat(shape[0], 0) if masked else None
+    cotangent = torch.tensor(_data(shape, 3, loc=0.0, scale=1.0))
+
+    def call(layer, x):
+        y = layer(x, training=training, mask=None if mask is None else torch.tensor(mask))
+        return y, torch.autograd.grad(
+            torch.sum(y * cotangent), [x, layer.gamma.value, layer.beta.value]
+        )
+
+    explained = random_affine_bn(shape, **kwargs)
+    x = torch.tensor(batches[0], requires_grad=True)
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(lambda t: explained(t, training=training))(x)
+    assert (explanation.graph_count, explanation.graph_break_count) == (1, 0), [
+        str(reason.reason).splitlines()[0] for reason in explanation.break_reasons
+    ]
+    eager, compiled = random_affine_bn(shape, **kwargs), random_affine_bn(shape, **kwargs)
+    step = torch.compile(call, backend="aot_eager")
+    for batch in batches:
+        want_y, want_grads = call(eager, torch.tensor(batch, requires_grad=True))
+        got_y, got_grads = step(compiled, torch.tensor(batch, requires_grad=True))
+        _close(array(got_y), array(want_y), 1e-6)
+        for got, want in zip(got_grads, want_grads):
+            _close(array(got), array(want), 1e-5)
+        for name in ("moving_mean", "moving_variance"):
+            np.testing.assert_allclose(
+                array(getattr(compiled, name)), array(getattr(eager, name)), rtol=1e-6
+            )
+
+
+@pytest.mark.slow
+def test_fit_with_jit_compile_trains_the_models_dynamo_crashed_on_as_eager_fit_does():
+    """`fit(jit_compile=True)` (torch.compile, inductor) of Conv2D → BN → BN(axis=1) →
+    BN(axis=2) → pooling → Dense → BN(virtual_batch_size=4), which raised TorchRuntimeError
+    (a shape built from channel axes that dynamo had turned into symbols after a graph
+    break), ends two epochs where eager `fit` does."""
+    layers = keras.layers
+
+    def model():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((8, 8, 3))
+        h = keras_bn.BatchNormalization()(layers.Conv2D(4, 3)(inputs))
+        h = layers.Reshape((36, 4))(h)
+        h = keras_bn.BatchNormalization(axis=2)(keras_bn.BatchNormalization(axis=1)(h))
+        h = layers.Dense(5)(layers.GlobalAveragePooling1D()(h))
+        return keras.Model(inputs, keras_bn.BatchNormalization(virtual_batch_size=4)(h))
+
+    x, y = _data((32, 8, 8, 3), 1), _data((32, 5), 2, loc=0.0, scale=1.0)
+    weights = []
+    for jit_compile in (False, True):
+        trained = model()
+        trained.compile(keras.optimizers.SGD(0.05), "mse", jit_compile=jit_compile)
+        trained.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        weights.append(trained.get_weights())
+    assert len(weights[0]) == len(weights[1]) == 20
+    for got, want in zip(weights[1], weights[0]):
+        _close(got, want, 1e-5)
+
+
+def test_torch_compile_traces_a_qat_models_training_call_as_one_graph():
+    """A QAT model (digits CNN, 8-bit) in training is one graph under torch.compile: no
+    break in its layers (Keras's torch `ops.min` and `ops.max` broke it, and the host's kind
+    checked again at every call)."""
+    import digits
+    from keras_bn.quantize import quantize_model
+
+    model = digits.small_cnn()
+    x = torch.tensor(digits.load()[0][:16])
+    model(x)
+    qat = quantize_model(model)
+    qat(x, training=True)
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(lambda t: qat(t, training=True))(x)
+    assert (explanation.graph_count, explanation.graph_break_count) == (1, 0), [
+        str(reason.reason).splitlines()[0] for reason in explanation.break_reasons
+    ]

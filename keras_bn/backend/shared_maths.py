@@ -19,10 +19,10 @@ m/(m−1)·σ² (Ioffe & Szegedy 2015, Algorithm 2) only where m ≥ 2 and the b
 (`usable`), as on TensorFlow.
 
 Every function runs in the array functions of its arrays' framework (`arrays_of`:
-keras_bn/backend/jax/arrays.py or keras_bn/backend/torch/arrays.py, imported on first use, so
-that neither backend needs the other's framework): the same operations in the same order, so
-that both backends round alike. Shapes are concrete on both, so m is a Python int unless a
-mask makes it per channel.
+keras_bn/backend/jax/arrays.py or keras_bn/backend/torch/arrays.py, registered by the backend
+package that imports it, so that neither backend needs the other's framework): the same
+operations in the same order, so that both backends round alike. Shapes are concrete on both,
+so m is a Python int unless a mask makes it per channel.
 """
 
 import contextlib
@@ -35,19 +35,29 @@ from keras_bn.backend import INTERFACE, ghost
 from keras_bn.backend import axes as _axes
 from keras_bn.backend.constants import SHIFT_REDO_RATIO, SHIFT_SAMPLES
 
-_FRAMEWORKS = ("jax", "torch")
+# Each backend package registers its arrays module when it loads (`register_arrays`), so
+# that `arrays_of` finds an array's by isinstance, which torch.compile traces: reading the
+# type's module name or importing in a traced call would break its graph.
+_ARRAYS: dict = {}
+
+
+def register_arrays(framework, module):
+    """Make `module` (keras_bn.backend.<framework>.arrays) the array functions of its
+    ARRAY_TYPE, and of `framework` as a Keras backend."""
+    _ARRAYS[framework] = module
 
 
 def arrays_of(array):
     """The array functions for `array`'s framework: keras_bn.backend.jax.arrays for a jax
     array or tracer, keras_bn.backend.torch.arrays for a tensor; for anything else (a numpy
     array, a number) those of the Keras backend in use."""
-    framework = type(array).__module__.partition(".")[0]
-    if framework == "jaxlib":
-        framework = "jax"
-    if framework not in _FRAMEWORKS:
-        framework = keras.backend.backend()
-    return importlib.import_module(f"keras_bn.backend.{framework}.arrays")
+    for module in _ARRAYS.values():
+        if isinstance(array, module.ARRAY_TYPE):
+            return module
+    framework = keras.backend.backend()
+    if framework not in _ARRAYS:
+        register_arrays(framework, importlib.import_module(f"keras_bn.backend.{framework}.arrays"))
+    return _ARRAYS[framework]
 
 
 def is_floating(x):
@@ -104,7 +114,7 @@ def element_count(x, channel_axes, mask=None, replica_context=None):
     del replica_context
     axes = reduction_axes(x.ndim, channel_axes)
     if mask is None:
-        return math.prod(x.shape[i] for i in axes)
+        return math.prod([x.shape[i] for i in axes])  # a list: torch.compile traces it
     xp = arrays_of(x)
     return xp.sum(xp.broadcast_to(mask, x.shape), axes, keepdims=True)
 

@@ -142,7 +142,8 @@ class ActivationQuantizer(ShapePreserving, keras.layers.Layer):
         # see detached tensors): no gradient through the batch's min and max, which would
         # also cost two more passes over the tensor in every backward.
         observed = ops.stop_gradient(x)
-        batch_low, batch_high = ops.min(observed), ops.max(observed)
+        # amin/amax, not min/max: Keras's torch min and max break torch.compile's graph.
+        batch_low, batch_high = ops.amin(observed), ops.amax(observed)
         keep = self.momentum
         new_low = ops.where(initialized, keep * low + (1.0 - keep) * batch_low, batch_low)
         new_high = ops.where(initialized, keep * high + (1.0 - keep) * batch_high, batch_high)

@@ -130,15 +130,22 @@ def channel_axis(host: keras.layers.Layer) -> int:
     return 1 if getattr(host, "data_format", "channels_last") == "channels_first" else -1
 
 
+def _known_kind(host: keras.layers.Layer) -> str:
+    """The kind of a host that `kind_of` accepted (a QAT layer's, checked when the layer was
+    made): looked up, not checked again in every call, where torch.compile cannot trace
+    `kind_of`'s serialization of the activation."""
+    return KINDS[type(host)]
+
+
 def folded_kernel(host: keras.layers.Layer) -> keras.Variable:
     """The kernel batch norm scales per output channel: the kernel, or the pointwise one."""
-    return host.pointwise_kernel if kind_of(host) == SEPARABLE else host.kernel
+    return host.pointwise_kernel if _known_kind(host) == SEPARABLE else host.kernel
 
 
 def output_channels(host: keras.layers.Layer) -> int:
     """How many output channels the host has (C·M for a depthwise convolution)."""
     kernel = folded_kernel(host)
-    if kind_of(host) == DEPTHWISE:
+    if _known_kind(host) == DEPTHWISE:
         return kernel.shape[-2] * kernel.shape[-1]
     return kernel.shape[-1]
 
@@ -176,7 +183,7 @@ def linear(
     Returns:
         The output tensor.
     """
-    kind = kind_of(host)
+    kind = _known_kind(host)
     if kind == DENSE:
         return ops.matmul(inputs, kernel)
     padding = host.padding

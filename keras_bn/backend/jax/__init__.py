@@ -17,6 +17,7 @@ from keras_bn.backend.jax.ops import *  # noqa: F403
 from keras_bn.backend.shared_maths import *  # noqa: F403
 
 __all__ = list(INTERFACE)
+shared_maths.register_arrays("jax", arrays)
 
 
 def read(variable):

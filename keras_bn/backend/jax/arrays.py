@@ -6,6 +6,8 @@ import jax.numpy as jnp
 from jax.lax import rsqrt, stop_gradient
 from jax.numpy import add, all, any, broadcast_to, isfinite, reshape, sqrt, square, stack, where
 
+# The arrays these functions take (tracers included), for `shared_maths.arrays_of`.
+ARRAY_TYPE = jax.Array
 # Whether recomputing an elementwise value where it is read is free: XLA fuses
 # elementwise work into the loops that read it.
 FUSES_ELEMENTWISE = True

@@ -18,11 +18,16 @@ from keras_bn.backend.torch.fake_quant import *  # noqa: F403
 from keras_bn.backend.torch.ops import *  # noqa: F403
 
 __all__ = list(INTERFACE)
+shared_maths.register_arrays("torch", arrays)
 
 
 def read(variable):
     """A variable's value as a tensor (its torch.nn.Parameter: what a later `assign` changes
-    in place, so the callers read it where they use it)."""
+    in place, so the callers read it where they use it). Under torch.compile a copy: the
+    compiled step may keep the value it read for its backward, which an `assign` later in the
+    step (a moving statistic's, a range's) would change under it."""
+    if torch.compiler.is_compiling():
+        return variable.value.clone()
     return variable.value
 
 

@@ -6,6 +6,8 @@ import keras
 import torch
 from torch import add, all, any, broadcast_to, isfinite, reshape, rsqrt, sqrt, square, stack, where
 
+# The arrays these functions take, for `shared_maths.arrays_of`.
+ARRAY_TYPE = torch.Tensor
 # Whether recomputing an elementwise value where it is read is free: eager torch
 # writes every intermediate out in full, so it is not.
 FUSES_ELEMENTWISE = False
@@ -66,9 +68,15 @@ def clip(x, low, high):
 
 
 def cond(flag, compute, otherwise):
-    """compute() where the scalar `flag` is true, else otherwise(): a Python branch (eager, so
-    the branch not taken costs nothing). On the "meta" device of Keras's shape inference the
-    flag has no value: otherwise() there (both give the same shapes)."""
+    """compute() where the scalar `flag` is true, else otherwise(): eagerly a Python branch,
+    so the branch not taken costs nothing. Under torch.compile a select of both: reading the
+    flag in Python would break the graph at every call (and wait for the device). On the
+    "meta" device of Keras's shape inference the flag has no value: otherwise() there (both
+    give the same shapes)."""
+    if torch.compiler.is_compiling():
+        return torch.utils._pytree.tree_map(
+            lambda chosen, other: torch.where(flag, chosen, other), compute(), otherwise()
+        )
     if flag.device.type != "meta" and bool(flag):
         return compute()
     return otherwise()

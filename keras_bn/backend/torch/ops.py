@@ -40,7 +40,7 @@ def run_time_count(count, shape, dtype):
     return keras.ops.full(tuple(shape), count, dtype=keras.backend.standardize_dtype(dtype))
 
 
-class _Normalize(torch.autograd.Function):
+class _NormalizeCompiled(torch.autograd.Function):
     """y = γ·x̂ + β with the paper's backward (`shared_maths.normalize_backward`); the
     statistics carry no gradient.
 
@@ -95,6 +95,12 @@ class _Normalize(torch.autograd.Function):
         if d_difference is not None:  # ∂(x − K)/∂x = 1
             dx = d_difference if dx is None else dx + d_difference
         return dx, d_gamma, d_beta, None, None, None
+
+
+class _Normalize(_NormalizeCompiled):
+    """`_NormalizeCompiled` with forward mode and `torch.func.vmap`: what runs eagerly.
+    torch.compile cannot trace a Function that defines `jvp` (a graph break at every call),
+    so under it `batch_norm_train` applies `_NormalizeCompiled`."""
 
     @staticmethod
     def jvp(ctx, x_t, gamma_t, beta_t, *_constants):
@@ -174,7 +180,8 @@ def batch_norm_train(
     `replica_context` unused (one path, no replicas)."""
     del fused, replica_context
     x = x.to(statistics_dtype(x.dtype))
-    outputs = _Normalize.apply(x, gamma, beta, mask, tuple(channel_axes), float(epsilon))
+    function = _NormalizeCompiled if torch.compiler.is_compiling() else _Normalize
+    outputs = function.apply(x, gamma, beta, mask, tuple(channel_axes), float(epsilon))
     return outputs[:3]  # y, mean, variance; the rest is what the backward reads
 
 
