@@ -1,9 +1,10 @@
 """Write tests/slow_tests.txt, the tests that `make test-fast` leaves out per backend, from
 the logs of full runs with `--durations=0` (what `make slow-tests` runs).
 
-A test is slow under a backend when its setup, call and teardown took THRESHOLD seconds or
-more in that backend's run. conftest.py marks the tests the file names for the run's backend
-`slow`, beside those marked in the code; `make test` runs every one of them.
+A test is slow under a backend when its setup, call and teardown took THRESHOLD seconds or more
+in a run of that backend (a backend may have several logs: a full run's, and a later `make
+test-fast`'s for the tests added since). conftest.py marks the tests the file names for the
+run's backend `slow`, beside those marked in the code; `make test` runs every one of them.
 
     python tests/find_slow_tests.py tensorflow=tf.log jax=jax.log torch=torch.log
 """
@@ -35,14 +36,15 @@ def durations(log: pathlib.Path) -> dict[str, float]:
     return dict(seconds)
 
 
-def slow_tests(logs: dict[str, pathlib.Path], threshold: float) -> list[tuple[str, str]]:
-    """(backend, node id) of every test at or over `threshold` seconds, sorted."""
-    found = []
-    for backend, log in logs.items():
+def slow_tests(logs: list[tuple[str, pathlib.Path]], threshold: float) -> list[tuple[str, str]]:
+    """(backend, node id) of every test at or over `threshold` seconds in some log of its
+    backend, sorted."""
+    found = set()
+    for backend, log in logs:
         seconds = durations(log)
         if not seconds:
             raise ValueError(f"{log} holds no durations: run pytest with --durations=0")
-        found += [(backend, test) for test, s in seconds.items() if s >= threshold]
+        found |= {(backend, test) for test, s in seconds.items() if s >= threshold}
     return sorted(found)
 
 
@@ -51,12 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("logs", nargs="+", metavar="BACKEND=LOG")
     parser.add_argument("--threshold", type=float, default=THRESHOLD)
     args = parser.parse_args(argv)
-    logs = {}
+    logs = []
     for pair in args.logs:
         backend, _, log = pair.partition("=")
         if backend not in ("tensorflow", "jax", "torch") or not log:
             parser.error(f"expected BACKEND=LOG with a Keras backend, got {pair!r}")
-        logs[backend] = pathlib.Path(log)
+        logs.append((backend, pathlib.Path(log)))
     lines = [f"{backend} {test}" for backend, test in slow_tests(logs, args.threshold)]
     SLOW_TESTS.write_text(HEADER.format(threshold=args.threshold) + "\n".join(lines) + "\n")
     print(f"{SLOW_TESTS}: {len(lines)} tests")

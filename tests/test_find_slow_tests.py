@@ -26,8 +26,15 @@ def test_setup_call_and_teardown_add_up_and_xdists_group_is_no_part_of_the_id(tm
 def test_the_file_names_each_backends_tests_at_or_over_the_threshold(tmp_path, monkeypatch):
     (tmp_path / "jax.log").write_text(LOG)
     (tmp_path / "torch.log").write_text("1.00s call     tests/test_b.py::test_b\n")
+    (tmp_path / "jax2.log").write_text("3.00s call     tests/test_a.py::test_slow[x-1]\n")
     monkeypatch.setattr(find_slow_tests, "SLOW_TESTS", tmp_path / "slow.txt")
-    find_slow_tests.main([f"jax={tmp_path / 'jax.log'}", f"torch={tmp_path / 'torch.log'}"])
+    find_slow_tests.main(
+        [
+            f"jax={tmp_path / 'jax.log'}",
+            f"torch={tmp_path / 'torch.log'}",
+            f"jax={tmp_path / 'jax2.log'}",
+        ]
+    )
     lines = [line for line in (tmp_path / "slow.txt").read_text().splitlines() if line[0] != "#"]
     assert lines == [
         "jax tests/test_a.py::test_setup_and_call",
