@@ -515,13 +515,51 @@ def test_fixed_grid_ops_between_quantized_layers_are_no_float_ops(tmp_path):
         L.Activation("swish", name="swish")(L.Conv2D(4, 3, padding="same", name="d")(a)),
         L.Multiply(name="scale")([a, L.Conv2D(4, 1, activation="sigmoid", name="excite")(gate)]),
     ]
-    # Added two at a time: a 4-input Add is 3 ADD ops, 2 of them on unrounded sums.
-    pairs = [L.Add(name=f"sum_{i}")(branches[2 * i : 2 * i + 2]) for i in range(2)]
-    x = L.Conv2D(4, 3, padding="same", name="b")(L.Add(name="sum")(pairs))
+    x = L.Conv2D(4, 3, padding="same", name="b")(L.Add(name="sum")(branches))
     model, x = _qat_fitted(keras.Model(image, L.Dense(2, name="head")(L.Flatten()(x))))
     for exporter, name in ((export_tflite, "m.tflite"), (export_onnx, "m.onnx")):
         result = exporter(model, tmp_path / name, probe=x)
         assert result.passed and result.float_ops == {}, (name, result.float_ops)
+
+
+@pytest.mark.slow
+def test_an_add_or_multiply_of_more_than_two_inputs_rounds_each_partial_result(tmp_path):
+    """A 4-input Add (then a ReLU) and a 3-input Multiply: each converter writes them as
+    chains of two-input ADDs and MULs, whose partial results are tensors of the file. The QAT
+    model rounds each partial result onto a grid of its own, so both files are integer
+    throughout, verified in both runtimes (both refused the file when the partial results
+    were float); the model round-trips through a .keras file."""
+    keras.utils.set_random_seed(0)
+    image = keras.Input((8, 8, 3), name="image")
+    branches = [
+        BN(name=f"bn_{i}")(L.Conv2D(4, 3, padding="same", name=f"conv_{i}")(image))
+        for i in range(4)
+    ]
+    x = L.ReLU(name="relu")(L.Add(name="sum")(branches))
+    gates = [L.Conv2D(4, 1, activation="relu", name=f"gate_{i}")(x) for i in range(2)]
+    x = L.Multiply(name="product")([x, *gates])
+    x = L.GlobalAveragePooling2D(name="gap")(x)
+    model, x_probe = _qat_fitted(keras.Model(image, L.Dense(2, name="head")(x)))
+    chains = {name: model.get_layer(f"{name}_qat") for name in ("sum", "product")}
+    partial = {
+        name: [
+            layer
+            for layer in chain.layers
+            if isinstance(layer, keras_bn.quantize.ActivationQuantizer)
+        ]
+        for name, chain in chains.items()
+    }
+    assert [len(partial["sum"]), len(partial["product"])] == [2, 1]
+    for quantizer in partial["sum"] + partial["product"]:
+        assert quantizer.range_initialized.numpy()
+    for exporter, name in ((export_tflite, "m.tflite"), (export_onnx, "m.onnx")):
+        result = exporter(model, tmp_path / name, probe=x_probe)
+        assert result.passed and result.float_ops == {}, (name, result.float_ops)
+    model.save(tmp_path / "m.keras")
+    loaded = keras.saving.load_model(tmp_path / "m.keras")
+    np.testing.assert_array_equal(
+        loaded.predict(x_probe, verbose=0), model.predict(x_probe, verbose=0)
+    )
 
 
 @pytest.mark.slow

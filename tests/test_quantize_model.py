@@ -643,6 +643,32 @@ def test_inputs_feeding_only_a_concatenate_share_its_scale():
     assert_close(_outputs(qat, x)[0], _outputs(folded, x)[0], 1e-6)
 
 
+@pytest.mark.parametrize("kind", ["add", "multiply"])
+def test_a_sum_or_product_of_three_inputs_rounds_its_partial_result(kind):
+    """Add or Multiply of three model inputs: ((a ∘ b) rounded) ∘ c, as the files compute it
+    (two-input ops, each partial result on a grid of its own), against numpy with the ranges
+    one training step set; the report names the partial result's quantizer."""
+    merge = {"add": (L.Add, np.add), "multiply": (L.Multiply, np.multiply)}[kind]
+    inputs = [keras.Input((6,), name=name) for name in "abc"]
+    model = keras.Model(inputs, merge[0](name="merge")(inputs))
+    qat, report = quantize_model(model, return_report=True)
+    assert report.quantized == {"merge": "merge_qat"}
+    assert report.quantizers["merge_qat/merge_1_quantizer"] == "merge"
+    rng = np.random.default_rng(0)
+    x = [rng.normal(size=(32, 6)).astype("float32") for _ in range(3)]
+    qat.compile("sgd", "mse")
+    qat.fit(x, x[0], batch_size=32, epochs=1, verbose=0)
+
+    def rounded(values, quantizer):
+        grid = quantizer.grid()
+        return ref.fake_quant_activations(values, grid.nudged_min, grid.nudged_max, grid.bits)
+
+    a, b, c = (rounded(v, qat.get_layer(f"{n}_quantizer")) for v, n in zip(x, "abc"))
+    partial = rounded(merge[1](a, b), qat.get_layer("merge_qat").get_layer("merge_1_quantizer"))
+    want = rounded(merge[1](partial, c), qat.get_layer("merge_quantizer"))
+    assert_close(_outputs(qat, x)[0], want, 1e-6)
+
+
 def test_activity_regularized_hosts_and_batch_norms_stay_float_with_their_loss_terms():
     """A QAT layer computes the host's linear map and the BN itself, never calling them, so it
     would drop their activity regularizers' loss terms: such a host or BN stays float (with the

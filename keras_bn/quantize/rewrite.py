@@ -84,7 +84,9 @@ def quantize_model(
       none follows a layer whose output keeps its input's scale (MaxPooling, Flatten,
       Reshape, padding, Dropout, ...) or whose scale the spec fixes (softmax, sigmoid, tanh);
       a layer feeding only a Concatenate leaves its own out, so both share the
-      Concatenate's scale (see `keras_bn.quantize.spec`);
+      Concatenate's scale (see `keras_bn.quantize.spec`); an (unshared) Add or Multiply of
+      three or more inputs is a nested model `<name>_qat` of two-input ones, left to right,
+      with a quantizer after each partial result, as both files compute it;
     - each AveragePooling1D/2D/3D rounds its output onto its input's grid, as TFLite's int8
       AVERAGE_POOL_2D does (halves away from the int8 zero): a layer that only it reads
       (directly or through Dropout, padding and the like) leaves its quantizer out, and the
@@ -479,9 +481,12 @@ class _ModelRewrite:
             return
         inputs_on_grid = all(self.on_grid.get(id(t), True) for t in node.input_tensors)
         if id(operation) not in self.outputs_on_grid:  # its first call
-            inner = self._copy(
-                operation, [self.on_grid.get(id(t), True) for t in node.input_tensors]
-            )
+            if self._chained(node):
+                inner = self._copy_chain(node)
+            else:
+                inner = self._copy(
+                    operation, [self.on_grid.get(id(t), True) for t in node.input_tensors]
+                )
             self.outputs_on_grid[id(operation)] = inner or [False] * len(node.outputs)
             after = [
                 self._output_layers(operation, tensor, on_grid, inputs_on_grid)
@@ -616,6 +621,46 @@ class _ModelRewrite:
         return ActivationQuantizer(
             self.settings.activation_bits, self.settings.range_momentum, name=name
         )
+
+    # An Add or Multiply of three or more inputs.
+
+    def _chained(self, node: Node) -> bool:
+        """Whether the node is an unshared Add or Multiply of three or more inputs, which
+        TFLite's converter (and tf2onnx) write as a chain of two-input ADDs (MULs): each
+        partial result is a tensor of the file and needs a scale of its own."""
+        operation = node.operation
+        return (
+            type(operation) in spec.CHAINED
+            and len(node.input_tensors) > 2
+            and not self.info.shared(operation)
+        )
+
+    def _copy_chain(self, node: Node) -> None:
+        """Copy a chained Add or Multiply as a nested model of two-input ones, left to right
+        as Keras computes it, with an ActivationQuantizer after each partial result; the
+        last result's quantizer (or a fused ReLU's) follows the nested model as any Add's."""
+        operation = node.operation
+        name = self._unique(f"{operation.name}_qat")
+        inputs = [
+            keras.Input(batch_shape=t.shape, dtype=t.dtype, name=f"{name}_input_{index}")
+            for index, t in enumerate(node.input_tensors)
+        ]
+        result = inputs[0]
+        for index, tensor in enumerate(inputs[1:], start=1):
+            if index > 1:
+                quantizer = ActivationQuantizer(
+                    self.settings.activation_bits,
+                    self.settings.range_momentum,
+                    name=f"{operation.name}_{index - 1}_quantizer",
+                )
+                self.findings.quantizers[f"{self.prefix}{name}/{quantizer.name}"] = (
+                    f"{self.prefix}{operation.name}"
+                )
+                result = quantizer(result)
+            step = type(operation)(name=f"{operation.name}_{index}", dtype=operation.dtype_policy)
+            result = step([result, tensor])
+        self.copies[id(operation)] = keras.Model(inputs, result, name=name)
+        self.findings.quantized[self.prefix + operation.name] = self.prefix + name
 
     # The float copies.
 

@@ -70,6 +70,9 @@ _PRESERVING = (
 #: The average pools (AVERAGES), which `QuantizedAveragePooling` computes.
 AVERAGING = (L.AveragePooling1D, L.AveragePooling2D, L.AveragePooling3D)
 _SHARING = (L.Concatenate, L.Maximum, L.Minimum)
+#: The operations that TFLite's converter writes as a chain of two-input operators when they
+#: have more inputs: each partial result gets a scale of its own.
+CHAINED = (L.Add, L.Multiply)
 #: The operations whose ReLU/ReLU6 TFLite fuses (ADD, SUB, MUL): a ReLU that is their only
 #: consumer takes over their output quantizer.
 RELU_FUSING = (L.Add, L.Subtract, L.Multiply)
