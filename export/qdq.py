@@ -211,6 +211,9 @@ def _remove(graph: onnx.GraphProto, nodes: Iterable[onnx.NodeProto], inputs: set
 # which only the last is rounded.
 # Ops that only move values: never named, whatever they carry.
 SHAPE_OPS = frozenset({"Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Identity"})
+# Ops that read their input's shape alone (an upsampling's Resize sizes come from one): they
+# compute on no value.
+_SHAPE_READERS = frozenset({"Shape", "Size"})
 # Ops whose result lies on their input's grid (values moved, selected, clamped or maxed): a
 # QuantizeLinear after them quantizes the op before them too, as TFLite gives a concatenation,
 # max pool or clamp its input's scale.
@@ -316,6 +319,8 @@ def float_ops(proto: onnx.ModelProto) -> list[str]:
         values = [value for value in node.input if value and value not in constants]
         if node.op_type == "QuantizeLinear" or node.output[0] in constants:
             continue  # quantizes whatever it reads; a constant computes nothing at run time
+        if node.op_type in _SHAPE_READERS:
+            continue
         if node.op_type == "DequantizeLinear":
             on_grid.update(node.output)
             continue
@@ -401,20 +406,29 @@ def _bias_add(
     return kernel is not None and kernel.op_type == "DequantizeLinear"
 
 
+# The ops whose output an export rounds as TFLite's int8 kernel does: an average pool's and a
+# bilinear upsampling's.
+_ROUNDED_AVERAGES = frozenset({"AveragePool", "Resize"})
+
+
 def _pool_roundings(
     graph: onnx.GraphProto, producers: dict[str, onnx.NodeProto], constants: set[str]
 ) -> set[int]:
-    """The ids of the nodes that round an AveragePool's halves as TFLite's int8 pool does
-    (`fake_quant.halves_away_from_int8_zero`: pool + Sign(pool − c)·c'): Sub, Sign, Mul, Add,
-    found by that structure (shape-only ops between them allowed)."""
+    """The ids of the nodes that round an AveragePool's (or a bilinear Resize's) halves as
+    TFLite's int8 kernel does (`fake_quant.round_halves`): away from the int8 zero, pool +
+    Sign(pool − c)·c' (Sub, Sign, Mul, Add), or up, Resize + c' (an Add), found by that
+    structure (shape-only ops between them allowed)."""
     found: set[int] = set()
     for add in graph.node:
         if add.op_type != "Add" or len(add.input) != 2:
             continue
         for pool_value, move_value in (add.input, reversed(add.input)):
             pool_value, pool = _source(pool_value, producers)
+            if pool is not None and pool.op_type == "Resize" and move_value in constants:
+                found.add(id(add))  # halves up: a constant added
+                continue
             _, mul = _source(move_value, producers)
-            if pool is None or pool.op_type != "AveragePool" or mul is None:
+            if pool is None or pool.op_type not in _ROUNDED_AVERAGES or mul is None:
                 continue
             if mul.op_type != "Mul" or not any(v in constants for v in mul.input):
                 continue

@@ -138,6 +138,35 @@ def average_pool_int8(indices, size):
     return away + 128
 
 
+def _resize_axis(out_len, in_len, factor):
+    """(low, high, w_low, w_high) per output position of a bilinear resize by an integer
+    factor along one axis, half-pixel centres: the source position (i + ½)/factor − ½ is
+    (2i + 1 − factor)/(2·factor), so integer weights over 2·factor, clamped at the edges."""
+    position = 2 * np.arange(out_len) + 1 - factor  # in units of 1/(2·factor)
+    low = np.maximum(position // (2 * factor), 0)
+    high = np.minimum(low + 1, in_len - 1)
+    fraction = np.clip(position - 2 * factor * low, 0, 2 * factor)
+    return low, high, 2 * factor - fraction, fraction
+
+
+def resize_bilinear_int8(indices, size):
+    """TFLite's int8 RESIZE_BILINEAR with half-pixel centres as LiteRT computes it, in
+    integers: channels-last (n, h, w, c) grid indices (int8 value index − 128) resized by
+    the integer factors `size` (rows, cols); each output is the exact weighted average of
+    its int8 neighbours, rounded halves up. Returns indices again."""
+    q = np.asarray(indices, np.int64) - 128
+    h, w = q.shape[1:3]
+    y0, y1, wy0, wy1 = _resize_axis(h * size[0], h, size[0])
+    x0, x1, wx0, wx1 = _resize_axis(w * size[1], w, size[1])
+    total = sum(
+        q[:, ys][:, :, xs] * (wy[None, :, None, None] * wx[None, None, :, None])
+        for ys, wy in ((y0, wy0), (y1, wy1))
+        for xs, wx in ((x0, wx0), (x1, wx1))
+    )
+    denominator = 4 * size[0] * size[1]
+    return (total + denominator // 2) // denominator + 128
+
+
 def _same_padding(size, kernel, stride, dilation):
     span = (kernel - 1) * dilation + 1
     out = -(-size // stride)

@@ -348,6 +348,44 @@ def test_an_average_pool_rounds_onto_its_inputs_grid_as_int8_does(fan_out, mode)
     assert np.any(sums == 2)
 
 
+@pytest.mark.parametrize("size", [2, 3, (2, 3)])
+@pytest.mark.parametrize("fan_out", [False, True], ids=["upsampling_only", "fan_out"])
+def test_a_bilinear_upsampling_rounds_onto_its_inputs_grid_as_int8_does(fan_out, size):
+    """A bilinear UpSampling2D's output is TFLite's int8 RESIZE_BILINEAR of its input's
+    integers on the input's own grid (numpy, in integers: 10-bit weights, halves up), whether
+    it quantizes its input itself or shares the grid of a quantizer other layers read (here a
+    nearest-neighbour one, which copies grid values and stays a plain copy)."""
+    image = keras.Input((6, 6, 3), name="image")
+    a = L.ReLU(name="a_relu")(BN(name="a_bn")(L.Conv2D(4, 3, padding="same", name="a")(image)))
+    outputs = [L.UpSampling2D(size, interpolation="bilinear", name="up")(a)]
+    if fan_out:
+        outputs.append(L.UpSampling2D(size, name="near")(a))
+    qat = quantize_model(randomise_batch_norms(keras.Model(image, outputs)))
+    if fan_out:
+        quantizer = qat.get_layer("a_qat_quantizer")
+        assert type(qat.get_layer("up")) is type(qat.get_layer("near")) is L.UpSampling2D
+        assert quantizer._inbound_nodes[-1].arguments.kwargs["halves"] == "up"
+        pooled = quantizer._inbound_nodes[-1].outputs[0]
+    else:
+        layer = qat.get_layer("up_qat")
+        assert isinstance(layer, QuantizedAveragePooling)
+        quantizer, pooled = layer.input_quantizer, layer.output
+    probe = keras.Model(qat.input, [qat.get_layer("a_qat").output, pooled])
+    rng = np.random.default_rng(1)
+    qat(rng.normal(size=(8, 6, 6, 3)).astype("float32"), training=True)  # sets the ranges
+    source, upsampled = (array(t) for t in probe(rng.normal(size=(8, 6, 6, 3)), training=False))
+    low, high = float(quantizer.range_min.numpy()), float(quantizer.range_max.numpy())
+    scale, zero_point = ref.activation_grid(low, high, 8)
+    rows, cols = (size, size) if isinstance(size, int) else size
+    indices = ref.activation_indices(source, low, high, 8)
+    want = (ref.resize_bilinear_int8(indices, (rows, cols)) - zero_point) * scale
+    # Inputs within float32's reach of a rounding boundary may round either way.
+    near_boundary = ref.distance_to_rounding_boundary(source, low, high, 8) < 1e-3
+    clear = ~np.repeat(np.repeat(near_boundary.any(axis=-1), rows, 1), cols, 2)
+    assert clear.mean() > 0.8
+    np.testing.assert_allclose(upsampled[clear], want[clear], rtol=0, atol=1e-3 * scale)
+
+
 @pytest.mark.parametrize("fan_out", [False, True], ids=["pool_only", "fan_out"])
 def test_a_saved_model_keeps_the_pools_grid(tmp_path, fan_out):
     """After a `.keras` round trip the pool still rounds onto its input's grid, in training
@@ -667,6 +705,19 @@ def test_a_sum_or_product_of_three_inputs_rounds_its_partial_result(kind):
     partial = rounded(merge[1](a, b), qat.get_layer("merge_qat").get_layer("merge_1_quantizer"))
     want = rounded(merge[1](partial, c), qat.get_layer("merge_quantizer"))
     assert_close(_outputs(qat, x)[0], want, 1e-6)
+
+
+def test_a_chains_layers_are_named_apart_from_the_models_own():
+    """A 3-input Add named "add" beside a later Add named "add_1": every variable path of the
+    QAT model is distinct (the chain's partial-result quantizer was once "add_1_quantizer",
+    as the later Add's is; under PyTorch equal paths are one state_dict entry, and one
+    range went missing from it)."""
+    inputs = [keras.Input((4,)) for _ in range(3)]
+    first = L.Add(name="add")(inputs)
+    qat = quantize_model(keras.Model(inputs, L.Add(name="add_1")([first, inputs[0]])))
+    paths = [variable.path for variable in qat.variables]
+    # 4 state variables in each quantizer: 3 inputs, the partial result, add, add_1
+    assert len(paths) == len(set(paths)) == 4 * 6, paths
 
 
 def test_activity_regularized_hosts_and_batch_norms_stay_float_with_their_loss_terms():

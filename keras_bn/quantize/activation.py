@@ -35,7 +35,7 @@ class ActivationQuantizer(ShapePreserving, keras.layers.Layer):
     Use it on a model's input and on the outputs of Add, Concatenate and global pooling
     layers; the QAT layers hold their own for their outputs. Called again on an average pool's
     output with `average_of` (and training=False), it rounds that onto its own grid, as an
-    int8 average pool does.
+    int8 average pool does (or a bilinear upsampling's, with `halves="up"`).
 
     Args:
         bits: 2..8, the grid's size 2^bits.
@@ -70,7 +70,13 @@ class ActivationQuantizer(ShapePreserving, keras.layers.Layer):
         for name in ("range_initialized", "ranges_frozen"):
             setattr(self, name, scalar_state(self, name, "bool"))
 
-    def call(self, inputs: Any, training: bool | None = None, average_of: int | None = None) -> Any:
+    def call(
+        self,
+        inputs: Any,
+        training: bool | None = None,
+        average_of: int | None = None,
+        halves: str = "away",
+    ) -> Any:
         """Fake-quantize `inputs`, first moving the range in training.
 
         Args:
@@ -80,13 +86,16 @@ class ActivationQuantizer(ShapePreserving, keras.layers.Layer):
             average_of: None, or the window size of the average pool whose output `inputs`
                 is, the pool's input being on this layer's grid: the range then stays as it
                 is, and halves round as TFLite's int8 AVERAGE_POOL_2D rounds them
-                (`fake_quant.halves_away_from_int8_zero`).
+                (`fake_quant.round_halves`).
+            halves: with `average_of`, how the int8 kernel rounds halves: "away" from the int8
+                zero (an average pool's) or "up" (a bilinear upsampling's, whose weighted
+                averages have weights in multiples of 1/`average_of`).
 
         Returns:
             The fake-quantized tensor (the input itself while no range has been observed).
         """
         low, high, initialized = self.batch_range(inputs, training and average_of is None)
-        return self.round_onto(inputs, low, high, initialized, average_of)
+        return self.round_onto(inputs, low, high, initialized, average_of, halves)
 
     def batch_range(self, inputs: Any, training: bool | None = None) -> tuple[Any, Any, Any]:
         """The range `call` rounds `inputs` onto: in training (and the layer trainable) the
@@ -109,7 +118,13 @@ class ActivationQuantizer(ShapePreserving, keras.layers.Layer):
         return low, high, initialized
 
     def round_onto(
-        self, inputs: Any, low: Any, high: Any, initialized: Any, average_of: int | None = None
+        self,
+        inputs: Any,
+        low: Any,
+        high: Any,
+        initialized: Any,
+        average_of: int | None = None,
+        halves: str = "away",
     ) -> Any:
         """`inputs` fake-quantized on the layer's `bits`-bit grid of [low, high] (a
         `batch_range`), or passed through where `initialized` is false.
@@ -120,6 +135,7 @@ class ActivationQuantizer(ShapePreserving, keras.layers.Layer):
             high: float32 scalar ≥ 0.
             initialized: bool scalar.
             average_of: as in `call`.
+            halves: as in `call`.
 
         Returns:
             The tensor in the layer's compute dtype.
@@ -127,7 +143,7 @@ class ActivationQuantizer(ShapePreserving, keras.layers.Layer):
         x = ops.cast(inputs, "float32")
         moved = x
         if average_of is not None:
-            moved = fake_quant.halves_away_from_int8_zero(x, low, high, self.bits, average_of)
+            moved = fake_quant.round_halves(x, low, high, self.bits, average_of, halves)
         quantized = backend.get().cond(
             initialized,
             lambda: fake_quant.fake_quant_activations(moved, low, high, self.bits),
@@ -231,11 +247,11 @@ class ActivationQuantizer(ShapePreserving, keras.layers.Layer):
 
         from keras_bn.backend.tensorflow.fake_quant import export_activations  # writers: TF
 
-        def quantize(inputs: Any, average_of: int | None = None) -> Any:
+        def quantize(inputs: Any, average_of: int | None = None, halves: str = "away") -> Any:
             x = ops.cast(inputs, "float32")
             if average_of is not None and halves_as_ops:
-                x = fake_quant.halves_away_from_int8_zero(
-                    x, grid.minimum, grid.maximum, grid.bits, average_of
+                x = fake_quant.round_halves(
+                    x, grid.minimum, grid.maximum, grid.bits, average_of, halves
                 )
             return export_activations(x, grid)
 

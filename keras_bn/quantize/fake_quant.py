@@ -444,6 +444,40 @@ def activation_grid(minimum: float, maximum: float, bits: int) -> ActivationGrid
     )
 
 
+#: How an int8 kernel rounds the halves of an average onto its input's grid: "away" from
+#: the int8 zero (AVERAGE_POOL_2D), or "up" (RESIZE_BILINEAR, whose kernel adds ½ and shifts).
+HALVES = ("away", "up")
+
+
+def round_halves(
+    average: typing.Any,
+    minimum: typing.Any | float,
+    maximum: typing.Any | float,
+    bits: int,
+    window: int,
+    halves: str,
+) -> typing.Any:
+    """An average of on-grid values moved so that `fake_quant_activations` on [minimum,
+    maximum] rounds its halves as the int8 kernel that computed it does (`HALVES`), and every
+    other value as before: `halves_away_from_int8_zero`, or a move up by a quarter of the
+    least distance from a half (a half of the grid then rounds up whatever float error it
+    carries, as the kernel's (n + ½·2^20) >> 20 does).
+
+    Args:
+        average: float32 tensor, each value a sum of on-grid values with weights in multiples
+            of 1/`window`.
+        minimum, maximum, bits: the grid, as `fake_quant_activations` receives it.
+        window: that count.
+        halves: "away" or "up".
+
+    Returns:
+        The moved tensor.
+    """
+    if halves == "up":
+        return average + activation_step(minimum, maximum, bits) / (4.0 * window)
+    return halves_away_from_int8_zero(average, minimum, maximum, bits, window)
+
+
 def halves_away_from_int8_zero(
     average: typing.Any,
     minimum: typing.Any | float,

@@ -50,16 +50,18 @@ class QuantizedAveragePooling(keras.layers.Layer):
     ) -> None:
         super().__init__(**kwargs)
         self.pool, self._pool_config = hosts.deserialize(pool)
-        if type(self.pool) not in spec.AVERAGING:
+        if spec.role(self.pool) != spec.AVERAGES:
             raise ValueError(
                 f"Layer '{self.pool.name}' ({type(self.pool).__name__}) is no average pool: "
                 f"QuantizedAveragePooling computes exactly "
-                f"{', '.join(cls.__name__ for cls in spec.AVERAGING)}."
+                f"{', '.join(cls.__name__ for cls in spec.AVERAGING)} and a bilinear "
+                f"UpSampling2D."
             )
         self.bits: int = fake_quant.validate_bits(bits, "bits")
         self.momentum = validate_momentum(momentum, "momentum")
         self.input_quantizer = ActivationQuantizer(bits, momentum, name="input_quantizer")
         self.window = window_size(self.pool)
+        self.halves = halves_of(self.pool)
 
     def build(self, input_shape: Any) -> None:
         """Build the pool for `input_shape`, and the quantizer.
@@ -84,7 +86,7 @@ class QuantizedAveragePooling(keras.layers.Layer):
         quantizer = self.input_quantizer
         low, high, initialized = quantizer.batch_range(inputs, training)
         pooled = self.pool(quantizer.round_onto(inputs, low, high, initialized))
-        return quantizer.round_onto(pooled, low, high, initialized, self.window)
+        return quantizer.round_onto(pooled, low, high, initialized, self.window, self.halves)
 
     def grid_quantizer(self) -> ActivationQuantizer:
         """The quantizer whose grid the layer's output lies on: its input's.
@@ -111,7 +113,8 @@ class QuantizedAveragePooling(keras.layers.Layer):
         quantize = self.input_quantizer.export_function(halves_as_ops)
 
         def infer(inputs: Any) -> Any:
-            return quantize(self.pool(quantize(inputs)), average_of=self.window)
+            pooled = self.pool(quantize(inputs))
+            return quantize(pooled, average_of=self.window, halves=self.halves)
 
         return infer
 
@@ -142,12 +145,30 @@ class QuantizedAveragePooling(keras.layers.Layer):
 
 
 def window_size(pool: keras.layers.Layer) -> int:
-    """How many values the window of an average pool holds (the product of its pool_size).
+    """A count n such that every output of `pool` is a sum of its input's values with weights
+    in multiples of 1/n: an average pool's window size (the product of its pool_size); for a
+    bilinear UpSampling2D by (s, t), 4·s·t (half-pixel centres put each source position
+    (i + ½)/s − ½ on a multiple of 1/(2s), on each axis).
 
     Args:
-        pool: an AveragePooling1D/2D/3D layer.
+        pool: an AveragePooling1D/2D/3D layer or a bilinear UpSampling2D.
 
     Returns:
         int.
     """
+    if spec.is_bilinear_upsampling(pool):
+        return 4 * math.prod(pool.size)
     return math.prod(pool.pool_size)
+
+
+def halves_of(pool: keras.layers.Layer) -> str:
+    """How the int8 kernel of `pool` rounds its halves (`fake_quant.HALVES`): "up" for a
+    bilinear UpSampling2D (RESIZE_BILINEAR), "away" from the int8 zero for an average pool.
+
+    Args:
+        pool: an AveragePooling1D/2D/3D layer or a bilinear UpSampling2D.
+
+    Returns:
+        "up" or "away".
+    """
+    return "up" if spec.is_bilinear_upsampling(pool) else "away"

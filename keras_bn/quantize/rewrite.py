@@ -36,7 +36,7 @@ from keras_bn.quantize import fake_quant, hosts, spec
 from keras_bn.quantize.activation import ActivationQuantizer, validate_momentum
 from keras_bn.quantize.factory import from_layers, fusable_activation
 from keras_bn.quantize.layers import QuantizedHost, QuantizedHostBatchNorm, batch_norm_refusal
-from keras_bn.quantize.pooling import QuantizedAveragePooling, window_size
+from keras_bn.quantize.pooling import QuantizedAveragePooling, halves_of, window_size
 from keras_bn.quantize.report import KeptLayer, QuantizationReport
 
 L = keras.layers
@@ -88,7 +88,8 @@ def quantize_model(
       three or more inputs is a nested model `<name>_qat` of two-input ones, left to right,
       with a quantizer after each partial result, as both files compute it;
     - each AveragePooling1D/2D/3D rounds its output onto its input's grid, as TFLite's int8
-      AVERAGE_POOL_2D does (halves away from the int8 zero): a layer that only it reads
+      AVERAGE_POOL_2D does (halves away from the int8 zero), and so does a bilinear
+      UpSampling2D, as RESIZE_BILINEAR does (halves up): a layer that only it reads
       (directly or through Dropout, padding and the like) leaves its quantizer out, and the
       pool becomes a `QuantizedAveragePooling`, which quantizes its input and rounds its
       output onto that one grid; where other layers read the input too, its quantizer (one in
@@ -481,8 +482,9 @@ class _ModelRewrite:
             return
         inputs_on_grid = all(self.on_grid.get(id(t), True) for t in node.input_tensors)
         if id(operation) not in self.outputs_on_grid:  # its first call
+            inner = None
             if self._chained(node):
-                inner = self._copy_chain(node)
+                self._copy_chain(node)
             else:
                 inner = self._copy(
                     operation, [self.on_grid.get(id(t), True) for t in node.input_tensors]
@@ -559,13 +561,13 @@ class _ModelRewrite:
             if source is not None and functional and not self.info.shared(pool):
                 self.copies[id(pool)] = rebuild.copy_layer(pool)
                 # The quantizer called again (`__call__` spelt out for mypy's partial, which
-                # cannot see a Keras layer's).
+                # cannot see a Keras layer's); `halves` only where it is not the default, so
+                # that the call's saved arguments stay those of files saved before it existed.
+                rounding: dict[str, Any] = {"average_of": window_size(pool)}
+                if halves_of(pool) != "away":
+                    rounding["halves"] = halves_of(pool)
                 self.after[id(pool)] = [
-                    [
-                        functools.partial(
-                            source.__call__, training=False, average_of=window_size(pool)
-                        )
-                    ]
+                    [functools.partial(source.__call__, training=False, **rounding)]
                 ]
             else:
                 source = None
@@ -638,7 +640,9 @@ class _ModelRewrite:
     def _copy_chain(self, node: Node) -> None:
         """Copy a chained Add or Multiply as a nested model of two-input ones, left to right
         as Keras computes it, with an ActivationQuantizer after each partial result; the
-        last result's quantizer (or a fused ReLU's) follows the nested model as any Add's."""
+        last result's quantizer (or a fused ReLU's) follows the nested model as any Add's.
+        Its layers' names are unique in the outer model too: a variable's path is its
+        layer's name, and two equal paths are one entry of a torch state_dict."""
         operation = node.operation
         name = self._unique(f"{operation.name}_qat")
         inputs = [
@@ -651,13 +655,15 @@ class _ModelRewrite:
                 quantizer = ActivationQuantizer(
                     self.settings.activation_bits,
                     self.settings.range_momentum,
-                    name=f"{operation.name}_{index - 1}_quantizer",
+                    name=self._unique(f"{operation.name}_{index - 1}_quantizer"),
                 )
                 self.findings.quantizers[f"{self.prefix}{name}/{quantizer.name}"] = (
                     f"{self.prefix}{operation.name}"
                 )
                 result = quantizer(result)
-            step = type(operation)(name=f"{operation.name}_{index}", dtype=operation.dtype_policy)
+            step = type(operation)(
+                name=self._unique(f"{operation.name}_{index}"), dtype=operation.dtype_policy
+            )
             result = step([result, tensor])
         self.copies[id(operation)] = keras.Model(inputs, result, name=name)
         self.findings.quantized[self.prefix + operation.name] = self.prefix + name

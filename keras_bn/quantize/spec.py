@@ -12,8 +12,9 @@ operators. Each operation of a Keras model falls in one of five roles:
   (MAX_POOL_2D, RESHAPE, PAD, SLICE, TRANSPOSE, SQUEEZE, SPACE_TO_DEPTH, RESIZE_BILINEAR,
   ...), and the layers that are the identity at inference (Dropout and the like): the output
   lies on its input's grid, so no quantizer of its own.
-- AVERAGES: the same restriction (AVERAGE_POOL_2D), but an average of grid values mostly lies
-  between two of them, and the int8 kernel rounds it back onto the grid. The layer becomes a
+- AVERAGES: the same restriction (AVERAGE_POOL_2D, and RESIZE_BILINEAR: a bilinear
+  UpSampling2D), but an average of grid values (a weighted one, for the upsampling) mostly
+  lies between two of them, and the int8 kernel rounds it back onto the grid. The layer becomes a
   `QuantizedAveragePooling`, which quantizes its input and rounds its output onto that same
   grid (one range, shared); a producer whose only consumer it is leaves its own quantizer
   out, as for SHARES.
@@ -67,7 +68,8 @@ _PRESERVING = (
     L.AlphaDropout,
     L.ActivityRegularization,
 )
-#: The average pools (AVERAGES), which `QuantizedAveragePooling` computes.
+#: The average pools (AVERAGES), which `QuantizedAveragePooling` computes, as it computes a
+#: bilinear UpSampling2D.
 AVERAGING = (L.AveragePooling1D, L.AveragePooling2D, L.AveragePooling3D)
 _SHARING = (L.Concatenate, L.Maximum, L.Minimum)
 #: The operations that TFLite's converter writes as a chain of two-input operators when they
@@ -97,6 +99,19 @@ def fixed_step(operation: keras.Operation) -> float | None:
     return FIXED_STEPS[keras.activations.serialize(operation.activation)]
 
 
+def is_bilinear_upsampling(operation: keras.Operation) -> bool:
+    """Whether `operation` is exactly a bilinear UpSampling2D: each output a weighted average of
+    its input's values (the nearest-neighbour one copies them, and keeps their grid).
+
+    Args:
+        operation: a Keras layer or operation.
+
+    Returns:
+        bool.
+    """
+    return type(operation) is L.UpSampling2D and operation.interpolation == "bilinear"
+
+
 def role(operation: keras.Operation) -> str:
     """The operation's role: OWN, PRESERVES, AVERAGES, SHARES or FIXED (see the module
     docstring).
@@ -108,10 +123,10 @@ def role(operation: keras.Operation) -> str:
         One of the five role strings.
     """
     kind = type(operation)
+    if kind in AVERAGING or is_bilinear_upsampling(operation):
+        return AVERAGES
     if kind in _PRESERVING:
         return PRESERVES
-    if kind in AVERAGING:
-        return AVERAGES
     if kind in _SHARING:
         return SHARES
     if kind is L.Softmax:
