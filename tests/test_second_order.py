@@ -257,6 +257,48 @@ def test_torch_func_grad_jvp_and_hessian_vector_products(shape, axis, mask_shape
 
 
 @pytest.mark.backends("torch")
+def test_a_gradient_penalty_through_torch_compile_is_refused_as_for_keras_bn():
+    """torch.compile's AOTAutograd refuses a double backward through a compiled call, with a
+    clear RuntimeError, for Keras's BatchNormalization as for keras_bn's: no second derivative
+    comes out, so none comes out wrong. Eager, the same penalty's gradients equal Keras BN's."""
+    import keras
+    import torch
+
+    shape = (8, 5)
+    layers = {
+        "keras_bn": keras_bn.BatchNormalization(epsilon=EPS),
+        "keras": keras.layers.BatchNormalization(epsilon=EPS),
+    }
+    rng = np.random.default_rng(0)
+    gamma, beta = rng.normal(1.0, 0.5, 5), rng.normal(0.0, 0.5, 5)
+    for layer in layers.values():
+        layer.build(shape)
+        layer.gamma.assign(gamma)
+        layer.beta.assign(beta)
+    x0 = rng.normal(1.0, 2.0, shape).astype("float32")
+    u = torch.tensor(rng.normal(size=shape).astype("float32"))
+
+    def penalty_gradients(layer, call):
+        x = torch.tensor(x0, requires_grad=True)
+        (grad_x,) = torch.autograd.grad(torch.sum(call(x) * u), x, create_graph=True)
+        return torch.autograd.grad(torch.sum(grad_x**2), [x, layer.gamma.value])
+
+    eager = {
+        name: penalty_gradients(layer, lambda t, layer=layer: layer(t, training=True))
+        for name, layer in layers.items()
+    }
+    for got, want in zip(eager["keras_bn"], eager["keras"]):
+        _close(array(got), array(want), FLOAT32_TOLERANCE)
+    for layer in layers.values():
+        torch._dynamo.reset()
+        compiled = torch.compile(
+            lambda t, layer=layer: layer(t, training=True), backend="aot_eager"
+        )
+        with pytest.raises(RuntimeError, match="does not currently support double backward"):
+            penalty_gradients(layer, compiled)
+
+
+@pytest.mark.backends("torch")
 @pytest.mark.parametrize("masked", [False, True], ids=["unmasked", "masked"])
 def test_torch_func_vmap_normalizes_each_slice_as_its_own_batch(masked):
     """torch.func.vmap over the layer's maths, and per-sample gradients (vmap of grad) and
