@@ -106,7 +106,9 @@ class BatchNormalization(ShapePreserving, keras.layers.Layer):
             and a non-finite statistic on any replica skips the update on all of them.
             Under JAX there are no replicas: with `keras.distribution.DataParallel` the batch
             is one array sharded over the devices, and its statistics are the global batch's
-            whatever `synchronized` says.
+            whatever `synchronized` says. Under PyTorch, True spans the processes of
+            torch.distributed's default group (SyncBatchNorm's semantics; first-order
+            gradients only), and is plain BN without one.
         **kwargs: base layer arguments (`name`, `dtype`, `trainable`, ...).
 
     Raises:

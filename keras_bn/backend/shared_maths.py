@@ -224,7 +224,7 @@ def normalize_forward(x, gamma, beta, mask, channel_axes, epsilon):
     return outputs, (source, scale, shift, offset, inv, mask, count)
 
 
-def normalize_backward(dy, saved, channel_axes):
+def normalize_backward(dy, saved, channel_axes, all_sum=None):
     """(∂l/∂x, ∂l/∂γ, ∂l/∂β) from the upstream `dy` and `normalize_forward`'s `saved`: the
     paper's gradients, with x̂ = ((x − K) − Δμ)·inv never written out:
 
@@ -233,7 +233,10 @@ def normalize_backward(dy, saved, channel_axes):
                                           c = a·(Δμ·inv·Σg·x̂ − Σg)/m,
 
     which is γ·inv·(g − w·(Σg + x̂·Σg·x̂)/m) regrouped per channel, so that ∂l/∂x is one
-    elementwise pass. `saved` holds x, or x − K itself where the forward kept it (torch)."""
+    elementwise pass. `saved` holds x, or x − K itself where the forward kept it (torch).
+    Synchronized BN passes `all_sum`, which sums (Σg, Σg·x̂) over the processes for ∂l/∂x
+    (m is then the global count); ∂l/∂γ and ∂l/∂β stay this process's, as for every other
+    weight's gradient."""
     source, scale, shift, offset, inv, mask, count = saved
     xp = arrays_of(source)
     reuse = not xp.FUSES_ELEMENTWISE
@@ -241,9 +244,12 @@ def normalize_backward(dy, saved, channel_axes):
     sum_dy = xp.sum(dy, axes, keepdims=True)
     centered = source if reuse else source - xp.materialized(shift)
     sum_dy_x_hat = inv * (xp.sum(dy * centered, axes, keepdims=True) - offset * sum_dy)
+    total_dy, total_dy_x_hat = (
+        (sum_dy, sum_dy_x_hat) if all_sum is None else all_sum(sum_dy, sum_dy_x_hat)
+    )
     m = count if mask is None else xp.at_least(count, 1.0)
-    slope = -scale * inv * sum_dy_x_hat / m
-    intercept = scale * (offset * inv * sum_dy_x_hat - sum_dy) / m
+    slope = -scale * inv * total_dy_x_hat / m
+    intercept = scale * (offset * inv * total_dy_x_hat - total_dy) / m
     scale_m, slope_m, intercept_m, shift_m = xp.materialized(scale, slope, intercept, shift)
     if not reuse:
         # XLA recomputes x − K inside dx's loop for free; reusing `centered` would write it

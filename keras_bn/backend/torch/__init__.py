@@ -4,8 +4,10 @@ Every name in keras_bn/backend/jax/__init__.py is here too, with the same signat
 interface is listed in keras_bn/backend/__init__.py): keras_bn/backend/shared_maths.py holds
 the batch norm's maths (the JAX backend's too), ops.py what is PyTorch's own (the
 autograd.Function, torch.compile), fake_quant.py TensorFlow's FakeQuant kernels bit for bit.
-Keras's PyTorch backend runs eagerly and has no replicas: `replica_context` is None,
-`pool_statistics` pools nothing, and `compiled` and `specialized` return the function as it is.
+Keras's PyTorch backend runs eagerly and has no distribution API: synchronized BN spans the
+processes of torch.distributed's default group (distributed.py: `replica_context`,
+`element_count`), whose statistics are already global, so `pool_statistics` pools nothing;
+`compiled` and `specialized` return the function as it is.
 """
 
 import torch
@@ -14,6 +16,7 @@ from keras_bn.backend import INTERFACE, shared_maths
 from keras_bn.backend.shared_maths import *  # noqa: F403
 from keras_bn.backend.torch import arrays
 from keras_bn.backend.torch.arrays import statistics_dtype, torch_dtype
+from keras_bn.backend.torch.distributed import *  # noqa: F403
 from keras_bn.backend.torch.fake_quant import *  # noqa: F403
 from keras_bn.backend.torch.ops import *  # noqa: F403
 

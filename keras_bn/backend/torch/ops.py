@@ -16,6 +16,7 @@ import keras
 import torch
 
 from keras_bn.backend import INTERFACE, shared_maths
+from keras_bn.backend.torch import distributed
 from keras_bn.backend.torch.arrays import statistics_dtype, torch_dtype
 
 
@@ -176,10 +177,15 @@ def batch_norm_train(
     x, gamma, beta, channel_axes, epsilon, mask=None, fused=None, replica_context=None
 ):
     """Train-mode batch normalization with the hand-written backward (`_Normalize`): the
-    arguments and results of the JAX backend's `batch_norm_train`, in tensors; `fused` and
-    `replica_context` unused (one path, no replicas)."""
-    del fused, replica_context
+    arguments and results of the JAX backend's `batch_norm_train`, in tensors; `fused`
+    unused (one path). With a `replica_context` (synchronized BN under torch.distributed,
+    distributed.py) the statistics and the backward's sums span every process."""
+    del fused
     x = x.to(statistics_dtype(x.dtype))
+    if replica_context is not None:
+        return distributed.batch_norm_train_synchronized(
+            x, gamma, beta, channel_axes, epsilon, mask, replica_context
+        )
     function = _NormalizeCompiled if torch.compiler.is_compiling() else _Normalize
     outputs = function.apply(x, gamma, beta, mask, tuple(channel_axes), float(epsilon))
     return outputs[:3]  # y, mean, variance; the rest is what the backward reads

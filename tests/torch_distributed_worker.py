@@ -1,0 +1,108 @@
+"""One process of tests/test_torch_distributed.py, and the one-process reference it compares
+with: synchronized BN under torch.distributed (gloo on 127.0.0.1), no TensorFlow.
+
+    KERAS_BACKEND=torch python torch_distributed_worker.py RANK WORLD PORT DATA.npz OUT.npz
+        [--die RANK]
+
+DATA.npz holds the global batches and each process's share (`splits`, the first index of
+each process's rows). `train` runs the custom training loop docs/guide/distributed.md shows:
+a small CNN with three synchronized BNs (one on a residual branch), the loss summed over the
+samples, each gradient summed over the processes (all_reduce) and an SGD step. Every variable
+(the moving statistics included) goes to OUT.npz; with WORLD 1 (no process group) the same
+loop on the global batch is the reference. With --die RANK that process exits after joining
+the group, before its first step; the others record the error their step raises and keep
+their variables (OUT.npz then holds `error` and the moving statistics).
+"""
+
+import datetime
+import os
+import sys
+
+os.environ.setdefault("KERAS_BACKEND", "torch")
+
+import keras
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import keras_bn
+
+L = keras.layers
+LEARNING_RATE = 0.05
+# Only catches a hang (a peer that died): the collectives wait this long, then raise.
+COLLECTIVE_TIMEOUT_S = 60
+
+
+def build_model():
+    """Conv–BN–ReLU, a 1×1 Conv–BN residual branch added back, GAP, Dense–BN, Dense."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8, 8, 3))
+    h = L.ReLU()(
+        keras_bn.BatchNormalization(synchronized=True, momentum=0.5)(
+            L.Conv2D(4, 3, padding="same")(inputs)
+        )
+    )
+    branch = keras_bn.BatchNormalization(synchronized=True, momentum=0.5)(L.Conv2D(4, 1)(h))
+    h = L.GlobalAveragePooling2D()(L.Add()([h, branch]))
+    h = keras_bn.BatchNormalization(synchronized=True, momentum=0.5)(L.Dense(6)(h))
+    return keras.Model(inputs, L.Dense(3)(h))
+
+
+def train(model, batches):
+    """SGD on sum-of-squares losses, one step per (x, y) batch: the gradients summed over the
+    processes where a process group runs. Returns every variable's value."""
+    loss_fn = keras.losses.MeanSquaredError(reduction="sum")
+    for x, y in batches:
+        loss = loss_fn(torch.as_tensor(y), model(torch.as_tensor(x), training=True))
+        loss.backward()
+        for variable in model.trainable_variables:
+            gradient = variable.value.grad
+            if dist.is_initialized():
+                dist.all_reduce(gradient, op=dist.ReduceOp.SUM)
+            with torch.no_grad():
+                variable.assign(variable.value - LEARNING_RATE * gradient)
+            variable.value.grad = None
+    return [np.asarray(keras.ops.convert_to_numpy(v)) for v in model.variables]
+
+
+def shares(data, rank):
+    """Each global batch's rows of this process."""
+    starts = list(data["splits"]) + [len(data["x"][0])]
+    rows = slice(starts[rank], starts[rank + 1])
+    return [(x[rows], y[rows]) for x, y in zip(data["x"], data["y"])]
+
+
+def main(rank, world, port, data_path, out_path, dies=None):
+    if world > 1:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        )
+    data = np.load(data_path)
+    model = build_model()
+    if dies == rank:
+        os._exit(3)
+    if dies is not None:
+        try:
+            train(model, shares(data, rank))
+        except RuntimeError as error:
+            moving = [
+                np.asarray(keras.ops.convert_to_numpy(v))
+                for v in model.variables
+                if "moving" in v.path
+            ]
+            np.savez(out_path, *moving, error=str(error))
+        return
+    values = train(model, shares(data, rank) if world > 1 else list(zip(data["x"], data["y"])))
+    np.savez(out_path, *values)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    rank, world, port = (int(v) for v in sys.argv[1:4])
+    dies = int(sys.argv[7]) if len(sys.argv) > 7 and sys.argv[6] == "--die" else None
+    main(rank, world, port, *sys.argv[4:6], dies=dies)
