@@ -598,6 +598,34 @@ def test_a_bilinear_upsampling_is_written_by_both_formats_as_the_qat_model_round
         assert len(errors) >= 2 and all(e.max_lsb < most for e in errors), (name, errors)
 
 
+AVERAGING = {
+    "avg": lambda name: L.AveragePooling2D(2, name=name),
+    "up": lambda name: L.UpSampling2D(2, interpolation="bilinear", name=name),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("second", sorted(AVERAGING))
+@pytest.mark.parametrize("first", sorted(AVERAGING))
+def test_two_averaging_layers_in_a_row_share_one_grid_in_both_formats(first, second, tmp_path):
+    """An average pool or bilinear upsampling that alone reads another: both average on
+    one grid, as one int8 scale in the file (TFLite's converter refused the second when it
+    quantized its input on a range of its own, and onnxruntime was up to 2 LSB off), and
+    both runtimes give the QAT model's outputs."""
+    keras.utils.set_random_seed(0)
+    image = keras.Input((8, 8, 3), name="image")
+    x = L.ReLU(name="a_relu")(BN(name="a_bn")(L.Conv2D(4, 3, padding="same", name="a")(image)))
+    x = AVERAGING[second]("second")(AVERAGING[first]("first")(x))
+    x = L.GlobalAveragePooling2D(name="gap")(L.Conv2D(4, 3, padding="same", name="b")(x))
+    model, x = _qat_fitted(keras.Model(image, L.Dense(2, name="head")(x)))
+    assert model.get_layer("first_qat").then[0].name == "second"
+    for exporter, name in ((export_tflite, "m.tflite"), (export_onnx, "m.onnx")):
+        result = exporter(model, tmp_path / name, probe=x)
+        assert result.passed and result.float_ops == {}, (name, result.float_ops)
+        errors = [e for output in result.lsb_errors.values() for e in output.values()]
+        assert all(e.max_lsb < 1 + 1e-3 and e.off_share < 0.01 for e in errors), (name, errors)
+
+
 @pytest.mark.slow
 def test_a_concatenation_of_the_models_inputs_is_no_float_op(tmp_path):
     """Two inputs concatenated before the first QAT layer: the QuantizeLinear after the Concat

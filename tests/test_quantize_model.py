@@ -386,6 +386,45 @@ def test_a_bilinear_upsampling_rounds_onto_its_inputs_grid_as_int8_does(fan_out,
     np.testing.assert_allclose(upsampled[clear], want[clear], rtol=0, atol=1e-3 * scale)
 
 
+def test_an_average_pool_then_a_bilinear_upsampling_average_on_one_grid(tmp_path):
+    """AveragePooling2D, then a bilinear UpSampling2D that alone reads it: one
+    QuantizedAveragePooling with two stages on one grid (a second quantizer, on a range of
+    its own, would give the file two scales on the upsampling's sides, which TFLite's
+    converter refuses), against numpy's int8 pool then int8 resize; the stages survive a
+    .keras round trip."""
+    image = keras.Input((8, 8, 3), name="image")
+    a = L.ReLU(name="a_relu")(BN(name="a_bn")(L.Conv2D(4, 3, padding="same", name="a")(image)))
+    pooled = L.AveragePooling2D(2, name="avg")(a)
+    up = L.UpSampling2D(2, interpolation="bilinear", name="up")(pooled)
+    qat, report = quantize_model(randomise_batch_norms(keras.Model(image, up)), return_report=True)
+    layer = qat.get_layer("avg_qat")
+    assert [type(stage) for stage in (layer.pool, *layer.then)] == [
+        L.AveragePooling2D,
+        L.UpSampling2D,
+    ]
+    assert report.quantized["avg"] == report.quantized["up"] == "avg_qat"
+    rng = np.random.default_rng(3)
+    qat(rng.normal(size=(8, 8, 8, 3)).astype("float32"), training=True)  # sets the range
+    x = rng.normal(size=(8, 8, 8, 3)).astype("float32")
+    probe = keras.Model(qat.input, [qat.get_layer("a_qat").output, qat.output])
+    source, got = (array(t) for t in probe(x, training=False))
+    grid = layer.input_quantizer.grid()
+    low, high = (
+        float(layer.input_quantizer.range_min.numpy()),
+        float(layer.input_quantizer.range_max.numpy()),
+    )
+    indices = ref.activation_indices(source, low, high, 8)
+    upsampled = ref.resize_bilinear_int8(ref.average_pool_int8(indices, 2), (2, 2))
+    want = (upsampled - grid.zero_point) * grid.scale
+    near = ref.distance_to_rounding_boundary(source, low, high, 8) < 1e-3
+    clear = ~np.repeat(np.repeat(near.reshape(8, 4, 2, 4, 2, 4).any(axis=(2, 4, 5)), 2, 1), 2, 2)
+    assert clear.mean() > 0.8
+    np.testing.assert_allclose(got[clear], want[clear], rtol=0, atol=1e-3 * grid.scale)
+    qat.save(tmp_path / "qat.keras")
+    loaded = keras.saving.load_model(tmp_path / "qat.keras")
+    np.testing.assert_array_equal(array(loaded(x, training=False)), array(qat(x, training=False)))
+
+
 @pytest.mark.parametrize("fan_out", [False, True], ids=["pool_only", "fan_out"])
 def test_a_saved_model_keeps_the_pools_grid(tmp_path, fan_out):
     """After a `.keras` round trip the pool still rounds onto its input's grid, in training

@@ -466,7 +466,9 @@ def round_halves(
     Args:
         average: float32 tensor, each value a sum of on-grid values with weights in multiples
             of 1/`window`.
-        minimum, maximum, bits: the grid, as `fake_quant_activations` receives it.
+        minimum: the range's low end (≤ 0), as `fake_quant_activations` receives it.
+        maximum: its high end (≥ 0).
+        bits: 2..8.
         window: that count.
         halves: "away" or "up".
 

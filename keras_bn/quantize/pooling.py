@@ -11,7 +11,7 @@ onto the same grid, the range shared, never learned for the output.
 """
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
@@ -26,19 +26,23 @@ class QuantizedAveragePooling(keras.layers.Layer):
     `input_quantizer` (an `ActivationQuantizer`), and the pooled output's, the same grid.
 
     y = FQ(pool(FQ(x))), both FQ on the range `input_quantizer` holds (in training, the range
-    this batch moved it to). `quantize_model` puts one in place of each AveragePooling1D/2D/3D
-    layer.
+    this batch moved it to); with `then`, each further pool rounds onto that grid again, as
+    consecutive int8 ops of one scale do. `quantize_model` puts one in place of each
+    AveragePooling1D/2D/3D layer and bilinear UpSampling2D, and of a run of them that each
+    alone read the one before.
 
     Args:
         pool: the pooling layer, or its `keras.layers.serialize` dict: exactly
-            AveragePooling1D, AveragePooling2D or AveragePooling3D. Only its config is used.
+            AveragePooling1D, AveragePooling2D, AveragePooling3D or a bilinear UpSampling2D.
+            Only its config is used.
         bits: 2..8, the grid's bits.
         momentum: the input range's EMA momentum, in [0, 1).
+        then: more such layers (or dicts), applied in order after `pool`.
         **kwargs: base layer arguments (`name`, `trainable`, ...).
 
     Raises:
-        ValueError: `pool` is not one of the three classes, or `bits` or `momentum` is out of
-            range (the message names the value).
+        ValueError: `pool` or a layer of `then` is not one of those, or `bits` or `momentum`
+            is out of range (the message names the value).
     """
 
     def __init__(
@@ -46,31 +50,49 @@ class QuantizedAveragePooling(keras.layers.Layer):
         pool: "keras.layers.Layer | dict",
         bits: int = 8,
         momentum: float = 0.99,
+        then: "Sequence[keras.layers.Layer | dict]" = (),
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self.pool, self._pool_config = hosts.deserialize(pool)
-        if spec.role(self.pool) != spec.AVERAGES:
-            raise ValueError(
-                f"Layer '{self.pool.name}' ({type(self.pool).__name__}) is no average pool: "
-                f"QuantizedAveragePooling computes exactly "
-                f"{', '.join(cls.__name__ for cls in spec.AVERAGING)} and a bilinear "
-                f"UpSampling2D."
-            )
+        self.pool, self._pool_config = _averaging(pool)
         self.bits: int = fake_quant.validate_bits(bits, "bits")
         self.momentum = validate_momentum(momentum, "momentum")
         self.input_quantizer = ActivationQuantizer(bits, momentum, name="input_quantizer")
         self.window = window_size(self.pool)
         self.halves = halves_of(self.pool)
+        self.then: list[keras.layers.Layer] = []
+        self._then_configs: list[dict] = []
+        for layer in then:
+            self.add_stage(layer)
+
+    def add_stage(self, layer: "keras.layers.Layer | dict") -> None:
+        """Average again after the pool, onto the same grid: a layer (an average pool or a
+        bilinear UpSampling2D) that alone reads this one's output, as the int8 file's next
+        op of the same scale does. Before the layer is built.
+
+        Args:
+            layer: the layer, or its `keras.layers.serialize` dict.
+
+        Raises:
+            ValueError: `layer` is no average pool or bilinear UpSampling2D.
+        """
+        stage, config = _averaging(layer)
+        self.then.append(stage)
+        self._then_configs.append(config)
+
+    def _stages(self) -> list[tuple[keras.layers.Layer, int, str]]:
+        return [(layer, window_size(layer), halves_of(layer)) for layer in (self.pool, *self.then)]
 
     def build(self, input_shape: Any) -> None:
-        """Build the pool for `input_shape`, and the quantizer.
+        """Build the pools for `input_shape`, and the quantizer.
 
         Args:
             input_shape: the input's shape.
         """
-        self.pool.build(input_shape)
         self.input_quantizer.build(input_shape)
+        for layer, _, _ in self._stages():
+            layer.build(input_shape)
+            input_shape = layer.compute_output_shape(input_shape)
 
     def call(self, inputs: Any, training: bool | None = None) -> Any:
         """The input fake-quantized, average-pooled, and rounded onto the same grid.
@@ -85,8 +107,10 @@ class QuantizedAveragePooling(keras.layers.Layer):
         """
         quantizer = self.input_quantizer
         low, high, initialized = quantizer.batch_range(inputs, training)
-        pooled = self.pool(quantizer.round_onto(inputs, low, high, initialized))
-        return quantizer.round_onto(pooled, low, high, initialized, self.window, self.halves)
+        x = quantizer.round_onto(inputs, low, high, initialized)
+        for layer, window, halves in self._stages():
+            x = quantizer.round_onto(layer(x), low, high, initialized, window, halves)
+        return x
 
     def grid_quantizer(self) -> ActivationQuantizer:
         """The quantizer whose grid the layer's output lies on: its input's.
@@ -113,13 +137,15 @@ class QuantizedAveragePooling(keras.layers.Layer):
         quantize = self.input_quantizer.export_function(halves_as_ops)
 
         def infer(inputs: Any) -> Any:
-            pooled = self.pool(quantize(inputs))
-            return quantize(pooled, average_of=self.window, halves=self.halves)
+            x = quantize(inputs)
+            for layer, window, halves in self._stages():
+                x = quantize(layer(x), average_of=window, halves=halves)
+            return x
 
         return infer
 
     def compute_output_shape(self, input_shape: Any) -> Any:
-        """The pool's output shape.
+        """The output shape after every pool.
 
         Args:
             input_shape: the input's shape.
@@ -127,21 +153,40 @@ class QuantizedAveragePooling(keras.layers.Layer):
         Returns:
             The output shape.
         """
-        return self.pool.compute_output_shape(input_shape)
+        for layer, _, _ in self._stages():
+            input_shape = layer.compute_output_shape(input_shape)
+        return input_shape
 
     def get_config(self) -> dict[str, Any]:
         """Every constructor argument, for `from_config` and saving.
 
         Returns:
-            A dict with the base layer's config, the pool's serialized config, `bits` and
-            `momentum`.
+            A dict with the base layer's config, the pool's serialized config, `bits`,
+            `momentum` and the serialized layers of `then`.
         """
         return {
             **super().get_config(),
             "pool": self._pool_config,
             "bits": self.bits,
             "momentum": self.momentum,
+            "then": list(self._then_configs),
         }
+
+
+def _averaging(layer: "keras.layers.Layer | dict") -> tuple[keras.layers.Layer, dict]:
+    """(the layer, its config) of an average pool or bilinear UpSampling2D, or its dict.
+
+    Raises:
+        ValueError: it is neither, named.
+    """
+    layer, config = hosts.deserialize(layer)
+    if spec.role(layer) != spec.AVERAGES:
+        raise ValueError(
+            f"Layer '{layer.name}' ({type(layer).__name__}) is no average pool: "
+            f"QuantizedAveragePooling computes exactly "
+            f"{', '.join(cls.__name__ for cls in spec.AVERAGING)} and a bilinear UpSampling2D."
+        )
+    return layer, config
 
 
 def window_size(pool: keras.layers.Layer) -> int:

@@ -261,6 +261,8 @@ class _ModelRewrite:
         self.grid_source: dict[int, ActivationQuantizer] = {}
         # id(average pool) → the quantizer it shares, or None
         self.pool_grids: dict[int, ActivationQuantizer | None] = {}
+        # id(tensor) → the QuantizedAveragePooling that computes it
+        self.pooled_by: dict[int, QuantizedAveragePooling] = {}
         # id(operation) → per output, on a grid as copied
         self.outputs_on_grid: dict[int, list[bool]] = {}
         self.kept_ids: set[int] = set()
@@ -553,8 +555,20 @@ class _ModelRewrite:
         quantizer's of this model (the input's producer has other readers), the pool is copied
         and that quantizer called again after it, at inference; otherwise the pool becomes a
         QuantizedAveragePooling, which quantizes its input itself (its producer left its
-        quantizer out) and rounds its output onto that grid."""
+        quantizer out) and rounds its output onto that grid. A pool that alone reads a
+        QuantizedAveragePooling's output becomes its next stage, on the same grid."""
         pool, (tensor,) = node.operation, node.input_tensors
+        before = self.pooled_by.get(id(tensor))
+        if before is not None and id(pool) not in self.copies and self._alone_reads(pool, tensor):
+            # The QuantizedAveragePooling before it averages again, on its own grid: a pool
+            # that quantized its input anew would give the file two scales on one op's sides.
+            before.add_stage(pool)
+            self.dropped.add(id(pool))
+            self.pool_grids[id(pool)] = None
+            self.pooled_by[id(node.outputs[0])] = before
+            self.on_grid[id(node.outputs[0])] = True
+            self.findings.quantized[self.prefix + pool.name] = self.prefix + before.name
+            return
         if id(pool) not in self.copies:  # its first call
             source = self.grid_source.get(id(tensor)) if self.on_grid.get(id(tensor)) else None
             functional = not isinstance(self.model, keras.Sequential)
@@ -579,11 +593,20 @@ class _ModelRewrite:
                 )
                 self.copies[id(pool)] = layer
                 self.findings.quantized[self.prefix + pool.name] = self.prefix + layer.name
+                self.pooled_by[id(node.outputs[0])] = layer
             self.pool_grids[id(pool)] = source
         self.on_grid[id(node.outputs[0])] = True
         shared = self.pool_grids[id(pool)]
         if shared is not None:
             self.grid_source[id(node.outputs[0])] = shared
+
+    def _alone_reads(self, pool: keras.Operation, tensor: keras.KerasTensor) -> bool:
+        """Whether `pool`, called once, is the only reader of `tensor`, no model output."""
+        return (
+            not self.info.shared(pool)
+            and self.info.fan_out(tensor) == 1
+            and id(tensor) not in self.info.outputs
+        )
 
     def _output_layers(
         self,
