@@ -16,7 +16,12 @@ from keras_bn._errors import KerasBNWarning
 from keras_bn._graph import bn_layers
 from keras_bn._recalibration import hooks
 from keras_bn._recalibration.batches import Batches, Data
-from keras_bn.population import RecalibrationReport, check_max_memory, recalibrate_layers
+from keras_bn.population import (
+    RecalibrationReport,
+    check_max_memory,
+    check_synchronized,
+    recalibrate_layers,
+)
 
 __all__ = ["Recalibrate"]
 
@@ -72,11 +77,14 @@ class Recalibrate(keras.callbacks.Callback):
         max_memory: the bytes the one pass may keep in memory for the tensors later layers
             still read, as for `keras_bn.recalibrate` (past it they go to disk); None: the
             default there.
+        synchronized: each process passes its own shard, and every process gets the
+            statistics of their union, as for `keras_bn.recalibrate`.
 
     Raises:
         ValueError: `steps` is not a positive int (nor None), `batch_size` is not a positive
             int while `data` is a numpy array, a dataset is infinite without `steps`, a flag
-            is not a bool, `max_memory` is not an int ≥ 0 (nor None), or both `at_train_end`
+            (`synchronized` included) is not a bool, `max_memory` is not an int ≥ 0 (nor
+            None), or both `at_train_end`
             and `before_validation` are False (the callback would do nothing).
     """
 
@@ -89,8 +97,10 @@ class Recalibrate(keras.callbacks.Callback):
         before_validation: bool = False,
         progress: bool = False,
         max_memory: int | None = None,
+        synchronized: bool = False,
     ) -> None:
         super().__init__()
+        self.synchronized = check_synchronized(synchronized)
         for name, value in (
             ("at_train_end", at_train_end),
             ("before_validation", before_validation),
@@ -185,4 +195,5 @@ class Recalibrate(keras.callbacks.Callback):
                 self._batches.for_model(self.model).fresh(),
                 self.progress,
                 self.max_memory,
+                self.synchronized,
             )

@@ -43,8 +43,9 @@ from collections.abc import Iterator, Sequence
 import keras
 import numpy as np
 
+from keras_bn import backend
 from keras_bn._graph import bn_layers
-from keras_bn._recalibration import frontier, one_pass
+from keras_bn._recalibration import frontier, one_pass, statistics
 from keras_bn._recalibration.batches import Batches, Data, input_count
 from keras_bn._recalibration.hooks import Snapshot
 from keras_bn._recalibration.layerwise import in_call_order
@@ -151,6 +152,7 @@ def recalibrate(
     progress: bool = True,
     batch_size: int = 32,
     max_memory: int | None = None,
+    synchronized: bool = False,
 ) -> RecalibrationReport:
     """Set every BN layer of `model` (nested models included) to Algorithm 2's statistics.
 
@@ -227,13 +229,21 @@ def recalibrate(
         max_memory: the bytes the one pass may keep in memory (on the device that computes
             them) for the tensors later layers still read; past it they go to disk. None: 2 GiB,
             or half the memory available when that is less.
+        synchronized: under torch.distributed (two or more processes in the default group),
+            each process passes its own shard of the data and every process ends with the
+            statistics of the union of the shards: each layer's Algorithm 2 sums are added up
+            over the processes (float64) before it is set, so the layers after it see the
+            same statistics everywhere. Every process must call it, with the same model.
+            Without a process group it is the plain call. Under JAX's or TensorFlow's
+            multi-process runs it raises NotImplementedError.
 
     Returns:
         A `RecalibrationReport` with the change in mean and variance of each layer, the
         strategy that ran, the passes it cost and its peak memory.
 
     Raises:
-        ValueError: the model has no BN layer; `steps` or `batch_size` is not a positive int;
+        ValueError: the model has no BN layer; `synchronized` is not a bool; `steps` or
+            `batch_size` is not a positive int;
             `max_memory` is not an int ≥ 0 or None; whole arrays whose numbers of samples
             differ (x's, or x's and y's; the arrays of a dict), a list of arrays that is not
             one per model input, or a y that is no array; the dataset is infinite and `steps`
@@ -254,12 +264,26 @@ def recalibrate(
     layers = bn_layers.in_model(model)
     if not layers:
         raise ValueError(f"Model '{model.name}' has no BatchNormalization layer to recalibrate.")
+    check_synchronized(synchronized)
     budget = check_max_memory(max_memory)
     # The one pass reads `data` once: a generator is streamed, not held in memory.
     batches = Batches(
         data, steps, batch_size, keep=not one_pass.walkable(model), inputs=input_count(model)
     )
-    return recalibrate_layers(model, layers, batches, progress, budget)
+    return recalibrate_layers(model, layers, batches, progress, budget, synchronized)
+
+
+def check_synchronized(synchronized: object) -> bool:
+    """`synchronized` if it is a bool.
+
+    Raises:
+        ValueError: it is not, named.
+    """
+    if not isinstance(synchronized, bool):
+        raise ValueError(
+            f"synchronized must be True or False; received synchronized={synchronized!r}."
+        )
+    return synchronized
 
 
 def check_max_memory(max_memory: int | None) -> int:
@@ -290,14 +314,28 @@ def recalibrate_layers(
     batches: Batches,
     progress: bool,
     max_memory: int | None = None,
+    synchronized: bool = False,
 ) -> RecalibrationReport:
     """`recalibrate` for the BN `layers` of `model` only, over `Batches`; the other BN layers
     keep their statistics (and normalize with them while the chosen ones are gathered). One
     pass for a Sequential or Functional model, per layer for a subclassed one. On failure
-    `layers` keep their statistics."""
+    `layers` keep their statistics. `synchronized`: each layer's sums pooled over the
+    backend's processes (`statistics.pooled_across`)."""
     _refuse_stateful_layers(model)
-    if not one_pass.walkable(model):
-        return recalibrate_per_layer(model, layers, batches, progress)
+    processes = backend.get().recalibration_processes() if synchronized else None
+    with statistics.pooled_across(processes):
+        if not one_pass.walkable(model):
+            return recalibrate_per_layer(model, layers, batches, progress)
+        return _one_pass(model, layers, batches, progress, max_memory)
+
+
+def _one_pass(
+    model: keras.Model,
+    layers: Sequence[keras.layers.Layer],
+    batches: Batches,
+    progress: bool,
+    max_memory: int | None,
+) -> RecalibrationReport:
     with _kept_on_failure(model, layers), ProgressBar(progress) as bar:
         result = one_pass.run(
             model, layers, batches, bar, check_max_memory(max_memory), per_layer=in_call_order

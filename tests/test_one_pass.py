@@ -46,6 +46,42 @@ def _counted_dataset():
     return dataset, calls
 
 
+def test_synchronized_must_be_a_bool_and_is_the_plain_call_in_one_process():
+    """`synchronized` is checked (the callback when made); in one process, with no group of
+    processes, it computes what the plain call computes (tests/test_torch_distributed.py
+    runs it across processes)."""
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, keras_bn.BatchNormalization()(inputs))
+    with pytest.raises(ValueError, match=r"synchronized='yes'"):
+        keras_bn.recalibrate(model, _data((8, 3)), synchronized="yes")
+    with pytest.raises(ValueError, match=r"synchronized=1"):
+        Recalibrate(_data((8, 3)), synchronized=1)
+    found = []
+    for synchronized in (True, False):
+        _randomize_statistics(model)
+        keras_bn.recalibrate(model, _data((20, 3)), batch_size=8, synchronized=synchronized)
+        found.append(_statistics(bn_layers.in_model(model)))
+    for want, got in zip(*found):
+        for w, g in zip(want, got):
+            np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.backends("tensorflow")
+def test_synchronized_across_tf_workers_is_refused_and_changes_nothing(monkeypatch):
+    """Under TF_CONFIG with two workers recalibrate(synchronized=True) is not supported yet:
+    NotImplementedError, not statistics of one worker's shard taken as everyone's."""
+    inputs = keras.Input((3,))
+    model = _randomize_statistics(keras.Model(inputs, keras_bn.BatchNormalization()(inputs)))
+    before = _statistics(bn_layers.in_model(model))
+    cluster = '{"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "task": '
+    monkeypatch.setenv("TF_CONFIG", cluster + '{"type": "worker", "index": 0}}')
+    with pytest.raises(NotImplementedError, match=r"workers \(2\) is not supported yet"):
+        keras_bn.recalibrate(model, _data((8, 3)), synchronized=True)
+    for want, got in zip(before, _statistics(bn_layers.in_model(model))):
+        for w, g in zip(want, got):
+            np.testing.assert_array_equal(g, w)
+
+
 def _randomize_statistics(model, seed=0):
     """Moving statistics far from the data's, so that recalibrating a BN changes what every
     layer downstream of it sees (an upstream BN left stale would show)."""

@@ -5,13 +5,16 @@ with: synchronized BN under torch.distributed (gloo on 127.0.0.1), no TensorFlow
         [--die RANK]
 
 DATA.npz holds the global batches and each process's share (`splits`, the first index of
-each process's rows). `train` runs the custom training loop docs/guide/distributed.md shows:
-a small CNN with three synchronized BNs (one on a residual branch), the loss summed over the
-samples, each gradient summed over the processes (all_reduce) and an SGD step. Every variable
-(the moving statistics included) goes to OUT.npz; with WORLD 1 (no process group) the same
-loop on the global batch is the reference. With --die RANK that process exits after joining
-the group, before its first step; the others record the error their step raises and keep
-their variables (OUT.npz then holds `error` and the moving statistics).
+each process's rows); with `u`, γ and β in it, one synchronized BN alone (`normalize`);
+with `shard0`, `shard1`, ... `recalibrate(..., synchronized=True)` of each shard
+(`recalibrated`).
+`train` runs the custom training loop docs/guide/distributed.md shows: a small CNN with three
+synchronized BNs (one on a residual branch), the loss summed over the samples, each gradient
+summed over the processes (all_reduce) and an SGD step. Every variable (the moving statistics
+included) goes to OUT.npz; with WORLD 1 (no process group) the same loop on the global batch
+is the reference. With --die RANK that process exits after joining the group, before its
+first step; the others record the error their step raises and keep their variables (OUT.npz
+then holds `error` and the moving statistics).
 """
 
 import datetime
@@ -65,6 +68,47 @@ def train(model, batches):
     return [np.asarray(keras.ops.convert_to_numpy(v)) for v in model.variables]
 
 
+def normalize(layer_data, rank, world):
+    """One synchronized BN (momentum 0.5) in training on this process's rows of x, the loss
+    Σ y·u: (y, ∂/∂x, ∂/∂γ, ∂/∂β, moving mean, moving variance), as float64 arrays."""
+    starts = [*layer_data["splits"], len(layer_data["x"])]
+    rows = slice(starts[rank], starts[rank + 1]) if world > 1 else slice(None)
+    x = torch.tensor(layer_data["x"][rows], requires_grad=True)
+    layer = keras_bn.BatchNormalization(synchronized=True, momentum=0.5)
+    layer.build(layer_data["x"].shape)
+    layer.gamma.assign(layer_data["gamma"])
+    layer.beta.assign(layer_data["beta"])
+    y = layer(x, training=True)
+    torch.sum(y * torch.as_tensor(layer_data["u"][rows])).backward()
+    found = (y, x.grad, layer.gamma.value.grad, layer.beta.value.grad)
+    found += (layer.moving_mean.value, layer.moving_variance.value)
+    return [t.detach().numpy().astype(np.float64) for t in found]
+
+
+def recalibrated(data, rank, world):
+    """The CNN (random weights) and its QAT copy (ranges set by one training call on the
+    first batch of every share), recalibrated on this process's batches with
+    synchronized=True; with WORLD 1, on every process's batches in one. Their moving
+    statistics, in order."""
+    shards = [data[name] for name in sorted(data.files) if name.startswith("shard")]
+    mine = shards[rank] if world > 1 else np.concatenate(shards)
+    model = build_model()
+    qat = keras_bn.quantize.quantize_model(build_model())
+    qat(torch.as_tensor(np.concatenate([shard[:4] for shard in shards])), training=True)
+
+    def batches(arrays):  # each shard in batches of 8, its last one shorter
+        return [b for a in arrays for b in np.array_split(a, range(8, len(a), 8))]
+
+    found = []
+    for net in (model, qat):
+        shard_batches = batches([mine] if world > 1 else shards)
+        keras_bn.recalibrate(net, shard_batches, progress=False, synchronized=True)
+        found += [
+            np.asarray(keras.ops.convert_to_numpy(v)) for v in net.variables if "moving" in v.path
+        ]
+    return found
+
+
 def shares(data, rank):
     """Each global batch's rows of this process."""
     starts = list(data["splits"]) + [len(data["x"][0])]
@@ -82,6 +126,12 @@ def main(rank, world, port, data_path, out_path, dies=None):
             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
         )
     data = np.load(data_path)
+    if "u" in data.files or "shard0" in data.files:  # a layer alone, or recalibrate
+        found = normalize if "u" in data.files else recalibrated
+        np.savez(out_path, *found(data, rank, world))
+        if world > 1:
+            dist.destroy_process_group()
+        return
     model = build_model()
     if dies == rank:
         os._exit(3)

@@ -3,7 +3,10 @@
 and settle a QAT layer's to a fixed point of its rounded kernel (`settle`). Both methods of
 `recalibrate` (the one pass and the per-layer method) and `check_batchnorm` use them."""
 
+import contextlib
+import contextvars
 import dataclasses
+import typing
 import warnings
 from collections.abc import Callable
 
@@ -159,6 +162,48 @@ class PooledMoments:
             return self._weighted_mean / self._count, self._weighted_variance / divisor
 
 
+# The processes whose sums `assign` pools (`recalibrate(synchronized=True)`: the backend's
+# `recalibration_processes()`), or None: this process's alone.
+_PROCESSES: contextvars.ContextVar[typing.Any] = contextvars.ContextVar(
+    "keras_bn_recalibration_processes", default=None
+)
+
+
+@contextlib.contextmanager
+def pooled_across(processes: typing.Any) -> typing.Iterator[None]:
+    """Within the block, `assign` sets statistics pooled over `processes` (an object with
+    `all_sum_array`, or None for this process alone): every process passes its own shard,
+    and every one gets Algorithm 2 over their union."""
+    token = _PROCESSES.set(processes)
+    try:
+        yield
+    finally:
+        _PROCESSES.reset(token)
+
+
+def _across_processes(sums: PooledMoments, shape: tuple[int, ...]) -> PooledMoments:
+    """`sums` added up over the processes of `pooled_across`, in float64: Algorithm 2's sums
+    are sums over batches, so the union's are the sum of each shard's (every process calls
+    this for the same layer, in the same order). `shape`: the layer's channels."""
+    processes = _PROCESSES.get()
+    if processes is None:
+        return sums
+    arrays = [
+        np.broadcast_to(a, shape)
+        for a in (sums._channel_batches, sums._count, sums._weighted_mean, sums._weighted_variance)
+    ]
+    flags = [sums.batches, sums.skipped, sums.first_non_finite is not None]
+    total = processes.all_sum_array(np.concatenate([*(a.ravel() for a in arrays), flags]))
+    size = int(np.prod(shape))
+    pooled = PooledMoments(sums.whole_batches)
+    parts = [total[i * size : (i + 1) * size].reshape(shape) for i in range(4)]
+    pooled._channel_batches, pooled._count, pooled._weighted_mean, pooled._weighted_variance = parts
+    pooled.batches, pooled.skipped = int(total[-3]), int(total[-2])
+    if total[-1]:  # some process's shard: its batch index means nothing to the others
+        pooled.first_non_finite = sums.first_non_finite if sums.first_non_finite else 0
+    return pooled
+
+
 def assign(layer: keras.layers.Layer, sums: PooledMoments) -> LayerChange:
     """Set `layer`'s statistics (a folding layer's: its BN's) to the pooled ones in the
     channels some batch reached.
@@ -168,6 +213,7 @@ def assign(layer: keras.layers.Layer, sums: PooledMoments) -> LayerChange:
             or inf in some channel (NaN or inf in the layer's input, or values too large for
             its statistics' dtype): the layer is left as it was.
     """
+    sums = _across_processes(sums, tuple(bn_layers.statistics_of(layer).moving_mean.shape))
     if not sums.batches:
         raise ValueError(
             f"recalibrate: no batch of `data` gives layer '{layer.name}' at least 2 "

@@ -51,6 +51,7 @@ INTERFACE = (
     "moments",
     "input_moments",
     "local_copies",
+    "recalibration_processes",  # recalibrate(synchronized=True)
     "compiled",
     "specialized",
     "name_scope",

@@ -7,6 +7,7 @@ custom_vjp, tracing), fake_quant.py TensorFlow's FakeQuant kernels bit for bit. 
 tf.distribute replicas: `replica_context` is None and `pool_statistics` pools nothing.
 """
 
+import jax
 import jax.numpy as jnp
 
 from keras_bn.backend import INTERFACE, shared_maths
@@ -48,3 +49,19 @@ def cond(flag, compute, otherwise):
     """compute() where the scalar `flag` is true, else otherwise() (`arrays.cond`: lax.cond
     when traced, the branch the flag picks when eager)."""
     return arrays.cond(flag, compute, otherwise)
+
+
+def recalibration_processes():
+    """None: JAX pools recalibration's sums in one process. Under jax.distributed (several
+    processes) `recalibrate(synchronized=True)` is not supported yet: refused, not computed
+    per process unseen.
+
+    Raises:
+        NotImplementedError: several JAX processes.
+    """
+    if jax.process_count() > 1:
+        raise NotImplementedError(
+            f"recalibrate(synchronized=True) under jax.distributed ({jax.process_count()} "
+            f"processes) is not supported yet; recalibrate in one process on all the data."
+        )
+    return None

@@ -157,6 +157,31 @@ def replica_context():
     return context
 
 
+def recalibration_processes():
+    """None: recalibration pools its sums in this process. Across a tf.distribute strategy's
+    replicas or workers `recalibrate(synchronized=True)` is not supported yet: refused, not
+    computed per process unseen.
+
+    Raises:
+        NotImplementedError: a strategy of several replicas is in scope, or TF_CONFIG names
+            several workers.
+    """
+    replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    workers = len(
+        tf.distribute.cluster_resolver.TFConfigClusterResolver()
+        .cluster_spec()
+        .as_dict()
+        .get("worker", [])
+    )
+    if replicas > 1 or workers > 1:
+        raise NotImplementedError(
+            f"recalibrate(synchronized=True) across tf.distribute replicas ({replicas}) or "
+            f"workers ({workers}) is not supported yet; recalibrate in one process on all the "
+            f"data."
+        )
+    return None
+
+
 def pool_statistics(values, enough, weight, synchronized):
     """The per-channel `values` every replica averages into its moving statistics, and which
     channels take them (`usable`).

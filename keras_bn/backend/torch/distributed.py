@@ -26,12 +26,24 @@ class ProcessGroup:
     def __init__(self) -> None:
         self.size = dist.get_world_size()
 
+    def all_sum_array(self, values):
+        """A float64 numpy array summed over the processes (one all-reduce)."""
+        total = torch.as_tensor(values, dtype=torch.float64).contiguous()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        return total.numpy()
+
     def all_sum(self, *tensors):
         """Each tensor summed over the processes, in float64, cast back to its dtype (one
         all-reduce for all of them, which must have one shape)."""
         packed = torch.stack([t.to(torch.float64) for t in tensors])
         dist.all_reduce(packed, op=dist.ReduceOp.SUM)
         return tuple(total.to(t.dtype) for total, t in zip(packed, tensors))
+
+
+def recalibration_processes():
+    """The `ProcessGroup` whose processes `recalibrate(synchronized=True)` pools over: the
+    default group of two or more processes, else None (this process's data alone)."""
+    return replica_context()
 
 
 def replica_context():
@@ -66,7 +78,10 @@ def pooled_moments(x, channel_axes, mask, group):
     )
     m_i = torch.broadcast_to(torch.as_tensor(local, dtype=torch.float64), shift.shape)
     m_i = m_i.to(shift.device)
-    mean_i = torch.where(m_i > 0, (shift + offset).to(torch.float64), 0.0)
+    # An empty share has no K (NaN): 0 keeps Δμ, and the backward's Δμ·Σg, finite there.
+    shift = torch.where(m_i > 0, shift, 0.0)
+    # K + Δμ in float64: far from zero their float32 sum would lose digits the others keep.
+    mean_i = torch.where(m_i > 0, shift.to(torch.float64) + offset.to(torch.float64), 0.0)
     m, weighted = group.all_sum(m_i, m_i * mean_i)
     mean = weighted / torch.clamp(m, min=1.0)
     spread = torch.where(m_i > 0, m_i * (variance.to(torch.float64) + (mean_i - mean) ** 2), 0.0)
