@@ -1,6 +1,7 @@
 """Synchronized BN under torch.distributed: two real processes on 127.0.0.1 (gloo), no
 TensorFlow, against one process on the global batch (tests/torch_distributed_worker.py)."""
 
+import json
 import os
 import socket
 import subprocess
@@ -184,3 +185,24 @@ def test_without_a_process_group_synchronized_is_plain_batch_norm():
     for got, want in zip(*found):
         np.testing.assert_array_equal(got, want)
     assert keras.backend.backend() == "torch"
+
+
+def test_the_distributed_recalibrate_benchmark_runs(tmp_path):
+    """benchmarks/bench_recalibrate_distributed.py --smoke: one process, then two each on half
+    the data; the table's rows and the JSON's, the two-process statistics those of one."""
+    path = tmp_path / "distributed.json"
+    script = os.path.join(os.path.dirname(WORKER), "..", "benchmarks")
+    result = subprocess.run(
+        [sys.executable, "bench_recalibrate_distributed.py", "--smoke", "--json", str(path)],
+        cwd=script,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("# machine: ") and "PyTorch " in result.stdout
+    rows = [line for line in result.stdout.splitlines() if line[:4] in ("| 1 ", "| 2 ")]
+    record = json.loads(path.read_text())
+    assert len(rows) == len(record["rows"]) == 2
+    assert [row["processes"] for row in record["rows"]] == [1, 2]
+    assert all(row["seconds"] > 0 and row["max_rel_off"] < 1e-5 for row in record["rows"])
