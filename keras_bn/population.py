@@ -229,13 +229,13 @@ def recalibrate(
         max_memory: the bytes the one pass may keep in memory (on the device that computes
             them) for the tensors later layers still read; past it they go to disk. None: 2 GiB,
             or half the memory available when that is less.
-        synchronized: under torch.distributed (two or more processes in the default group),
-            each process passes its own shard of the data and every process ends with the
-            statistics of the union of the shards: each layer's Algorithm 2 sums are added up
-            over the processes (float64) before it is set, so the layers after it see the
-            same statistics everywhere. Every process must call it, with the same model.
-            Without a process group it is the plain call. Under JAX's or TensorFlow's
-            multi-process runs it raises NotImplementedError.
+        synchronized: under torch.distributed (two or more processes in the default group)
+            or jax.distributed (two or more processes), each process passes its own shard of
+            the data and every process ends with the statistics of the union of the shards:
+            each layer's Algorithm 2 sums are added up over the processes (float64) before it
+            is set, so the layers after it see the same statistics everywhere. Every process
+            must call it, with the same model. In one process it is the plain call. Across
+            tf.distribute workers it raises NotImplementedError.
 
     Returns:
         A `RecalibrationReport` with the change in mean and variance of each layer, the

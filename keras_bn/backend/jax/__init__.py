@@ -4,11 +4,17 @@ Every name in keras_bn/backend/tensorflow/__init__.py is here too, with the same
 (the interface is listed in keras_bn/backend/__init__.py): keras_bn/backend/shared_maths.py
 holds the batch norm's maths (the PyTorch backend's too), ops.py what is JAX's own (the
 custom_vjp, tracing), fake_quant.py TensorFlow's FakeQuant kernels bit for bit. JAX has no
-tf.distribute replicas: `replica_context` is None and `pool_statistics` pools nothing.
+tf.distribute replicas: `replica_context` is None and `pool_statistics` pools nothing (under
+`keras.distribution.DataParallel` a batch is one array sharded over every device, of every
+process, and its statistics are already global); `recalibration_processes` adds up
+recalibration's sums over jax.distributed's processes.
 """
+
+import types
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from keras_bn.backend import INTERFACE, shared_maths
 from keras_bn.backend.jax import arrays
@@ -52,16 +58,26 @@ def cond(flag, compute, otherwise):
 
 
 def recalibration_processes():
-    """None: JAX pools recalibration's sums in one process. Under jax.distributed (several
-    processes) `recalibrate(synchronized=True)` is not supported yet: refused, not computed
-    per process unseen.
+    """The processes `recalibrate(synchronized=True)` pools over: under jax.distributed with
+    two or more processes, an object whose `all_sum_array(values)` is the float64 numpy array
+    `values` summed elementwise over every process (each must call it with the same shape, in
+    the same order); with one process, None (this process's data alone).
 
-    Raises:
-        NotImplementedError: several JAX processes.
+    The sum is exact float64 whether or not jax_enable_x64 is on: each process's values travel
+    as their float64 bits (uint32 pairs, which JAX does not cast) in one
+    `multihost_utils.process_allgather`, and numpy adds them up in process order, so every
+    process gets the same bits.
     """
-    if jax.process_count() > 1:
-        raise NotImplementedError(
-            f"recalibrate(synchronized=True) under jax.distributed ({jax.process_count()} "
-            f"processes) is not supported yet; recalibrate in one process on all the data."
-        )
-    return None
+    if jax.process_count() == 1:
+        return None
+
+    def all_sum_array(values):
+        from jax.experimental import multihost_utils
+
+        exact = np.ascontiguousarray(values, dtype=np.float64)
+        bits = exact.reshape(-1).view(np.uint32)
+        gathered = np.ascontiguousarray(multihost_utils.process_allgather(bits))
+        per_process = gathered.view(np.float64).reshape(-1, *exact.shape)
+        return per_process.sum(axis=0, dtype=np.float64)
+
+    return types.SimpleNamespace(size=jax.process_count(), all_sum_array=all_sum_array)
