@@ -229,20 +229,22 @@ def recalibrate(
         max_memory: the bytes the one pass may keep in memory (on the device that computes
             them) for the tensors later layers still read; past it they go to disk. None: 2 GiB,
             or half the memory available when that is less.
-        synchronized: under torch.distributed (two or more processes in the default group)
-            or jax.distributed (two or more processes), each process passes its own shard of
-            the data and every process ends with the statistics of the union of the shards:
-            each layer's Algorithm 2 sums are added up over the processes (float64) before it
-            is set, so the layers after it see the same statistics everywhere. Every process
-            must call it, with the same model. In one process it is the plain call. Across
-            tf.distribute workers it raises NotImplementedError.
+        synchronized: under torch.distributed (two or more processes in the default group),
+            jax.distributed (two or more processes) or within the scope of a tf.distribute
+            MultiWorkerMirroredStrategy, each process passes its own shard of the data (an
+            empty one too) and every process ends with the statistics of the union of the
+            shards: each layer's Algorithm 2 sums are added up over the processes (float64)
+            before it is set, so the layers after it see the same statistics everywhere.
+            Every process must call it, with the same model. In one process it is the plain
+            call.
 
     Returns:
         A `RecalibrationReport` with the change in mean and variance of each layer, the
         strategy that ran, the passes it cost and its peak memory.
 
     Raises:
-        ValueError: the model has no BN layer; `synchronized` is not a bool; `steps` or
+        ValueError: the model has no BN layer; `synchronized` is not a bool, or True with
+            TF_CONFIG naming several workers outside their strategy's scope; `steps` or
             `batch_size` is not a positive int;
             `max_memory` is not an int ≥ 0 or None; whole arrays whose numbers of samples
             differ (x's, or x's and y's; the arrays of a dict), a list of arrays that is not
@@ -325,8 +327,14 @@ def recalibrate_layers(
     processes = backend.get().recalibration_processes() if synchronized else None
     with statistics.pooled_across(processes):
         if not one_pass.walkable(model):
-            return recalibrate_per_layer(model, layers, batches, progress)
-        return _one_pass(model, layers, batches, progress, max_memory)
+            report = recalibrate_per_layer(model, layers, batches, progress)
+        else:
+            report = _one_pass(model, layers, batches, progress, max_memory)
+        if processes is None:
+            return report
+        # The batches of every process's shard (every process makes this call).
+        batches_seen = int(statistics.all_processes_sum([report.batches or 0])[0])
+    return dataclasses.replace(report, batches=batches_seen)
 
 
 def _one_pass(

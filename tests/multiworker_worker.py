@@ -2,14 +2,17 @@
 `Cluster`, which starts the workers on 127.0.0.1.
 
     TF_CONFIG=... python multiworker_worker.py loop INIT.npz OUT.npz
+    TF_CONFIG=... python multiworker_worker.py recalibrate INIT.npz OUT.npz
     TF_CONFIG=... python multiworker_worker.py backup INIT.npz OUT.npz BACKUP_DIR LOG
         [--hang-at EPOCH:BATCH]
 
 `loop` (tests/test_distributed.py) trains a small synchronized-BN model for a few SGD steps,
-each worker on its slice of every global batch. `backup` (tests/test_fault_tolerance.py)
-trains for a few epochs with `keras.callbacks.BackupAndRestore(BACKUP_DIR, save_freq="epoch")`
-(see train_with_backup), appending "epoch batch" to LOG after every batch; with --hang-at it
-stops after logging that batch and waits to be killed. Both save every weight (the BN moving
+each worker on its slice of every global batch. `recalibrate` (the same file) recalibrates it
+with synchronized=True, each worker on its own shard (`recalibration_shards`). `backup`
+(tests/test_fault_tolerance.py) trains for a few epochs with
+`keras.callbacks.BackupAndRestore(BACKUP_DIR, save_freq="epoch")` (see train_with_backup),
+appending "epoch batch" to LOG after every batch; with --hang-at it stops after logging that
+batch and waits to be killed. Both save every weight (the BN moving
 statistics and num_batches_tracked included) to OUT.npz.
 """
 
@@ -74,6 +77,25 @@ def batches(steps=STEPS, seed=7):
         x = rng.normal(size=(GLOBAL_BATCH, 6)).astype("float32")
         x[GLOBAL_BATCH // 2 :] += 3.0  # the two workers see different distributions
         yield x, rng.normal(size=(GLOBAL_BATCH, 1)).astype("float32")
+
+
+def recalibration_shards(workers=2):
+    """Each worker's shard for `recalibrate`: 40 and 21 rows, the second shifted by 3."""
+    rng = np.random.default_rng(11)
+    sizes = (40, 21, 17, 9)[:workers]
+    return [rng.normal(3.0 * i, 2.0, (n, 6)).astype("float32") for i, n in enumerate(sizes)]
+
+
+def recalibrated(strategy, init_path, shards):
+    """The model (cumulative too) from init_path, recalibrated with synchronized=True on
+    `shards` in batches of 8 each (a list of arrays: one process's, or every shard's in
+    order); its moving statistics and batch counter."""
+    with _scope(strategy):
+        model = build_model(cumulative=True)
+        load_weights(model, init_path)
+        batches = [s[i : i + 8] for s in shards for i in range(0, len(s), 8)]
+        keras_bn.recalibrate(model, batches, progress=False, synchronized=True)
+    return [np.asarray(v) for v in model.non_trainable_variables]
 
 
 def training_step(strategy, model, optimizer):
@@ -319,7 +341,7 @@ def _free_ports(n):
 def main():
     _die_with_parent()
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["loop", "backup"])
+    parser.add_argument("mode", choices=["loop", "backup", "recalibrate"])
     parser.add_argument("init")
     parser.add_argument("out")
     parser.add_argument("backup_dir", nargs="?")
@@ -330,6 +352,9 @@ def main():
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     if args.mode == "loop":
         weights = train(strategy, args.init)
+    elif args.mode == "recalibrate":
+        index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+        weights = recalibrated(strategy, args.init, [recalibration_shards()[index]])
     else:
         weights = train_with_backup(strategy, args.init, args.backup_dir, args.log, args.hang_at)
     _save(weights, args.out)

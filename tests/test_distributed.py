@@ -435,3 +435,25 @@ def test_multi_worker_mirrored_strategy_matches_one_process(tmp_path):
         assert len(result.files) == len(reference)
         for i, expected in enumerate(reference):
             assert_close(result[f"arr_{i}"], expected, 1e-5)
+
+
+@pytest.mark.slow
+def test_recalibrate_synchronized_across_two_workers_gives_both_the_union(tmp_path):
+    """Two MultiWorkerMirroredStrategy workers on 127.0.0.1 each recalibrate (synchronized)
+    on their own shard, 40 and 21 rows of different means: both get the statistics (and the
+    momentum=None layer's batch counter) one process gets from every shard's batches."""
+    keras.utils.set_random_seed(0)
+    init = tmp_path / "init.npz"
+    np.savez(init, *worker.build_model(cumulative=True).get_weights())
+    reference = worker.recalibrated(None, str(init), worker.recalibration_shards())
+    worker.run_cluster(
+        [["recalibrate", str(init), str(tmp_path / f"worker{index}.npz")] for index in range(2)],
+        str(tmp_path),
+        "recalibrate",
+        timeout=worker.CLUSTER_TIMEOUT_S,
+    )
+    for index in range(2):
+        result = np.load(tmp_path / f"worker{index}.npz")
+        assert len(result.files) == len(reference) == 5
+        for i, expected in enumerate(reference):
+            assert_close(result[f"arr_{i}"], expected, 1e-5)

@@ -126,14 +126,17 @@ def test_one_synchronized_layer_on_two_processes_equals_the_global_batchs_float6
         np.testing.assert_allclose(total, want, rtol=0, atol=1e-4 * max(1.0, np.abs(want).max()))
 
 
-def test_recalibrate_synchronized_gives_every_process_the_statistics_of_all_shards(tmp_path):
+@pytest.mark.parametrize("sizes", [(40, 21), (0, 21)], ids=["unequal", "empty_shard"])
+def test_recalibrate_synchronized_gives_every_process_the_statistics_of_all_shards(tmp_path, sizes):
     """Two processes each recalibrate a CNN (three BNs, one on a residual branch) and its QAT
-    copy on their own shard (40 and 21 images, batches of 8): both end with the statistics
-    one process gets from every shard's batches, within 1e-5."""
+    copy on their own shard (40 and 21 images, or none and 21, in batches of 8): both end
+    with the statistics one process gets from every shard's batches, within 1e-5, and a
+    report counting every shard's batches. (An empty shard raised alone, and the other
+    process waited for it in the all-reduce.)"""
     rng = np.random.default_rng(2)
     shards = {
         f"shard{i}": rng.normal(1.0, 2.0, (n, 8, 8, 3)).astype("float32")
-        for i, n in enumerate((40, 21))
+        for i, n in enumerate(sizes)
     }
     data = tmp_path / "shards.npz"
     np.savez(data, **shards)
@@ -142,7 +145,8 @@ def test_recalibrate_synchronized_gives_every_process_the_statistics_of_all_shar
     reference = tmp_path / "one.npz"
     assert _run([0], 1, data, [reference]) == [0]
     want = np.load(reference)
-    assert len(want.files) == 2 * 6  # the float model's three BNs, then the QAT model's
+    assert len(want.files) == 2 * 7  # per model, three BNs' statistics and the batch count
+    assert want["arr_6"][0] == want["arr_13"][0] == sum(-(-n // 8) for n in sizes)
     for out in outputs:
         got = np.load(out)
         for name in want.files:

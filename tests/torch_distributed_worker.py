@@ -89,7 +89,7 @@ def recalibrated(data, rank, world):
     """The CNN (random weights) and its QAT copy (ranges set by one training call on the
     first batch of every share), recalibrated on this process's batches with
     synchronized=True; with WORLD 1, on every process's batches in one. Their moving
-    statistics, in order."""
+    statistics, in order, each model's followed by its report's batch count."""
     shards = [data[name] for name in sorted(data.files) if name.startswith("shard")]
     mine = shards[rank] if world > 1 else np.concatenate(shards)
     model = build_model()
@@ -97,15 +97,16 @@ def recalibrated(data, rank, world):
     qat(torch.as_tensor(np.concatenate([shard[:4] for shard in shards])), training=True)
 
     def batches(arrays):  # each shard in batches of 8, its last one shorter
-        return [b for a in arrays for b in np.array_split(a, range(8, len(a), 8))]
+        return [a[i : i + 8] for a in arrays for i in range(0, len(a), 8)]
 
     found = []
     for net in (model, qat):
         shard_batches = batches([mine] if world > 1 else shards)
-        keras_bn.recalibrate(net, shard_batches, progress=False, synchronized=True)
+        report = keras_bn.recalibrate(net, shard_batches, progress=False, synchronized=True)
         found += [
             np.asarray(keras.ops.convert_to_numpy(v)) for v in net.variables if "moving" in v.path
         ]
+        found.append(np.array([report.batches]))
     return found
 
 

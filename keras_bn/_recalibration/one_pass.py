@@ -343,7 +343,9 @@ def run(
                     bar.update(1)
                 count = max(count, batch + 1)
             if number == 0:
-                if not count:
+                # No batch raises, unless other processes' shards pool with this one's (an
+                # empty shard adds nothing; raising alone would leave them waiting for it).
+                if not count and not statistics.pooling():
                     batches.first()  # raises: `data` gave no batch
                 batches.check_count(count)
             if boundary.kind == "record" and not boundary.settles:

@@ -97,6 +97,8 @@ class PooledMoments:
         self.batches = 0
         self.skipped = 0
         self.first_non_finite: int | None = None
+        # Pooled over processes: whether some process's shard had such a batch.
+        self.non_finite_in_shards = False
         # 0-d until the first batch broadcasts them to its channels' shape.
         self._channel_batches: npt.NDArray[np.float64] = np.zeros(())
         self._count: npt.NDArray[np.float64] = np.zeros(())
@@ -181,6 +183,18 @@ def pooled_across(processes: typing.Any) -> typing.Iterator[None]:
         _PROCESSES.reset(token)
 
 
+def pooling() -> bool:
+    """Whether `assign` pools over other processes now (`pooled_across`)."""
+    return _PROCESSES.get() is not None
+
+
+def all_processes_sum(values: npt.ArrayLike) -> np.ndarray:
+    """`values` (float64) summed over the processes of `pooled_across`, or as they are."""
+    processes = _PROCESSES.get()
+    values = np.asarray(values, np.float64)
+    return values if processes is None else processes.all_sum_array(values)
+
+
 def _across_processes(sums: PooledMoments, shape: tuple[int, ...]) -> PooledMoments:
     """`sums` added up over the processes of `pooled_across`, in float64: Algorithm 2's sums
     are sums over batches, so the union's are the sum of each shard's (every process calls
@@ -193,14 +207,14 @@ def _across_processes(sums: PooledMoments, shape: tuple[int, ...]) -> PooledMome
         for a in (sums._channel_batches, sums._count, sums._weighted_mean, sums._weighted_variance)
     ]
     flags = [sums.batches, sums.skipped, sums.first_non_finite is not None]
-    total = processes.all_sum_array(np.concatenate([*(a.ravel() for a in arrays), flags]))
+    total = all_processes_sum(np.concatenate([*(a.ravel() for a in arrays), flags]))
     size = int(np.prod(shape))
     pooled = PooledMoments(sums.whole_batches)
     parts = [total[i * size : (i + 1) * size].reshape(shape) for i in range(4)]
     pooled._channel_batches, pooled._count, pooled._weighted_mean, pooled._weighted_variance = parts
     pooled.batches, pooled.skipped = int(total[-3]), int(total[-2])
-    if total[-1]:  # some process's shard: its batch index means nothing to the others
-        pooled.first_non_finite = sums.first_non_finite if sums.first_non_finite else 0
+    # A batch index means nothing across shards: every process names the shards alike.
+    pooled.non_finite_in_shards = bool(total[-1])
     return pooled
 
 
@@ -260,12 +274,17 @@ def _refuse_non_finite(
         return
     channels = [int(i) for i in np.flatnonzero(bad)]
     shown = f"{channels[:10]}{' …' if len(channels) > 10 else ''}"
-    cause = (
-        f"the moments of its input in batch {sums.first_non_finite} of `data` are NaN or inf "
-        f"(NaN or inf in that input, or values too large for float32)"
-        if sums.first_non_finite is not None
-        else f"they overflow {layer.moving_variance.dtype}"
-    )
+    cause = f"they overflow {layer.moving_variance.dtype}"
+    if sums.first_non_finite is not None:
+        cause = (
+            f"the moments of its input in batch {sums.first_non_finite} of `data` are NaN or "
+            f"inf (NaN or inf in that input, or values too large for float32)"
+        )
+    elif sums.non_finite_in_shards:
+        cause = (
+            "the moments of its input in a batch of some process's shard are NaN or inf "
+            "(NaN or inf in that input, or values too large for float32)"
+        )
     raise ValueError(
         f"recalibrate: layer '{name}' would get NaN or inf statistics: {cause}, in "
         f"channels {shown} ({len(channels)} of {bad.size}). Every layer's statistics are left "

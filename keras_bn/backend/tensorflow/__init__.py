@@ -9,6 +9,7 @@ the pooling of statistics across `tf.distribute` replicas (`replica_context`,
 
 import math
 
+import numpy as np
 import tensorflow as tf
 
 from keras_bn.backend import INTERFACE, ghost
@@ -158,28 +159,52 @@ def replica_context():
 
 
 def recalibration_processes():
-    """None: recalibration pools its sums in this process. Across a tf.distribute strategy's
-    replicas or workers `recalibrate(synchronized=True)` is not supported yet: refused, not
-    computed per process unseen.
+    """The replicas `recalibrate(synchronized=True)` pools over: the tf.distribute strategy in
+    scope, if it has several (a MultiWorkerMirroredStrategy's workers; a MirroredStrategy's
+    replicas share this process's data, and pool it as it is); else None.
 
     Raises:
-        NotImplementedError: a strategy of several replicas is in scope, or TF_CONFIG names
-            several workers.
+        ValueError: TF_CONFIG names several workers but no strategy of several replicas is
+            in scope (each worker would recalibrate on its shard alone).
     """
-    replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    strategy = tf.distribute.get_strategy()
+    if strategy.num_replicas_in_sync > 1:
+        return _StrategySum(strategy)
     workers = len(
         tf.distribute.cluster_resolver.TFConfigClusterResolver()
         .cluster_spec()
         .as_dict()
         .get("worker", [])
     )
-    if replicas > 1 or workers > 1:
-        raise NotImplementedError(
-            f"recalibrate(synchronized=True) across tf.distribute replicas ({replicas}) or "
-            f"workers ({workers}) is not supported yet; recalibrate in one process on all the "
-            f"data."
+    if workers > 1:
+        raise ValueError(
+            f"recalibrate(synchronized=True) with TF_CONFIG naming {workers} workers, outside "
+            f"the scope of a strategy of several replicas: call it within "
+            f"`strategy.scope()` of your MultiWorkerMirroredStrategy."
         )
     return None
+
+
+class _StrategySum:
+    """`all_sum_array` over a strategy's replicas: each replica adds this process's array, in
+    float64, in one reduce; divided by the replicas of this process, which all added it."""
+
+    def __init__(self, strategy):
+        self.strategy = strategy
+
+        def copy(values):
+            return tf.identity(values)  # on the replica's device
+
+        def all_sum(values):
+            per_replica = strategy.run(copy, args=(values,))
+            return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+
+        # In a tf.function: a strategy's `run` called eagerly warns of its overhead each time.
+        self._all_sum = tf.function(all_sum)
+
+    def all_sum_array(self, values):
+        total = self._all_sum(tf.constant(np.asarray(values, np.float64)))
+        return total.numpy() / len(self.strategy.extended.worker_devices)
 
 
 def pool_statistics(values, enough, weight, synchronized):

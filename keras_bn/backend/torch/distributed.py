@@ -27,10 +27,11 @@ class ProcessGroup:
         self.size = dist.get_world_size()
 
     def all_sum_array(self, values):
-        """A float64 numpy array summed over the processes (one all-reduce)."""
-        total = torch.as_tensor(values, dtype=torch.float64).contiguous()
+        """A float64 numpy array summed over the processes (one all-reduce), on a device the
+        group's backend serves (NCCL serves CUDA tensors only)."""
+        total = torch.as_tensor(values, dtype=torch.float64).contiguous().to(_device())
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
-        return total.numpy()
+        return total.cpu().numpy()
 
     def all_sum(self, *tensors):
         """Each tensor summed over the processes, in float64, cast back to its dtype (one
@@ -38,6 +39,14 @@ class ProcessGroup:
         packed = torch.stack([t.to(torch.float64) for t in tensors])
         dist.all_reduce(packed, op=dist.ReduceOp.SUM)
         return tuple(total.to(t.dtype) for total, t in zip(packed, tensors))
+
+
+def _device():
+    """The CPU where the default group's backend serves it (gloo, "cpu:gloo,cuda:nccl"), else
+    this process's CUDA device (NCCL)."""
+    config = str(dist.get_backend_config())
+    serves_cpu = "cpu:" in config or (":" not in config and config != "nccl")
+    return torch.device("cpu") if serves_cpu else torch.device("cuda", torch.cuda.current_device())
 
 
 def recalibration_processes():
