@@ -153,12 +153,18 @@ def test_recalibrate_synchronized_gives_every_process_the_statistics_of_all_shar
             np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6)
 
 
-def test_a_process_that_dies_makes_the_other_raise_and_keep_its_statistics(tmp_path):
-    """Rank 1 exits after joining the group: rank 0's first synchronized step raises (gloo
-    sees the closed connection) rather than waiting for it, and its BNs keep their moving
-    statistics (the collective fails before any update)."""
+@pytest.mark.parametrize("task", ["training", "recalibrate"])
+def test_a_process_that_dies_makes_the_other_raise_and_keep_its_statistics(tmp_path, task):
+    """Rank 1 exits after joining the group: rank 0's first synchronized training step, or
+    its recalibrate(synchronized=True), raises (gloo sees the closed connection) rather
+    than waiting for it, and its BNs keep their moving statistics (the collective fails
+    before any update; recalibrate puts back any layer it set)."""
     data = tmp_path / "data.npz"
-    _data(data, (12, 12))
+    if task == "training":
+        _data(data, (12, 12))
+    else:
+        rng = np.random.default_rng(3)
+        np.savez(data, **{f"shard{i}": rng.normal(size=(16, 8, 8, 3)) for i in range(2)})
     outputs = [tmp_path / f"rank{rank}.npz" for rank in range(2)]
     start = time.monotonic()
     assert _run([0, 1], 2, data, outputs, "--die", "1") == [0, 3]

@@ -14,7 +14,8 @@ summed over the processes (all_reduce) and an SGD step. Every variable (the movi
 included) goes to OUT.npz; with WORLD 1 (no process group) the same loop on the global batch
 is the reference. With --die RANK that process exits after joining the group, before its
 first step; the others record the error their step raises and keep their variables (OUT.npz
-then holds `error` and the moving statistics).
+then holds `error` and the moving statistics), in training or in `recalibrate` (with
+`shard0`, ...).
 """
 
 import datetime
@@ -127,9 +128,13 @@ def main(rank, world, port, data_path, out_path, dies=None):
             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
         )
     data = np.load(data_path)
-    if "u" in data.files or "shard0" in data.files:  # a layer alone, or recalibrate
-        found = normalize if "u" in data.files else recalibrated
-        np.savez(out_path, *found(data, rank, world))
+    if "u" in data.files:  # a layer alone
+        np.savez(out_path, *normalize(data, rank, world))
+        if world > 1:
+            dist.destroy_process_group()
+        return
+    if "shard0" in data.files and dies is None:
+        np.savez(out_path, *recalibrated(data, rank, world))
         if world > 1:
             dist.destroy_process_group()
         return
@@ -138,7 +143,11 @@ def main(rank, world, port, data_path, out_path, dies=None):
         os._exit(3)
     if dies is not None:
         try:
-            train(model, shares(data, rank))
+            if "shard0" in data.files:
+                batches = [data[f"shard{rank}"][i : i + 8] for i in range(0, 16, 8)]
+                keras_bn.recalibrate(model, batches, progress=False, synchronized=True)
+            else:
+                train(model, shares(data, rank))
         except RuntimeError as error:
             moving = [
                 np.asarray(keras.ops.convert_to_numpy(v))
