@@ -178,6 +178,26 @@ def test_a_process_that_dies_makes_the_other_raise_and_keep_its_statistics(tmp_p
         np.testing.assert_array_equal(variance, 1.0)
 
 
+def test_a_process_that_skips_a_synchronized_step_makes_the_other_raise_after_the_timeout(
+    tmp_path, monkeypatch
+):
+    """Rank 1 stays alive but never calls the model: rank 0's synchronized step cannot tell
+    it from a slow one, waits the process group's timeout (5 s here), then raises; its BNs
+    keep their statistics. Not a deadlock."""
+    monkeypatch.setenv("KERAS_BN_TEST_COLLECTIVE_TIMEOUT_S", "5")
+    data = tmp_path / "data.npz"
+    _data(data, (12, 12))
+    outputs = [tmp_path / f"rank{rank}.npz" for rank in range(2)]
+    start = time.monotonic()
+    assert _run([0, 1], 2, data, outputs, "--skip", "1") == [0, 3]
+    assert time.monotonic() - start < 60
+    result = np.load(outputs[0])
+    assert str(result["error"])
+    for mean, variance in zip(*[iter([result[f"arr_{i}"] for i in range(6)])] * 2):
+        np.testing.assert_array_equal(mean, 0.0)
+        np.testing.assert_array_equal(variance, 1.0)
+
+
 def test_without_a_process_group_synchronized_is_plain_batch_norm():
     """No torch.distributed group: synchronized=True computes what synchronized=False does,
     output, gradients and moving statistics."""

@@ -2,7 +2,7 @@
 with: synchronized BN under torch.distributed (gloo on 127.0.0.1), no TensorFlow.
 
     KERAS_BACKEND=torch python torch_distributed_worker.py RANK WORLD PORT DATA.npz OUT.npz
-        [--die RANK]
+        [--die RANK | --skip RANK]
 
 DATA.npz holds the global batches and each process's share (`splits`, the first index of
 each process's rows); with `u`, γ and β in it, one synchronized BN alone (`normalize`);
@@ -15,12 +15,14 @@ included) goes to OUT.npz; with WORLD 1 (no process group) the same loop on the 
 is the reference. With --die RANK that process exits after joining the group, before its
 first step; the others record the error their step raises and keep their variables (OUT.npz
 then holds `error` and the moving statistics), in training or in `recalibrate` (with
-`shard0`, ...).
+`shard0`, ...). With --skip RANK that process stays alive without calling: the others' calls
+raise after KERAS_BN_TEST_COLLECTIVE_TIMEOUT_S (default 60) seconds.
 """
 
 import datetime
 import os
 import sys
+import time
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
@@ -33,8 +35,9 @@ import keras_bn
 
 L = keras.layers
 LEARNING_RATE = 0.05
-# Only catches a hang (a peer that died): the collectives wait this long, then raise.
-COLLECTIVE_TIMEOUT_S = 60
+# Only catches a hang (a peer that died or skipped a call): the collectives wait this long,
+# then raise.
+COLLECTIVE_TIMEOUT_S = float(os.environ.get("KERAS_BN_TEST_COLLECTIVE_TIMEOUT_S", "60"))
 
 
 def build_model():
@@ -118,7 +121,7 @@ def shares(data, rank):
     return [(x[rows], y[rows]) for x, y in zip(data["x"], data["y"])]
 
 
-def main(rank, world, port, data_path, out_path, dies=None):
+def main(rank, world, port, data_path, out_path, dies=None, skips=False):
     if world > 1:
         dist.init_process_group(
             "gloo",
@@ -140,6 +143,8 @@ def main(rank, world, port, data_path, out_path, dies=None):
         return
     model = build_model()
     if dies == rank:
+        if skips:  # alive, but makes no synchronized call: the others time out
+            time.sleep(COLLECTIVE_TIMEOUT_S + 3)
         os._exit(3)
     if dies is not None:
         try:
@@ -164,5 +169,5 @@ def main(rank, world, port, data_path, out_path, dies=None):
 
 if __name__ == "__main__":
     rank, world, port = (int(v) for v in sys.argv[1:4])
-    dies = int(sys.argv[7]) if len(sys.argv) > 7 and sys.argv[6] == "--die" else None
-    main(rank, world, port, *sys.argv[4:6], dies=dies)
+    dies = int(sys.argv[7]) if len(sys.argv) > 7 and sys.argv[6] in ("--die", "--skip") else None
+    main(rank, world, port, *sys.argv[4:6], dies=dies, skips=sys.argv[6:7] == ["--skip"])
