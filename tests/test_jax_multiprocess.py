@@ -19,7 +19,8 @@ import time
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.backends("jax")
+# Processes of their own, each starting JAX: left out of `make test-fast`.
+pytestmark = [pytest.mark.backends("jax"), pytest.mark.slow]
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jax_multiprocess_worker.py")
 # Three processes normally finish in seconds; this only catches a hang.
 TIMEOUT_S = 180
