@@ -39,6 +39,7 @@ Two methods give the same statistics:
 import contextlib
 import dataclasses
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import keras
 import numpy as np
@@ -366,12 +367,13 @@ def recalibrate_per_layer(
     """The per-layer method on the whole model: one pass over `batches` per BN layer of
     `layers`, in the order the forward pass calls them. The reference the one pass is tested
     against, and the method for subclassed models. On failure `layers` keep their statistics."""
+    first = _first_batch_everywhere(batches)
     with _kept_on_failure(model, layers), ProgressBar(progress) as bar:
         done = in_call_order(
             layers,
             lambda x: model(x, training=False),
             batches,
-            batches.first(),
+            first,
             batches.count,
             bar,
             batches.check_count,
@@ -384,6 +386,29 @@ def recalibrate_per_layer(
         strategy="per_layer",
         passes=float(sum(change.passes for change in done.changes)),
     )
+
+
+def _first_batch_everywhere(batches: Batches) -> Any:
+    """The first batch, which the per-layer method traces to find the call order. Pooled over
+    processes, every process learns whether each has one, and all raise if one has none
+    (one raising alone would leave the others waiting for it in the first all-reduce).
+
+    Raises:
+        ValueError: `data` (or another process's) gives no batch.
+    """
+    try:
+        first, missing = batches.first(), 0.0
+    except ValueError:
+        if not statistics.pooling():
+            raise
+        first, missing = None, 1.0
+    if statistics.pooling() and statistics.all_processes_sum([missing])[0]:
+        raise ValueError(
+            "recalibrate(synchronized=True): the data of some process gave no batch, and a "
+            "model without a layer graph (subclassed) needs one in every process's shard to "
+            "find the order of its BN layers."
+        )
+    return first
 
 
 @contextlib.contextmanager

@@ -178,6 +178,24 @@ def test_a_process_that_dies_makes_the_other_raise_and_keep_its_statistics(tmp_p
         np.testing.assert_array_equal(variance, 1.0)
 
 
+def test_an_empty_shard_of_a_subclassed_model_is_every_processs_error(tmp_path):
+    """A subclassed model (recalibrate's per-layer method traces a first batch to find the
+    order of its BNs) whose shard is empty on one process: both processes raise the same
+    ValueError, rather than one raising alone while the other waits for it."""
+    data = tmp_path / "data.npz"
+    rng = np.random.default_rng(4)
+    np.savez(
+        data,
+        shard0=np.zeros((0, 8, 8, 3), "float32"),
+        shard1=rng.normal(size=(16, 8, 8, 3)).astype("float32"),
+        subclassed=True,
+    )
+    outputs = [tmp_path / f"rank{rank}.npz" for rank in range(2)]
+    assert _run([0, 1], 2, data, outputs) == [0, 0]
+    errors = [str(np.load(out)["error"]) for out in outputs]
+    assert errors[0] == errors[1] and "some process gave no batch" in errors[0], errors
+
+
 def test_a_process_that_skips_a_synchronized_step_makes_the_other_raise_after_the_timeout(
     tmp_path, monkeypatch
 ):

@@ -15,7 +15,8 @@ included) goes to OUT.npz; with WORLD 1 (no process group) the same loop on the 
 is the reference. With --die RANK that process exits after joining the group, before its
 first step; the others record the error their step raises and keep their variables (OUT.npz
 then holds `error` and the moving statistics), in training or in `recalibrate` (with
-`shard0`, ...). With --skip RANK that process stays alive without calling: the others' calls
+`shard0`, ...). With `subclassed` too, a subclassed model's recalibrate, whose error goes to
+OUT.npz. With --skip RANK that process stays alive without calling: the others' calls
 raise after KERAS_BN_TEST_COLLECTIVE_TIMEOUT_S (default 60) seconds.
 """
 
@@ -114,6 +115,33 @@ def recalibrated(data, rank, world):
     return found
 
 
+class Subclassed(keras.Model):
+    """`build_model()` inside a subclassed model: no layer graph, so recalibrate's per-layer
+    method."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = build_model()
+
+    def call(self, x, training=False):
+        return self.inner(x, training=training)
+
+
+def subclassed_error(data, rank):
+    """`recalibrate(synchronized=True)` of a subclassed model on this process's shard: the
+    ValueError's message, or "" if it returned."""
+    model = Subclassed()
+    model(np.zeros((1, 8, 8, 3), "float32"))
+    shard = data[f"shard{rank}"]
+    try:
+        keras_bn.recalibrate(
+            model, [shard[i : i + 8] for i in range(0, len(shard), 8)], synchronized=True
+        )
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
 def shares(data, rank):
     """Each global batch's rows of this process."""
     starts = list(data["splits"]) + [len(data["x"][0])]
@@ -133,6 +161,11 @@ def main(rank, world, port, data_path, out_path, dies=None, skips=False):
     data = np.load(data_path)
     if "u" in data.files:  # a layer alone
         np.savez(out_path, *normalize(data, rank, world))
+        if world > 1:
+            dist.destroy_process_group()
+        return
+    if "subclassed" in data.files:
+        np.savez(out_path, error=subclassed_error(data, rank))
         if world > 1:
             dist.destroy_process_group()
         return
