@@ -24,11 +24,13 @@ from test_notebooks import kernel_environment
 pytestmark = [pytest.mark.backends("tensorflow"), pytest.mark.slow]
 
 # Two exports in a row of a small conv/BN model, as examples/00_quickstart.ipynb writes its
-# float and int8 files.
+# float and int8 files. Seeded: with unseeded weights a held-out sample past the 24
+# calibration samples' range is, now and then, rightly refused (more than 0.1 of a scale).
 TWO_EXPORTS = """
 import os, tempfile
 import numpy as np, keras, keras_bn
 from keras_bn.export import export_tflite
+keras.utils.set_random_seed(0)
 x = np.random.default_rng(0).normal(size=(32, 8, 8, 3)).astype("float32")
 model = keras.Sequential([
     keras.Input((8, 8, 3)), keras.layers.Conv2D(4, 3), keras_bn.BatchNormalization(),
