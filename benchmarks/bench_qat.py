@@ -581,8 +581,11 @@ def timed_steps(data, smoke, shape, configs):
         # MobileNetV2's steps take ~0.2–3 s on 2 cores: fewer, single-call rounds.
         small = name.startswith("digits")
         shape = (rounds, warmup, inner) if small else (max(3, rounds // 3), min(warmup, 2), 1)
+        # --smoke: MobileNetV2 under XLA only, whose first call traces what graph mode runs
+        # (tracing its QAT step takes ~30 s on 2 cores, the XLA compile as much again).
+        modes = (True,) if smoke and not small else (False, True)
         for config in configs:
-            timings += [step_times(jit, *shape, name, *model, config) for jit in (False, True)]
+            timings += [step_times(jit, *shape, name, *model, config) for jit in modes]
     return timings
 
 

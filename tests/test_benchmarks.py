@@ -278,15 +278,14 @@ def test_bench_qat_smoke(tmp_path):
     verdicts = [
         line.split("|")[-2].strip() for line in out.splitlines() if "| ≤" in line or "| ≥" in line
     ]
-    assert len(verdicts) == len(record["targets"]) == 11
+    assert len(verdicts) == len(record["targets"]) == 7 + 3  # and one per timed train step
     assert verdicts == [
         "n/a" if t["met"] is None else "yes" if t["met"] else "MISSED" for t in record["targets"]
     ]
     assert [(t["model"].split(",")[0], t["mode"]) for t in record["step_times"]] == [
         ("digits CNN", "graph"),
         ("digits CNN", "XLA"),
-        ("MobileNetV2 α=0.35", "graph"),
-        ("MobileNetV2 α=0.35", "XLA"),
+        ("MobileNetV2 α=0.35", "XLA"),  # --smoke: not its graph row (the same trace)
     ]
     for timing in record["step_times"]:
         assert timing["float_ms"] > 0 and timing["qat_ms"] > 0
