@@ -21,6 +21,19 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_distrib
 TIMEOUT_S = 240
 
 
+def test_a_gradient_penalty_through_a_synchronized_layer_raises_on_both_processes(tmp_path):
+    """∂l/∂x with create_graph=True (a gradient penalty) through synchronized BN raises on
+    each process, saying what to do, where a wrong second derivative would go unnoticed;
+    neither process waits for the other."""
+    data = tmp_path / "layer.npz"
+    _layer_data(data, (7, 13), mode="penalty")
+    outputs = [tmp_path / f"rank{rank}.npz" for rank in range(2)]
+    assert _run([0, 1], 2, data, outputs) == [0, 0]
+    for out in outputs:
+        error = str(np.load(out)["error"])
+        assert "first-order gradients only" in error and "synchronized=False" in error, error
+
+
 def _data(path, sizes):
     """Two global batches of sum(sizes) images, and each process's first row."""
     rng = np.random.default_rng(0)
@@ -83,25 +96,37 @@ def test_a_training_loop_on_two_processes_equals_one_process_on_the_global_batch
         np.testing.assert_array_equal(got[0][name], got[1][name])
 
 
-@pytest.mark.parametrize(
-    ("sizes", "loc", "scale"),
-    [((7, 13), 2.0, 3.0), ((0, 12), 2.0, 3.0), ((9, 11), 1e4, 1e-2)],
-    ids=["unequal", "empty_share", "far_from_zero"],
-)
-def test_one_synchronized_layer_on_two_processes_equals_the_global_batchs_float64(
-    tmp_path, sizes, loc, scale
-):
-    """One synchronized BN on (batch, 5) shares, the loss Σ y·u over both processes: each
-    process's outputs and input gradients are its rows of the global batch's, the γ/β
-    gradients add up to the global batch's, and the moving statistics are the global
-    batch's on both, against numpy in float64. An empty share (0 rows) made every gradient
-    NaN, and data at mean 1e4, σ 1e-2 was 2% off, when a share's mean was summed in float32."""
+def _layer_data(path, sizes, loc=2.0, scale=3.0, mode="eager"):
+    """x (sum(sizes) rows, 5 channels), u, γ, β and the first row of process 1's share."""
     rng = np.random.default_rng(1)
     x = rng.normal(loc, scale, (sum(sizes), 5)).astype("float32")
     u = rng.normal(size=x.shape).astype("float32")
     gamma, beta = rng.normal(1.0, 0.5, 5).astype("float32"), rng.normal(size=5).astype("float32")
+    np.savez(path, x=x, u=u, gamma=gamma, beta=beta, splits=np.cumsum([0, sizes[0]]), mode=mode)
+    return x, u, gamma, beta
+
+
+@pytest.mark.parametrize(
+    ("sizes", "loc", "scale", "mode"),
+    [
+        ((7, 13), 2.0, 3.0, "eager"),
+        ((0, 12), 2.0, 3.0, "eager"),
+        ((9, 11), 1e4, 1e-2, "eager"),
+        ((7, 13), 2.0, 3.0, "compiled"),
+    ],
+    ids=["unequal", "empty_share", "far_from_zero", "torch_compile"],
+)
+def test_one_synchronized_layer_on_two_processes_equals_the_global_batchs_float64(
+    tmp_path, sizes, loc, scale, mode
+):
+    """One synchronized BN on (batch, 5) shares, the loss Σ y·u over both processes: each
+    process's outputs and input gradients are its rows of the global batch's, the γ/β
+    gradients add up to the global batch's, and the moving statistics are the global
+    batch's on both, against numpy in float64; eager, and called under torch.compile. An
+    empty share (0 rows) made every gradient NaN, and data at mean 1e4, σ 1e-2 was 2% off,
+    when a share's mean was summed in float32."""
     data = tmp_path / "layer.npz"
-    np.savez(data, x=x, u=u, gamma=gamma, beta=beta, splits=np.cumsum([0, sizes[0]]))
+    x, u, gamma, beta = _layer_data(data, sizes, loc, scale, mode)
     outputs = [tmp_path / f"rank{rank}.npz" for rank in range(2)]
     assert _run([0, 1], 2, data, outputs) == [0, 0]
     got = [[np.load(out)[f"arr_{i}"] for i in range(6)] for out in outputs]

@@ -75,7 +75,9 @@ def train(model, batches):
 
 def normalize(layer_data, rank, world):
     """One synchronized BN (momentum 0.5) in training on this process's rows of x, the loss
-    Σ y·u: (y, ∂/∂x, ∂/∂γ, ∂/∂β, moving mean, moving variance), as float64 arrays."""
+    Σ y·u: (y, ∂/∂x, ∂/∂γ, ∂/∂β, moving mean, moving variance), as float64 arrays. With
+    `mode` "compiled", the call under torch.compile; with "penalty", the message of the error
+    that ∂l/∂x with create_graph=True raises."""
     starts = [*layer_data["splits"], len(layer_data["x"])]
     rows = slice(starts[rank], starts[rank + 1]) if world > 1 else slice(None)
     x = torch.tensor(layer_data["x"][rows], requires_grad=True)
@@ -83,8 +85,17 @@ def normalize(layer_data, rank, world):
     layer.build(layer_data["x"].shape)
     layer.gamma.assign(layer_data["gamma"])
     layer.beta.assign(layer_data["beta"])
-    y = layer(x, training=True)
-    torch.sum(y * torch.as_tensor(layer_data["u"][rows])).backward()
+    mode = str(layer_data["mode"]) if "mode" in layer_data.files else "eager"
+    call = lambda t: layer(t, training=True)  # noqa: E731
+    y = (torch.compile(call) if mode == "compiled" else call)(x)
+    loss = torch.sum(y * torch.as_tensor(layer_data["u"][rows]))
+    if mode == "penalty":  # a gradient penalty: the backward differentiated again
+        try:
+            torch.autograd.grad(loss, x, create_graph=True)
+        except RuntimeError as error:
+            return str(error)
+        return "no error"
+    loss.backward()
     found = (y, x.grad, layer.gamma.value.grad, layer.beta.value.grad)
     found += (layer.moving_mean.value, layer.moving_variance.value)
     return [t.detach().numpy().astype(np.float64) for t in found]
@@ -160,7 +171,11 @@ def main(rank, world, port, data_path, out_path, dies=None, skips=False):
         )
     data = np.load(data_path)
     if "u" in data.files:  # a layer alone
-        np.savez(out_path, *normalize(data, rank, world))
+        found = normalize(data, rank, world)
+        if isinstance(found, str):
+            np.savez(out_path, error=found)
+        else:
+            np.savez(out_path, *found)
         if world > 1:
             dist.destroy_process_group()
         return
