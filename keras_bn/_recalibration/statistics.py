@@ -145,6 +145,39 @@ class PooledMoments:
         self._weighted_mean = self._weighted_mean + weight * np.where(used, mean, 0.0)
         self._weighted_variance = self._weighted_variance + weight * np.where(used, variance, 0.0)
 
+    def summed(
+        self,
+        all_sum: Callable[[np.ndarray], np.ndarray],
+        shape: tuple[int, ...],
+    ) -> "PooledMoments":
+        """These sums added up over processes, in float64: Algorithm 2's sums are sums over
+        batches, so the union of the shards' batches has the sum of each shard's.
+
+        Args:
+            all_sum: a float64 vector → its sum over the processes (one collective call).
+            shape: the layer's channels (a shard with no batch has 0-d sums).
+
+        Returns:
+            A new `PooledMoments`, the same on every process; `first_non_finite` is None (a
+            batch index means nothing across shards) and `non_finite_in_shards` says whether
+            some shard had a non-finite batch.
+        """
+        sums = (self._channel_batches, self._count, self._weighted_mean, self._weighted_variance)
+        flags = [self.batches, self.skipped, self.first_non_finite is not None]
+        total = all_sum(np.concatenate([*(np.broadcast_to(a, shape).ravel() for a in sums), flags]))
+        size = int(np.prod(shape))
+        pooled = PooledMoments(self.whole_batches)
+        parts = [total[i * size : (i + 1) * size].reshape(shape) for i in range(4)]
+        (
+            pooled._channel_batches,
+            pooled._count,
+            pooled._weighted_mean,
+            pooled._weighted_variance,
+        ) = parts
+        pooled.batches, pooled.skipped = int(total[-3]), int(total[-2])
+        pooled.non_finite_in_shards = bool(total[-1])
+        return pooled
+
     @property
     def seen(self) -> np.ndarray:
         """Per channel, whether some batch was used in it (its population is defined)."""
@@ -166,15 +199,15 @@ class PooledMoments:
 
 # The processes whose sums `assign` pools (`recalibrate(synchronized=True)`: the backend's
 # `recalibration_processes()`), or None: this process's alone.
-_PROCESSES: contextvars.ContextVar[typing.Any] = contextvars.ContextVar(
+_PROCESSES: contextvars.ContextVar[backend.ProcessSum | None] = contextvars.ContextVar(
     "keras_bn_recalibration_processes", default=None
 )
 
 
 @contextlib.contextmanager
-def pooled_across(processes: typing.Any) -> typing.Iterator[None]:
-    """Within the block, `assign` sets statistics pooled over `processes` (an object with
-    `all_sum_array`, or None for this process alone): every process passes its own shard,
+def pooled_across(processes: backend.ProcessSum | None) -> typing.Iterator[None]:
+    """Within the block, `assign` sets statistics pooled over `processes` (None: this process
+    alone): every process passes its own shard,
     and every one gets Algorithm 2 over their union."""
     token = _PROCESSES.set(processes)
     try:
@@ -196,26 +229,9 @@ def all_processes_sum(values: npt.ArrayLike) -> np.ndarray:
 
 
 def _across_processes(sums: PooledMoments, shape: tuple[int, ...]) -> PooledMoments:
-    """`sums` added up over the processes of `pooled_across`, in float64: Algorithm 2's sums
-    are sums over batches, so the union's are the sum of each shard's (every process calls
-    this for the same layer, in the same order). `shape`: the layer's channels."""
-    processes = _PROCESSES.get()
-    if processes is None:
-        return sums
-    arrays = [
-        np.broadcast_to(a, shape)
-        for a in (sums._channel_batches, sums._count, sums._weighted_mean, sums._weighted_variance)
-    ]
-    flags = [sums.batches, sums.skipped, sums.first_non_finite is not None]
-    total = all_processes_sum(np.concatenate([*(a.ravel() for a in arrays), flags]))
-    size = int(np.prod(shape))
-    pooled = PooledMoments(sums.whole_batches)
-    parts = [total[i * size : (i + 1) * size].reshape(shape) for i in range(4)]
-    pooled._channel_batches, pooled._count, pooled._weighted_mean, pooled._weighted_variance = parts
-    pooled.batches, pooled.skipped = int(total[-3]), int(total[-2])
-    # A batch index means nothing across shards: every process names the shards alike.
-    pooled.non_finite_in_shards = bool(total[-1])
-    return pooled
+    """`sums` added up over the processes of `pooled_across` (every process calls this for
+    the same layer, in the same order); `shape`: the layer's channels."""
+    return sums if not pooling() else sums.summed(all_processes_sum, shape)
 
 
 def assign(layer: keras.layers.Layer, sums: PooledMoments) -> LayerChange:
