@@ -68,6 +68,19 @@ INTERFACE = (
     "traced_functions_read_weights",
     "bias_add_may_miss_channels_first",
 )
+
+
+class ProcessSum(typing.Protocol):
+    """What a backend's `recalibration_processes()` returns where several processes recalibrate
+    together (torch.distributed's group, jax.distributed's processes, a tf.distribute
+    strategy's workers)."""
+
+    def all_sum_array(self, values: np.ndarray) -> np.ndarray:
+        """The float64 array `values` summed elementwise over every process, the same bits on
+        each; every process calls it with the same shape, in the same order."""
+        ...
+
+
 # The Keras backends keras_bn runs on, each a subpackage here.
 SUPPORTED = ("tensorflow", "jax", "torch")
 

@@ -10,8 +10,6 @@ process, and its statistics are already global); `recalibration_processes` adds 
 recalibration's sums over jax.distributed's processes.
 """
 
-import types
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,19 +57,18 @@ def cond(flag, compute, otherwise):
 
 def recalibration_processes():
     """The processes `recalibrate(synchronized=True)` pools over: under jax.distributed with
-    two or more processes, an object whose `all_sum_array(values)` is the float64 numpy array
-    `values` summed elementwise over every process (each must call it with the same shape, in
-    the same order); with one process, None (this process's data alone).
+    two or more processes, a `_ProcessAllgather` (a `backend.ProcessSum`); with one process,
+    None (this process's data alone)."""
+    return None if jax.process_count() == 1 else _ProcessAllgather()
 
-    The sum is exact float64 whether or not jax_enable_x64 is on: each process's values travel
-    as their float64 bits (uint32 pairs, which JAX does not cast) in one
-    `multihost_utils.process_allgather`, and numpy adds them up in process order, so every
-    process gets the same bits.
-    """
-    if jax.process_count() == 1:
-        return None
 
-    def all_sum_array(values):
+class _ProcessAllgather:
+    """`all_sum_array` over jax.distributed's processes, exact in float64 whether or not
+    jax_enable_x64 is on: each process's values travel as their float64 bits (uint32 pairs,
+    which JAX does not cast) in one `multihost_utils.process_allgather`, and numpy adds them
+    up in process order, so every process gets the same bits."""
+
+    def all_sum_array(self, values):
         from jax.experimental import multihost_utils
 
         exact = np.ascontiguousarray(values, dtype=np.float64)
@@ -79,5 +76,3 @@ def recalibration_processes():
         gathered = np.ascontiguousarray(multihost_utils.process_allgather(bits))
         per_process = gathered.view(np.float64).reshape(-1, *exact.shape)
         return per_process.sum(axis=0, dtype=np.float64)
-
-    return types.SimpleNamespace(size=jax.process_count(), all_sum_array=all_sum_array)
