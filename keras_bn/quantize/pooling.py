@@ -58,8 +58,6 @@ class QuantizedAveragePooling(keras.layers.Layer):
         self.bits: int = fake_quant.validate_bits(bits, "bits")
         self.momentum = validate_momentum(momentum, "momentum")
         self.input_quantizer = ActivationQuantizer(bits, momentum, name="input_quantizer")
-        self.window = window_size(self.pool)
-        self.halves = halves_of(self.pool)
         self.then: list[keras.layers.Layer] = []
         self._then_configs: list[dict] = []
         for layer in then:
