@@ -551,7 +551,7 @@ def _samples_line(report: dict[str, Any]) -> str:
     """Which samples a file was verified on (and, for int8, its error on calibration ones)."""
     if report["unverified"]:
         return f"  run on {report['probe_samples']} probe samples, not verified (UNVERIFIED below)"
-    if report["calibration_samples"] is None:
+    if report["calibration_samples"] is None or not report["probe_held_out"]:
         return f"  verified on {report['probe_samples']} samples"
     return (
         f"  verified on {report['probe_samples']} samples held out from calibration "

@@ -41,10 +41,12 @@ class Samples(typing.NamedTuple):
         probe: the Feed the file is judged on.
         calibration: the Feed it was calibrated with (int8), or None; the report gives the
             error on up to `defaults.PROBE_SAMPLES` of them beside the probe's.
+        held_out: whether `probe` was held out from `calibration`.
     """
 
     probe: trace.Feed
     calibration: trace.Feed | None = None
+    held_out: bool = False
 
 
 class Format:
@@ -251,6 +253,7 @@ def export(
             calibration_samples=(
                 None if samples.calibration is None else samples.calibration.samples
             ),
+            probe_held_out=samples.held_out,
             unverified=unverified,
             log=log,
             **quantized,

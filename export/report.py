@@ -637,6 +637,9 @@ class ExportReport(_OutputErrors):
             calibration samples; None for other files.
         probe_samples: the number of samples the file was verified on.
         calibration_samples: for int8, the number of samples it was calibrated with.
+        probe_held_out: for int8, whether the samples it was verified on were held out from
+            its calibration (no `probe` given); False when the caller's `probe` was used,
+            which may hold calibration samples.
         lsb_errors: for a QAT model's file, output name → {setting → LsbError}: the error in
             units of the output's step, which `passed` judges; None for other files.
         lsb_tolerance: for a QAT model's file, the LsbTolerance it is judged at; None for
@@ -673,6 +676,7 @@ class ExportReport(_OutputErrors):
     in_sample_worst_channels: dict | None = None
     probe_samples: int | None = None
     calibration_samples: int | None = None
+    probe_held_out: bool = False
     lsb_errors: dict | None = None
     lsb_tolerance: LsbTolerance | None = None
     weights: list | None = None
@@ -799,8 +803,9 @@ class VerificationError(Exception):
             where = f" (channel {report.worst_channels[worst_name].channel})"
         samples = ""
         if report.in_sample_relative_error is not None:
+            kind = "held-out samples" if report.probe_held_out else "samples of `probe`"
             samples = (
-                f" on {report.probe_samples} held-out samples (on calibration samples: "
+                f" on {report.probe_samples} {kind} (on calibration samples: "
                 f"{report.in_sample_relative_error:.3g})"
             )
         super().__init__(

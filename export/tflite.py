@@ -220,8 +220,9 @@ class _TFLite(pipeline.Format):
     def samples(self, sig: trace.Signature, probe: trace.ModelInput | None) -> pipeline.Samples:
         if self.quantization == "int8":  # held-out samples: not the ones it calibrates on
             calibration, held_out = trace.held_out_split(self._representative(sig))
-            given = None if probe is None else trace.feed(sig, probe)
-            return pipeline.Samples(held_out if given is None else given, calibration)
+            if probe is None:
+                return pipeline.Samples(held_out, calibration, held_out=True)
+            return pipeline.Samples(trace.feed(sig, probe), calibration)
         if probe is None and self._representative_data is not None:
             return pipeline.Samples(
                 trace.spread_samples(self._representative(sig), defaults.PROBE_SAMPLES)

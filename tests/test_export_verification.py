@@ -293,6 +293,14 @@ def test_int8_fails_on_held_out_samples_of_the_same_distribution(tmp_path):
         export_tflite(model, tmp_path / "q.tflite", quantization="int8", representative_data=x)
     rejected = info.value.report
     assert rejected.in_sample_relative_error < 0.02 and rejected.relative_error > 0.15
+    assert rejected.probe_held_out and rejected.to_dict()["probe_held_out"] is True
+    # With the caller's probe (here every sample, calibration ones included), the message
+    # does not call them held out: it said "on 300 held-out samples".
+    with pytest.raises(VerificationError, match=r"on 300 samples of `probe` \(on calib") as info:
+        export_tflite(
+            model, tmp_path / "q.tflite", quantization="int8", representative_data=x, probe=x
+        )
+    assert "held-out" not in str(info.value) and not info.value.report.probe_held_out
 
 
 def test_the_report_gives_in_sample_errors_for_int8_only(tmp_path):
