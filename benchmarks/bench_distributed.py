@@ -82,13 +82,12 @@ def worker(task, rank, world, port, data_path, out_path, threads, smoke, synchro
         start = time.perf_counter()
         keras_bn.recalibrate(model, batches, progress=False, synchronized=True)
         seconds = [time.perf_counter() - start]
+        moving = moving_statistics(model)
     else:
         # The same targets as one process's, split as the images are.
         targets = np.random.default_rng(1).normal(size=(len(images), *model.output_shape[1:]))
         share = (shard, np.array_split(targets.astype("f4"), world)[rank])
         seconds, moving = train_steps(model, share, world, WARMUP_STEPS if not smoke else 1)
-    if task == "recalibrate":
-        moving = moving_statistics(model)
     np.savez(out_path, *moving, seconds=np.array(seconds))
     if world > 1:
         dist.destroy_process_group()
