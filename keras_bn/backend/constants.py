@@ -10,6 +10,13 @@ SHIFT_SAMPLES = 8
 # when K lies more than 3σ from the mean; below it the shifted sums lose at most ~10× their
 # rounding. At 64 (8σ) a first sample 6-8σ out cost up to 2.6e-5 of the variance.
 SHIFT_REDO_RATIO = 9.0
+# Inference takes the one-pass fold y = a·x + (β − a·mean) (a kernel's own: FusedBatchNormV3's,
+# F.batch_norm's) only while no channel's |mean| exceeds this many √(variance + ε), and computes
+# (x − mean)·a + β otherwise (`batch_norm_eval`): below it the fold adds at most about
+# 2·3·|γ|·2⁻²⁴ of rounding, about 2⁻²⁴ of an output whose scale is |γ|·max|x̂| ≳ 3|γ|; usual
+# activations (a BN's input, |mean|/σ ≈ 1.4 after a ReLU) stay below it. Far above it the fold
+# loses (|mean|/σ)·2⁻²⁴ of the output's scale (2e-2 at mean 1e4, σ 1e-2).
+EVAL_RECENTRE_STDDEVS = 3.0
 
 # The FakeQuant ops divide by max − min: a range narrower than this (an activation that was 0 on
 # every batch seen, a kernel channel of tiny weights) is widened to it, and 0 stays on the grid.

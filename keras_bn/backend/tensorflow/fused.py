@@ -23,6 +23,7 @@ as before: its accuracy there is not measured.
 
 import tensorflow as tf
 
+from keras_bn.backend import constants
 from keras_bn.backend.tensorflow import placement
 from keras_bn.backend.tensorflow.statistics import element_count, shift_estimate
 
@@ -44,11 +45,6 @@ RECENTRE_STDDEVS = 10.0
 # (a rank-2 batch) of a size known only at run time, or with no divisor up to 4096, is summed
 # in one stage (4.7e-4 at 2²⁰ rows).
 MAX_COUNT = 2**16
-# Inference feeds the kernel x − mean where some channel's |mean| exceeds this many √(variance +
-# ε) (`batch_norm_eval`): below it the kernel's fold a·x + (β − a·mean) adds at most about
-# 2·3·|γ|·2⁻²⁴ of rounding, about 2⁻²⁴ of an output whose scale is |γ|·max|x̂| ≳ 3|γ|; usual
-# activations (a BN's input, |mean|/σ ≈ 1.4 after a ReLU) stay below it.
-EVAL_RECENTRE_STDDEVS = 3.0
 
 
 def fused_data_format(x, channel_axes, epsilon, mask=None):
@@ -179,14 +175,21 @@ def batch_norm_train(x, gamma, beta, channel_axes, epsilon, data_format):
     return tf.reshape(y, tf.shape(x)), tf.stop_gradient(mean), tf.stop_gradient(variance)
 
 
+def far_from_zero(mean, variance, epsilon):
+    """A bool scalar: some channel's |mean| exceeds `constants.EVAL_RECENTRE_STDDEVS` times
+    √(variance + ε), where inference's one-pass fold would lose accuracy."""
+    limit = constants.EVAL_RECENTRE_STDDEVS * tf.sqrt(variance + epsilon)
+    return tf.reduce_any(tf.abs(mean) > limit)
+
+
 def batch_norm_eval(x, mean, variance, gamma, beta, epsilon):
     """Inference BN of a channel-last x through FusedBatchNormV3's inference mode: the affine
     y = γ(x − mean)/√(variance + ε) + β in one pass, computed in float32 for 16-bit inputs.
 
     The CPU kernel (oneDNN's, TF 2.21) folds the statistics into y = a·x + (β − a·mean), which
     rounds a·x and a·mean each to about |a·mean|·2⁻²⁴: (|mean|/σ)·2⁻²⁴ of the output's scale,
-    2.1e-2 at mean 1e4, σ 1e-2. Where some channel's |mean| exceeds `EVAL_RECENTRE_STDDEVS`
-    times √(variance + ε), a tf.cond feeds the kernel x − mean (in float32, exact where x lies
+    2.1e-2 at mean 1e4, σ 1e-2. Where some channel's |mean| is far from zero
+    (`far_from_zero`), a tf.cond feeds the kernel x − mean (in float32, exact where x lies
     within a factor 2 of the mean) and a mean of 0 instead, one more pass over x; elsewhere the
     fold's error stays within a few float32 roundings of the output's scale and the kernel
     runs alone, as fast as before (a few per-channel ops more).
@@ -209,6 +212,5 @@ def batch_norm_eval(x, mean, variance, gamma, beta, epsilon):
         difference = tf.cast(view, mean.dtype) - mean
         return tf.cast(kernel(difference, tf.zeros_like(mean)), x.dtype)
 
-    far = tf.reduce_any(tf.abs(mean) > EVAL_RECENTRE_STDDEVS * tf.sqrt(variance + epsilon))
-    y = tf.cond(far, centred, lambda: kernel(view, mean))
+    y = tf.cond(far_from_zero(mean, variance, epsilon), centred, lambda: kernel(view, mean))
     return tf.reshape(y, tf.shape(x))

@@ -180,14 +180,26 @@ def batch_norm_eval(x, mean, variance, gamma, beta, channel_axes, epsilon):
 
     Channel-last inputs go through FusedBatchNormV3's inference mode (`fused.batch_norm_eval`,
     fed x − mean where the kernel's own fold would lose accuracy): one pass, computed in
-    float32 for 16-bit inputs, about twice as fast on CPU as composite ops. Other layouts (and
-    XLA, which fuses the three ops into one loop) compute it in the statistics dtype;
-    channels-first is not fused because the CPU kernel transposes. Returns x's dtype on the
-    fused path, the statistics dtype otherwise.
+    float32 for 16-bit inputs, about twice as fast on CPU as composite ops. Other layouts
+    compute it in the statistics dtype (channels-first is not fused because the CPU kernel
+    transposes): under XLA, which fuses the three ops into one loop, as written; elsewhere
+    the two-pass fold a·x + (β − a·mean) unless some channel is far from zero
+    (`fused.far_from_zero`, a tf.cond), where x − mean costs a third pass. Returns x's dtype
+    on the fused path, the statistics dtype otherwise.
     """
     if fused_kernel.fused_data_format(x, channel_axes, epsilon) == "NHWC":
         return fused_kernel.batch_norm_eval(x, mean, variance, gamma, beta, epsilon)
     x = tf.cast(x, statistics_dtype(x.dtype))
     a = gamma * tf.math.rsqrt(variance + epsilon)
-    difference = x - per_channel(mean, x, channel_axes)
-    return difference * per_channel(a, x, channel_axes) + per_channel(beta, x, channel_axes)
+
+    def exact():
+        difference = x - per_channel(mean, x, channel_axes)
+        return difference * per_channel(a, x, channel_axes) + per_channel(beta, x, channel_axes)
+
+    if placement.in_xla_context():
+        return exact()
+    return tf.cond(
+        fused_kernel.far_from_zero(mean, variance, epsilon),
+        exact,
+        lambda: batch_norm_inference(x, a, beta - a * mean, channel_axes),
+    )
