@@ -3,6 +3,7 @@ with: keras_bn under jax.distributed (two CPU processes on 127.0.0.1, gloo colle
 TensorFlow.
 
     KERAS_BACKEND=jax python jax_multiprocess_worker.py PROCESS NUM_PROCESSES PORT DATA.npz OUT.npz
+        [--die RANK HEARTBEAT_S]
 
 With NUM_PROCESSES 1 no distributed system starts: the same calls on the global data are the
 reference. Each process has LOCAL_DEVICES CPU devices.
@@ -17,10 +18,16 @@ DATA.npz with `shard0`, `shard1`, ... recalibrates: the model (random weights) t
 one shorter); with NUM_PROCESSES 1, on every shard's batches in order. Its moving statistics go
 to OUT.npz, and under jax.distributed `all_sum` too: `recalibration_processes().all_sum_array`
 of `probe(PROCESS)`.
+With `--die RANK HEARTBEAT_S` (a fault), process RANK exits once the others have started
+`recalibrate` on DATA.npz's shards, having made no collective call (with `connected` in
+DATA.npz: one, `sync_global_devices`, before); the others record what their `recalibrate` does
+(`recalibrated_while_one_dies`). jax.distributed's coordination service declares a process
+dead after HEARTBEAT_S seconds without its heartbeats (JAX's default: 100).
 """
 
 import os
 import sys
+import time
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.setdefault("KERAS_BN_NO_TENSORFLOW", "1")
@@ -37,6 +44,7 @@ jax.config.update("jax_cpu_collectives_implementation", "gloo")  # JAX's default
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
 
 import keras_bn  # noqa: E402
 import keras_bn.backend  # noqa: E402
@@ -107,24 +115,55 @@ def recalibrated(data, process, processes):
     return found
 
 
+def recalibrated_while_one_dies(data, process, dying, started, out_path):
+    """--die DYING: with `connected` in DATA.npz, first one collective (gloo connects a
+    process's peers at its first collective, not at jax.distributed.initialize). Then process
+    DYING waits for the file `started` and exits (code 3); every other one creates `started`
+    and runs `recalibrate(synchronized=True)` on its shard, and, once it raises or returns,
+    writes its moving statistics, `error` (the message; "" if it returned) and `seconds`
+    (how long the call took) to OUT.npz."""
+    if "connected" in data.files:
+        multihost_utils.sync_global_devices("connected")
+    if process == dying:  # dies once the others are in recalibrate, not still building
+        deadline = time.monotonic() + TIMEOUT_S
+        while not os.path.exists(started) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os._exit(3)
+    shard = data[f"shard{process}"]
+    batches = np.array_split(shard, range(8, len(shard), 8))
+    model = build_model()
+    open(started, "w").close()
+    start, error = time.monotonic(), ""
+    try:
+        keras_bn.recalibrate(model, batches, progress=False, synchronized=True)
+    except RuntimeError as raised:  # jax.errors.JaxRuntimeError
+        error = str(raised)
+    seconds = time.monotonic() - start
+    np.savez(out_path, **values(model, ["moving"]), error=error, seconds=seconds)
+
+
 def probe(process):
     """Values of this process whose float32 roundings differ from them (2⁴⁰ + 1, 1/3, 1e-300)."""
     return np.array([2.0**40 + 1 + process, (process + 1) / 3, 1e-300 * (process + 1)])
 
 
-def main(process, processes, port, data_path, out_path):
+def main(process, processes, port, data_path, out_path, dies=None, heartbeat_s=TIMEOUT_S):
     if processes > 1:
         jax.distributed.initialize(
             coordinator_address=f"127.0.0.1:{port}",
             num_processes=processes,
             process_id=process,
             initialization_timeout=TIMEOUT_S,
-            heartbeat_timeout_seconds=TIMEOUT_S,
+            heartbeat_timeout_seconds=heartbeat_s,
             shutdown_timeout_seconds=TIMEOUT_S,
         )
         assert jax.process_count() == processes
+        # Makes the CPU client, which waits for every process's devices: all have joined.
         assert len(jax.devices()) == processes * LOCAL_DEVICES
     data = np.load(data_path)
+    if dies is not None:
+        recalibrated_while_one_dies(data, process, dies, f"{data_path}.started", out_path)
+        return
     found = (recalibrated if "shard0" in data.files else train)(data, process, processes)
     np.savez(out_path, **found)
     if processes > 1:
@@ -133,4 +172,7 @@ def main(process, processes, port, data_path, out_path):
 
 if __name__ == "__main__":
     process, processes, port = (int(v) for v in sys.argv[1:4])
-    main(process, processes, port, *sys.argv[4:6])
+    if sys.argv[6:7] == ["--die"]:
+        main(process, processes, port, *sys.argv[4:6], int(sys.argv[7]), int(sys.argv[8]))
+    else:
+        main(process, processes, port, *sys.argv[4:6])

@@ -8,9 +8,12 @@ BN with `synchronized=False` and one with `synchronized=True` alike: Keras makes
 batch one array sharded over all four devices (jax.make_array_from_process_local_data) and the
 jitted train step's batch statistics are XLA's over the whole array, so they span the processes
 whatever `synchronized` says. `recalibrate(synchronized=True)` pools Algorithm 2's float64 sums
-over the processes (`recalibration_processes().all_sum_array`)."""
+over the processes (`recalibration_processes().all_sum_array`). A process that dies makes the
+other's recalibrate raise, or the coordination service terminate it, within the heartbeat
+timeout: never a hang."""
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -25,6 +28,9 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jax_multiproc
 # Three processes normally finish in seconds; this only catches a hang.
 TIMEOUT_S = 180
 STEPS, BATCH, FEATURES, MOMENTUM = 3, 16, 5, 0.5
+# The fault test's heartbeat timeout (JAX's default is 100 s): how long jax.distributed's
+# coordination service waits for a silent process before declaring it dead.
+HEARTBEAT_S = 5
 
 
 def _free_port():
@@ -33,20 +39,20 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _run(tmp_path, data):
-    """The two processes of jax.distributed and the one-process reference, all at once, on
-    `data`: their outputs (process 0, process 1, reference) once all have exited."""
+def _exit_codes(tmp_path, data, runs, *options, timeout=TIMEOUT_S):
+    """The worker once per (process, count, port, name) of `runs` on `data`, `options` after
+    its OUT.npz, all at once: their exit codes once all have exited (each one's output in
+    NAME.log, its results in NAME.npz); subprocess.TimeoutExpired, all killed, if one still
+    runs after `timeout` seconds."""
     env = dict(os.environ, KERAS_BACKEND="jax", KERAS_BN_NO_TENSORFLOW="1")
-    port = str(_free_port())
-    runs = [("0", "2", port, "rank0"), ("1", "2", port, "rank1"), ("0", "1", "0", "one")]
     processes, logs = [], []
     for process, count, address, name in runs:
         log = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115 (closed below)
         logs.append(log)
         command = [sys.executable, WORKER, process, count, address, str(data)]
-        command.append(str(tmp_path / f"{name}.npz"))
+        command += [str(tmp_path / f"{name}.npz"), *options]
         processes.append(subprocess.Popen(command, env=env, stderr=log, stdout=log))
-    deadline = time.monotonic() + TIMEOUT_S
+    deadline = time.monotonic() + timeout
     try:
         for process in processes:
             process.wait(max(1.0, deadline - time.monotonic()))
@@ -57,11 +63,18 @@ def _run(tmp_path, data):
                 process.wait()
         for log in logs:
             log.close()
-    for (*_, name), process in zip(runs, processes):
-        if process.returncode != 0:
+    return [process.returncode for process in processes]
+
+
+def _run(tmp_path, data):
+    """The two processes of jax.distributed and the one-process reference, all at once, on
+    `data`: their outputs (process 0, process 1, reference) once all have exited."""
+    port = str(_free_port())
+    runs = [("0", "2", port, "rank0"), ("1", "2", port, "rank1"), ("0", "1", "0", "one")]
+    for (*_, name), code in zip(runs, _exit_codes(tmp_path, data, runs)):
+        if code != 0:
             raise AssertionError(
-                f"{name} exited with {process.returncode}:\n"
-                + (tmp_path / f"{name}.log").read_text()[-3000:]
+                f"{name} exited with {code}:\n" + (tmp_path / f"{name}.log").read_text()[-3000:]
             )
     return [np.load(tmp_path / f"{name}.npz") for *_, name in runs]
 
@@ -137,3 +150,46 @@ def test_recalibrate_synchronized_on_two_processes_equals_one_process_on_every_s
     exact = np.array([2.0**40 + 1, 1 / 3, 1e-300]) + np.array([2.0**40 + 2, 2 / 3, 2e-300])
     for result in got:
         np.testing.assert_array_equal(result["all_sum"], exact)
+
+
+@pytest.mark.parametrize("connected", [False, True], ids=["allgather-first", "after-a-collective"])
+def test_a_process_that_dies_makes_the_other_raise_or_be_terminated_rather_than_hang(
+    tmp_path, connected
+):
+    """Process 1 exits (code 3) once process 0 has started `recalibrate(synchronized=True)`.
+    Gloo under JAX connects the processes at their first collective, not at
+    jax.distributed.initialize. If recalibrate's allgather is that first collective, process 0
+    waits in it for a peer that never comes until the coordination service misses process 1's
+    heartbeats for HEARTBEAT_S (5 s) and terminates process 0 (SIGABRT, "Terminating process
+    because the JAX distributed service detected fatal errors"): no Python error, no output;
+    measured 4.7 to 5.6 s after the call started, 9 to 10 s for the test. After an earlier
+    collective (`sync_global_devices`), the allgather raises a JaxRuntimeError at once ("Gloo
+    AllGather failed: ... Connection closed by peer", 0.5 to 0.6 s after the call started,
+    forward passes included), the BNs keep their moving statistics (mean 0, variance 1:
+    recalibrate puts back any layer it set), and the coordination service terminates process
+    0 all the same once the heartbeat timeout has passed. Either way the survivor never hangs:
+    it ends within the heartbeat timeout of the death (bounded here by HEARTBEAT_S + 10 s)."""
+    rng = np.random.default_rng(5)
+    shards = {f"shard{i}": rng.normal(size=(16, FEATURES)).astype("float32") for i in range(2)}
+    data = tmp_path / "fault.npz"
+    np.savez(data, **shards, **({"connected": True} if connected else {}))
+    port = str(_free_port())
+    runs = [("0", "2", port, "rank0"), ("1", "2", port, "rank1")]
+    # A survivor that hung would raise subprocess.TimeoutExpired here.
+    codes = _exit_codes(tmp_path, data, runs, "--die", "1", str(HEARTBEAT_S), timeout=60)
+    log = (tmp_path / "rank0.log").read_text()
+    assert codes == [-signal.SIGABRT, 3], (codes, log[-3000:])
+    assert "detected fatal errors" in log and "heartbeat" in log, log[-3000:]
+    started = tmp_path / "fault.npz.started"  # process 0 created it just before the call
+    assert time.time() - started.stat().st_mtime < HEARTBEAT_S + 10
+    if not connected:
+        assert not (tmp_path / "rank0.npz").exists()  # neither raised nor returned
+        return
+    result = np.load(tmp_path / "rank0.npz")
+    assert "Connection closed by peer" in str(result["error"]), str(result["error"])
+    assert float(result["seconds"]) < HEARTBEAT_S
+    moving = [name for name in result.files if "/moving_" in name]
+    assert len(moving) == 4, result.files  # two BNs' moving mean and variance
+    for name in moving:
+        expected = 1.0 if name.endswith("variance") else 0.0
+        np.testing.assert_array_equal(result[name], expected, err_msg=name)
