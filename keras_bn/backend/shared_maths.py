@@ -276,7 +276,8 @@ def batch_norm_eval(x, mean, variance, gamma, beta, channel_axes, epsilon):
     |a·mean|·2⁻²⁴, which far from zero is (|mean|/σ)·2⁻²⁴ of the output's scale (2.7e-2 at
     mean 1e4, σ 1e-2). x − mean is exact wherever x lies within a factor 2 of mean, and what
     remains is a few roundings of y itself. Under jit XLA fuses the three ops into one loop;
-    the PyTorch backend's `batch_norm_eval` computes the same in one new tensor."""
+    the PyTorch backend's `batch_norm_eval` computes the same in one new tensor, or on a CPU
+    F.batch_norm's one-pass fold where no channel is far from zero."""
     xp = arrays_of(x)
     x = xp.astype(x, xp.statistics_dtype(x.dtype))
     a = gamma * arrays_of(variance).rsqrt(variance + epsilon)
