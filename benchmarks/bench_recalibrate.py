@@ -1,7 +1,8 @@
 """`keras_bn.recalibrate`'s cost as a multiple of one inference pass (`model.predict`) over the
 same data: the one pass (keras_bn/_recalibration/one_pass.py) and the per-layer method it
-replaced (one pass per BN layer), on keras.applications.ResNet50(weights=None) at 64×64 and on a
-small residual net with 16 BN layers, 256 images in batches of 64.
+replaced (one pass per BN layer), on keras.applications.ResNet50(weights=None) at 64×64, on a
+small residual net with 16 BN layers, and on a QAT MobileNetV2 (α 0.35, 96×96, `quantize_model`:
+its BNs folded into 8-bit weights, whose first call traces more), 256 images in batches of 64.
 
 Each warm time is the median of `--reps` interleaved rounds (predict, then the one pass, the
 order alternating), and its ratio the median of the per-round ratios; "fastest ÷ fastest" is
@@ -16,6 +17,7 @@ predict passes.
 
     python benchmarks/bench_recalibrate.py --json benchmarks/results/bench_recalibrate.json
     python benchmarks/bench_recalibrate.py --smoke    # tiny models, one rep: CI's check
+    python benchmarks/bench_recalibrate.py --model "QAT MobileNetV2 0.35"   # one model's row
 """
 
 import argparse
@@ -36,6 +38,7 @@ from keras_bn import population
 from keras_bn._graph import bn_layers
 from keras_bn._recalibration.batches import Batches
 from keras_bn.export import atomic
+from keras_bn.quantize import quantize_model
 
 
 def small_resnet(image=32, widths=(16, 32, 64), stem=8):
@@ -62,6 +65,18 @@ def small_resnet(image=32, widths=(16, 32, 64), stem=8):
     return keras.Model(inputs, keras.layers.Dense(10)(x), name="small_resnet")
 
 
+def qat_mobilenet_v2(image=96):
+    """keras.applications.MobileNetV2 (α 0.35, 52 BN layers) made QAT by `quantize_model`
+    (8-bit weights, per channel but for the per-tensor Dense head; 8-bit activations), its
+    activation ranges set by one training call on 8 random images."""
+    model = keras.applications.MobileNetV2(
+        alpha=0.35, input_shape=(image, image, 3), weights=None, classes=10
+    )
+    qat = quantize_model(model, 8, 8)
+    qat(np.random.default_rng(1).random((8, image, image, 3), np.float32), training=True)
+    return qat
+
+
 def _models(smoke):
     if smoke:
         return [("small ResNet", lambda: small_resnet(image=8, widths=(4, 4, 4), stem=4), 8)]
@@ -72,6 +87,7 @@ def _models(smoke):
             64,
         ),
         ("small ResNet", small_resnet, 32),
+        ("QAT MobileNetV2 0.35", qat_mobilenet_v2, 96),
     ]
 
 
@@ -94,16 +110,17 @@ def measure(name, build, image, images, batch, reps, per_layer_reps, seed=0):
 
     def statistics_now():
         return [
-            (layer.moving_mean.numpy(), layer.moving_variance.numpy())
-            for layer in bn_layers.in_model(model)
+            (bn.moving_mean.numpy(), bn.moving_variance.numpy())
+            for bn in map(bn_layers.statistics_of, bn_layers.in_model(model))
         ]
 
     start_statistics = statistics_now()
 
     def restore():
-        for layer, (mean, variance) in zip(bn_layers.in_model(model), start_statistics):
-            layer.moving_mean.assign(mean)
-            layer.moving_variance.assign(variance)
+        batch_norms = map(bn_layers.statistics_of, bn_layers.in_model(model))
+        for bn, (mean, variance) in zip(batch_norms, start_statistics):
+            bn.moving_mean.assign(mean)
+            bn.moving_variance.assign(variance)
 
     def one_pass():
         restore()
@@ -195,6 +212,9 @@ def main(argv=None):
     parser.add_argument("--images", type=int, default=256)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
+    parser.add_argument(
+        "--model", action="append", metavar="NAME", help="only this model's row (repeatable)"
+    )
     args = parser.parse_args(argv)
     for flag in ("reps", "per_layer_reps", "images", "batch"):
         if getattr(args, flag) < 1:
@@ -207,7 +227,16 @@ def main(argv=None):
     print(f"{images} images in batches of {batch}; {reps} interleaved round(s), medians\n")
     print(HEADER, flush=True)
     rows = []
-    for name, build, image in _models(args.smoke):
+    models = _models(args.smoke)
+    unknown = set(args.model or []) - {name for name, _, _ in models}
+    if unknown:
+        parser.error(
+            f"--model: no model named {sorted(unknown)}; the models are "
+            f"{[name for name, _, _ in models]}"
+        )
+    for name, build, image in models:
+        if args.model and name not in args.model:
+            continue
         row = measure(name, build, image, images, batch, reps, args.per_layer_reps)
         rows.append(row)
         print(row_line(row), flush=True)
