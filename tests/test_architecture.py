@@ -594,8 +594,9 @@ def test_find_cycle_on_small_graphs(graph, expected):
 
 
 def test_the_float_tools_do_not_import_qat():
-    """recalibrate, Recalibrate and check_batchnorm refuse a QAT model through a class
-    attribute (`folds_batch_norm`), not by importing keras_bn.quantize."""
+    """recalibrate, Recalibrate and check_batchnorm tell a QAT layer (which recalibrate
+    settles, and check_batchnorm refuses) by a class attribute (`folds_batch_norm`), not by
+    importing keras_bn.quantize."""
     for module in ("keras_bn.population", "keras_bn.callbacks", "keras_bn.check"):
         qat = sorted(m for m in GRAPH[module] if m.startswith("keras_bn.quantize"))
         assert not qat, f"{module} imports {qat}"

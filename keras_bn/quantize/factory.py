@@ -63,7 +63,7 @@ def from_layers(
         ValueError: a layer that is not built or not supported, an activation that is not
             ReLU/ReLU6, a batch norm not on the host's channel axis, or an argument out of
             range (the message names the value).
-        ImportError: Keras runs on a backend the QAT layers do not support (PyTorch, NumPy).
+        ImportError: Keras runs on a backend the QAT layers do not support (NumPy, OpenVINO).
     """
     backend.get("keras_bn.quantize")  # see quantize_model
     for layer in (host, batch_norm):
