@@ -253,13 +253,40 @@ def train_step(model, jit_compile):
     return step
 
 
-# The train steps timed: the digits CNN on its batch, and a real-sized MobileNetV2 (53 BN):
-# name → (model factory, inputs of one batch, labels).
+def pyramid(side, width=32):
+    """A feature-pyramid classifier: four Conv–BN–ReLU stages (strides 2, 2, 2, 2), each
+    output brought to `width` channels by a 1×1 Conv–BN, the coarser three upsampled
+    (bilinear) to the finest one's grid and summed there in one 4-input Add, then
+    Conv–BN–ReLU, global average pooling and a Dense head. In its QAT copy the Add rounds each
+    partial sum and each upsampling rounds onto its input's grid, as their int8 files do."""
+    layers = keras.layers
+
+    def conv_bn(x, filters, kernel, strides=1, relu=True):
+        x = layers.Conv2D(filters, kernel, strides, padding="same", use_bias=False)(x)
+        x = layers.BatchNormalization()(x)
+        return layers.ReLU()(x) if relu else x
+
+    inputs = keras.Input((side, side, 3))
+    x, laterals = inputs, []
+    for stage, filters in enumerate((width, 2 * width, 4 * width, 8 * width)):
+        x = conv_bn(x, filters, 3, strides=2)
+        lateral = conv_bn(x, width, 1, relu=False)
+        if stage:
+            lateral = layers.UpSampling2D(2**stage, interpolation="bilinear")(lateral)
+        laterals.append(lateral)
+    x = conv_bn(layers.Add()(laterals), width, 3)
+    x = layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inputs, layers.Dense(10)(x), name="pyramid")
+
+
+# The train steps timed: the digits CNN on its batch, a real-sized MobileNetV2 (53 BN) and,
+# out of --smoke, a real-sized feature pyramid (`pyramid`: bilinear upsampling and a 4-input
+# Add): name → (model factory, inputs of one batch, labels).
 def timed_models(data, smoke):
     x_train, y_train, _, _ = data
     side, batch = (32, 4) if smoke else (MOBILENET_SIDE, MOBILENET_BATCH)
     rng = np.random.default_rng(0)
-    return {
+    models = {
         "digits CNN": (digits.separable_cnn, x_train[:BATCH], y_train[:BATCH]),
         f"MobileNetV2 α=0.35, {side} px, batch {batch}": (
             lambda: keras.applications.MobileNetV2(
@@ -269,12 +296,22 @@ def timed_models(data, smoke):
             rng.integers(0, 10, batch),
         ),
     }
+    if not smoke:
+        models[f"pyramid (bilinear upsampling, 4-input Add), {side} px, batch {batch}"] = (
+            lambda: pyramid(side),
+            rng.random((batch, side, side, 3), np.float32),
+            rng.integers(0, 10, batch),
+        )
+    return models
 
 
-def step_times(jit_compile, rounds, warmup, inner, model_name, factory, x, y, config=(8, True)):
+def step_times(
+    jit_compile, rounds, warmup, inner, model_name, factory, x, y, config=(8, True), export=False
+):
     """Median seconds per train step of a float model and of its QAT copy (`config`: weight
     bits and per channel, activations 8 bits, the default weight range of those bits), timed
-    interleaved on the same batch, and the median of the per-round ratios."""
+    interleaved on the same batch, and the median of the per-round ratios; with `export`,
+    also what `exported` finds of the QAT copy."""
     keras.utils.set_random_seed(0)
     model = factory()
     steps = {"float": train_step(model, jit_compile)}
@@ -294,6 +331,7 @@ def step_times(jit_compile, rounds, warmup, inner, model_name, factory, x, y, co
             samples[name].append((time.perf_counter() - start) / inner)
     ratios = [q / f for q, f in zip(samples["qat"], samples["float"])]
     (weight_range,) = {layer.weight_range for layer in qat.layers if hasattr(layer, "weight_range")}
+    exports = exported(qat, x.numpy()) if export else None
     return {
         "model": model_name,
         "qat": f"{config_key(*config)}, {weight_range} weight ranges",
@@ -304,7 +342,26 @@ def step_times(jit_compile, rounds, warmup, inner, model_name, factory, x, y, co
         "median_round_ratio": statistics.median(ratios),
         "rounds": rounds,
         "calls_per_round": inner,
+        **({"exports": exports} if exports is not None else {}),
     }
+
+
+def exported(qat, x):
+    """The QAT model after its timed steps (ranges and statistics moved by them), written to
+    int8 TFLite and ONNX, each verified against the Keras model on `x`: per format whether it
+    passed, its largest error in output steps (LSB) and the export's seconds."""
+    found = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for name, export in (("tflite", export_tflite), ("onnx", export_onnx)):
+            start = time.perf_counter()
+            report = export(qat, os.path.join(folder, f"qat.{name}"), probe=x, strict=False)
+            found[name] = {
+                "passed": report.passed,
+                "max_lsb_error": report.max_lsb_error,
+                "float_ops": report.float_ops,
+                "seconds": round(time.perf_counter() - start, 1),
+            }
+    return found
 
 
 def summary(values):
@@ -492,6 +549,12 @@ def main(argv=None):
         help="only the train step's cost, QAT against float, at w8a8 per channel (max|w| "
         "ranges) and w3a8 per channel and per tensor (learned ranges)",
     )
+    parser.add_argument(
+        "--model",
+        action="append",
+        metavar="NAME",
+        help="with --step-cost, only the timed model whose name starts with NAME (repeatable)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = parser.parse_args(argv)
     argv = argv if argv is not None else sys.argv[1:]
@@ -515,7 +578,13 @@ def main(argv=None):
         return reestimation_main(args, argv, started, seeds, float_epochs, recipe, data)
     if args.step_cost:
         command = command_line(argv)
-        timings = timed_steps(data, args.smoke, (rounds, warmup, inner), STEP_COST_CONFIGS)
+        names = list(timed_models(data, args.smoke))
+        only = [n for n in names if any(n.startswith(m) for m in args.model or [])]
+        if args.model and not only:
+            parser.error(f"--model {args.model}: no timed model starts so; they are {names}")
+        timings = timed_steps(
+            data, args.smoke, (rounds, warmup, inner), STEP_COST_CONFIGS, only=only
+        )
         print(f"# machine: {machine()}\n# command: {command}\n# {started:%Y-%m-%d %H:%M} UTC")
         print_timings(timings)
         if args.json:
@@ -573,19 +642,27 @@ def main(argv=None):
 STEP_COST_CONFIGS = [(8, True), (3, True), (3, False)]
 
 
-def timed_steps(data, smoke, shape, configs):
-    """`step_times` of each timed model, QAT configuration and mode (graph, XLA)."""
+def timed_steps(data, smoke, shape, configs, only=None):
+    """`step_times` of each timed model (or those named in `only`), QAT configuration and
+    mode (graph, XLA); the pyramid's QAT copies are exported too (`exported`), after their
+    XLA steps."""
     rounds, warmup, inner = shape
     timings = []
     for name, model in timed_models(data, smoke).items():
+        if only and name not in only:
+            continue
         # MobileNetV2's steps take ~0.2–3 s on 2 cores: fewer, single-call rounds.
         small = name.startswith("digits")
         shape = (rounds, warmup, inner) if small else (max(3, rounds // 3), min(warmup, 2), 1)
         # --smoke: MobileNetV2 under XLA only, whose first call traces what graph mode runs
         # (tracing its QAT step takes ~30 s on 2 cores, the XLA compile as much again).
         modes = (True,) if smoke and not small else (False, True)
+        export = name.startswith("pyramid")
         for config in configs:
-            timings += [step_times(jit, *shape, name, *model, config) for jit in modes]
+            timings += [
+                step_times(jit, *shape, name, *model, config, export=export and jit)
+                for jit in modes
+            ]
     return timings
 
 
@@ -598,6 +675,13 @@ def print_timings(timings):
             f"| {t['model']} | {t['qat']} | {t['mode']} | {t['float_ms']:.2f} | "
             f"{t['qat_ms']:.2f} | {t['ratio']:.2f} | {t['median_round_ratio']:.2f} |"
         )
+    for t in timings:
+        for fmt, found in t.get("exports", {}).items():
+            print(
+                f"{t['model']}, {t['qat']}: {fmt} {'passed' if found['passed'] else 'FAILED'}, "
+                f"at most {found['max_lsb_error']:.0f} LSB from Keras, float ops "
+                f"{found['float_ops'] or 'none'}, {found['seconds']} s"
+            )
 
 
 def command_line(argv):
