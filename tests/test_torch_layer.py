@@ -387,3 +387,84 @@ def test_a_compiled_qat_train_step_takes_the_gradients_and_statistics_of_an_eage
                     variable.assign(variable.value - 0.05 * grad)
         for got, want in zip(compiled.variables, eager.variables, strict=True):
             _close(array(got), array(want), 1e-6)
+
+
+def _inference_layer(mean, variance, gamma=2.0, shape=(2, 4, 3, 3)):
+    """A channels_first layer (F.batch_norm's axis) with the given per-channel statistics."""
+    layer = keras_bn.BatchNormalization(axis=1, epsilon=1e-3)
+    layer.build(shape)
+    channels = shape[1]
+    layer.moving_mean.assign(np.full(channels, mean, "float32"))
+    layer.moving_variance.assign(np.full(channels, variance, "float32"))
+    layer.gamma.assign(np.full(channels, gamma, "float32"))
+    return layer
+
+
+def _inference_reference(layer, x):
+    """Inference from the layer's float32 weights, in float64 numpy."""
+    mean, variance, gamma, beta = (
+        keras.ops.convert_to_numpy(v).astype(np.float64).reshape(1, -1, 1, 1)
+        for v in (layer.moving_mean, layer.moving_variance, layer.gamma, layer.beta)
+    )
+    return (x.astype(np.float64) - mean) * gamma / np.sqrt(variance + layer.epsilon) + beta
+
+
+def test_vmap_over_the_moving_statistics_gives_each_member_its_own_inference():
+    """torch.func.vmap over stacked moving statistics (an ensemble of BN states through
+    `stateless_call`): each member's output is its own inference. The fold's test of the
+    statistics (a Python bool) raised under vmap ("data-dependent control flow")."""
+    layer = _inference_layer(0.5, 2.0)
+    x = torch.randn(2, 4, 3, 3)
+    trainable = [v.value for v in layer.trainable_variables]
+    fixed = [v.value.detach().clone() for v in layer.non_trainable_variables]
+
+    def infer(*statistics):
+        return layer.stateless_call(trainable, list(statistics), x, training=False)[0]
+
+    scales = (1.0, 1.1, 3e3)  # the last member's mean is far from zero
+    y = torch.func.vmap(infer)(*[torch.stack([s * f for f in scales]) for s in fixed])
+    for member, scale in enumerate(scales):
+        layer.moving_mean.assign(keras.ops.convert_to_numpy(fixed[0]) * scale)
+        layer.moving_variance.assign(keras.ops.convert_to_numpy(fixed[1]) * scale)
+        want = _inference_reference(layer, x.numpy())
+        np.testing.assert_allclose(y[member].detach().numpy(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mean", [0.5, 1e3], ids=["near", "far"])
+def test_forward_mode_through_inference_is_the_derivative(mean):
+    """torch.func.jvp and jacfwd through an inference call: the tangent is γ/√(v + ε) per
+    element, on both sides of the fold's threshold. `addcmul(out=)` raised under them."""
+    layer = _inference_layer(mean, 1.0)
+    x = torch.full((2, 4, 3, 3), mean + 1.0)
+    slope = 2.0 / np.sqrt(1.0 + 1e-3)
+    _, tangent = torch.func.jvp(lambda t: layer(t, training=False), (x,), (torch.ones_like(x),))
+    np.testing.assert_allclose(tangent.detach().numpy(), slope, rtol=1e-6)
+    jacobian = torch.func.jacfwd(lambda t: layer(t, training=False))(x[:1, :, :1, :1])
+    np.testing.assert_allclose(
+        jacobian.reshape(4, 4).detach().numpy(), np.eye(4) * slope, rtol=1e-6, atol=1e-7
+    )
+
+
+def test_a_jit_traced_inference_reads_the_statistics_it_is_given():
+    """torch.jit.trace with statistics near zero, then statistics at 1e4 and data at 1e4:
+    the traced module computes x − mean first, as eager does (within 6·2⁻²⁴ of the output's
+    scale). A traced choice of the fold would be 2e5·2⁻²⁴ off."""
+    layer = _inference_layer(0.01, 1e-4, gamma=1.0)
+    rng = np.random.default_rng(6)
+
+    class Inference(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn = layer
+
+        def forward(self, t):
+            return self.bn(t, training=False)
+
+    near = torch.tensor(rng.normal(0.01, 1e-2, (2, 4, 3, 3)).astype("float32"))
+    traced = torch.jit.trace(Inference(), (near,), check_trace=False)
+    layer.moving_mean.assign(np.full(4, 1e4, "float32"))
+    far = rng.normal(1e4, 1e-2, (2, 4, 3, 3)).astype("float32")
+    want = _inference_reference(layer, far)
+    scale = np.max(np.abs(want))
+    error = np.max(np.abs(traced(torch.tensor(far)).detach().numpy() - want)) / scale
+    assert error <= 6 * 2.0**-24, error

@@ -201,11 +201,23 @@ def batch_norm_eval(x, mean, variance, gamma, beta, channel_axes, epsilon):
     passes. Elsewhere `shared_maths`'s order of operations (x − mean first, exact far from
     zero), the product and sum taken in the difference's new tensor (`torch.addcmul(...,
     out=)`), so that it writes one full-size tensor; where autograd records (a gradient
-    through an inference call), which `out=` does not allow, in a second one. Under
-    torch.compile, which fuses the three ops into one loop, and on other devices (where the
-    check would wait for the device), always the latter."""
+    through an inference call) or under torch.func's transforms, which `out=` does not
+    allow, in a second one. Under torch.compile, which fuses the three ops into one loop,
+    under torch.jit.trace and torch.func, and on other devices (where the check would wait
+    for the device), always the latter.
+
+    The fold's error is about (|mean|/σ + 1)·|γ|·2⁻²⁴, a few roundings of |γ| where it is
+    taken: of the output's scale where the data spreads as its statistics say; where the
+    data sits within a small fraction of σ of the mean, the exact form's error is smaller
+    still, relative to that narrower output."""
     x = x.to(statistics_dtype(x.dtype))
-    channels_second = _channels_second(x, channel_axes)
+    # Under torch.func's transforms (vmap, jvp, grad) neither the test's bool nor `out=` is
+    # allowed: x − mean first, in a new tensor. (Dynamo would break the graph at the test
+    # of a wrapper; under torch.compile the fold is not taken anyway.)
+    transformed = not torch.compiler.is_compiling() and any(
+        map(_functorch_wrapped, (x, mean, variance, gamma, beta))
+    )
+    channels_second = None if transformed else _channels_second(x, channel_axes)
     if channels_second is not None and not _far_from_zero(x, mean, variance, epsilon):
         y = torch.nn.functional.batch_norm(
             channels_second, mean, variance, gamma, beta, False, 0.0, epsilon
@@ -218,16 +230,25 @@ def batch_norm_eval(x, mean, variance, gamma, beta, channel_axes, epsilon):
         difference,
         shared_maths.per_channel(a, x, channel_axes),
     )
-    if torch.is_grad_enabled() and any(t.requires_grad for t in terms):
+    if transformed or (torch.is_grad_enabled() and any(t.requires_grad for t in terms)):
         return torch.addcmul(*terms)
     return torch.addcmul(*terms, out=difference)
+
+
+def _functorch_wrapped(tensor):
+    """Whether `tensor` is one of torch.func's wrappers (a vmap batch, a jvp dual, a grad
+    input)."""
+    return torch._C._functorch.is_functorch_wrapped_tensor(tensor)
 
 
 def _channels_second(x, channel_axes):
     """x as F.batch_norm's (N, C, ...) without a copy, where its kernel reads that view in one
     pass: channels on axis 1, or on a contiguous 4D/5D input's last axis (a view in PyTorch's
-    channels_last memory format); else None."""
-    if x.device.type != "cpu" or torch.compiler.is_compiling() or len(channel_axes) != 1:
+    channels_last memory format); else None. None under torch.jit.trace too, which would
+    record the test's outcome as a constant of the traced graph."""
+    if x.device.type != "cpu" or len(channel_axes) != 1:
+        return None
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
         return None
     axis = channel_axes[0] % x.ndim
     if x.ndim >= 2 and axis == 1:
