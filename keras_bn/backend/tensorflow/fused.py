@@ -200,17 +200,45 @@ def batch_norm_eval(x, mean, variance, gamma, beta, epsilon):
             `statistics_dtype(x.dtype)`.
         epsilon: added to the variance.
 
+    Its gradient is the composite form's (`_eval_composite`), not FusedBatchNormGradV3's:
+    taken through the tf.cond in a tf.function, that one's second derivatives came out wrong
+    (∂²/∂γ² 0 where the formula gives 2e4, TF 2.21), while the composite form is
+    differentiable to any order. It costs one more pass over x in a backward through
+    inference, which training never takes.
+
     Returns:
         y, in x's dtype and shape.
     """
-    view = _view_4d(x, "NHWC")
 
-    def kernel(inputs, centre):
-        return _fused(inputs, gamma, beta, centre, variance, epsilon, "NHWC", is_training=False)[0]
+    @tf.custom_gradient
+    def evaluated(x, mean, variance, gamma, beta):
+        view = _view_4d(x, "NHWC")
 
-    def centred():
-        difference = tf.cast(view, mean.dtype) - mean
-        return tf.cast(kernel(difference, tf.zeros_like(mean)), x.dtype)
+        def kernel(inputs, centre):
+            outputs = _fused(inputs, gamma, beta, centre, variance, epsilon, "NHWC", False)
+            return outputs[0]
 
-    y = tf.cond(far_from_zero(mean, variance, epsilon), centred, lambda: kernel(view, mean))
-    return tf.reshape(y, tf.shape(x))
+        def centred():
+            difference = tf.cast(view, mean.dtype) - mean
+            return tf.cast(kernel(difference, tf.zeros_like(mean)), x.dtype)
+
+        far = far_from_zero(mean, variance, epsilon)
+        y = tf.reshape(tf.cond(far, centred, lambda: kernel(view, mean)), tf.shape(x))
+
+        def gradient(dy):
+            arguments = [x, mean, variance, gamma, beta]
+            with tf.GradientTape() as tape:
+                tape.watch(arguments)
+                y = _eval_composite(x, mean, variance, gamma, beta, epsilon)
+            return tape.gradient(y, arguments, output_gradients=dy)
+
+        return y, gradient
+
+    return evaluated(x, mean, variance, gamma, beta)
+
+
+def _eval_composite(x, mean, variance, gamma, beta, epsilon):
+    """Channels-last inference BN as elementwise ops, (x − mean)·γ/√(variance + ε) + β in the
+    statistics' dtype, cast to x's: `batch_norm_eval`'s value, for its gradient."""
+    a = gamma * tf.math.rsqrt(variance + epsilon)
+    return tf.cast((tf.cast(x, mean.dtype) - mean) * a + beta, x.dtype)
