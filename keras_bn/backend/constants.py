@@ -15,7 +15,9 @@ SHIFT_REDO_RATIO = 9.0
 # (x − mean)·a + β otherwise (`batch_norm_eval`): below it the fold adds at most about
 # 2·3·|γ|·2⁻²⁴ of rounding, about 2⁻²⁴ of an output whose scale is |γ|·max|x̂| ≳ 3|γ|; usual
 # activations (a BN's input, |mean|/σ ≈ 1.4 after a ReLU) stay below it. Far above it the fold
-# loses (|mean|/σ)·2⁻²⁴ of the output's scale (2e-2 at mean 1e4, σ 1e-2).
+# loses (|mean|/σ)·2⁻²⁴ of the output's scale (2e-2 at mean 1e4, σ 1e-2). Below it the error
+# is still about |γ|·2⁻²⁴ times a few, more than that of an output much narrower than |γ| (data
+# far narrower than its statistics), where x − mean first would keep its own few roundings.
 EVAL_RECENTRE_STDDEVS = 3.0
 
 # The FakeQuant ops divide by max − min: a range narrower than this (an activation that was 0 on
