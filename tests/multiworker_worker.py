@@ -2,13 +2,15 @@
 `Cluster`, which starts the workers on 127.0.0.1.
 
     TF_CONFIG=... python multiworker_worker.py loop INIT.npz OUT.npz
-    TF_CONFIG=... python multiworker_worker.py recalibrate INIT.npz OUT.npz
+    TF_CONFIG=... python multiworker_worker.py recalibrate INIT.npz OUT.npz [--die WORKER]
     TF_CONFIG=... python multiworker_worker.py backup INIT.npz OUT.npz BACKUP_DIR LOG
         [--hang-at EPOCH:BATCH]
 
 `loop` (tests/test_distributed.py) trains a small synchronized-BN model for a few SGD steps,
 each worker on its slice of every global batch. `recalibrate` (the same file) recalibrates it
-with synchronized=True, each worker on its own shard (`recalibration_shards`). `backup`
+with synchronized=True, each worker on its own shard (`recalibration_shards`); with --die,
+worker WORKER exits part way and the other saves what its call did
+(tests/test_fault_tolerance.py, `recalibrated_while_one_dies`). `backup`
 (tests/test_fault_tolerance.py) trains for a few epochs with
 `keras.callbacks.BackupAndRestore(BACKUP_DIR, save_freq="epoch")` (see train_with_backup),
 appending "epoch batch" to LOG after every batch; with --hang-at it stops after logging that
@@ -90,12 +92,66 @@ def recalibrated(strategy, init_path, shards):
     """The model (cumulative too) from init_path, recalibrated with synchronized=True on
     `shards` in batches of 8 each (a list of arrays: one process's, or every shard's in
     order); its moving statistics and batch counter."""
+    model = _recalibration_model(strategy, init_path)
     with _scope(strategy):
+        keras_bn.recalibrate(model, _batches_of(shards), progress=False, synchronized=True)
+    return [np.asarray(v) for v in model.non_trainable_variables]
+
+
+def _recalibration_model(strategy, init_path):
+    with _scope(strategy):  # under MWMS every worker makes the variables, together
         model = build_model(cumulative=True)
         load_weights(model, init_path)
-        batches = [s[i : i + 8] for s in shards for i in range(0, len(s), 8)]
-        keras_bn.recalibrate(model, batches, progress=False, synchronized=True)
-    return [np.asarray(v) for v in model.non_trainable_variables]
+    return model
+
+
+def _batches_of(shards):
+    return [s[i : i + 8] for s in shards for i in range(0, len(s), 8)]
+
+
+def recalibrated_while_one_dies(strategy, init_path, index, dying, started, out_path):
+    """--die DYING: both workers start the recalibrate of `recalibrated` on their shards,
+    which pools the sums of one BN layer at a time, one reduce each. At the second layer's
+    reduce, worker DYING waits for the file `started` and exits (code 3) as a crash would,
+    without a word to the cluster; the other creates `started` there, once it has set the
+    first layer, and goes into the reduce. Once its recalibrate raises or returns, it saves
+    to out_path the model's moving statistics and batch counter, `during` (the first BN's
+    moving mean and variance at the second reduce), `error` ("Type: message"; "" if it
+    returned) and `after_fault` (seconds from creating `started` to the end of the call)."""
+    model = _recalibration_model(strategy, init_path)
+    tf_backend = keras_bn.backend.get()
+    strategy_sum, during, fault = tf_backend.recalibration_processes, [], []
+
+    class FaultAtSecondSum:  # the strategy's sums (keras_bn.backend.ProcessSum), one fails
+        def __init__(self):
+            self.sums, self.calls = strategy_sum(), 0
+
+        def all_sum_array(self, values):
+            self.calls += 1
+            if self.calls == 2 and index == dying:
+                deadline = time.monotonic() + CLUSTER_TIMEOUT_S
+                while not os.path.exists(started) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                os._exit(3)  # no clean shutdown of TensorFlow's server, as in a crash
+            if self.calls == 2:
+                during.extend(np.asarray(v) for v in model.layers[1].non_trainable_variables)
+                open(started, "w").close()
+                fault.append(time.monotonic())
+            return self.sums.all_sum_array(values)
+
+    tf_backend.recalibration_processes = FaultAtSecondSum
+    error = ""
+    try:
+        with _scope(strategy):
+            batches = _batches_of([recalibration_shards()[index]])
+            keras_bn.recalibrate(model, batches, progress=False, synchronized=True)
+    except tf.errors.OpError as raised:  # another error fails the worker, its log says where
+        error = f"{type(raised).__name__}: {raised}"
+    after_fault = time.monotonic() - fault[0]
+    print(f"recalibrate ended {after_fault:.2f} s after the fault: {error or 'returned'}")
+    weights = [np.asarray(v) for v in model.non_trainable_variables]
+    during = np.concatenate(during)
+    np.savez(out_path, *weights, during=during, error=error, after_fault=after_fault)
 
 
 def training_step(strategy, model, optimizer):
@@ -278,15 +334,16 @@ class Cluster:
             if proc.poll() is not None:
                 self._fail(index, f"exited with code {proc.returncode}")
 
-    def wait(self, timeout):
-        """Wait for every worker to exit; raise unless they all succeeded."""
+    def wait(self, timeout, exit_codes=None):
+        """Wait for every worker to exit; raise unless each exited with its code in
+        `exit_codes` (None: all 0)."""
         deadline = time.monotonic() + timeout
         for index, proc in enumerate(self.procs):
             try:
                 proc.wait(max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
                 self._fail(index, f"still running after {timeout} s")
-            if proc.returncode != 0:
+            if proc.returncode != (exit_codes[index] if exit_codes else 0):
                 self._fail(index, f"exited with code {proc.returncode}")
 
     def _fail(self, index, what):
@@ -314,12 +371,13 @@ def _die_with_parent():
         os._exit(1)  # not sys.exit: TensorFlow's threads can hold up a normal exit
 
 
-def run_cluster(worker_args, log_dir, name, timeout, attempts=3):
-    """Start the workers and wait for them to finish, on fresh ports again if one was taken."""
+def run_cluster(worker_args, log_dir, name, timeout, attempts=3, exit_codes=None):
+    """Start the workers and wait for them to finish (Cluster.wait), on fresh ports again if
+    one was taken."""
     for attempt in range(attempts):
         try:
             with Cluster(worker_args, log_dir, name) as cluster:
-                cluster.wait(timeout)
+                cluster.wait(timeout, exit_codes)
                 return
         except PortTaken:
             if attempt == attempts - 1:
@@ -347,6 +405,7 @@ def main():
     parser.add_argument("backup_dir", nargs="?")
     parser.add_argument("log", nargs="?")
     parser.add_argument("--hang-at", type=lambda s: tuple(int(v) for v in s.split(":")))
+    parser.add_argument("--die", type=int)
     args = parser.parse_args()
     keras.config.disable_traceback_filtering()  # a failing worker's log shows where
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
@@ -354,6 +413,10 @@ def main():
         weights = train(strategy, args.init)
     elif args.mode == "recalibrate":
         index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+        if args.die is not None:
+            started = f"{args.init}.started"
+            recalibrated_while_one_dies(strategy, args.init, index, args.die, started, args.out)
+            return
         weights = recalibrated(strategy, args.init, [recalibration_shards()[index]])
     else:
         weights = train_with_backup(strategy, args.init, args.backup_dir, args.log, args.hang_at)

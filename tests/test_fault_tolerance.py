@@ -1,6 +1,7 @@
 """Fault tolerance: a worker killed mid-epoch under MultiWorkerMirroredStrategy, restarted
-with keras.callbacks.BackupAndRestore, ends exactly where an uninterrupted run ends; and what
-a restart repeats with each save_freq (Keras 3.15)."""
+with keras.callbacks.BackupAndRestore, ends exactly where an uninterrupted run ends; what
+a restart repeats with each save_freq (Keras 3.15); and a worker that dies in
+`recalibrate(synchronized=True)` makes the other's call raise at once, its statistics kept."""
 
 import json
 import time
@@ -163,3 +164,49 @@ def test_what_a_restart_repeats(tmp_path, save_freq, repeated):
     if repeated == 0:
         for ours, expected in zip(restarted, reference):
             assert_close(ours, expected, 1e-6)
+
+
+@pytest.mark.slow
+def test_a_worker_that_dies_in_recalibrate_makes_the_other_raise_with_its_statistics_put_back(
+    tmp_path,
+):
+    """Two MultiWorkerMirroredStrategy workers on 127.0.0.1 start
+    `recalibrate(synchronized=True)` on their shards; worker 1 exits (code 3, no clean
+    shutdown) at the second BN's reduce, once worker 0 has set the first BN. Worker 0's
+    reduce fails on the closed connection, with no timeout configured: recalibrate raises
+    UnavailableError ("Collective ops is aborted by: Socket closed"), measured 0.15 to 0.26 s
+    after worker 0 went into the reduce, and the model keeps every moving statistic and the
+    batch counter it had before the call (the first BN, set by then, is put back). Worker 0
+    then exits normally: TensorFlow does not terminate it. A survivor that hung would fail
+    the cluster's timeout; one freed only by the coordination service's heartbeat timeout
+    (about 9 s, measured with a frozen worker 1) fails the 5 s bound. 6.4 to 7.5 s per run
+    (pytest's time, 2-core machine), nearly all of it the two workers' start-up."""
+    model = worker.build_model(cumulative=True)
+    rng = np.random.default_rng(3)
+    for variable in model.non_trainable_variables:  # statistics no recalibration gives
+        if variable.path.endswith("num_batches_tracked"):
+            variable.assign(7)
+        else:
+            variable.assign(rng.uniform(0.5, 2.0, variable.shape))
+    before = [np.asarray(v) for v in model.non_trainable_variables]
+    first = np.concatenate([np.asarray(v) for v in model.layers[1].non_trainable_variables])
+    init = tmp_path / "init.npz"
+    np.savez(init, *model.get_weights())
+
+    worker.run_cluster(
+        [["recalibrate", str(init), str(tmp_path / f"out{i}.npz"), "--die", "1"] for i in range(2)],
+        str(tmp_path),
+        "fault",
+        timeout=worker.CLUSTER_TIMEOUT_S,
+        exit_codes=[0, 3],  # worker 0 raised in Python and went on; worker 1 died where told
+    )
+    result = np.load(tmp_path / "out0.npz")
+    error = str(result["error"])
+    assert error.startswith("UnavailableError: "), error
+    assert "Collective ops is aborted" in error, error
+    # The closed connection, not the coordination service's heartbeat timeout (about 9 s).
+    assert float(result["after_fault"]) < 5.0, float(result["after_fault"])
+    assert not np.array_equal(result["during"], first)  # the first BN had been set
+    assert len(result.files) == len(before) + 3  # arr_0... and during, error, after_fault
+    for i, expected in enumerate(before):
+        np.testing.assert_array_equal(result[f"arr_{i}"], expected)
