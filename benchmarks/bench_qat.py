@@ -35,6 +35,13 @@ with the weight ranges `quantize_model` picks (learned below 4 bits) or `--weigh
     python benchmarks/bench_qat.py --reestimation --qat-epochs 15 --qat-learning-rate 1e-3 \
         --json benchmarks/results/bench_qat_lowbit.json
 
+Dense weights per channel (`quantize_model(per_channel="all")`) against per tensor
+(`per_channel=True`, the default), the convolutions per channel in both, at 8, 4, 3 and 2
+bits, read from both files:
+
+    python benchmarks/bench_qat.py --dense-granularity \
+        --json benchmarks/results/bench_qat_dense_per_channel.json
+
 The QAT train step's cost against the float step's, at 8 bits (max|w| ranges) and 3 bits
 (learned ranges), on the digits CNN and MobileNetV2:
 
@@ -182,6 +189,76 @@ def reestimation_table(results):
             cells.append(f"{cell(got)} ({drop:.1f})")
         lines.append(f"| {key} | " + " | ".join(cells) + " |")
     return lines
+
+
+# --dense-granularity: the weight bits compared, and quantize_model's per_channel for each
+# granularity of the Dense hosts (the convolutions per channel in both).
+DENSE_BITS = (8, 4, 3, 2)
+DENSE_GRANULARITIES = {"Dense per tensor": True, "Dense per channel": "all"}
+
+
+def dense_granularity_seed(seed, recipe, float_epochs, data, folder):
+    """One seed of --dense-granularity: per weight bits and Dense granularity, the QAT
+    model's accuracy in Keras, LiteRT and onnxruntime, and each file's verification."""
+    _, _, x_test, y_test = data
+    model, _ = digits.train_separable(float_epochs, seed=seed)
+    result = {"seed": seed, "float_keras": accuracy(model.predict(x_test, verbose=0), y_test)}
+    configs = {}
+    for bits in DENSE_BITS:
+        for name, per_channel in DENSE_GRANULARITIES.items():
+            qat = fine_tune(model, bits, per_channel, seed, recipe, data)
+            row = {"qat_keras": accuracy(qat.predict(x_test, verbose=0), y_test)}
+            for fmt in EXPORTS:
+                path = os.path.join(folder, f"w{bits}_{per_channel}.{fmt}")
+                row.update(qat_file_entries(qat, fmt, path, x_test, y_test))
+            configs[f"w{bits}a8 {name}"] = row
+            print(f"#   seed {seed} w{bits}a8 {name}: {row}", file=sys.stderr, flush=True)
+    result["configs"] = configs
+    return result
+
+
+def dense_granularity_table(results):
+    """Markdown rows: per weight bits, each granularity's accuracy in both files, median
+    [min–max] over the seeds, the median paired gain of per channel, and the files passed."""
+    names = list(DENSE_GRANULARITIES)
+    lines = [
+        "| weights | runtime | "
+        + " | ".join(names)
+        + " | per channel − per tensor (median paired) | files passed |",
+        "|---|---|---|---|---|---|",
+    ]
+    for bits in DENSE_BITS:
+        keys = [f"w{bits}a8 {name}" for name in names]
+        for fmt, runtime in (("tflite", "LiteRT"), ("onnx", "onnxruntime")):
+            found = [summary([s["configs"][key][f"qat_{fmt}"] for s in results]) for key in keys]
+            gain = statistics.median(
+                s["configs"][keys[1]][f"qat_{fmt}"] - s["configs"][keys[0]][f"qat_{fmt}"]
+                for s in results
+            )
+            passed = sum(s["configs"][key][f"{fmt}_passed"] for s in results for key in keys)
+            lines.append(
+                f"| w{bits}a8 | {runtime} | {cell(found[0])} | {cell(found[1])} | "
+                f"{gain:+.2f} | {passed}/{len(results) * len(keys)} |"
+            )
+    return lines
+
+
+def dense_granularity_main(args, argv, started, seeds, float_epochs, recipe, data):
+    """--dense-granularity: its table, and its JSON, rewritten after each seed."""
+    command = command_line(argv)
+    results = []
+    with tempfile.TemporaryDirectory() as folder:
+        for seed in range(seeds):
+            results.append(dense_granularity_seed(seed, recipe, float_epochs, data, folder))
+            if args.json:
+                table = dense_granularity_table(results)
+                write_record(
+                    args.json, command, started, float_epochs, recipe, results, table=table
+                )
+    print_header(command, started, seeds, float_epochs, recipe)
+    print("test accuracy (%) of the QAT files, median [min-max] over seeds")
+    print("\n".join(dense_granularity_table(results)))
+    return 0
 
 
 # Format → (exporter, what runs its file).
@@ -533,6 +610,11 @@ def main(argv=None):
     )
     parser.add_argument("--rounds", type=int, default=21, help="timed samples per model")
     parser.add_argument(
+        "--dense-granularity",
+        action="store_true",
+        help="only Dense weights per channel against per tensor, at 8, 4, 3 and 2 bits",
+    )
+    parser.add_argument(
         "--reestimation",
         action="store_true",
         help="only the low-bit table: plain fit with and without recalibrate, the recipe "
@@ -574,6 +656,8 @@ def main(argv=None):
     rounds, warmup, inner = (2, 1, 1) if args.smoke else (args.rounds, 5, 10)
     onnx_bits = {int(b) for b in args.onnx_bits.split(",") if b}
     data = digits.load()
+    if args.dense_granularity:
+        return dense_granularity_main(args, argv, started, seeds, float_epochs, recipe, data)
     if args.reestimation:
         return reestimation_main(args, argv, started, seeds, float_epochs, recipe, data)
     if args.step_cost:

@@ -109,6 +109,8 @@ class QuantizedFormat(Format):
     back; and the refusal of the QAT hosts the format cannot hold (`host_refusal`)."""
 
     quantized = True
+    # Whether per-channel Dense kernels go in the file as 1×1 convolutions (`qat.host_weights`).
+    dense_as_conv = False
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
@@ -137,7 +139,9 @@ class QuantizedFormat(Format):
     def take_weights(self, model: keras.Model, sig: trace.Signature) -> list[qat.HostWeight]:
         """The model's kernels (`qat.host_weights`), their tags clear of the file's input and
         output names, kept for `check_weights`."""
-        self._weights = qat.host_weights(model, taken=(*sig.input_names, *sig.output_names))
+        self._weights = qat.host_weights(
+            model, (*sig.input_names, *sig.output_names), self.dense_as_conv
+        )
         return self._weights
 
 

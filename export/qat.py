@@ -45,7 +45,9 @@ class HostWeight:
             depthwise kernel.
         kind: the host kind (`keras_bn.quantize.hosts`): "dense", "conv", "depthwise" or
             "separable" (its "kernel" is the pointwise one).
-        grid: the fake_quant.WeightGrid the layer's inference rounds to.
+        grid: the fake_quant.WeightGrid the layer's inference rounds to; a per-channel Dense
+            kernel written as a 1×1 convolution (`host_weights(dense_as_conv=True)`) has its q
+            as (1, 1, in, out).
         tag: a unique name for the kernel in the traced graph (a valid TensorFlow op name).
     """
 
@@ -58,9 +60,12 @@ class HostWeight:
     @property
     def layout_kind(self) -> str:
         """The kind whose kernel layout this kernel has: a separable host's depthwise kernel is
-        a depthwise one, its "kernel" a 1×1 convolution's."""
+        a depthwise one, its "kernel" a 1×1 convolution's, as is a Dense kernel written as
+        one."""
         if self.kind == hosts.SEPARABLE:
             return hosts.DEPTHWISE if self.kernel == "depthwise_kernel" else hosts.CONV
+        if self.kind == hosts.DENSE and self.grid.q.ndim == 4:
+            return hosts.CONV
         return self.kind
 
 
@@ -165,12 +170,17 @@ def check_exportable(model: keras.Model, format_name: str) -> None:
         )
 
 
-def host_weights(model: keras.Model, taken: Iterable[str] = ()) -> list[HostWeight]:
+def host_weights(
+    model: keras.Model, taken: Iterable[str] = (), dense_as_conv: bool = False
+) -> list[HostWeight]:
     """Every fake-quantized kernel of `model`'s QAT hosts, in model order.
 
     Args:
         model: a QAT model (`check_exportable` passed).
         taken: names the tags must avoid (the file's input and output names).
+        dense_as_conv: give each per-channel Dense kernel as a 1×1 convolution's,
+            (1, 1, in, out), so that the export form computes that host as one (a format
+            whose matmul holds one weight scale: TFLite).
 
     Returns:
         list of HostWeight.
@@ -183,6 +193,8 @@ def host_weights(model: keras.Model, taken: Iterable[str] = ()) -> list[HostWeig
             continue
         seen.add(id(layer))
         for kernel, grid in layer.weight_grids().items():
+            if dense_as_conv and layer.kind == hosts.DENSE and grid.per_channel:
+                grid = grid._replace(q=grid.q.reshape((1, 1, *grid.q.shape)))
             tag = models.unique_name(f"qat_weight_{len(found)}", names)
             names.add(tag)
             found.append(HostWeight(path, kernel, layer.kind, grid, tag))

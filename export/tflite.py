@@ -306,6 +306,10 @@ class _QuantizedTFLite(pipeline.QuantizedFormat, _TFLite):
     """A QAT model's file: full integer from its export form, no calibration; its
     `representative_data` only gives the default probe."""
 
+    # The converter fails on a FULLY_CONNECTED with per-channel weight scales ("mismatched
+    # quantized axes"); a 1×1 CONV_2D holds them.
+    dense_as_conv = True
+
     def __init__(self, representative_data: trace.ModelInput | None) -> None:
         super().__init__("int8", representative_data)
 
@@ -327,13 +331,6 @@ class _QuantizedTFLite(pipeline.QuantizedFormat, _TFLite):
                 f"DepthwiseConv2D and SeparableConv2D hosts, channels_last; '{layer.name}' "
                 f"hosts a {type(host).__name__}{' (channels_first)' if known else ''}."
                 f"{' Export it to ONNX.' if to_onnx else ''}"
-            )
-        if layer.kind == hosts.DENSE and layer.per_channel:
-            return (
-                f"TFLite cannot hold the per-channel weights of '{layer.name}' (Dense): "
-                f"its FULLY_CONNECTED takes one weight scale (the converter fails on a "
-                f"per-channel one). Build the QAT layer with per_channel=False, as "
-                f"quantize_model does for Dense, or export it to ONNX."
             )
         return None
 

@@ -62,7 +62,7 @@ def _reference_statistics(model, layer, x, batch_size):
     """Algorithm 2 (count-weighted, unbiased) of z/s + b over the batches, in float64, with the
     kernel rounded from the layer's statistics now: numpy FakeQuant (Δ = max|W·s|/q_max,
     per channel or per tensor; with a learned range r, Δ = r·|s|/q_max per channel, r/q_max
-    per tensor), a numpy convolution, the layer's input from the model."""
+    per tensor), a numpy convolution or matmul, the layer's input from the model."""
     inputs = _numpy(keras.Model(model.inputs[0], layer.input)(x))
     bn = layer.batch_norm
     gamma = _numpy(bn.gamma)
@@ -77,11 +77,15 @@ def _reference_statistics(model, layer, x, batch_size):
         )
     quantized = ref.fake_quant_weights(kernel, layer.weight_bits, layer.per_channel, step)
     integers = np.round(quantized / step)
-    spec = {"kind": "conv", "strides": (1, 1), "padding": layer.host.padding, "dilation": (1, 1)}
+    spec = {"kind": "conv", "strides": (1, 1), "padding": getattr(layer.host, "padding", None)}
     bias = 0.0 if layer.host.bias is None else _numpy(layer.host.bias)
     count = total = squares = 0.0
     for start in range(0, len(x), batch_size):
-        u = ref.host_output(spec, inputs[start : start + batch_size], quantized) / scale
+        batch = inputs[start : start + batch_size]
+        if layer.kind == "dense":
+            u = batch @ quantized / scale
+        else:
+            u = ref.host_output({**spec, "dilation": (1, 1)}, batch, quantized) / scale
         u = u.reshape(-1, u.shape[-1])
         m = len(u)
         count, total = count + m, total + u.sum(axis=0)
@@ -123,6 +127,51 @@ def test_per_channel_qat_layers_get_algorithm_2_of_their_rounded_kernels(weight_
         np.testing.assert_array_equal(layer.weight_grids()["kernel"].q, integers)
         assert (change.passes, change.unsettled_weights, change.settling_error) == (1, 0, 0.0)
         assert not np.allclose(old, variance, rtol=1e-3)  # recalibrate changed something
+
+
+def test_dense_hosts_per_channel_get_algorithm_2_in_one_pass_where_per_tensor_takes_more():
+    """per_channel="all": a Dense–BN host's channels each get their own range, so one pass is
+    a fixed point there too, with the numpy reference's statistics; a second call changes
+    nothing. With the default (Dense per tensor) the same layers take further passes."""
+    passes = {}
+    for per_channel in ("all", True):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [
+                keras.Input((12,)),
+                L.Dense(9),
+                keras_bn.BatchNormalization(),
+                L.ReLU(),
+                L.Dense(7, use_bias=False),
+                keras_bn.BatchNormalization(),
+                L.Dense(4),
+            ]
+        )
+        qat = quantize_model(model, weight_bits=4, per_channel=per_channel)
+        qat.compile(keras.optimizers.SGD(0.2), keras.losses.SparseCategoricalCrossentropy(True))
+        rng = np.random.default_rng(0)
+        x = (rng.normal(size=(70, 12)) * rng.uniform(0.1, 5, 12)).astype("float32")
+        qat.fit(x, rng.integers(0, 4, 70), batch_size=BATCH, epochs=2, verbose=0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", keras_bn.KerasBNWarning)  # per tensor may not settle
+            report = keras_bn.recalibrate(qat, x, batch_size=BATCH, progress=False)
+            passes[per_channel] = [change.passes for change in report.layers]
+            if per_channel != "all":
+                continue
+            assert [layer.per_channel for layer in _qat_layers(qat)] == [True, True]
+            for layer in _qat_layers(qat):
+                mean, variance, integers = _reference_statistics(qat, layer, x, BATCH)
+                np.testing.assert_allclose(layer.batch_norm.moving_mean, mean, rtol=1e-4, atol=1e-4)
+                np.testing.assert_allclose(layer.batch_norm.moving_variance, variance, rtol=1e-4)
+                np.testing.assert_array_equal(layer.weight_grids()["kernel"].q, integers)
+            first = _moving_statistics(qat)
+            keras_bn.recalibrate(qat, x, batch_size=BATCH, progress=False)
+            for (mean, variance), (again_mean, again_variance) in zip(
+                first, _moving_statistics(qat)
+            ):
+                np.testing.assert_allclose(again_mean, mean, rtol=1e-5, atol=1e-5)
+                np.testing.assert_allclose(again_variance, variance, rtol=1e-5)
+    assert passes["all"] == [1, 1] and max(passes[True]) > 1, passes
 
 
 def _steps_off(layer, mean, variance, integers):

@@ -165,9 +165,9 @@ def _hosts(model):
 
 def _expected_kernels(model):
     """{(host name, kernel): (its layout kind, the channels-last view of its folded weights,
-    whether it is per channel (never for Dense), (q, scale) of that view, its step m/q_max in
-    float64)}: the grid of m = max|view| (`fake_quant.weight_grid`), or of the layer's learned
-    range (its variable, per channel times batch norm's |γ/σ|)."""
+    whether it is per channel (Dense only with per_channel="all"), (q, scale) of that view, its
+    step m/q_max in float64)}: the grid of m = max|view| (`fake_quant.weight_grid`), or of the
+    layer's learned range (its variable, per channel times batch norm's |γ/σ|)."""
     expected = {}
     for layer in _hosts(model):
         kernel, _ = layer.folded_weights()
@@ -225,9 +225,13 @@ def test_tflite_is_full_integer_and_within_two_lsb(
     )
     ops = plain._get_ops_details()
     names = [op["op_name"] for op in ops]
-    assert set(names) <= INTEGER_OPS, names
+    # A per-channel Dense head is a 1×1 CONV_2D between two RESHAPEs (FULLY_CONNECTED takes
+    # one weight scale).
+    dense_per_channel = model.get_layer("head_qat").per_channel
+    assert set(names) <= INTEGER_OPS | ({"RESHAPE"} if dense_per_channel else set()), names
     assert names.count("QUANTIZE") == names.count("DEQUANTIZE") == 1 and "MUL" not in names
-    assert names.count("CONV_2D") == 3 and names.count("DEPTHWISE_CONV_2D") == 2
+    assert names.count("CONV_2D") == 3 + dense_per_channel and names.count("DEPTHWISE_CONV_2D") == 2
+    assert names.count("FULLY_CONNECTED") == 1 - dense_per_channel
     assert result.op_histogram == report.histogram(names)
     details = {d["index"]: d for d in plain.get_tensor_details()}
     kernels = []
@@ -242,8 +246,10 @@ def test_tflite_is_full_integer_and_within_two_lsb(
     expected = _expected_kernels(model)
     assert len(kernels) == len(expected) == 6
     limit = ref.q_max(weight_bits)
-    for (host, name), (kind, _view, _channels, (q, _), step) in expected.items():
+    for (host, name), (kind, _view, channels, (q, _), step) in expected.items():
         want = q.transpose(TFLITE_LAYOUT[kind])
+        if kind == "dense" and channels:
+            want = want[:, None, None, :]  # (out, 1, 1, in): a 1×1 CONV_2D's
         matches = [w for _, w in kernels if np.array_equal(plain.get_tensor(w["index"]), want)]
         assert len(matches) == 1, (host, name)
         stored = plain.get_tensor(matches[0]["index"])
@@ -344,10 +350,10 @@ def test_onnx_is_qdq_with_int8_weights_within_two_lsb(
         assert np.abs(stored).max() == limit
         np.testing.assert_array_equal(scales, scale)
         np.testing.assert_allclose(scales, step, rtol=1e-6)
-        assert channels == (per_channel and kind != "dense")
+        assert channels == (per_channel == "all" or (per_channel and kind != "dense"))
         if channels:
             axis = {a.name: a.i for a in dequantize.attribute}["axis"]
-            assert axis == 0  # Conv (O, I/g, kh, kw)
+            assert axis == (1 if kind == "dense" else 0)  # MatMul (I, O); Conv (O, I/g, kh, kw)
     assert all(w.matches and w.max_abs_q == limit for w in result.weights)
 
 
@@ -719,21 +725,68 @@ def test_layers_left_in_float_are_refused_by_name(tmp_path):
             exporter(model, tmp_path / "m.out")
 
 
-def test_per_channel_dense_is_refused_by_tflite_and_written_by_onnx(tmp_path):
-    """TFLite's FULLY_CONNECTED takes one weight scale; ONNX's MatMul per-channel on axis 1."""
-    dense = L.Dense(3, name="dense")
-    dense.build((None, 5))
+@pytest.mark.parametrize("weight_bits", [8, 3])
+def test_per_channel_dense_is_written_by_both_formats(tmp_path, weight_bits):
+    """A Dense host with one weight scale per output channel, with and without a batch norm
+    folded into it: TFLite holds it as a 1×1 CONV_2D (its FULLY_CONNECTED takes one scale),
+    ONNX as a per-axis DequantizeLinear before MatMul. Each file's int8 weights and scales are
+    read back and used by numpy, against the Keras model's own fake-quantized kernels."""
+    keras.utils.set_random_seed(0)
+    first, head = L.Dense(6, name="first"), L.Dense(3, name="head")
+    first.build((None, 5))
+    head.build((None, 6))
+    first.kernel.assign(first.kernel * np.array([0.05, 1, 4, 0.3, 2, 0.01], "float32"))
+    batch_norm = keras_bn.BatchNormalization(name="bn")
+    batch_norm.build((None, 6))
     inputs = keras.Input((5,), name="x")
-    quantized = keras_bn.quantize.ActivationQuantizer(name="x_quantizer")(inputs)
-    layer = from_layers(dense, per_channel=True, name="dense_qat")
-    model = keras.Model(inputs, layer(quantized))
-    x = np.random.default_rng(0).normal(size=(64, 5)).astype("float32")
+    x = keras_bn.quantize.ActivationQuantizer(name="x_quantizer")(inputs)
+    settings = dict(weight_bits=weight_bits, per_channel=True)
+    x = from_layers(first, batch_norm, "relu", name="first_qat", **settings)(x)
+    model = keras.Model(inputs, from_layers(head, name="head_qat", **settings)(x))
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 5)).astype("float32")
     model.compile("sgd", "mse")
-    model.fit(x, x[:, :3], verbose=0, batch_size=64)
-    with pytest.raises(UnsupportedModelError, match="per-channel weights of 'dense_qat'"):
-        export_tflite(model, tmp_path / "m.tflite")
-    result = export_onnx(model, tmp_path / "m.onnx", probe=x)
-    assert result.passed and all(w.matches for w in result.weights)
+    model.fit(x, x[:, :3], verbose=0, batch_size=16, epochs=2)
+    scales = {
+        layer.name: layer.weight_grids()["kernel"].scale
+        for layer in model.layers
+        if layer.name.endswith("_qat")
+    }
+    assert all(np.ndim(s) == 1 and len(set(s.tolist())) == len(s) for s in scales.values())
+
+    tflite = export_tflite(model, tmp_path / "m.tflite", probe=x)
+    assert tflite.passed and tflite.float_ops == {}
+    assert [w.matches for w in tflite.weights] == [True, True]
+    plain = Interpreter(
+        model_path=str(tmp_path / "m.tflite"),
+        experimental_op_resolver_type=OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES,
+    )
+    details = {d["index"]: d for d in plain.get_tensor_details()}
+    convolutions = [op for op in plain._get_ops_details() if op["op_name"] == "CONV_2D"]
+    assert "FULLY_CONNECTED" not in {op["op_name"] for op in plain._get_ops_details()}
+    for op, layer in zip(convolutions, ("first_qat", "head_qat"), strict=True):
+        weight = details[op["inputs"][1]]
+        q = plain.get_tensor(weight["index"])
+        parameters = weight["quantization_parameters"]
+        assert q.dtype == np.int8 and parameters["quantized_dimension"] == 0
+        grid = model.get_layer(layer).weight_grids()["kernel"]
+        np.testing.assert_allclose(parameters["scales"], scales[layer], rtol=1e-6)
+        # the file's integers times its scales: the Keras model's fake-quantized kernel
+        kernel = (q[:, 0, 0, :].T * parameters["scales"]).astype("float32")
+        np.testing.assert_allclose(kernel, grid.values, rtol=1e-6, atol=0)
+        assert np.abs(q).max() <= 2 ** (weight_bits - 1) - 1
+
+    onnx_result = export_onnx(model, tmp_path / "m.onnx", probe=x)
+    assert onnx_result.passed and onnx_result.float_ops == {}
+    assert [w.matches for w in onnx_result.weights] == [True, True]
+    graph = onnx.load(str(tmp_path / "m.onnx")).graph
+    constants = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+    per_axis = [
+        node
+        for node in graph.node
+        if node.op_type == "DequantizeLinear" and constants.get(node.input[1], np.zeros(())).ndim
+    ]
+    assert len(per_axis) == 2
 
 
 def test_channels_first_hosts_export_to_onnx_and_are_refused_by_tflite(tmp_path):
@@ -800,7 +853,7 @@ def test_the_weight_check_finds_a_kernel_that_differs(models, tmp_path):
     )
     for exporter, path, fmt in formats:
         exporter(model, tmp_path / path, probe=digits.load()[2][:64])
-        fmt._weights = qat.host_weights(other)
+        fmt._weights = qat.host_weights(other, dense_as_conv=fmt.dense_as_conv)
         checks = {w.host: w.matches for w in fmt.check_weights(str(tmp_path / path))}
         assert checks == {name: name != "branch_qat" for name in checks}
 

@@ -191,6 +191,37 @@ def test_the_digits_cnn_becomes_four_qat_layers(norm):
     assert f"{names[11]}_qat <- {names[11]}" in str(report)
 
 
+@pytest.mark.parametrize(
+    "per_channel, convolutions, dense_ranges, shown",
+    [
+        (True, True, False, "weights 8 bits per channel (Dense per tensor), activations"),
+        ("all", True, True, "weights 8 bits per channel (Dense too), activations"),
+        (False, False, False, "weights 8 bits per tensor, activations"),
+    ],
+)
+def test_per_channel_chooses_the_weight_ranges_of_convolutions_and_dense_apart(
+    per_channel, convolutions, dense_ranges, shown
+):
+    """True (the default): one range per output channel in convolutions, per tensor in Dense;
+    "all": per channel everywhere; False: per tensor everywhere. Each QAT layer's grid has
+    that shape, and the report says so."""
+    model = _digits_cnn(BN)
+    qat, report = quantize_model(model, per_channel=per_channel, return_report=True)
+    conv, _, dense, head = [layer for layer in qat.layers if hasattr(layer, "host")]
+    expected = (convolutions, dense_ranges, dense_ranges)
+    assert (conv.per_channel, dense.per_channel, head.per_channel) == expected
+    grids = [layer.weight_grids()["kernel"] for layer in (conv, dense, head)]
+    assert [np.ndim(grid.scale) for grid in grids] == [int(flag) for flag in expected]
+    assert report.per_channel == per_channel and shown in str(report)
+    default = quantize_model(model)
+    assert [layer.per_channel for layer in default.layers if hasattr(layer, "host")] == [
+        True,
+        True,
+        False,
+        False,
+    ]
+
+
 @pytest.mark.parametrize("build", [_digits_cnn, _branches, _nested], ids=lambda f: f.__name__)
 def test_inference_is_the_fold_with_the_weights_rounded(build):
     """Before any training batch sets the activation ranges, the QAT model computes the
@@ -605,6 +636,7 @@ def test_subclassed_models_are_refused():
         ({"activation_bits": 0}, "activation_bits must be from 2 to 8; received activation_bits=0"),
         ({"activation_bits": False}, "activation_bits=False"),
         ({"per_channel": 1}, "per_channel=1"),
+        ({"per_channel": "dense"}, "True, False or \"all\"; received per_channel='dense'"),
         ({"return_report": "yes"}, "return_report='yes'"),
         ({"range_momentum": 1.0}, r"range_momentum=1\.0"),
     ],

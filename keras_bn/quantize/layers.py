@@ -369,7 +369,8 @@ class _QuantizedHostLayer(keras.layers.Layer):
                 while the function is traced; returns the float tensor to use for that kernel,
                 in the grid's layout (channels last), whose values are `grid.values` (a
                 constant, the values under a FakeQuant op a converter reads, or an input of
-                the traced function).
+                the traced function). A Dense kernel may come as (1, 1, in, out): the host is
+                then computed as a 1×1 convolution of each input row.
 
         Returns:
             A function of the input tensor (float32 out); it adds `inference_bias()`.
@@ -394,21 +395,31 @@ class _QuantizedHostLayer(keras.layers.Layer):
         if self.intermediate_quantizer is not None:
             between = self.intermediate_quantizer.export_function()
 
-        def infer(inputs: Any) -> Any:
-            kernels = {
-                name: hosts.from_channels_last(weight_op(name, grid), shapes[name])
-                for name, grid in weight_grids.items()
-            }
-            outputs = hosts.linear(
-                self.host,
-                ops.cast(inputs, "float32"),
-                kernels["kernel"],
-                kernels.get("depthwise_kernel"),
-                between,
-            )
+        def finish(outputs: Any) -> Any:
             axes = self._channel_axes(outputs)
             outputs = self._activate(outputs + backend.get().per_channel(bias, outputs, axes))
             return outputs if output is None else output(outputs)
+
+        def infer(inputs: Any) -> Any:
+            inputs = ops.cast(inputs, "float32")
+            kernels = {name: weight_op(name, grid) for name, grid in weight_grids.items()}
+            kernel = kernels["kernel"]
+            if self.kind == hosts.DENSE and len(kernel.shape) == 4:
+                # Each row a 1×1 image, up to the output quantizer: the converter then fuses
+                # the bias and activation into the CONV_2D, whose output it quantizes.
+                rows = ops.reshape(inputs, (-1, 1, 1, kernel.shape[-2]))
+                outputs = finish(ops.conv(rows, kernel, padding="valid"))
+                return ops.reshape(outputs, (-1, *inputs.shape[1:-1], kernel.shape[-1]))
+            outputs = hosts.linear(
+                self.host,
+                inputs,
+                hosts.from_channels_last(kernel, shapes["kernel"]),
+                hosts.from_channels_last(kernels["depthwise_kernel"], shapes["depthwise_kernel"])
+                if "depthwise_kernel" in kernels
+                else None,
+                between,
+            )
+            return finish(outputs)
 
         return infer
 

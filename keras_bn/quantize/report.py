@@ -48,8 +48,9 @@ class QuantizationReport:
             could not be folded included), in model order.
         weight_bits: the weights' bits.
         activation_bits: the activations' bits.
-        per_channel: whether convolution weights have one range per output channel (Dense
-            weights always have one per tensor).
+        per_channel: `quantize_model`'s per_channel: True (one weight range per output
+            channel of each convolution, one per tensor for Dense), "all" (per channel for
+            every host) or False (one per tensor).
     """
 
     quantized: dict
@@ -57,7 +58,7 @@ class QuantizationReport:
     kept: tuple
     weight_bits: int
     activation_bits: int
-    per_channel: bool
+    per_channel: "bool | str"
 
     def __str__(self) -> str:
         grouped: dict[str, list[str]] = {}
@@ -67,10 +68,17 @@ class QuantizationReport:
             f"quantize_model: {len(grouped)} QAT layer(s), {len(self.quantizers)} activation "
             f"quantizer(s), {len(self.kept)} layer(s) kept in float "
             f"(weights {self.weight_bits} bits"
-            f"{' per channel' if self.per_channel else ' per tensor'}, activations "
+            f"{_GRANULARITY[self.per_channel]}, activations "
             f"{self.activation_bits} bits).",
         ]
         lines += [f"  {qat} <- {', '.join(originals)}" for qat, originals in grouped.items()]
         lines += [f"  {name} quantizes {source}" for name, source in self.quantizers.items()]
         lines += [f"  kept {k.layer} ({k.kind}): {k.reason}" for k in self.kept]
         return "\n".join(lines)
+
+
+_GRANULARITY = {
+    True: " per channel (Dense per tensor)",
+    "all": " per channel (Dense too)",
+    False: " per tensor",
+}

@@ -49,13 +49,15 @@ _HOSTS_TAKEN = (
 # channels; their float copies add it with a ChannelBias instead.
 _BIAS_ADDING = (*hosts.KINDS, L.Conv1DTranspose, L.Conv2DTranspose, L.Conv3DTranspose)
 _QAT_LAYERS = (ActivationQuantizer, QuantizedHost, QuantizedHostBatchNorm, QuantizedAveragePooling)
+# per_channel="all": one weight range per output channel of every host, Dense included.
+EVERY_HOST = "all"
 
 
 def quantize_model(
     model: keras.Model,
     weight_bits: int = 8,
     activation_bits: int = 8,
-    per_channel: bool = True,
+    per_channel: "bool | str" = True,
     *,
     range_momentum: float = 0.99,
     weight_range: str | None = None,
@@ -104,7 +106,6 @@ def quantize_model(
       channels_first layer with a bias where Keras adds it on the wrong axis gets a
       `KerasBNWarning` too (the QAT model adds it on the channel axis).
 
-    Dense weights always have one range per tensor: TFLite's FULLY_CONNECTED takes no other.
     A BN that is frozen (trainable=False) gives a QAT layer frozen to its moving statistics.
     The copy is not compiled. Its activation ranges start unset: until a training batch sets
     them the activation quantizers pass their input through. Train it with `fit` and the
@@ -115,8 +116,13 @@ def quantize_model(
             outputs allowed).
         weight_bits: 2..8, the weights' bits.
         activation_bits: 2..8, the activations' bits.
-        per_channel: one weight range per output channel of a convolution (True) or one per
-            tensor.
+        per_channel: one weight range per output channel of each convolution and one per
+            tensor for Dense (True), one per output channel of every host, Dense included
+            ("all"), or one per tensor everywhere (False). Both files hold per-channel Dense
+            weights (TFLite as a 1×1 CONV_2D: its FULLY_CONNECTED takes one weight scale). On
+            the digits CNN, Dense per channel was no better than per tensor over 10 seeds
+            (benchmarks/results/bench_qat_dense_per_channel.json), so True keeps Dense per
+            tensor; "all" makes `recalibrate` exact in one pass for Dense hosts too.
         range_momentum: the activation ranges' EMA momentum, in [0, 1).
         weight_range: how each weight range is set: "max" (max|w| at every step), "learned"
             (a trainable range, Esser et al. 2020's LSQ, starting where the rounding error of
@@ -130,9 +136,10 @@ def quantize_model(
     Raises:
         TypeError: `model` is not a keras.Model (the message names it).
         ValueError: `weight_bits` or `activation_bits` is not an int from 2 to 8 (bools
-            included), `per_channel` or `return_report` is not a bool, `range_momentum` is
+            included), `return_report` is not a bool, `range_momentum` is
             not in [0, 1), or `weight_range` is not None, "max" or "learned" (the message
-            names the value); `model` holds QAT layers already; or
+            names the value), `per_channel` is not True, False or "all"; `model` holds QAT
+            layers already; or
             a layer computes or keeps weights in a float type other than float32 (a
             mixed_float16 or mixed_bfloat16 policy, float64), named with its policy.
         UnsupportedModelError: the model, or a nested one holding a host or BN, is subclassed
@@ -149,9 +156,15 @@ def quantize_model(
     backend.get("keras_bn.quantize.quantize_model")
     if not isinstance(model, keras.Model):
         raise TypeError(f"quantize_model takes a keras.Model; received model={model!r}.")
-    for name, value in (("per_channel", per_channel), ("return_report", return_report)):
-        if not isinstance(value, bool):
-            raise ValueError(f"{name} must be True or False; received {name}={value!r}.")
+    if not isinstance(return_report, bool):
+        raise ValueError(
+            f"return_report must be True or False; received return_report={return_report!r}."
+        )
+    if not (isinstance(per_channel, bool) or per_channel == EVERY_HOST):
+        raise ValueError(
+            f'per_channel must be True, False or "{EVERY_HOST}"; received '
+            f"per_channel={per_channel!r}."
+        )
     quantized = [layer.name for layer in models.layers_within(model, _QAT_LAYERS)]
     if quantized:
         raise ValueError(
@@ -207,7 +220,7 @@ class _Settings:
 
     weight_bits: int
     activation_bits: int
-    per_channel: bool
+    per_channel: "bool | str"
     range_momentum: float
     weight_range: str
 
@@ -368,7 +381,8 @@ class _ModelRewrite:
                 activation,
                 weight_bits=self.settings.weight_bits,
                 activation_bits=self.settings.activation_bits,
-                per_channel=self.settings.per_channel and type(host) is not L.Dense,
+                per_channel=self.settings.per_channel == EVERY_HOST
+                or (self.settings.per_channel is True and type(host) is not L.Dense),
                 range_momentum=self.settings.range_momentum,
                 quantize_output=quantize_output and not pooled,
                 weight_range=self.settings.weight_range,
