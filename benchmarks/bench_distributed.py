@@ -23,6 +23,13 @@ another order).
     python benchmarks/bench_distributed.py --task train \
         --json benchmarks/results/bench_distributed_train.json
     python benchmarks/bench_distributed.py --task recalibrate --smoke   # and --task train
+
+Where the machine has fewer cores than the largest group has processes, `--threads-each 1`
+makes every process a one-core worker (the one-process run included), so that the scaling
+shows up to the number of cores:
+
+    python benchmarks/bench_distributed.py --task recalibrate --threads-each 1 --processes 1 2 \
+        --json benchmarks/results/bench_distributed_recalibrate_one_core_each.json
 """
 
 import argparse
@@ -137,12 +144,11 @@ def train_steps(model, share, world, warmup):
     return seconds, first
 
 
-def run(task, world, data_path, folder, smoke, synchronized):
+def run(task, world, data_path, folder, smoke, synchronized, threads):
     """(slowest process's seconds: its call, or its median step; the statistics of rank 0)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    threads = max(1, (os.cpu_count() or 1) // world)
     outputs = [os.path.join(folder, f"{world}_{rank}.npz") for rank in range(world)]
     processes = [
         subprocess.Popen(
@@ -167,6 +173,12 @@ def main():
     parser.add_argument("--images", type=int, default=256, help="recalibrate's images")
     parser.add_argument("--side", type=int, default=64)
     parser.add_argument("--smoke", action="store_true", help="a two-BN net, 1 and 2 processes")
+    parser.add_argument(
+        "--threads-each",
+        type=int,
+        help="each process's threads (default: the cores divided among the processes); 1 makes "
+        "each process a one-core worker, so that a machine with few cores shows the scaling",
+    )
     parser.add_argument("--json")
     parser.add_argument("--worker", nargs=7)
     args, _ = parser.parse_known_args()
@@ -205,7 +217,10 @@ def main():
         np.save(data_path, rng.normal(size=(images, args.side, args.side, 3)).astype("f4"))
         reference = None
         for world, synchronized in runs:
-            seconds, found = run(args.task, world, data_path, folder, args.smoke, synchronized)
+            threads = args.threads_each or max(1, (os.cpu_count() or 1) // world)
+            seconds, found = run(
+                args.task, world, data_path, folder, args.smoke, synchronized, threads
+            )
             if reference is None:
                 reference = found
             off = max(
@@ -215,6 +230,7 @@ def main():
             rows.append(
                 {
                     "processes": world,
+                    "threads_each": threads,
                     "synchronized": synchronized,
                     "images_each": images // world,
                     "seconds": seconds,
@@ -225,11 +241,15 @@ def main():
     model = "a two-BN net" if args.smoke else "ResNet50(weights=None)"
     if args.task == "recalibrate":
         print(f"\n{model} at {args.side}×{args.side}, {images} images in batches of {BATCH}\n")
-        print("| processes | images each | recalibrate s | speedup | max rel. diff to 1 process |")
-        print("|---|---|---|---|---|")
+        print(
+            "| processes | threads each | images each | recalibrate s | speedup | "
+            "max rel. diff to 1 process |"
+        )
+        print("|---|---|---|---|---|---|")
         for row in rows:
             print(
-                f"| {row['processes']} | {row['images_each']} | {row['seconds']:.1f} | "
+                f"| {row['processes']} | {row['threads_each']} | {row['images_each']} | "
+                f"{row['seconds']:.1f} | "
                 f"{row['speedup']:.2f}× | {row['max_rel_off']:.1e} |"
             )
     else:

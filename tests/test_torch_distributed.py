@@ -264,11 +264,15 @@ def test_without_a_process_group_synchronized_is_plain_batch_norm():
 def test_the_distributed_benchmark_runs(tmp_path, task):
     """benchmarks/bench_distributed.py --smoke: one process, then two each on half the data;
     the table's rows and the JSON's. The two-process statistics are those of one process,
-    except the train step's with per-process BN, whose statistics are its share's."""
+    except the train step's with per-process BN, whose statistics are its share's. The
+    recalibration runs one-core workers (`--threads-each 1`), the train step divides the
+    cores."""
     path = tmp_path / "distributed.json"
     script = os.path.join(os.path.dirname(WORKER), "..", "benchmarks")
+    threads = ["--threads-each", "1"] if task == "recalibrate" else []
     result = subprocess.run(
-        [sys.executable, "bench_distributed.py", "--task", task, "--smoke", "--json", str(path)],
+        [sys.executable, "bench_distributed.py", "--task", task, "--smoke", "--json", str(path)]
+        + threads,
         cwd=script,
         capture_output=True,
         text=True,
@@ -284,8 +288,11 @@ def test_the_distributed_benchmark_runs(tmp_path, task):
         assert found == [(1, True), (2, True)]
     else:
         assert found == [(1, True), (2, True), (2, False)]
+    cores = os.cpu_count() or 1
     for row in record["rows"]:
         assert row["seconds"] > 0
+        divided = max(1, cores // row["processes"])
+        assert row["threads_each"] == (1 if threads else divided), row
         if row["synchronized"]:
             assert row["max_rel_off"] < 1e-5, row
         else:  # each process's BN normalizes its own share: other statistics
