@@ -3,7 +3,7 @@ with: keras_bn under jax.distributed (two CPU processes on 127.0.0.1, gloo colle
 TensorFlow.
 
     KERAS_BACKEND=jax python jax_multiprocess_worker.py PROCESS NUM_PROCESSES PORT DATA.npz OUT.npz
-        [--die RANK HEARTBEAT_S]
+        [--die RANK HEARTBEAT_S | --skip RANK HEARTBEAT_S]
 
 With NUM_PROCESSES 1 no distributed system starts: the same calls on the global data are the
 reference. Each process has LOCAL_DEVICES CPU devices.
@@ -23,6 +23,8 @@ With `--die RANK HEARTBEAT_S` (a fault), process RANK exits once the others have
 DATA.npz: one, `sync_global_devices`, before); the others record what their `recalibrate` does
 (`recalibrated_while_one_dies`). jax.distributed's coordination service declares a process
 dead after HEARTBEAT_S seconds without its heartbeats (JAX's default: 100).
+With `--skip RANK HEARTBEAT_S`, process RANK skips the call instead: alive, it sleeps
+SKIPPER_ALIVE_S seconds once the others have started it, then exits (code 0) without it.
 """
 
 import os
@@ -37,6 +39,8 @@ import jax
 LOCAL_DEVICES = 2
 # Only catch a hang (a peer that never came, or died): JAX then raises and the process exits.
 TIMEOUT_S = 60
+# How long --skip's process stays alive after the others started the call it skips.
+SKIPPER_ALIVE_S = 6
 
 # Before anything runs on a device: the CPU client is made once, with these.
 jax.config.update("jax_num_cpu_devices", LOCAL_DEVICES)
@@ -115,10 +119,11 @@ def recalibrated(data, process, processes):
     return found
 
 
-def recalibrated_while_one_dies(data, process, dying, started, out_path):
+def recalibrated_while_one_dies(data, process, dying, started, out_path, skips=False):
     """--die DYING: with `connected` in DATA.npz, first one collective (gloo connects a
     process's peers at its first collective, not at jax.distributed.initialize). Then process
-    DYING waits for the file `started` and exits (code 3); every other one creates `started`
+    DYING waits for the file `started` and exits (code 3; with `skips`, it sleeps
+    SKIPPER_ALIVE_S seconds first and exits with code 0); every other one creates `started`
     and runs `recalibrate(synchronized=True)` on its shard, and, once it raises or returns,
     writes its moving statistics, `error` (the message; "" if it returned) and `seconds`
     (how long the call took) to OUT.npz."""
@@ -128,7 +133,9 @@ def recalibrated_while_one_dies(data, process, dying, started, out_path):
         deadline = time.monotonic() + TIMEOUT_S
         while not os.path.exists(started) and time.monotonic() < deadline:
             time.sleep(0.05)
-        os._exit(3)
+        if skips:
+            time.sleep(SKIPPER_ALIVE_S)
+        os._exit(0 if skips else 3)
     shard = data[f"shard{process}"]
     batches = np.array_split(shard, range(8, len(shard), 8))
     model = build_model()
@@ -147,7 +154,9 @@ def probe(process):
     return np.array([2.0**40 + 1 + process, (process + 1) / 3, 1e-300 * (process + 1)])
 
 
-def main(process, processes, port, data_path, out_path, dies=None, heartbeat_s=TIMEOUT_S):
+def main(
+    process, processes, port, data_path, out_path, dies=None, heartbeat_s=TIMEOUT_S, skips=False
+):
     if processes > 1:
         jax.distributed.initialize(
             coordinator_address=f"127.0.0.1:{port}",
@@ -162,7 +171,7 @@ def main(process, processes, port, data_path, out_path, dies=None, heartbeat_s=T
         assert len(jax.devices()) == processes * LOCAL_DEVICES
     data = np.load(data_path)
     if dies is not None:
-        recalibrated_while_one_dies(data, process, dies, f"{data_path}.started", out_path)
+        recalibrated_while_one_dies(data, process, dies, f"{data_path}.started", out_path, skips)
         return
     found = (recalibrated if "shard0" in data.files else train)(data, process, processes)
     np.savez(out_path, **found)
@@ -172,7 +181,8 @@ def main(process, processes, port, data_path, out_path, dies=None, heartbeat_s=T
 
 if __name__ == "__main__":
     process, processes, port = (int(v) for v in sys.argv[1:4])
-    if sys.argv[6:7] == ["--die"]:
-        main(process, processes, port, *sys.argv[4:6], int(sys.argv[7]), int(sys.argv[8]))
+    if sys.argv[6:7] in (["--die"], ["--skip"]):
+        fault = int(sys.argv[7]), int(sys.argv[8]), sys.argv[6] == "--skip"
+        main(process, processes, port, *sys.argv[4:6], *fault)
     else:
         main(process, processes, port, *sys.argv[4:6])

@@ -193,3 +193,31 @@ def test_a_process_that_dies_makes_the_other_raise_or_be_terminated_rather_than_
     for name in moving:
         expected = 1.0 if name.endswith("variance") else 0.0
         np.testing.assert_array_equal(result[name], expected, err_msg=name)
+
+
+def test_a_process_that_skips_the_call_leaves_the_other_waiting_until_it_ends(tmp_path):
+    """What distributed.md says of JAX: a process that is alive but skips
+    `recalibrate(synchronized=True)` cannot be told from a slow one. The processes make one
+    collective first (so gloo has connected them); process 1 then skips the call, stays alive
+    SKIPPER_ALIVE_S (6 s) and exits (code 0). Process 0 waits in its call all that while, with
+    no error of its own; at the skipper's exit its allgather raises ("Connection closed by
+    peer"), its statistics kept, and the coordination service aborts it (SIGABRT) within the
+    heartbeat timeout: no hang."""
+    rng = np.random.default_rng(6)
+    shards = {f"shard{i}": rng.normal(size=(16, FEATURES)).astype("float32") for i in range(2)}
+    data = tmp_path / "skip.npz"
+    np.savez(data, **shards, connected=True)
+    port = str(_free_port())
+    runs = [("0", "2", port, "rank0"), ("1", "2", port, "rank1")]
+    codes = _exit_codes(tmp_path, data, runs, "--skip", "1", str(HEARTBEAT_S), timeout=60)
+    log = (tmp_path / "rank0.log").read_text()
+    assert codes == [-signal.SIGABRT, 0], (codes, log[-3000:])
+    assert "detected fatal errors" in log, log[-3000:]
+    result = np.load(tmp_path / "rank0.npz")
+    assert "Connection closed by peer" in str(result["error"]), str(result["error"])
+    assert 6 <= float(result["seconds"]) < 6 + HEARTBEAT_S, float(result["seconds"])
+    moving = [name for name in result.files if "/moving_" in name]
+    assert len(moving) == 4, result.files
+    for name in moving:
+        expected = 1.0 if name.endswith("variance") else 0.0
+        np.testing.assert_array_equal(result[name], expected, err_msg=name)
