@@ -640,6 +640,8 @@ def main(argv=None):
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = parser.parse_args(argv)
     argv = argv if argv is not None else sys.argv[1:]
+    if args.model and not args.step_cost:
+        parser.error("--model chooses among --step-cost's timed models: give --step-cost too")
     if args.json:
         atomic.target(args.json)  # refuse a folder or device before the run, not after
     started = datetime.datetime.now(datetime.timezone.utc)

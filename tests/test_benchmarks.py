@@ -251,6 +251,20 @@ def test_offset_accuracy_smoke():
 
 
 @pytest.mark.slow
+def test_bench_qat_refuses_model_without_step_cost():
+    """--model chooses among --step-cost's timed models: alone it is a usage error (exit 2)
+    before any work, not a full run that ignores it."""
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_qat.py"), "--model", "digits"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "--model chooses among --step-cost's timed models" in result.stderr
+
+
+@pytest.mark.slow
 def test_bench_qat_smoke(tmp_path):
     """One seed, tiny epochs: the accuracy table (six rows, read from the runtime files), the
     targets with their verdicts and the step-time table, printed and in the JSON alike."""
