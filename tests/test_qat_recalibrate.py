@@ -174,6 +174,34 @@ def test_dense_hosts_per_channel_get_algorithm_2_in_one_pass_where_per_tensor_ta
     assert passes["all"] == [1, 1] and max(passes[True]) > 1, passes
 
 
+class _CountedSum:
+    """A `backend.ProcessSum` over a world of one process (the sum is the values), counting
+    its calls: each is a collective every process of a real group would make."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def all_sum_array(self, values):
+        self.calls += 1
+        return np.asarray(values, np.float64)
+
+
+def test_synchronized_passes_make_one_collective_each(monkeypatch):
+    """Under recalibrate(synchronized=True) a QAT layer's passes pool their sums once each,
+    and keeping an earlier pass (per tensor, unsettled) reuses that pass's pooled sums rather
+    than pooling them again: one all-sum per pass of every layer, and one for the batch
+    count."""
+    qat, x = _trained_qat(3, per_channel=False, weight_range="max")
+    counted = _CountedSum()
+    monkeypatch.setattr(keras_bn.backend.get(), "recalibration_processes", lambda: counted)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", keras_bn.KerasBNWarning)
+        report = keras_bn.recalibrate(qat, x, batch_size=BATCH, progress=False, synchronized=True)
+    passes = [change.passes for change in report.layers]
+    assert max(passes) > 2, passes  # passes whose closest can be an earlier one
+    assert counted.calls == sum(passes) + 1, (counted.calls, passes)
+
+
 def _steps_off(layer, mean, variance, integers):
     """Per channel, the distance from the layer's statistics to (mean, variance) (`_distance`'s,
     per channel) in steps of the channel's largest integer: times max|q_c| (at least 1)."""

@@ -243,7 +243,16 @@ def assign(layer: keras.layers.Layer, sums: PooledMoments) -> LayerChange:
             or inf in some channel (NaN or inf in the layer's input, or values too large for
             its statistics' dtype): the layer is left as it was.
     """
-    sums = _across_processes(sums, tuple(bn_layers.statistics_of(layer).moving_mean.shape))
+    return _assign_pooled(layer, _pooled_over_processes(layer, sums))
+
+
+def _pooled_over_processes(layer: keras.layers.Layer, sums: PooledMoments) -> PooledMoments:
+    """`layer`'s `sums` added up over the processes of `pooled_across` (`_across_processes`)."""
+    return _across_processes(sums, tuple(bn_layers.statistics_of(layer).moving_mean.shape))
+
+
+def _assign_pooled(layer: keras.layers.Layer, sums: PooledMoments) -> LayerChange:
+    """`assign` of sums already pooled over the processes."""
     if not sums.batches:
         raise ValueError(
             f"recalibrate: no batch of `data` gives layer '{layer.name}' at least 2 "
@@ -419,8 +428,9 @@ def settle(
     errors: list[np.ndarray] = []  # errors[k]: pass k's distance from its own weights, per channel
     steps: list[np.ndarray] = []  # steps[k]: `step_bound` of the weights pass k's statistics give
     while True:
-        sums = pooled()
-        change = assign(layer, sums)
+        # Pooled over the processes once: keeping an earlier pass re-assigns these sums.
+        sums = _pooled_over_processes(layer, pooled())
+        change = _assign_pooled(layer, sums)
         measured_with, rounded = rounded, _rounded_weights(layer)
         assert rounded is not None  # the layer still rounds its kernel
         moved = int(np.count_nonzero(rounded != measured_with))
@@ -452,7 +462,7 @@ def settle(
             error = largest[closest] if errors else float("inf")
             kept, moved = passes[closest][1], passes[closest][2]
             if closest < len(passes) - 1:
-                kept = assign(layer, passes[closest][0])
+                kept = _assign_pooled(layer, passes[closest][0])
             # In steps of each channel's largest integer (`step_bound`): further than
             # CYCLE_STEPS is more than its integers' rounding cycles.
             over = errors[closest] / steps[closest] if errors else np.array([np.inf])
