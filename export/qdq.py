@@ -69,7 +69,9 @@ def int8_weights(proto: onnx.ModelProto, weights: list[qat.HostWeight]) -> None:
         chain, consumer = _chain(graph, weight.tag)
         q, channel = _follow(chain, initializers, weight.grid.q, _channel_ids(weight.grid.q))
         names = kernel_names(weight)
-        scale, zero_point, attributes = _scale(weight.grid, channel, q.shape)
+        scale, zero_point, attributes = _scale(
+            weight.grid, channel, q.shape, _output_axis(consumer)
+        )
         graph.initializer.extend(
             [
                 numpy_helper.from_array(q.astype(np.int8), names["quantized"]),
@@ -160,24 +162,38 @@ def _follow(
     return arrays
 
 
+def _output_axis(consumer: onnx.NodeProto) -> int:
+    """The axis of its weight input that holds `consumer`'s output channels: a Conv's (O, I/g,
+    *k) 0, a MatMul's (I, O) 1, a Gemm's 1, or 0 with transB."""
+    if consumer.op_type == "Conv":
+        return 0
+    transposed = any(a.name == "transB" and a.i for a in consumer.attribute)
+    return 0 if transposed else 1
+
+
 def _scale(
-    grid: fake_quant.WeightGrid, channel: np.ndarray, shape: tuple[int, ...]
+    grid: fake_quant.WeightGrid, channel: np.ndarray, shape: tuple[int, ...], output_axis: int
 ) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
     """(scale, zero point, DequantizeLinear attributes) for the integers laid out as
-    `channel` says (each value's output channel, in the final layout)."""
+    `channel` says (each value's output channel, in the final layout); `output_axis`, the
+    consumer's output-channel axis, where the channels cannot tell (a single channel: every
+    axis holds only it)."""
     if not grid.per_channel:
         return (
             np.asarray(grid.scale, np.float32).reshape(()),
             np.zeros((), np.int8),
             {},
         )
+    axes = []
     for axis in range(len(shape)):
         along = np.moveaxis(channel, axis, 0).reshape(shape[axis], -1)
         if np.all(along == along[:, :1]):  # the channel depends on this axis only
-            order = along[:, 0]
-            scale = np.asarray(grid.scale, np.float32)[order]
-            return scale, np.zeros(scale.shape, np.int8), {"axis": axis}
-    raise RuntimeError(f"The output channels of a kernel of shape {shape} lie on no one axis.")
+            axes.append((axis, along[:, 0]))
+    if not axes:
+        raise RuntimeError(f"The output channels of a kernel of shape {shape} lie on no one axis.")
+    axis, order = next(((a, o) for a, o in axes if a == output_axis), axes[0])
+    scale = np.asarray(grid.scale, np.float32)[order]
+    return scale, np.zeros(scale.shape, np.int8), {"axis": axis}
 
 
 def _remove(graph: onnx.GraphProto, nodes: Iterable[onnx.NodeProto], inputs: set[str]) -> None:

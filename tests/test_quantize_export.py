@@ -725,14 +725,16 @@ def test_layers_left_in_float_are_refused_by_name(tmp_path):
             exporter(model, tmp_path / "m.out")
 
 
-@pytest.mark.parametrize("weight_bits", [8, 3])
-def test_per_channel_dense_is_written_by_both_formats(tmp_path, weight_bits):
+@pytest.mark.parametrize("weight_bits, head_units", [(8, 3), (3, 1)])
+def test_per_channel_dense_is_written_by_both_formats(tmp_path, weight_bits, head_units):
     """A Dense host with one weight scale per output channel, with and without a batch norm
     folded into it: TFLite holds it as a 1×1 CONV_2D (its FULLY_CONNECTED takes one scale),
-    ONNX as a per-axis DequantizeLinear before MatMul. Each file's int8 weights and scales are
-    read back and used by numpy, against the Keras model's own fake-quantized kernels."""
+    ONNX as a per-axis DequantizeLinear before MatMul, on its output axis (1) even for a
+    head of one unit, whose one channel lies on every axis. Each file's int8 weights and
+    scales are read back and used by numpy, against the Keras model's own fake-quantized
+    kernels."""
     keras.utils.set_random_seed(0)
-    first, head = L.Dense(6, name="first"), L.Dense(3, name="head")
+    first, head = L.Dense(6, name="first"), L.Dense(head_units, name="head")
     first.build((None, 5))
     head.build((None, 6))
     first.kernel.assign(first.kernel * np.array([0.05, 1, 4, 0.3, 2, 0.01], "float32"))
@@ -746,7 +748,7 @@ def test_per_channel_dense_is_written_by_both_formats(tmp_path, weight_bits):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(64, 5)).astype("float32")
     model.compile("sgd", "mse")
-    model.fit(x, x[:, :3], verbose=0, batch_size=16, epochs=2)
+    model.fit(x, x[:, :head_units], verbose=0, batch_size=16, epochs=2)
     scales = {
         layer.name: layer.weight_grids()["kernel"].scale
         for layer in model.layers
@@ -786,7 +788,8 @@ def test_per_channel_dense_is_written_by_both_formats(tmp_path, weight_bits):
         for node in graph.node
         if node.op_type == "DequantizeLinear" and constants.get(node.input[1], np.zeros(())).ndim
     ]
-    assert len(per_axis) == 2
+    assert [{a.name: a.i for a in node.attribute} for node in per_axis] == [{"axis": 1}] * 2
+    assert [len(constants[node.input[1]]) for node in per_axis] == [6, head_units]
 
 
 def test_channels_first_hosts_export_to_onnx_and_are_refused_by_tflite(tmp_path):
