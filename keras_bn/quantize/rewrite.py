@@ -85,8 +85,9 @@ def quantize_model(
       GlobalAveragePooling, Concatenate, a ReLU after an Add, a layer kept in float, ...);
       none follows a layer whose output keeps its input's scale (MaxPooling, Flatten,
       Reshape, padding, Dropout, ...) or whose scale the spec fixes (softmax, sigmoid, tanh);
-      a layer feeding only a Concatenate leaves its own out, so both share the
-      Concatenate's scale (see `keras_bn.quantize.spec`); an (unshared) Add or Multiply of
+      a layer feeding only a Concatenate (directly or through layers that keep its scale,
+      such as Dropout) leaves its own out, so both share the Concatenate's scale (see
+      `keras_bn.quantize.spec`); an (unshared) Add or Multiply of
       three or more inputs is a nested model `<name>_qat` of two-input ones, left to right,
       with a quantizer after each partial result, as both files compute it;
     - each AveragePooling1D/2D/3D rounds its output onto its input's grid, as TFLite's int8
@@ -424,25 +425,26 @@ class _ModelRewrite:
         consumer = consumers[0].operation
         if self.info.shared(consumer) or id(consumer) in self.dropped:
             return False
-        if spec.role(consumer) == spec.SHARES or self._pooled_only(tensor):
+        if self._read_only_by(tensor, spec.SHARES) or self._read_only_by(tensor, spec.AVERAGES):
             return True
         return type(producer) in spec.RELU_FUSING and fusable_activation(consumer) is not None
 
-    def _pooled_only(self, tensor: keras.KerasTensor) -> bool:
-        """Whether one average pool alone reads `tensor`, directly or through ops that keep
-        their input's grid (a Dropout, a ZeroPadding, ...), each the only reader of the one
-        before, none shared and none a model output."""
+    def _read_only_by(self, tensor: keras.KerasTensor, role: str) -> bool:
+        """Whether one operation of `role` (spec.SHARES: a Concatenate-like one; spec.AVERAGES:
+        an average pool) alone reads `tensor`, directly or through ops that keep their input's
+        grid (a Dropout, a ZeroPadding, ...), each the only reader of the one before, none
+        shared and none a model output."""
         consumers = self.info.consumers.get(id(tensor), [])
         if id(tensor) in self.info.outputs or len(consumers) != 1:
             return False
         node = consumers[0]
         if self.info.shared(node.operation) or id(node.operation) in self.dropped:
             return False
-        role = spec.role(node.operation)
-        return role == spec.AVERAGES or (
-            role == spec.PRESERVES
+        found = spec.role(node.operation)
+        return found == role or (
+            found == spec.PRESERVES
             and len(node.input_tensors) == len(node.outputs) == 1
-            and self._pooled_only(node.outputs[0])
+            and self._read_only_by(node.outputs[0], role)
         )
 
     def _reaches_average_pool(self, tensor: keras.KerasTensor) -> bool:
