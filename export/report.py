@@ -409,6 +409,10 @@ class WeightCheck:
         matches: whether its integers equal `fake_quant.weight_grid` of the host's folded
             weights exactly, in the file's layout, with the same scales (to float32
             rounding).
+        saturated_bias: the output channels whose int32 bias the file holds at ±(2³¹ − 1)
+            (TFLite): a channel's weight step so small that bias / (input step · weight step)
+            overflows int32, which the converter meets by clamping the bias and changing the
+            channel's weights and scale.
     """
 
     host: str
@@ -418,6 +422,7 @@ class WeightCheck:
     dtype: str | None
     max_abs_q: int | None
     matches: bool
+    saturated_bias: tuple[int, ...] = ()
 
 
 def histogram(op_names: Iterable[str]) -> dict[str, int]:
@@ -835,6 +840,15 @@ def _quantized_failure(report: ExportReport, tolerance: LsbTolerance) -> str:
             problems.append(
                 f"the {check.kernel} of '{check.host}' ({check.tensor}, {check.dtype}) is not "
                 f"its {check.bits}-bit grid"
+                + (
+                    f": its int32 bias overflows in channels {list(check.saturated_bias)}, "
+                    f"whose weight steps are too small for their bias (the converter clamped "
+                    f"the bias and rescaled those channels' weights); such a channel's weights "
+                    f"are almost 0 (a BN γ near 0 folded into them): set them to exactly 0, "
+                    f"or give the channel larger weights"
+                    if check.saturated_bias
+                    else ""
+                )
             )
     if report.float_ops:
         ops = ", ".join(f"{name}×{count}" for name, count in report.float_ops.items())

@@ -350,7 +350,7 @@ class _QuantizedTFLite(pipeline.QuantizedFormat, _TFLite):
         plain = _plain_interpreter(path)
         details = {d["index"]: d for d in plain.get_tensor_details()}
         kernels = [
-            (op["op_name"], details[op["inputs"][1]])
+            (op["op_name"], details[op["inputs"][1]], _bias(op, details))
             for op in plain._get_ops_details()
             if op["op_name"] in {layout[0] for layout in QAT_LAYOUTS.values()}
         ]
@@ -390,18 +390,34 @@ def _on_int8_grid(weight: qat.HostWeight) -> Any:
     )
 
 
+def _bias(op: dict[str, Any], details: dict[int, dict[str, Any]]) -> dict[str, Any] | None:
+    """The bias tensor's details of a CONV_2D, DEPTHWISE_CONV_2D or FULLY_CONNECTED op, or
+    None where it has none."""
+    inputs = op["inputs"]
+    return details[inputs[2]] if len(inputs) > 2 and inputs[2] >= 0 else None
+
+
 def _weight_check(
-    plain: Interpreter, weight: qat.HostWeight, kernels: list[tuple[str, dict[str, Any]]]
+    plain: Interpreter,
+    weight: qat.HostWeight,
+    kernels: list[tuple[str, dict[str, Any], dict[str, Any] | None]],
 ) -> report.WeightCheck:
     """The report.WeightCheck of one kernel: the weight tensor of a CONV_2D,
     DEPTHWISE_CONV_2D or FULLY_CONNECTED op named after the kernel's FakeQuant op (its tag,
-    which TensorFlow may suffix when a shared layer traces it twice)."""
+    which TensorFlow may suffix when a shared layer traces it twice), and the channels where
+    that op's int32 bias is saturated."""
     op_name, layout, axis = QAT_LAYOUTS[weight.layout_kind]
-    found = [
-        detail
-        for name, detail in kernels
+    ours = [
+        (detail, bias)
+        for name, detail, bias in kernels
         if name == op_name and _tagged(detail["name"], weight.tag)
     ]
+    found = [detail for detail, _ in ours]
+    saturated: set[int] = set()
+    for _, bias in ours:
+        if bias is not None:
+            values = plain.get_tensor(bias["index"]).reshape(-1).astype(np.int64)
+            saturated |= {int(c) for c in np.flatnonzero(np.abs(values) >= 2**31 - 1)}
     if not found:
         return report.WeightCheck(
             weight.host, weight.kernel, weight.grid.bits, None, None, None, False
@@ -431,6 +447,7 @@ def _weight_check(
         q.dtype.name,
         int(np.abs(q.astype(np.int64)).max(initial=0)),
         matches,
+        tuple(sorted(saturated)),
     )
 
 

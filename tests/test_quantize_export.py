@@ -650,6 +650,44 @@ def test_a_concatenation_of_the_models_inputs_is_no_float_op(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("host", ["conv", "dense"])
+def test_a_channel_whose_int32_bias_overflows_is_named_as_the_cause(tmp_path, host):
+    """A channel with weights almost 0 (BN γ = 1e-7 folded into them) and a bias (β = 0.7):
+    its weight step, 5e-10 or so, makes bias / (input step · weight step) overflow int32, so
+    TFLite's converter clamps the bias and rescales the weights, and the file is ~50 LSB off.
+    The refusal names that channel's bias as the cause. ONNX adds a MatMul's bias in float, so
+    the Dense's file passes; onnxruntime's optimizer fuses a Conv into QLinearConv, whose bias
+    is int32 too, and that file is refused (off by its output, the cause not named)."""
+    keras.utils.set_random_seed(7)
+    if host == "conv":
+        inputs = keras.Input((5, 5, 3), name="x")
+        layer = L.Conv2D(4, 3, name="host")
+    else:
+        inputs = keras.Input((8,), name="x")
+        layer = L.Dense(4, name="host")
+    bn = BN(name="bn")
+    model = keras.Model(inputs, bn(layer(inputs)))
+    bn.gamma.assign(np.float32([1, 1e-7, 1, 1]))
+    bn.beta.assign(np.float32([0, 0.7, 0, 0]))
+    qat = quantize_model(model, 8, 8, "all")
+    x = np.random.default_rng(7).normal(size=(64, *inputs.shape[1:])).astype("float32")
+    qat.compile(keras.optimizers.SGD(0.0), "mse")  # ranges set, weights as they are
+    qat.fit(x, np.zeros((64, *qat.output.shape[1:]), "float32"), batch_size=16, verbose=0)
+    with pytest.raises(
+        report.VerificationError, match=r"its int32 bias overflows in channels \[1\]"
+    ):
+        export_tflite(qat, tmp_path / "m.tflite", probe=x)
+    assert not (tmp_path / "m.tflite").exists()
+    result = export_tflite(qat, tmp_path / "m.tflite", probe=x, strict=False)
+    assert [w.saturated_bias for w in result.weights] == [(1,)]
+    if host == "dense":
+        assert export_onnx(qat, tmp_path / "m.onnx", probe=x).passed
+    else:
+        with pytest.raises(report.VerificationError, match=r"\(ort_enabled\) is off by"):
+            export_onnx(qat, tmp_path / "m.onnx", probe=x)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("per_channel", [True, False])
 def test_a_dropout_before_a_concatenate_leaves_the_grid_to_the_concatenate(tmp_path, per_channel):
     """Dense → Dropout → Concatenate ← Dense: the first Dense leaves its output's grid to the
