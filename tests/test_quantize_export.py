@@ -650,6 +650,28 @@ def test_a_concatenation_of_the_models_inputs_is_no_float_op(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_model_input_through_a_dropout_to_a_concatenate_keeps_its_quantizer(tmp_path):
+    """x → Dropout → Concatenate ← Dense(y): unlike a computed output, a model input keeps its
+    own quantizer on that path (left to the Concatenate, ONNX wrote the Concat in float and
+    refused the file); both files pass."""
+    keras.utils.set_random_seed(0)
+    x, y = keras.Input((4,), name="x"), keras.Input((6,), name="y")
+    joined = L.Concatenate(name="cat")([L.Dropout(0.1)(x), L.Dense(3, name="dense")(y)])
+    model, report = quantize_model(
+        keras.Model([x, y], L.Dense(2, name="head")(joined)), 8, 8, False, return_report=True
+    )
+    assert set(report.quantizers.values()) == {"x", "y", "cat"}
+    rng = np.random.default_rng(0)
+    data = {"x": rng.normal(size=(64, 4)), "y": rng.normal(size=(64, 6))}
+    data = {k: v.astype("float32") for k, v in data.items()}
+    model.compile(keras.optimizers.Adam(3e-3), "mse")
+    model.fit(data, rng.normal(size=(64, 2)), batch_size=16, epochs=2, verbose=0)
+    for exporter, name in ((export_tflite, "m.tflite"), (export_onnx, "m.onnx")):
+        result = exporter(model, tmp_path / name, probe=data)
+        assert result.passed and result.float_ops == {}, (name, result.float_ops)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("host", ["conv", "dense"])
 def test_a_channel_whose_int32_bias_overflows_is_named_as_the_cause(tmp_path, host):
     """A channel with weights almost 0 (BN γ = 1e-7 folded into them) and a bias (β = 0.7):

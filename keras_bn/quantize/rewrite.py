@@ -86,7 +86,8 @@ def quantize_model(
       none follows a layer whose output keeps its input's scale (MaxPooling, Flatten,
       Reshape, padding, Dropout, ...) or whose scale the spec fixes (softmax, sigmoid, tanh);
       a layer feeding only a Concatenate (directly or through layers that keep its scale,
-      such as Dropout) leaves its own out, so both share the Concatenate's scale (see
+      such as Dropout; a model input directly only) leaves its own out, so both share the
+      Concatenate's scale (see
       `keras_bn.quantize.spec`); an (unshared) Add or Multiply of
       three or more inputs is a nested model `<name>_qat` of two-input ones, left to right,
       with a quantizer after each partial result, as both files compute it;
@@ -425,7 +426,11 @@ class _ModelRewrite:
         consumer = consumers[0].operation
         if self.info.shared(consumer) or id(consumer) in self.dropped:
             return False
-        if self._read_only_by(tensor, spec.SHARES) or self._read_only_by(tensor, spec.AVERAGES):
+        if spec.role(consumer) == spec.SHARES or self._read_only_by(tensor, spec.AVERAGES):
+            return True
+        # A computed output through scale-keeping layers too (a model input keeps its own
+        # quantizer there: ONNX cannot write that path in integers).
+        if producer is not None and self._read_only_by(tensor, spec.SHARES):
             return True
         return type(producer) in spec.RELU_FUSING and fusable_activation(consumer) is not None
 
