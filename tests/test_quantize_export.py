@@ -632,6 +632,16 @@ def test_two_averaging_layers_in_a_row_share_one_grid_in_both_formats(first, sec
         assert all(e.max_lsb < 1 + 1e-3 and e.off_share < 0.01 for e in errors), (name, errors)
 
 
+def _fit_and_export_both(model, x, y, tmp_path):
+    """Two epochs of Adam on (x, y), then both files with x as the probe: each passes, with
+    no float op."""
+    model.compile(keras.optimizers.Adam(3e-3), "mse")
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    for exporter, name in ((export_tflite, "m.tflite"), (export_onnx, "m.onnx")):
+        result = exporter(model, tmp_path / name, probe=x)
+        assert result.passed and result.float_ops == {}, (name, result.float_ops)
+
+
 @pytest.mark.slow
 def test_a_concatenation_of_the_models_inputs_is_no_float_op(tmp_path):
     """Two inputs concatenated before the first QAT layer: the QuantizeLinear after the Concat
@@ -642,11 +652,7 @@ def test_a_concatenation_of_the_models_inputs_is_no_float_op(tmp_path):
     model = quantize_model(keras.Model([a, b], L.Dense(2, name="head")(h)))
     rng = np.random.default_rng(0)
     x = {k: rng.normal(size=(64, 8)).astype("float32") for k in ("a", "b")}
-    model.compile(keras.optimizers.Adam(3e-3), "mse")
-    model.fit(x, rng.normal(size=(64, 2)), batch_size=16, epochs=2, verbose=0)
-    for exporter, name in ((export_tflite, "m.tflite"), (export_onnx, "m.onnx")):
-        result = exporter(model, tmp_path / name, probe=x)
-        assert result.passed and result.float_ops == {}, (name, result.float_ops)
+    _fit_and_export_both(model, x, rng.normal(size=(64, 2)), tmp_path)
 
 
 @pytest.mark.slow
@@ -664,11 +670,7 @@ def test_a_model_input_through_a_dropout_to_a_concatenate_keeps_its_quantizer(tm
     rng = np.random.default_rng(0)
     data = {"x": rng.normal(size=(64, 4)), "y": rng.normal(size=(64, 6))}
     data = {k: v.astype("float32") for k, v in data.items()}
-    model.compile(keras.optimizers.Adam(3e-3), "mse")
-    model.fit(data, rng.normal(size=(64, 2)), batch_size=16, epochs=2, verbose=0)
-    for exporter, name in ((export_tflite, "m.tflite"), (export_onnx, "m.onnx")):
-        result = exporter(model, tmp_path / name, probe=data)
-        assert result.passed and result.float_ops == {}, (name, result.float_ops)
+    _fit_and_export_both(model, data, rng.normal(size=(64, 2)), tmp_path)
 
 
 @pytest.mark.slow
