@@ -604,6 +604,52 @@ def test_a_bilinear_upsampling_is_written_by_both_formats_as_the_qat_model_round
         assert len(errors) >= 2 and all(e.max_lsb < most for e in errors), (name, errors)
 
 
+def _conv_bn_relu(x, channels, name):
+    return L.ReLU(name=f"{name}_relu")(
+        BN(name=f"{name}_bn")(L.Conv2D(channels, 3, padding="same", name=name)(x))
+    )
+
+
+@pytest.mark.slow
+def test_litert_rounds_a_bilinear_upsamplings_halves_by_its_kernel(tmp_path):
+    """LiteRT has two int8 RESIZE_BILINEARs that round halves apart: XNNPACK, its default
+    delegate, up, as the QAT model and onnxruntime do; its own built-in kernel away from the
+    int8 zero. A file that XNNPACK runs whole is exact; with the built-in kernels (or where
+    XNNPACK leaves the op to them: here when the upsampled tensor feeds a Concatenate) some
+    outputs are off, by the 1 LSB of a half and what the next layers make of it, within the
+    export's check. qat.md quotes this."""
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 8, 8, 3)).astype("float32")
+    y = rng.normal(size=(64, 2)).astype("float32")
+    for merge in (L.Add, L.Concatenate):
+        image = keras.Input((8, 8, 3), name="image")
+        a = _conv_bn_relu(image, 4, "a")
+        b = _conv_bn_relu(L.MaxPooling2D(2, name="pool")(a), 4, "b")
+        up = L.UpSampling2D(2, interpolation="bilinear", name="up")(b)
+        merged = _conv_bn_relu(merge(name="merge")([up, a]), 6, "c")
+        head = L.Dense(2, name="head")(L.GlobalAveragePooling2D(name="gap")(merged))
+        model = quantize_model(keras.Model(image, head))
+        model.compile(keras.optimizers.Adam(3e-3), "mse")
+        model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+        path = tmp_path / f"{merge.__name__}.tflite"
+        result = export_tflite(model, path, probe=x)
+        (lsb,) = result.lsb_errors.values()
+        assert result.passed and result.float_ops == {}
+        want = np.asarray(model.predict(x, verbose=0))
+        off, worst = {}, {}
+        for resolver in (OpResolverType.AUTO, OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES):
+            interpreter = Interpreter(model_path=str(path), experimental_op_resolver_type=resolver)
+            (got,) = interpreter.get_signature_runner("serve")(image=x).values()
+            errors = np.abs(got - want) / lsb["litert"].step
+            assert errors.max() <= 2 + 1e-3, (merge.__name__, resolver, errors.max())
+            off[resolver], worst[resolver] = float((errors > 0.5).mean()), errors.max()
+        assert off[OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES] > 0, merge.__name__
+        exact = merge is L.Add  # XNNPACK runs the Add model's upsampling: halves up
+        assert (off[OpResolverType.AUTO] == 0) == exact, (merge.__name__, off)
+        assert lsb["litert"].max_lsb == pytest.approx(worst[OpResolverType.AUTO], abs=1e-3)
+
+
 AVERAGING = {
     "avg": lambda name: L.AveragePooling2D(2, name=name),
     "up": lambda name: L.UpSampling2D(2, interpolation="bilinear", name=name),
