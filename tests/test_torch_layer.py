@@ -389,6 +389,69 @@ def test_a_compiled_qat_train_step_takes_the_gradients_and_statistics_of_an_eage
             _close(array(got), array(want), 1e-6)
 
 
+def _renorm_layer():
+    """BN(renorm=True) with renorm averages far from the batches' (so that their update, in
+    the same call, moves r and d) and a fast renorm momentum."""
+    layer = random_affine_bn((8, 3), renorm=True, renorm_momentum=0.5)
+    layer.renorm_mean.assign(np.array([0.5, -0.3, 1.0], "float32"))
+    layer.renorm_stddev.assign(np.array([0.8, 2.0, 1.3], "float32"))
+    return layer
+
+
+def _per_tensor_qat():
+    """conv → BN → ReLU → Dense, QAT at 4 bits per tensor: the weight grid depends on the
+    moving variance, and the ranges move in the step."""
+    from keras_bn.quantize import quantize_model
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6, 6, 2))
+    h = keras_bn.BatchNormalization()(keras.layers.Conv2D(3, 3)(inputs))
+    h = keras.layers.Flatten()(keras.layers.ReLU()(h))
+    built = keras.Model(inputs, keras.layers.Dense(2)(h))
+    built(np.zeros((1, 6, 6, 2), "float32"))
+    return quantize_model(built, 4, 4, per_channel=False)
+
+
+@pytest.mark.parametrize("case", ["renorm", "qat"])
+def test_under_inductor_the_backward_reads_the_variables_the_forward_read(case):
+    """torch.compile's default backend (inductor, what `fit(jit_compile=True)` uses): each
+    step's loss, gradients and variables are eager's, from the same variables. Its
+    partitioner recomputed in the backward a read of a variable that the step then assigned
+    (renorm's averages, a moving statistic, a range), and read a copy through to the
+    variable, so the backward saw the update: renorm's ∂x 3e-2 off, a QAT step's gradients
+    2e-2 (pytorch/pytorch#197039). The variables are copied from the eager model before each
+    step: a QAT model's weights a float rounding apart round apart, and two runs diverge."""
+    if case == "renorm":
+        eager, compiled = _renorm_layer(), _renorm_layer()
+        shapes = [(8, 3)] * 3
+    else:
+        eager, compiled = _per_tensor_qat(), _per_tensor_qat()
+        shapes = [(8, 6, 6, 2)] * 3
+
+    def step(model, x, y):
+        out = model(x, training=True)
+        loss = torch.mean(torch.square(out - y))
+        return loss, torch.autograd.grad(loss, [x] + [v.value for v in model.trainable_variables])
+
+    torch._dynamo.reset()
+    compiled_step = torch.compile(step)  # inductor
+    for index, shape in enumerate(shapes):
+        with torch.no_grad():
+            for got, want in zip(compiled.variables, eager.variables, strict=True):
+                got.assign(want.value)
+        x = torch.tensor(_data(shape, index), requires_grad=True)
+        y = torch.tensor(_data(eager.compute_output_shape(shape), 9 + index, 0.0, 1.0))
+        (want_loss, want_grads), (got_loss, got_grads) = (
+            step(eager, x, y),
+            compiled_step(compiled, x, y),
+        )
+        _close(array(got_loss), array(want_loss), 1e-5)
+        for got, want in zip(got_grads, want_grads, strict=True):
+            _close(array(got), array(want), 1e-5)
+        for got, want in zip(compiled.variables, eager.variables, strict=True):
+            _close(array(got), array(want), 1e-5)
+
+
 def _inference_layer(mean, variance, gamma=2.0, shape=(2, 4, 3, 3)):
     """A channels_first layer (F.batch_norm's axis) with the given per-channel statistics."""
     layer = keras_bn.BatchNormalization(axis=1, epsilon=1e-3)

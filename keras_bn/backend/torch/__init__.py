@@ -24,18 +24,6 @@ __all__ = list(INTERFACE)
 shared_maths.register_arrays("torch", arrays)
 
 
-def read(variable):
-    """A variable's value as a tensor (its torch.nn.Parameter: what a later `assign` changes
-    in place, so the callers read it where they use it). Under torch.compile a copy into a
-    new tensor: the compiled backward would otherwise read the variable after an `assign`
-    later in the step (a moving statistic's, a range's) had changed it (a QAT kernel's
-    gradient came out 1% off, from the updated moving variance). Not `clone()`: the compiled
-    graph reads through a clone of an input to the input itself, and that gradient stays off."""
-    if torch.compiler.is_compiling():
-        return torch.empty_like(variable.value).copy_(variable.value)
-    return variable.value
-
-
 def unit_affine(x, channel_axes, dtype):
     """Ones and zeros of x's per-channel shape (γ = 1, β = 0: x̂ itself)."""
     shape = [x.shape[a] for a in channel_axes]

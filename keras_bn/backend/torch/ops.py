@@ -20,12 +20,44 @@ from keras_bn.backend.torch import distributed
 from keras_bn.backend.torch.arrays import statistics_dtype, torch_dtype
 
 
+@torch.library.custom_op("keras_bn::snapshot", mutates_args=())
+def _snapshot(value: torch.Tensor) -> torch.Tensor:
+    """A copy of `value`, as an op that torch.compile's partitioner saves for the backward
+    rather than recomputes there (it is not on its list of recomputable ops)."""
+    return value.clone()
+
+
+@_snapshot.register_fake
+def _(value):
+    return torch.empty_like(value)
+
+
+_snapshot.register_autograd(lambda ctx, grad: grad)
+
+
+def read(variable):
+    """A variable's value as a tensor (its torch.nn.Parameter: what a later `assign` changes
+    in place, so the callers read it where they use it). Under torch.compile a snapshot of
+    a non-trainable one (a moving statistic, a range, renorm's averages: what a step assigns):
+    AOTAutograd's partitioner recomputed such a read in the backward, after the step's
+    `assign` had changed it, which gave gradients 2–6% off (a QAT step, renorm) with no
+    error. A clone, or a copy into a new tensor, does not stop it: inductor reads through
+    them to the input (pytorch/pytorch#197039). A trainable weight, which the optimizer
+    assigns after the backward, is read as it is: AOTAutograd then sees the backward depend
+    on it, and refuses a double backward with its own clear error."""
+    if torch.compiler.is_compiling() and not variable.trainable:
+        return _snapshot(variable.value)
+    return variable.value
+
+
 def parameter(variable, default, shape, dtype):
-    """A weight's value in `dtype`, or the constant standing for it when disabled (None)."""
+    """A weight's value in `dtype` (`read`: renorm's averages, updated later in the step,
+    gave a compiled backward r and d from after the update), or the constant standing for
+    it when disabled (None)."""
     dtype = torch_dtype(dtype)
     if variable is None:
         return keras.ops.full(tuple(shape), default, dtype=keras.backend.standardize_dtype(dtype))
-    return variable.value.to(dtype)
+    return read(variable).to(dtype)
 
 
 def batch_size_traced(x, channel_axes):
