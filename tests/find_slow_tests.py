@@ -7,6 +7,7 @@ test-fast`'s for the tests added since). conftest.py marks the tests the file na
 run's backend `slow`, beside those marked in the code; `make test` runs every one of them.
 
     python tests/find_slow_tests.py tensorflow=tf.log jax=jax.log torch=torch.log
+    python tests/find_slow_tests.py --add tensorflow=fast_tf.log jax=fast_jax.log
 """
 
 import argparse
@@ -48,10 +49,22 @@ def slow_tests(logs: list[tuple[str, pathlib.Path]], threshold: float) -> list[t
     return sorted(found)
 
 
+def listed() -> set[tuple[str, str]]:
+    """(backend, node id) of every test the file names now."""
+    lines = SLOW_TESTS.read_text().splitlines() if SLOW_TESTS.exists() else []
+    return {tuple(line.split(" ", 1)) for line in lines if line and line[0] != "#"}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("logs", nargs="+", metavar="BACKEND=LOG")
     parser.add_argument("--threshold", type=float, default=THRESHOLD)
+    parser.add_argument(
+        "--add",
+        action="store_true",
+        help="keep the tests the file names and add those the logs find (a `make test-fast` "
+        "log's tests, added since the full runs)",
+    )
     args = parser.parse_args(argv)
     logs = []
     for pair in args.logs:
@@ -59,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         if backend not in ("tensorflow", "jax", "torch") or not log:
             parser.error(f"expected BACKEND=LOG with a Keras backend, got {pair!r}")
         logs.append((backend, pathlib.Path(log)))
-    lines = [f"{backend} {test}" for backend, test in slow_tests(logs, args.threshold)]
+    found = set(slow_tests(logs, args.threshold)) | (listed() if args.add else set())
+    lines = [f"{backend} {test}" for backend, test in sorted(found)]
     SLOW_TESTS.write_text(HEADER.format(threshold=args.threshold) + "\n".join(lines) + "\n")
     print(f"{SLOW_TESTS}: {len(lines)} tests")
     return 0

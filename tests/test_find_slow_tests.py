@@ -47,3 +47,24 @@ def test_a_log_without_durations_is_refused_by_name(tmp_path):
     (tmp_path / "tf.log").write_text("2 passed in 1.0s\n")
     with pytest.raises(ValueError, match=r"tf\.log holds no durations"):
         find_slow_tests.main([f"tensorflow={tmp_path / 'tf.log'}"])
+
+
+def test_add_keeps_the_tests_the_file_names_and_adds_the_new_ones(tmp_path, monkeypatch):
+    slow = tmp_path / "slow.txt"
+    slow.write_text("# header\ntorch tests/test_b.py::test_b\njax tests/test_a.py::test_old\n")
+    (tmp_path / "jax.log").write_text(LOG)
+    monkeypatch.setattr(find_slow_tests, "SLOW_TESTS", slow)
+    find_slow_tests.main(["--add", f"jax={tmp_path / 'jax.log'}"])
+    lines = [line for line in slow.read_text().splitlines() if line[0] != "#"]
+    assert lines == [
+        "jax tests/test_a.py::test_old",
+        "jax tests/test_a.py::test_setup_and_call",
+        "jax tests/test_a.py::test_slow[x-1]",
+        "torch tests/test_b.py::test_b",
+    ]
+    find_slow_tests.main([f"jax={tmp_path / 'jax.log'}"])  # without --add: the logs' only
+    lines = [line for line in slow.read_text().splitlines() if line[0] != "#"]
+    assert lines == [
+        "jax tests/test_a.py::test_setup_and_call",
+        "jax tests/test_a.py::test_slow[x-1]",
+    ]
