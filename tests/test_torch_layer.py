@@ -452,6 +452,19 @@ def test_under_inductor_the_backward_reads_the_variables_the_forward_read(case):
             _close(array(got), array(want), 1e-5)
 
 
+def test_torch_export_writes_no_keras_bn_op():
+    """A `torch.export` of a model with keras_bn's BN holds only PyTorch's ops, so its saved
+    program loads where keras_bn is not imported (the snapshot `read` takes under
+    torch.compile made it need `keras_bn::snapshot`), and computes the model's inference."""
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), random_affine_bn((2, 3))])
+    model.layers[-1].moving_mean.assign(np.array([0.5, -1.0, 2.0], "float32"))
+    x = torch.tensor(_data((2, 4)))
+    program = torch.export.export(model, (x,))
+    targets = [str(node.target) for node in program.graph.nodes if node.op == "call_function"]
+    assert targets and not [t for t in targets if "keras_bn" in t], targets
+    _close(array(program.module()(x)), array(model(x)), 1e-6)
+
+
 def _inference_layer(mean, variance, gamma=2.0, shape=(2, 4, 3, 3)):
     """A channels_first layer (F.batch_norm's axis) with the given per-channel statistics."""
     layer = keras_bn.BatchNormalization(axis=1, epsilon=1e-3)

@@ -44,8 +44,15 @@ def read(variable):
     error. A clone, or a copy into a new tensor, does not stop it: inductor reads through
     them to the input (pytorch/pytorch#197039). A trainable weight, which the optimizer
     assigns after the backward, is read as it is: AOTAutograd then sees the backward depend
-    on it, and refuses a double backward with its own clear error."""
-    if torch.compiler.is_compiling() and not variable.trainable:
+    on it, and refuses a double backward with its own clear error. Nor where no backward
+    is recorded (grad off), nor under `torch.export`, whose program would then need keras_bn
+    imported to load."""
+    if (
+        torch.compiler.is_compiling()
+        and not torch.compiler.is_exporting()
+        and torch.is_grad_enabled()
+        and not variable.trainable
+    ):
         return _snapshot(variable.value)
     return variable.value
 
