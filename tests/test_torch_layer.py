@@ -346,28 +346,33 @@ def test_torch_compile_traces_a_qat_models_training_call_as_one_graph():
     ]
 
 
+def _per_tensor_qat():
+    """conv → BN → ReLU → Dense, QAT at 4 bits per tensor: the weight grid depends on the
+    moving variance, and the ranges move in the step."""
+    from keras_bn.quantize import quantize_model
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6, 6, 2))
+    h = keras_bn.BatchNormalization()(keras.layers.Conv2D(3, 3)(inputs))
+    h = keras.layers.Flatten()(keras.layers.ReLU()(h))
+    built = keras.Model(inputs, keras.layers.Dense(2)(h))
+    built(np.zeros((1, 6, 6, 2), "float32"))
+    return quantize_model(built, 4, 4, per_channel=False)
+
+
 def test_a_compiled_qat_train_step_takes_the_gradients_and_statistics_of_an_eager_one():
     """A QAT model's train step under torch.compile (AOTAutograd: the backward traced too)
     gives eager's loss, gradients and variables at every step, before and after batch norm
     freezes, and on a smaller last batch (a recompile, with the batch size a symbol). Its
     backward once read the moving variance after the step's own update (the
     kernel's gradient 1% off at the first step, and the weights drifting from there)."""
-    from keras_bn.quantize import freeze_batch_norm, quantize_model
-
-    def model():
-        keras.utils.set_random_seed(0)
-        inputs = keras.Input((6, 6, 2))
-        h = keras_bn.BatchNormalization()(keras.layers.Conv2D(3, 3)(inputs))
-        h = keras.layers.Flatten()(keras.layers.ReLU()(h))
-        built = keras.Model(inputs, keras.layers.Dense(2)(h))
-        built(np.zeros((1, 6, 6, 2), "float32"))
-        return quantize_model(built, 4, 4, per_channel=False)
+    from keras_bn.quantize import freeze_batch_norm
 
     def step(qat, x, y):
         loss = torch.mean(torch.square(qat(x, training=True) - y))
         return loss, torch.autograd.grad(loss, [v.value for v in qat.trainable_variables])
 
-    eager, compiled = model(), model()
+    eager, compiled = _per_tensor_qat(), _per_tensor_qat()
     compiled_step = torch.compile(step, backend="aot_eager")
     for index in range(4):
         if index == 2:
@@ -396,20 +401,6 @@ def _renorm_layer():
     layer.renorm_mean.assign(np.array([0.5, -0.3, 1.0], "float32"))
     layer.renorm_stddev.assign(np.array([0.8, 2.0, 1.3], "float32"))
     return layer
-
-
-def _per_tensor_qat():
-    """conv → BN → ReLU → Dense, QAT at 4 bits per tensor: the weight grid depends on the
-    moving variance, and the ranges move in the step."""
-    from keras_bn.quantize import quantize_model
-
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((6, 6, 2))
-    h = keras_bn.BatchNormalization()(keras.layers.Conv2D(3, 3)(inputs))
-    h = keras.layers.Flatten()(keras.layers.ReLU()(h))
-    built = keras.Model(inputs, keras.layers.Dense(2)(h))
-    built(np.zeros((1, 6, 6, 2), "float32"))
-    return quantize_model(built, 4, 4, per_channel=False)
 
 
 @pytest.mark.parametrize("case", ["renorm", "qat"])
