@@ -406,30 +406,33 @@ class BatchNormalization(ShapePreserving, keras.layers.Layer):
             skip: a boolean tensor (or False): true leaves every statistic as it is.
         """
         ops = backend.get()
-        assert self.moving_mean is not None and self.moving_variance is not None  # built
-        values, enough = ops.unbiased_estimates(
-            mean, variance, count, self.epsilon, self.moving_mean.dtype, self.renorm
-        )
-        values, updated = ops.pool_statistics(
-            values, enough, count if weight is None else weight, self.synchronized
-        )
-        if skip is not False:
-            updated = keras.ops.logical_and(updated, keras.ops.logical_not(skip))
-        moving = (self.moving_mean, self.moving_variance)
-        if self.momentum is None:  # cumulative average: the n-th counted batch gets weight 1/n
-            assert self.num_batches_tracked is not None  # built for momentum=None
-            updated = keras.ops.all(updated)
-            seen = ops.read(self.num_batches_tracked)
-            for variable, value in zip(moving, values):
-                variable.assign(ops.cumulative_average(ops.read(variable), value, seen, updated))
-            self.num_batches_tracked.assign(seen + keras.ops.cast(updated, seen.dtype))
-        else:
-            for variable, value in zip(moving, values):
-                variable.assign(
-                    ops.moving_average(ops.read(variable), value, self.momentum, updated)
-                )
-        if self.renorm:
-            self._update_renorm_statistics(values[0], values[2], updated)
+        with ops.statistics_update():
+            assert self.moving_mean is not None and self.moving_variance is not None  # built
+            values, enough = ops.unbiased_estimates(
+                mean, variance, count, self.epsilon, self.moving_mean.dtype, self.renorm
+            )
+            values, updated = ops.pool_statistics(
+                values, enough, count if weight is None else weight, self.synchronized
+            )
+            if skip is not False:
+                updated = keras.ops.logical_and(updated, keras.ops.logical_not(skip))
+            moving = (self.moving_mean, self.moving_variance)
+            if self.momentum is None:  # cumulative average: the n-th counted batch gets weight 1/n
+                assert self.num_batches_tracked is not None  # built for momentum=None
+                updated = keras.ops.all(updated)
+                seen = ops.read(self.num_batches_tracked)
+                for variable, value in zip(moving, values):
+                    variable.assign(
+                        ops.cumulative_average(ops.read(variable), value, seen, updated)
+                    )
+                self.num_batches_tracked.assign(seen + keras.ops.cast(updated, seen.dtype))
+            else:
+                for variable, value in zip(moving, values):
+                    variable.assign(
+                        ops.moving_average(ops.read(variable), value, self.momentum, updated)
+                    )
+            if self.renorm:
+                self._update_renorm_statistics(values[0], values[2], updated)
 
     def _update_renorm_statistics(self, mean: Any, stddev: Any, updated: Any) -> None:
         """Keras's renorm state: renorm_mean and renorm_stddev average μ_B and √(σ²_B + ε) with

@@ -46,6 +46,7 @@ INTERFACE = (
     "replica_context",
     "moving_average",
     "cumulative_average",
+    "statistics_update",
     "counter_dtype",
     # recalibration and snapshots
     "moments",

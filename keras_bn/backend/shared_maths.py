@@ -358,6 +358,12 @@ def name_scope(name):
     return contextlib.nullcontext()
 
 
+def statistics_update():
+    """The context of the moving statistics' update: nothing to switch off, no gradient is
+    traced that the step does not ask for."""
+    return contextlib.nullcontext()
+
+
 def specialized(function, signatures):
     """`function` itself: `compiled` traces nothing on these backends."""
     del signatures

@@ -7,6 +7,7 @@ the pooling of statistics across `tf.distribute` replicas (`replica_context`,
 `pool_statistics`).
 """
 
+import contextlib
 import math
 
 import numpy as np
@@ -303,6 +304,12 @@ def compiled(function, **options):
 def name_scope(name):
     """A graph name scope, so traced ops say who made them."""
     return tf.name_scope(name)
+
+
+def statistics_update():
+    """The context of the moving statistics' update: as it is (their values come from the
+    batch statistics, which carry no gradient)."""
+    return contextlib.nullcontext()
 
 
 def add(x, y):

@@ -57,6 +57,13 @@ def read(variable):
     return variable.value
 
 
+def statistics_update():
+    """The context of the moving statistics' update: no autograd recording. Nothing
+    differentiates it, and under torch.compile its reads then need no snapshot (`read`),
+    which made a compiled ResNet step 10% slower."""
+    return torch.no_grad()
+
+
 def parameter(variable, default, shape, dtype):
     """A weight's value in `dtype` (`read`: renorm's averages, updated later in the step,
     gave a compiled backward r and d from after the update), or the constant standing for
