@@ -214,6 +214,10 @@ def run_model(reps, device, image, batch, width, compiled):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(batch, image, image, 3)).astype("float32")
     y = rng.integers(0, 10, size=(batch,))
+    # Three compiled models in one process recompile Keras's shared frames (its functional
+    # call, `Operation.__call__`) once per model and more: past dynamo's default limit of 8
+    # (which this run hit) a frame runs eagerly, and the compiled rows time half-eager steps.
+    torch._dynamo.config.recompile_limit = 64
     steps, first = {}, {}
     norms = [("keras_bn", keras_bn.BatchNormalization), ("keras", keras.layers.BatchNormalization)]
     for name, norm in norms + ([("no_bn", keras.layers.Identity)] if compiled else []):
