@@ -79,11 +79,13 @@ JAX_WITH_TF_TESTS := KERAS_BACKEND=jax $(PY) -m pytest tests/test_keras_parity.p
 # the tools, fit and Keras's parity tests, with TensorFlow importable under KERAS_BACKEND=torch
 # (test_no_tensorflow.py skips there). Not gpu-check's dry run, which is for the GPU machine,
 # where there is no TensorFlow; nor the fake quantization and QAT recalibration files, which
-# the run without TensorFlow compares with TensorFlow's answers already (CI's time budget).
+# the run without TensorFlow compares with TensorFlow's answers already; nor the torch.compile
+# tests, which trace with dynamo and compile with inductor, neither of which imports
+# TensorFlow (130 s of this run's 170 s of tests, on 2 cores: CI's time budget).
 TORCH_WITH_TF_FILES := test_layer_maths test_torch_layer test_torch_tools test_fold_backends \
 	test_training_backends test_keras_parity
 TORCH_WITH_TF_TESTS := KERAS_BACKEND=torch $(PY) -m pytest $(TORCH_WITH_TF_FILES:%=tests/%.py) \
-	$(PYTEST_ARGS) -q
+	-k "not compile and not inductor" $(PYTEST_ARGS) -q
 
 test-torch: $(STAMP) $(STAMP_TORCH)
 	$(TORCH_TESTS)
