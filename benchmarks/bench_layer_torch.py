@@ -214,6 +214,7 @@ NORMS = {
     "keras": keras.layers.BatchNormalization,
     "no_bn": keras.layers.Identity,
 }
+MODEL_LABELS = {"keras_bn": "keras_bn", "keras": "Keras BN", "no_bn": "no BN"}
 
 
 def _model_steps(names, device, image, batch, width, compiled):
@@ -370,10 +371,7 @@ def main(argv=None):
         compiled_record = {
             "step": "train_on_batch, jit_compile=True (torch.compile), each model eager and "
             "compiled interleaved in a Python of its own",
-            **{
-                name: run_compiled_model(name, reps, device, **model_shape)
-                for name in ("keras_bn", "keras", "no_bn")
-            },
+            **{name: run_compiled_model(name, reps, device, **model_shape) for name in NORMS},
         }
         ratios = {name: compiled_record[name]["compiled_over_eager"] for name in NORMS}
         compiled_record["met"] = ratios["keras_bn"] <= 1.0
@@ -384,11 +382,7 @@ def main(argv=None):
             + "; ".join(
                 f"{label} {compiled_record[name]['compiled_ms']:.1f} ms, {ratios[name]:.2f}x its "
                 f"eager step (first step {compiled_record[name]['first_step_s']:.0f} s)"
-                for name, label in (
-                    ("keras_bn", "keras_bn"),
-                    ("keras", "Keras BN"),
-                    ("no_bn", "no BN"),
-                )
+                for name, label in MODEL_LABELS.items()
             )
             + f"; target: keras_bn compiled ≤ eager: "
             f"{'met' if compiled_record['met'] else 'MISSED'}; keras_bn's compiled/eager ≤ the "
