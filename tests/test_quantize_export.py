@@ -577,8 +577,9 @@ def test_a_bilinear_upsampling_is_written_by_both_formats_as_the_qat_model_round
     it onto its input's grid as LiteRT's int8 RESIZE_BILINEAR does (halves up), so both files
     compute it in integers and both runtimes give every output to the last bit (ONNX named
     the Resize a float op, and LiteRT was 1 LSB off on a fifth of the outputs, when the QAT
-    model left the upsampling in float), but for LiteRT's own float rounding of halves at
-    mixed factors (1 LSB). A Lambda(t·t) there is an integer MUL in both, and a nearest
+    model left the upsampling in float), but where a value lies within float32 error of a
+    rounding boundary, and for LiteRT's own float rounding of halves at mixed factors (1 LSB
+    each). A Lambda(t·t) there is an integer MUL in both, and a nearest
     UpSampling2D keeps its input's grid (ONNX named the Shape ops of its Resize sizes)."""
     keras.utils.set_random_seed(0)
     image = keras.Input((8, 8, 3), name="image")
@@ -598,10 +599,17 @@ def test_a_bilinear_upsampling_is_written_by_both_formats_as_the_qat_model_round
         result = exporter(model, tmp_path / name, probe=x)
         assert result.passed and result.float_ops == {}, (name, result.float_ops)
         errors = [e for output in result.lsb_errors.values() for e in output.values()]
-        # Exact but for float error, except where LiteRT's float32 weights meet a half that is
-        # no dyadic fraction (a twelfth's multiple, at (2, 3)) and round it either way.
-        most = 1 + 1e-3 if (name, size) == ("m.tflite", (2, 3)) else 1e-3
-        assert len(errors) >= 2 and all(e.max_lsb < most for e in errors), (name, errors)
+        assert len(errors) >= 2 and all(e.max_lsb < 1 + 1e-3 for e in errors), (name, errors)
+        if (name, size) == ("m.tflite", (2, 3)):
+            # LiteRT's float32 weights meet halves that are no dyadic fraction (multiples of a
+            # twelfth) and round them either way: 4% and 14% of the two outputs 1 LSB off.
+            continue
+        # Exact but for float error: a value of the model within float32 error of a rounding
+        # boundary, which the QAT model rounds in float and the file in integers, is 1 LSB
+        # off, with what the next layers make of it. Training single-threaded put one conv
+        # output at 129.5000036 steps: 9 of the 147,456 upsampled outputs (its 3x3 block) off
+        # at size 3. Leaving the upsampling in float put a fifth of them off.
+        assert all(e.off_share <= 1e-3 for e in errors), (name, errors)
 
 
 def _conv_bn_relu(x, channels, name):
