@@ -64,6 +64,7 @@ INTERFACE = (
     "activation_step",
     "round_bias",
     "halves_away_from_int8_zero",
+    "moved_range",  # an activation quantizer's range update
     # what the backend can do, which shared code asks instead of the backend's name
     "takes_tf_data",
     "traced_functions_read_weights",

@@ -152,25 +152,12 @@ class ActivationQuantizer(ShapePreserving, keras.layers.Layer):
         return ops.cast(quantized, self.compute_dtype)
 
     def _observe(self, x: Any, low: Any, high: Any, initialized: Any) -> tuple[Any, Any, Any]:
-        """Move the stored range toward this batch's (unless frozen or not finite); return the
-        range and flag to quantize with (keras.ops: the same TensorFlow ops, or jnp)."""
-        # The range is a statistic, not a parameter (Jacob et al. 2018; PyTorch's observers
-        # see detached tensors): no gradient through the batch's min and max, which would
-        # also cost two more passes over the tensor in every backward.
-        observed = ops.stop_gradient(x)
-        # amin/amax, not min/max: Keras's torch min and max break torch.compile's graph.
-        batch_low, batch_high = ops.amin(observed), ops.amax(observed)
-        keep = self.momentum
-        new_low = ops.where(initialized, keep * low + (1.0 - keep) * batch_low, batch_low)
-        new_high = ops.where(initialized, keep * high + (1.0 - keep) * batch_high, batch_high)
-        new_low, new_high = ops.minimum(new_low, 0.0), ops.maximum(new_high, 0.0)
-        usable = (
-            ops.isfinite(batch_low)
-            & ops.isfinite(batch_high)
-            & ops.logical_not(backend.get().read(self.ranges_frozen))
+        """Move the stored range toward this batch's (unless frozen or not finite), store it,
+        and return the range and flag to quantize with (the backend's `moved_range`)."""
+        frozen = backend.get().read(self.ranges_frozen)
+        low, high, initialized = backend.get().moved_range(
+            x, low, high, initialized, frozen, self.momentum
         )
-        low, high = ops.where(usable, new_low, low), ops.where(usable, new_high, high)
-        initialized = ops.logical_or(initialized, usable)
         self.range_min.assign(low)
         self.range_max.assign(high)
         self.range_initialized.assign(initialized)

@@ -4,7 +4,20 @@ jax.lax (the torch ones are keras_bn/backend/torch/arrays.py; the names and sign
 import jax
 import jax.numpy as jnp
 from jax.lax import rsqrt, stop_gradient
-from jax.numpy import add, all, any, broadcast_to, isfinite, reshape, sqrt, square, stack, where
+from jax.numpy import (
+    add,
+    all,
+    any,
+    broadcast_to,
+    isfinite,
+    maximum,
+    minimum,
+    reshape,
+    sqrt,
+    square,
+    stack,
+    where,
+)
 
 # The arrays these functions take (tracers included), for `shared_maths.arrays_of`.
 ARRAY_TYPE = jax.Array
@@ -44,6 +57,16 @@ def sum(x, axes, keepdims=False):
 
 def mean(x, axes, keepdims=False):
     return jnp.mean(x, axes, keepdims=keepdims)
+
+
+def amin(x):
+    """The least element (NaN where x holds one)."""
+    return jnp.min(x)
+
+
+def amax(x):
+    """The greatest element (NaN where x holds one)."""
+    return jnp.max(x)
 
 
 def at_least(x, floor):

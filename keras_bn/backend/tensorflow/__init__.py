@@ -13,8 +13,9 @@ import math
 import numpy as np
 import tensorflow as tf
 
-from keras_bn.backend import INTERFACE, ghost
-from keras_bn.backend.tensorflow import placement, statistics, xla
+from keras_bn.backend import INTERFACE, ghost, shared_maths
+from keras_bn.backend.shared_maths import moved_range
+from keras_bn.backend.tensorflow import arrays, placement, statistics, xla
 from keras_bn.backend.tensorflow.fake_quant import *  # noqa: F403
 from keras_bn.backend.tensorflow.ops import batch_norm_eval, batch_norm_inference, batch_norm_train
 from keras_bn.backend.tensorflow.statistics import (
@@ -26,6 +27,7 @@ from keras_bn.backend.tensorflow.statistics import (
 )
 
 __all__ = list(INTERFACE)
+shared_maths.register_arrays("tensorflow", arrays)
 
 
 def is_floating(x):

@@ -55,6 +55,26 @@ def mean(x, axes, keepdims=False):
     return torch.mean(x, axes, keepdim=keepdims)
 
 
+def amin(x):
+    """The least element (NaN where x holds one)."""
+    return torch.amin(x)
+
+
+def amax(x):
+    """The greatest element (NaN where x holds one)."""
+    return torch.amax(x)
+
+
+def minimum(x, y):
+    """min(x, y) elementwise, y a number (torch.minimum of its tensor, as keras.ops's)."""
+    return torch.minimum(x, torch.as_tensor(y, dtype=x.dtype, device=x.device))
+
+
+def maximum(x, y):
+    """max(x, y) elementwise, y a number (torch.maximum of its tensor, as keras.ops's)."""
+    return torch.maximum(x, torch.as_tensor(y, dtype=x.dtype, device=x.device))
+
+
 def at_least(x, floor):
     """max(x, floor) elementwise (NaN stays NaN)."""
     return torch.clamp(x, min=floor)
