@@ -59,6 +59,7 @@ elif BACKEND == "jax":
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
+import first_step  # noqa: E402
 import keras  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
@@ -67,6 +68,11 @@ assert keras.backend.backend() == BACKEND, (
     f"KERAS_BACKEND={BACKEND!r} but Keras is using {keras.backend.backend()!r}: Keras was "
     f"imported before the suite's conftest.py"
 )
+
+# Keras's trainers prepare the first train step of every `fit` twice (a second trace under
+# TensorFlow, a second compile under torch.compile); the suite's fits prepare it once, and end
+# where Keras's do, bit for bit (first_step.py, test_first_step.py).
+first_step.install()
 
 # Property-based tests: "ci" (the default) runs 700 examples per property, over 2,000 in all;
 # HYPOTHESIS_PROFILE=thorough runs ten times more.
