@@ -2,17 +2,19 @@
 with: synchronized BN under torch.distributed (gloo on 127.0.0.1), no TensorFlow.
 
     KERAS_BACKEND=torch python torch_distributed_worker.py RANK WORLD PORT DATA.npz OUT.npz
-        [--die RANK | --skip RANK]
+        [DATA.npz OUT.npz ...] [--die RANK | --skip RANK]
 
-DATA.npz holds the global batches and each process's share (`splits`, the first index of
-each process's rows); with `u`, γ and β in it, one synchronized BN alone (`normalize`);
-with `shard0`, `shard1`, ... `recalibrate(..., synchronized=True)` of each shard
-(`recalibrated`).
+Each (DATA.npz, OUT.npz) pair is a job, run in order in one process group: the tests that
+need two processes share one pair of them (a fresh process each is the point only where one
+dies or skips). DATA.npz holds the global batches and each process's share (`splits`, the
+first index of each process's rows); with `u`, γ and β in it, one synchronized BN alone
+(`normalize`); with `shard0`, `shard1`, ... `recalibrate(..., synchronized=True)` of each
+shard (`recalibrated`). `run` is one job; with WORLD 1 (no process group, or in the test's own
+process) it is the reference on the global batch.
 `train` runs the custom training loop docs/guide/distributed.md shows: a small CNN with three
 synchronized BNs (one on a residual branch), the loss summed over the samples, each gradient
 summed over the processes (all_reduce) and an SGD step. Every variable (the moving statistics
-included) goes to OUT.npz; with WORLD 1 (no process group) the same loop on the global batch
-is the reference. With --die RANK that process exits after joining the group, before its
+included) goes to OUT.npz. With --die RANK that process exits after joining the group, before its
 first step; the others record the error their step raises and keep their variables (OUT.npz
 then holds `error` and the moving statistics), in training or in `recalibrate` (with
 `shard0`, ...). With `subclassed` too, a subclassed model's recalibrate, whose error goes to
@@ -160,7 +162,53 @@ def shares(data, rank):
     return [(x[rows], y[rows]) for x, y in zip(data["x"], data["y"])]
 
 
-def main(rank, world, port, data_path, out_path, dies=None, skips=False):
+def run(data, rank, world):
+    """One job's arrays (or its error, as `error`) for OUT.npz."""
+    if "u" in data.files:  # a layer alone
+        found = normalize(data, rank, world)
+        return {"error": found} if isinstance(found, str) else found
+    if "subclassed" in data.files:
+        return {"error": subclassed_error(data, rank)}
+    if "shard0" in data.files:
+        return recalibrated(data, rank, world)
+    return train(
+        build_model(), shares(data, rank) if world > 1 else list(zip(data["x"], data["y"]))
+    )
+
+
+def save(out_path, found):
+    if isinstance(found, dict):
+        np.savez(out_path, **found)
+    else:
+        np.savez(out_path, *found)
+
+
+def fail(data, rank, dies, skips, out_path):
+    """Process `dies` exits (or, `skips`, stays alive making no synchronized call) after
+    joining the group; the others run the job's first synchronized step, and save the error
+    it raises with their moving statistics."""
+    model = build_model()
+    if dies == rank:
+        if skips:  # alive, but makes no synchronized call: the others time out
+            time.sleep(COLLECTIVE_TIMEOUT_S + 3)
+        os._exit(3)
+    try:
+        if "shard0" in data.files:
+            batches = [data[f"shard{rank}"][i : i + 8] for i in range(0, 16, 8)]
+            keras_bn.recalibrate(model, batches, progress=False, synchronized=True)
+        else:
+            train(model, shares(data, rank))
+    except RuntimeError as error:
+        moving = [
+            np.asarray(keras.ops.convert_to_numpy(v)) for v in model.variables if "moving" in v.path
+        ]
+        np.savez(out_path, *moving, error=str(error))
+    # Gloo's teardown of a group whose peer died can std::terminate at interpreter exit (seen
+    # once in CI, after this process had raised and saved): exit without it.
+    os._exit(0)
+
+
+def main(rank, world, port, jobs, dies=None, skips=False):
     if world > 1:
         dist.init_process_group(
             "gloo",
@@ -169,55 +217,20 @@ def main(rank, world, port, data_path, out_path, dies=None, skips=False):
             world_size=world,
             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
         )
-    data = np.load(data_path)
-    if "u" in data.files:  # a layer alone
-        found = normalize(data, rank, world)
-        if isinstance(found, str):
-            np.savez(out_path, error=found)
-        else:
-            np.savez(out_path, *found)
-        if world > 1:
-            dist.destroy_process_group()
-        return
-    if "subclassed" in data.files:
-        np.savez(out_path, error=subclassed_error(data, rank))
-        if world > 1:
-            dist.destroy_process_group()
-        return
-    if "shard0" in data.files and dies is None:
-        np.savez(out_path, *recalibrated(data, rank, world))
-        if world > 1:
-            dist.destroy_process_group()
-        return
-    model = build_model()
-    if dies == rank:
-        if skips:  # alive, but makes no synchronized call: the others time out
-            time.sleep(COLLECTIVE_TIMEOUT_S + 3)
-        os._exit(3)
-    if dies is not None:
-        try:
-            if "shard0" in data.files:
-                batches = [data[f"shard{rank}"][i : i + 8] for i in range(0, 16, 8)]
-                keras_bn.recalibrate(model, batches, progress=False, synchronized=True)
-            else:
-                train(model, shares(data, rank))
-        except RuntimeError as error:
-            moving = [
-                np.asarray(keras.ops.convert_to_numpy(v))
-                for v in model.variables
-                if "moving" in v.path
-            ]
-            np.savez(out_path, *moving, error=str(error))
-        # Gloo's teardown of a group whose peer died can std::terminate at interpreter exit
-        # (seen once in CI, after this process had raised and saved): exit without it.
-        os._exit(0)
-    values = train(model, shares(data, rank) if world > 1 else list(zip(data["x"], data["y"])))
-    np.savez(out_path, *values)
+    for data_path, out_path in jobs:
+        data = np.load(data_path)
+        if dies is not None:
+            fail(data, rank, dies, skips, out_path)
+        save(out_path, run(data, rank, world))
     if world > 1:
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     rank, world, port = (int(v) for v in sys.argv[1:4])
-    dies = int(sys.argv[7]) if len(sys.argv) > 7 and sys.argv[6] in ("--die", "--skip") else None
-    main(rank, world, port, *sys.argv[4:6], dies=dies, skips=sys.argv[6:7] == ["--skip"])
+    paths, option = sys.argv[4:], None
+    if len(paths) > 2 and paths[-2] in ("--die", "--skip"):
+        paths, option = paths[:-2], paths[-2:]
+    jobs = list(zip(paths[::2], paths[1::2], strict=True))
+    dies = int(option[1]) if option else None
+    main(rank, world, port, jobs, dies=dies, skips=option is not None and option[0] == "--skip")
