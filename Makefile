@@ -12,7 +12,11 @@ VENV_TORCH := .venv-torch
 PY_TORCH := $(VENV_TORCH)/bin/python
 STAMP_TORCH := $(VENV_TORCH)/.installed
 # --durations: every run's log names its 30 slowest tests, so CI's own log says where its time goes.
-PYTEST_ARGS ?= -n 2 --dist loadgroup --durations=30
+# --max-worker-restart=0: a worker that crashes (a segfault in a framework) fails the run at
+# once, naming the test it crashed in. pytest-xdist 3.8 replaces a crashed worker, and under
+# --dist loadgroup the run then hangs with every worker idle (pytest-dev/pytest-xdist#1323 and
+# #1378; a fresh-clone CI run hung so on 2026-11-30): tests/test_worker_crash.py.
+PYTEST_ARGS ?= -n 2 --dist loadgroup --max-worker-restart=0 --durations=30
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 # Python's bytecode cache (__pycache__, git-ignored) even where the environment turns it off:
 # without it every pytest process compiles and assertion-rewrites the 25,000 lines of tests/
