@@ -21,6 +21,14 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 BACKEND = os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 HAS_TENSORFLOW = importlib.util.find_spec("tensorflow") is not None
 
+# An xdist worker computes with its share of the cores: PyTorch's OpenMP pool, as wide as the
+# machine in each of `make test`'s workers, only makes them contend (the PyTorch run took a
+# fifth less time with one thread a worker on 2 cores; TensorFlow's and XLA's pools gained
+# nothing). A value given in the environment is kept; the processes that tests start inherit it.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    _share = (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _share)))
+
 if BACKEND == "tensorflow":
     # TensorFlow turns oneDNN on by default only on CPUs with AVX-512; without it, an eager
     # channels_first convolution fails ("Conv2D op currently only supports the NHWC tensor
