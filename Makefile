@@ -26,7 +26,7 @@ unexport PYTHONDONTWRITEBYTECODE
 DEMO := artifacts/demo
 EXPORT := $(VENV)/bin/keras-bn-export
 
-.PHONY: demo venvs test test-fast slow-tests test-torch lint typecheck docs bench bench-export gpu-check gpu-wheels \
+.PHONY: demo venvs test test-tensorflow test-jax test-torch test-fast slow-tests lint typecheck docs bench bench-export gpu-check gpu-wheels \
 	notebooks clean
 
 $(PY):
@@ -103,19 +103,26 @@ TORCH_WITH_TF_FILES := test_layer_maths test_torch_layer test_torch_tools test_f
 TORCH_WITH_TF_TESTS := KERAS_BACKEND=torch $(PY) -m pytest $(TORCH_WITH_TF_FILES:%=tests/%.py) \
 	-k "not compile and not inductor" $(PYTEST_ARGS) -q
 
-test-torch: $(STAMP) $(STAMP_TORCH)
-	$(TORCH_TESTS)
-	$(TORCH_WITH_TF_TESTS)
 
 # The notebooks run once, in the docs site's build (tests/test_docs.py, at CI size): it fails
 # on any failing cell, a claim's assert included, and its pages are checked for TensorFlow log
 # lines; test_notebooks.py's own run of them (what `make notebooks` does at full size) would
 # repeat that.
 NOTEBOOKS_RUN_BY_THE_SITE := -k "not test_notebook_runs_and_its_checks_hold"
+# Each backend's runs are a target of their own, so that a machine (or CI) with more than 2
+# cores can run them side by side (`make -j3 test-tensorflow test-jax test-torch`, each on
+# PYTEST_ARGS's workers); `make test` runs the three in turn.
 test: venvs
+	$(MAKE) test-tensorflow test-jax test-torch
+
+test-tensorflow: $(STAMP)
 	$(PY) -m pytest tests $(PYTEST_ARGS) $(NOTEBOOKS_RUN_BY_THE_SITE)
+
+test-jax: $(STAMP) $(STAMP_JAX)
 	$(JAX_WITH_TF_TESTS)
 	$(JAX_TESTS)
+
+test-torch: $(STAMP) $(STAMP_TORCH)
 	$(TORCH_TESTS)
 	$(TORCH_WITH_TF_TESTS)
 
