@@ -103,7 +103,6 @@ TORCH_WITH_TF_FILES := test_layer_maths test_torch_layer test_torch_tools test_f
 TORCH_WITH_TF_TESTS := KERAS_BACKEND=torch $(PY) -m pytest $(TORCH_WITH_TF_FILES:%=tests/%.py) \
 	-k "not compile and not inductor" $(PYTEST_ARGS) -q
 
-
 # The notebooks run once, in the docs site's build (tests/test_docs.py, at CI size): it fails
 # on any failing cell, a claim's assert included, and its pages are checked for TensorFlow log
 # lines; test_notebooks.py's own run of them (what `make notebooks` does at full size) would

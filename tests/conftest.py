@@ -25,8 +25,10 @@ HAS_TENSORFLOW = importlib.util.find_spec("tensorflow") is not None
 # machine in each of `make test`'s workers, only makes them contend (the PyTorch run took 278 s
 # against 318 s with one thread a worker on 2 cores; TensorFlow's and XLA's pools gained
 # nothing). A value given in the environment is kept; the processes that tests start inherit it.
+# The cores are those this process may run on (a container's or taskset's), not the host's.
 if "PYTEST_XDIST_WORKER" in os.environ:
-    _share = (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    _share = (_cores or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _share)))
 
 if BACKEND == "tensorflow":
